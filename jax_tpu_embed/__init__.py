@@ -1,0 +1,22 @@
+"""jax_tpu_embed: large row-sharded embedding tables with sparse optimizers for JAX.
+
+    import jax_tpu_embed as jte
+"""
+
+from ._config import EmbeddingSpec as EmbeddingSpec
+from ._config import FeatureConfig as FeatureConfig
+from ._config import TableConfig as TableConfig
+from ._embedding import Embedding as Embedding
+from ._embedding import EmbeddingState as EmbeddingState
+from ._inputs import Weighted as Weighted
+from ._inputs import pad_ragged as pad_ragged
+from ._optimizers import FTRL as FTRL
+from ._optimizers import SGD as SGD
+from ._optimizers import Adagrad as Adagrad
+from ._optimizers import AdagradMomentum as AdagradMomentum
+from ._optimizers import Adam as Adam
+from ._optimizers import CustomOptimizer as CustomOptimizer
+from ._optimizers import Optimizer as Optimizer
+from ._optimizers import RowwiseAdagrad as RowwiseAdagrad
+
+__version__ = "0.1.0"

@@ -1,0 +1,249 @@
+"""Configs: tables, features and the spec that binds them to an optimizer.
+
+Configs are frozen values checked when built. Derived facts (table names, which features use
+which table, rows per shard) are computed from them and never written back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from . import _optimizers
+
+Initializer = Callable[..., Any]
+
+COMBINERS = ("sum", "mean", "sqrtn")
+PARTITION_STRATEGIES = ("div", "mod")
+_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TableConfig:
+    """One embedding table: `vocabulary_size` rows of width `dim`.
+
+    Tables are identified by object (eq=False): two TableConfigs with equal fields are two
+    tables, as in TensorFlow.
+
+    Attributes:
+        vocabulary_size: Number of rows V; valid ids are [0, V).
+        dim: Row width D.
+        initializer: fn(key, shape, dtype) called with the logical shape (V, D). Default:
+            truncated normal, mean 0, stddev 1/sqrt(D) (TensorFlow's default).
+        optimizer: Overrides the spec's optimizer for this table.
+        combiner: Reduces one example's ids: "sum", "mean" or "sqrtn".
+        name: Unique table name; an unnamed table takes the path of the first feature (in
+            sorted flattened order) that uses it.
+        dtype: Storage dtype, float32 or bfloat16. Lookups and updates compute in float32.
+    """
+
+    vocabulary_size: int
+    dim: int
+    initializer: Initializer | None = None
+    optimizer: _optimizers.Optimizer | None = None
+    combiner: str = "mean"
+    name: str | None = None
+    dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        where = f"TableConfig(name={self.name!r})"
+        if not _is_int(self.vocabulary_size) or self.vocabulary_size <= 0:
+            raise ValueError(f"{where}: vocabulary_size must be an int > 0, "
+                             f"got {self.vocabulary_size!r}.")
+        if not _is_int(self.dim) or self.dim <= 0:
+            raise ValueError(f"{where}: dim must be an int > 0, got {self.dim!r}.")
+        if self.combiner not in COMBINERS:
+            raise ValueError(f"{where}: combiner must be one of {list(COMBINERS)}, "
+                             f"got {self.combiner!r}.")
+        if self.initializer is not None and not callable(self.initializer):
+            raise TypeError(f"{where}: initializer must be a callable fn(key, shape, dtype) "
+                            f"or None, got {self.initializer!r}.")
+        if self.optimizer is not None and not isinstance(self.optimizer,
+                                                         _optimizers.Optimizer):
+            raise TypeError(f"{where}: optimizer must be a jte optimizer (e.g. "
+                            f"jte.Adagrad(...)) or None, got {self.optimizer!r}.")
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise ValueError(f"TableConfig: name must be a non-empty str or None, "
+                             f"got {self.name!r}.")
+        try:
+            dtype = jnp.dtype(self.dtype)
+        except TypeError as e:
+            raise TypeError(f"{where}: dtype must be float32 or bfloat16, "
+                            f"got {self.dtype!r}.") from e
+        if dtype not in [jnp.dtype(d) for d in _DTYPES]:
+            raise ValueError(f"{where}: dtype must be float32 or bfloat16, got {dtype}.")
+        object.__setattr__(self, "dtype", dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FeatureConfig:
+    """One input feature looked up in `table`.
+
+    Attributes:
+        table: The TableConfig (several features may share one). A str (a table's name) is
+            accepted only by `jte.compat`'s dict form.
+        max_sequence_length: 0 for a combined feature (output (B, D)); > 0 for a sequence
+            feature (output (B, L, D) with L = max_sequence_length, no combiner).
+        output_shape: The activation is reshaped to output_shape + (D,); the product must
+            equal the number of outputs (B, or B * L for a sequence feature).
+        name: Informational name; the feature is identified by its path in the spec.
+    """
+
+    table: TableConfig | str
+    max_sequence_length: int = 0
+    output_shape: tuple | None = None
+    name: str | None = None
+
+    def __post_init__(self):
+        where = f"FeatureConfig(name={self.name!r})"
+        if not isinstance(self.table, (TableConfig, str)):
+            raise TypeError(f"{where}: table must be a TableConfig (or a table name inside "
+                            f"jte.compat), got {type(self.table).__name__}.")
+        if not _is_int(self.max_sequence_length) or self.max_sequence_length < 0:
+            raise ValueError(f"{where}: max_sequence_length must be an int >= 0, "
+                             f"got {self.max_sequence_length!r}.")
+        if self.output_shape is not None:
+            shape = tuple(self.output_shape) if isinstance(
+                self.output_shape, (tuple, list)) else None
+            if not shape or not all(_is_int(d) and d > 0 for d in shape):
+                raise ValueError(f"{where}: output_shape must be a non-empty tuple of ints "
+                                 f"> 0, got {self.output_shape!r}.")
+            object.__setattr__(self, "output_shape", tuple(int(d) for d in shape))
+
+    @property
+    def is_sequence(self) -> bool:
+        return self.max_sequence_length > 0
+
+
+def flatten_features(features: Mapping, prefix: str = "") -> list[tuple[str, Any]]:
+    """(path, leaf) pairs of a nested dict in sorted order; paths are "a/b"."""
+    if not isinstance(features, Mapping):
+        raise TypeError(f"features must be a dict (nesting allowed), got "
+                        f"{type(features).__name__}.")
+    out = []
+    for key in sorted(features):
+        if not isinstance(key, str):
+            raise TypeError(f"feature keys must be str, got {key!r} under {prefix or 'root'!r}.")
+        path = f"{prefix}/{key}" if prefix else key
+        value = features[key]
+        if isinstance(value, Mapping):
+            out.extend(flatten_features(value, path))
+        else:
+            out.append((path, value))
+    return out
+
+
+def unflatten(paths_values: Mapping[str, Any]) -> dict:
+    """Inverse of flatten_features: {"a/b": x} -> {"a": {"b": x}}."""
+    out: dict = {}
+    for path, value in paths_values.items():
+        node = out
+        *parents, leaf = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EmbeddingSpec:
+    """Features, their tables and how the tables are trained and sharded.
+
+    Attributes:
+        features: A dict (nesting allowed) of FeatureConfig; inputs and outputs mirror it.
+        optimizer: The optimizer of every table without its own.
+        partition_strategy: "div" (contiguous row blocks) or "mod" (row r on shard r % N).
+        clipping_limit: Clips each summed row-gradient element to [-limit, limit] before the
+            optimizer, for every table.
+        gradient_multiplier_fn: fn(step) -> scalar multiplying every embedding gradient.
+        pipeline_execution: TF's pipeline_execution_with_tensor_core: in the train step, the
+            lookup of step N+1 reads the tables without step N's update.
+    """
+
+    features: Mapping
+    optimizer: _optimizers.Optimizer | None
+    partition_strategy: str = "div"
+    clipping_limit: float | None = None
+    gradient_multiplier_fn: Callable | None = None
+    pipeline_execution: bool = False
+
+    def __post_init__(self):
+        flat = flatten_features(self.features)
+        if not flat:
+            raise ValueError("EmbeddingSpec: features is empty; give at least one "
+                             "FeatureConfig.")
+        for path, f in flat:
+            if not isinstance(f, FeatureConfig):
+                raise TypeError(f"EmbeddingSpec: feature {path!r} must be a FeatureConfig, "
+                                f"got {type(f).__name__}.")
+            if isinstance(f.table, str):
+                raise TypeError(
+                    f"EmbeddingSpec: feature {path!r} names its table by the string "
+                    f"{f.table!r}; give the TableConfig object (table names are resolved "
+                    f"only by jte.compat.EmbeddingConfigSpec).")
+        if self.optimizer is not None and not isinstance(self.optimizer,
+                                                         _optimizers.Optimizer):
+            raise TypeError(f"EmbeddingSpec: optimizer must be a jte optimizer, "
+                            f"got {self.optimizer!r}.")
+        if self.optimizer is None:
+            bare = sorted({p for p, f in flat if f.table.optimizer is None})
+            if bare:
+                raise ValueError(f"EmbeddingSpec: optimizer is None but the tables of "
+                                 f"features {bare} have no optimizer of their own.")
+        if self.partition_strategy not in PARTITION_STRATEGIES:
+            raise ValueError(f"EmbeddingSpec: partition_strategy must be one of "
+                             f"{list(PARTITION_STRATEGIES)}, got {self.partition_strategy!r}.")
+        if self.clipping_limit is not None and not (
+                isinstance(self.clipping_limit, (int, float)) and
+                math.isfinite(self.clipping_limit) and self.clipping_limit > 0):
+            raise ValueError(f"EmbeddingSpec: clipping_limit must be a float > 0 or None, "
+                             f"got {self.clipping_limit!r}.")
+        if self.gradient_multiplier_fn is not None and not callable(
+                self.gradient_multiplier_fn):
+            raise TypeError(f"EmbeddingSpec: gradient_multiplier_fn must be fn(step) -> "
+                            f"scalar or None, got {self.gradient_multiplier_fn!r}.")
+        if not isinstance(self.pipeline_execution, bool):
+            raise TypeError(f"EmbeddingSpec: pipeline_execution must be a bool, "
+                            f"got {self.pipeline_execution!r}.")
+        table_names(self)  # Raises on name clashes.
+
+    @property
+    def flat_features(self) -> list[tuple[str, FeatureConfig]]:
+        return flatten_features(self.features)
+
+    def tables(self) -> dict[str, TableConfig]:
+        """{table name: TableConfig} in order of first use."""
+        names = table_names(self)
+        out = {}
+        for _, f in self.flat_features:
+            out.setdefault(names[id(f.table)], f.table)
+        return out
+
+    def optimizer_of(self, table: TableConfig) -> _optimizers.Optimizer:
+        return table.optimizer if table.optimizer is not None else self.optimizer
+
+
+def table_names(spec: EmbeddingSpec) -> dict[int, str]:
+    """{id(TableConfig): name}; unnamed tables take their first feature's path."""
+    names: dict[int, str] = {}
+    owners: dict[str, TableConfig] = {}
+    for path, f in spec.flat_features:
+        t = f.table
+        if id(t) in names:
+            continue
+        name = t.name if t.name is not None else path
+        if name in owners and owners[name] is not t:
+            how = "explicit" if t.name is not None else f"derived from feature {path!r}"
+            raise ValueError(f"EmbeddingSpec: two different tables are named {name!r} "
+                             f"(the second name is {how}); table names must be unique.")
+        owners[name] = t
+        names[id(t)] = name
+    return names

@@ -1,0 +1,329 @@
+"""The embedding: sharded state, lookup, sparse update, export and restore."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import _config, _inputs, _layout, _optimizers, _sparse
+
+Nested = Any
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tables", "slots", "step"], meta_fields=[])
+@dataclasses.dataclass
+class EmbeddingState:
+    """All trainable embedding state.
+
+    Attributes:
+        tables: {table name: (N * S, D) array}, row-sharded; shard p holds rows
+            [p * S, (p + 1) * S) in its local order (see `Embedding.shard_rows`).
+        slots: {table name: {slot name: (N * S, D) or (N * S,) float32 array}}.
+        step: int32 scalar, the number of updates applied so far.
+    """
+    tables: dict
+    slots: dict
+    step: jax.Array
+
+
+def _default_initializer(dim: int):
+    return jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(dim))
+
+
+def _is_explicit(mesh) -> bool:
+    types = getattr(mesh, "axis_types", None) or ()
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+class Embedding:
+    """Row-sharded embedding tables over one axis of a mesh, with sparse optimizers.
+
+    Args:
+        spec: The EmbeddingSpec.
+        mesh: A `jax.sharding.Mesh` (Auto or Explicit axes). Default: every device on one
+            axis named "shard".
+        axis: The mesh axis the tables' rows and the batch are split over. Default: the
+            mesh's only axis; required for a multi-axis mesh.
+    """
+
+    def __init__(self, spec: _config.EmbeddingSpec, mesh: jax.sharding.Mesh | None = None,
+                 axis: str | None = None):
+        if not isinstance(spec, _config.EmbeddingSpec):
+            raise TypeError(f"Embedding: spec must be a jte.EmbeddingSpec, got "
+                            f"{type(spec).__name__}.")
+        if mesh is None:
+            mesh = jax.make_mesh((jax.device_count(),), ("shard",))
+        if axis is None:
+            if len(mesh.axis_names) != 1:
+                raise ValueError(f"Embedding: the mesh has axes {mesh.axis_names}; pass axis= "
+                                 f"to say which one the tables and the batch are split over.")
+            axis = mesh.axis_names[0]
+        if axis not in mesh.axis_names:
+            raise ValueError(f"Embedding: axis {axis!r} is not an axis of the mesh "
+                             f"{mesh.axis_names}.")
+        self.spec, self.mesh, self.axis = spec, mesh, axis
+        self.num_shards = int(mesh.shape[axis])
+        names = _config.table_names(spec)
+        self.plans: dict[str, _sparse.TablePlan] = {}
+        for name, table in spec.tables().items():
+            opt = spec.optimizer_of(table)
+            self.plans[name] = _sparse.TablePlan(
+                name=name, config=table, optimizer=opt,
+                layout=_layout.TableLayout(table.vocabulary_size, self.num_shards,
+                                           spec.partition_strategy),
+                slot_specs=tuple(opt.slot_specs()))
+        self.features = [_sparse.FeaturePlan(p, f, names[id(f.table)])
+                         for p, f in spec.flat_features]
+        self._row_sharding = NamedSharding(mesh, P(axis))
+        self._replicated = NamedSharding(mesh, P())
+        self._lookup_jit = jax.jit(self._lookup)
+        self._apply_jit = jax.jit(self._apply)
+
+    # ------------------------------------------------------------------ state
+
+    def _slot_shape(self, plan, spec):
+        d = plan.config.dim
+        return (plan.layout.padded_rows, d) if spec.rank == 2 else (plan.layout.padded_rows,)
+
+    def abstract_state(self) -> EmbeddingState:
+        """The state as jax.ShapeDtypeStruct leaves with shardings; allocates nothing."""
+        tables, slots = {}, {}
+        for name, plan in self.plans.items():
+            tables[name] = jax.ShapeDtypeStruct(
+                (plan.layout.padded_rows, plan.config.dim), plan.config.dtype,
+                sharding=self._row_sharding)
+            slots[name] = {s.name: jax.ShapeDtypeStruct(self._slot_shape(plan, s), jnp.float32,
+                                                        sharding=self._row_sharding)
+                           for s in plan.slot_specs}
+        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
+        return EmbeddingState(tables, slots, step)
+
+    def init(self, key: jax.Array) -> EmbeddingState:
+        """Initial tables and slots: the same logical values for every mesh and strategy."""
+        tables, slots = {}, {}
+        for i, (name, plan) in enumerate(self.plans.items()):
+            table_key = jax.random.fold_in(key, i)
+            tables[name] = self._init_array(plan, table_key, None)
+            slots[name] = {s.name: self._init_array(plan, jax.random.fold_in(table_key, j + 1), s)
+                           for j, s in enumerate(plan.slot_specs)}
+        step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
+        return EmbeddingState(tables, slots, step)
+
+    def _init_array(self, plan, key, slot: _optimizers.SlotSpec | None):
+        v, d = plan.config.vocabulary_size, plan.config.dim
+
+        def make(key):
+            if slot is None:
+                init = plan.config.initializer or _default_initializer(d)
+                logical = jnp.asarray(init(key, (v, d), jnp.float32)).astype(plan.config.dtype)
+            else:
+                shape = (v, d) if slot.rank == 2 else (v,)
+                logical = _optimizers.slot_initial_value(slot, key, shape)
+            return plan.layout.to_physical(logical)
+
+        return jax.jit(make, out_shardings=self._row_sharding)(key)
+
+    def restore_tables(self, tables: dict, slots: dict | None = None, step: int = 0,
+                       key: jax.Array | None = None) -> EmbeddingState:
+        """State from logical tables {name: (V, D)} and slots {name: {slot: (V, D) or (V,)}}.
+
+        Slots missing from `slots` start at their initial values (random ones drawn from
+        `key`, as `init(key)` would).
+        """
+        slots = slots or {}
+        problems = [f"table {n!r} is missing" for n in self.plans if n not in tables]
+        problems += [f"table {n!r} is not in the spec (its tables are {list(self.plans)})"
+                     for n in tables if n not in self.plans]
+        if problems:
+            raise ValueError("restore_tables: " + "; ".join(problems) + ".")
+        new_tables, new_slots = {}, {}
+        for i, (name, plan) in enumerate(self.plans.items()):
+            v, d = plan.config.vocabulary_size, plan.config.dim
+            value = np.asarray(tables[name])
+            if value.shape != (v, d):
+                raise ValueError(f"restore_tables: table {name!r} has shape {value.shape}; the "
+                                 f"spec says (vocabulary_size, dim) = ({v}, {d}).")
+            new_tables[name] = self._put(plan, value.astype(plan.config.dtype))
+            given = dict(slots.get(name, {}))
+            unknown = sorted(set(given) - {s.name for s in plan.slot_specs})
+            if unknown:
+                raise ValueError(f"restore_tables: table {name!r} has no slots {unknown}; its "
+                                 f"optimizer's slots are {[s.name for s in plan.slot_specs]}.")
+            new_slots[name] = {}
+            for j, s in enumerate(plan.slot_specs):
+                shape = (v, d) if s.rank == 2 else (v,)
+                if s.name in given:
+                    value = np.asarray(given[s.name], np.float32)
+                    if value.shape != shape:
+                        raise ValueError(f"restore_tables: slot {s.name!r} of table {name!r} "
+                                         f"has shape {value.shape}, expected {shape}.")
+                    new_slots[name][s.name] = self._put(plan, value)
+                else:
+                    if callable(s.initializer) and key is None:
+                        raise ValueError(f"restore_tables: slot {s.name!r} of table {name!r} "
+                                         f"has a random initializer; pass key=.")
+                    k = (jax.random.fold_in(jax.random.fold_in(key, i), j + 1)
+                         if key is not None else None)
+                    new_slots[name][s.name] = self._init_array(plan, k, s)
+        step = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
+        return EmbeddingState(new_tables, new_slots, step)
+
+    def _put(self, plan, logical: np.ndarray) -> jax.Array:
+        physical = plan.layout.to_physical(logical)
+        return jax.make_array_from_callback(physical.shape, self._row_sharding,
+                                            lambda index: physical[index])
+
+    def _fetch(self, x: jax.Array) -> np.ndarray:
+        if x.is_fully_addressable:
+            return np.asarray(jax.device_get(x))
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    def export(self, state: EmbeddingState) -> dict[str, np.ndarray]:
+        """{table name: (V, D) np.ndarray} in natural row order, whatever strategy or mesh."""
+        return {n: p.layout.to_logical(self._fetch(state.tables[n]))
+                for n, p in self.plans.items()}
+
+    def export_slots(self, state: EmbeddingState) -> dict[str, dict[str, np.ndarray]]:
+        """{table name: {slot name: (V, D) or (V,)}}; {} for a table without slots."""
+        return {n: {s: p.layout.to_logical(self._fetch(a))
+                    for s, a in state.slots[n].items()}
+                for n, p in self.plans.items()}
+
+    def shard_rows(self, state: EmbeddingState, table_name: str, shard: int) -> np.ndarray:
+        """The rows shard `shard` holds, in its local order, padding excluded."""
+        if table_name not in self.plans:
+            raise ValueError(f"shard_rows: no table {table_name!r}; tables are "
+                             f"{list(self.plans)}.")
+        layout = self.plans[table_name].layout
+        if not 0 <= shard < self.num_shards:
+            raise ValueError(f"shard_rows: shard must be in [0, {self.num_shards}), "
+                             f"got {shard}.")
+        start, size = shard * layout.rows_per_shard, int(layout.shard_sizes()[shard])
+        array = state.tables[table_name]
+        for piece in array.addressable_shards:
+            if (piece.index[0].start or 0) == start:
+                return np.asarray(piece.data)[:size]
+        return self._fetch(array)[start:start + size]
+
+    # ---------------------------------------------------------------- compute
+
+    def validate(self, features: Nested) -> None:
+        """Checks concrete inputs on the host; ValueError naming feature, id and position."""
+        _inputs.validate(self.spec, features, self.num_shards)
+
+    def invalid_id_counts(self, features: Nested) -> dict[str, jax.Array]:
+        """{feature path: int32 number of ids neither -1 nor in [0, V)}; jittable."""
+        return _inputs.invalid_counts(self.spec, features)
+
+    def _prepare(self, features) -> dict:
+        flat = _inputs.flatten_inputs(self.spec, features)
+        if all(not isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(flat)):
+            if any(not isinstance(x, jax.Array) for x in jax.tree.leaves(flat)):
+                self.validate(features)
+        _inputs.check_batch(flat, self.num_shards)
+        return flat
+
+    def lookup(self, state: EmbeddingState, features: Nested) -> Nested:
+        """Embeds every feature.
+
+        Args:
+            state: From `init` or `apply_gradients`.
+            features: Mirrors the spec. Each leaf is int (B,), int (B, L) padded with -1, or
+                `Weighted(ids, weights)`; B a multiple of the mesh size.
+
+        Returns:
+            Same structure: float32 (B, D) per feature, (B, L, D) for sequence features
+            (or output_shape + (D,)). Examples with no ids give zeros.
+        """
+        flat = self._prepare(features)
+        return _config.unflatten(self._lookup_jit(state.tables, flat))
+
+    def apply_gradients(self, state: EmbeddingState, features: Nested,
+                        act_grads: Nested) -> EmbeddingState:
+        """One sparse optimizer step from d(loss)/d(activations) of the global batch.
+
+        Each row in the batch gets exactly one update from the sum of its gradients (across
+        examples and across features sharing its table); other rows and slots are untouched.
+        """
+        flat = self._prepare(features)
+        grads = dict(_config.flatten_features(act_grads)) if isinstance(act_grads, dict) \
+            else None
+        if grads is None or set(grads) != set(flat):
+            raise ValueError(f"act_grads must mirror the features {sorted(flat)}, got "
+                             f"{sorted(grads) if grads is not None else type(act_grads)}.")
+        return self._apply_jit(state, flat, grads)
+
+    # Both below are traced once per input structure; they hold no Python state.
+
+    def _normalized(self, flat):
+        feats = {}
+        for f in self.features:
+            leaf = flat[f.path]
+            ids, weights, _ = _inputs.normalize(f.config, leaf)
+            if not isinstance(leaf, _inputs.Weighted):
+                weights = None  # Derived from the ids on each device: nothing to send.
+            feats[f.path] = (self._batch_sharded(ids),
+                             None if weights is None else self._batch_sharded(weights))
+        return feats
+
+    def _batch_sharded(self, x):
+        sharding = NamedSharding(self.mesh, P(self.axis))
+        if _is_explicit(self.mesh):
+            return jax.sharding.reshard(x, sharding)
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    def _out_shape(self, f: _sparse.FeaturePlan, batch: int) -> tuple:
+        d = f.config.table.dim
+        natural = ((batch, f.config.max_sequence_length, d) if f.config.is_sequence
+                   else (batch, d))
+        if f.config.output_shape is None:
+            return natural
+        if math.prod(f.config.output_shape) != math.prod(natural[:-1]):
+            raise ValueError(
+                f"Feature {f.path!r}: output_shape {f.config.output_shape} has "
+                f"{math.prod(f.config.output_shape)} outputs, but the batch gives "
+                f"{math.prod(natural[:-1])} (shape {natural[:-1]}).")
+        return tuple(f.config.output_shape) + (d,)
+
+    def _shard_map(self, fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
+
+    def _lookup(self, tables, flat):
+        feats = self._normalized(flat)
+        batch = next(iter(feats.values()))[0].shape[0]
+        row, rep = P(self.axis), P()
+        fn = functools.partial(_sparse.lookup_local, features=self.features, plans=self.plans,
+                               axis=self.axis)
+        acts = self._shard_map(lambda t, x: fn(t, x), (row, row), row)(tables, feats)
+        return {f.path: acts[f.path].reshape(self._out_shape(f, batch)) for f in self.features}
+
+    def _apply(self, state, flat, grads):
+        feats = self._normalized(flat)
+        batch = next(iter(feats.values()))[0].shape[0]
+        local_grads = {}
+        for f in self.features:
+            want = self._out_shape(f, batch)
+            g = jnp.asarray(grads[f.path])
+            if g.shape != want:
+                raise ValueError(f"act_grads[{f.path!r}] has shape {g.shape}; the activation "
+                                 f"is {want}.")
+            natural = ((batch, f.config.max_sequence_length, f.config.table.dim)
+                       if f.config.is_sequence else (batch, f.config.table.dim))
+            local_grads[f.path] = self._batch_sharded(g.reshape(natural))
+        row, rep = P(self.axis), P()
+        fn = functools.partial(_sparse.update_local, features=self.features, plans=self.plans,
+                               axis=self.axis, spec=self.spec)
+        tables, slots = self._shard_map(fn, (row, row, row, row, rep), (row, row))(
+            state.tables, state.slots, feats, local_grads, state.step)
+        return EmbeddingState(tables, slots, state.step + 1)

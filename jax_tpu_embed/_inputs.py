@@ -1,0 +1,242 @@
+"""Feature inputs: the forms users give, checked on the host and brought to one form.
+
+Every feature becomes `(ids, weights)`, both (B, L): int32 ids with -1 for "no id" and float32
+weights that are 0 wherever the id is -1 or invalid. One-hot (B,) becomes (B, 1); sequence
+features are truncated at the end or padded with -1 to max_sequence_length.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _config
+
+
+class Weighted(NamedTuple):
+    """Ids with one float weight each: ids (B,) or (B, L) padded with -1, weights alike."""
+    ids: Any
+    weights: Any
+
+
+def pad_ragged(values, *, row_lengths=None, row_splits=None, weights=None,
+               max_length=None):
+    """Ragged ids (flat values + row lengths or splits) to (B, L) padded with -1, on the host.
+
+    Args:
+        values: Flat ids of all rows, concatenated.
+        row_lengths: (B,) ids per row. Exactly one of row_lengths / row_splits.
+        row_splits: (B + 1,) offsets into values, starting at 0.
+        weights: Optional flat weights aligned with values; then a `Weighted` is returned.
+        max_length: L; longer rows are truncated at the end. Default: the longest row (>= 1).
+
+    Returns:
+        int32 (B, L) ids padded with -1, or `Weighted(ids, weights)` with float32 weights.
+    """
+    values = np.asarray(values)
+    if values.ndim != 1:
+        raise ValueError(f"pad_ragged: values must be flat (1-D), got shape {values.shape}.")
+    if (row_lengths is None) == (row_splits is None):
+        raise ValueError("pad_ragged: give exactly one of row_lengths and row_splits.")
+    if row_splits is not None:
+        splits = np.asarray(row_splits, np.int64)
+        if (splits.ndim != 1 or splits.size == 0 or splits[0] != 0 or
+                np.any(np.diff(splits) < 0) or splits[-1] != values.size):
+            raise ValueError(f"pad_ragged: row_splits must be non-decreasing, start at 0 and "
+                             f"end at len(values)={values.size}, got {splits.tolist()}.")
+        lengths = np.diff(splits)
+    else:
+        lengths = np.asarray(row_lengths, np.int64)
+        if lengths.ndim != 1 or np.any(lengths < 0) or lengths.sum() != values.size:
+            raise ValueError(f"pad_ragged: row_lengths must be >= 0 and sum to "
+                             f"len(values)={values.size}, got {lengths.tolist()}.")
+        splits = np.concatenate([[0], np.cumsum(lengths)])
+    if max_length is not None and (not _config._is_int(max_length) or max_length < 1):
+        raise ValueError(f"pad_ragged: max_length must be an int >= 1, got {max_length!r}.")
+    width = int(max_length) if max_length is not None else max(1, int(lengths.max(initial=0)))
+    batch = lengths.size
+    rows = np.repeat(np.arange(batch), lengths)
+    cols = np.arange(values.size) - splits[rows]
+    keep = cols < width
+    ids = np.full((batch, width), -1, np.int32)
+    ids[rows[keep], cols[keep]] = values[keep]
+    if weights is None:
+        return ids
+    weights = np.asarray(weights, np.float32)
+    if weights.shape != values.shape:
+        raise ValueError(f"pad_ragged: weights must match values' shape {values.shape}, "
+                         f"got {weights.shape}.")
+    w = np.zeros((batch, width), np.float32)
+    w[rows[keep], cols[keep]] = weights[keep]
+    return Weighted(ids, w)
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _split(leaf):
+    if isinstance(leaf, Weighted):
+        return leaf.ids, leaf.weights
+    return leaf, None
+
+
+def flatten_inputs(spec: _config.EmbeddingSpec, features) -> dict[str, Any]:
+    """{path: leaf} following the spec's structure; raises on missing/extra features."""
+    if not isinstance(features, dict):
+        raise TypeError(f"features must be a dict mirroring the spec, got "
+                        f"{type(features).__name__}.")
+    given = dict(_flatten_leaves(features))
+    want = [p for p, _ in spec.flat_features]
+    missing = [p for p in want if p not in given]
+    extra = sorted(p for p in given if p not in set(want))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing features {missing}")
+        if extra:
+            parts.append(f"unknown features {extra}")
+        raise ValueError(f"features do not match the spec: {'; '.join(parts)}. "
+                         f"The spec's features are {want}.")
+    return given
+
+
+def _flatten_leaves(tree, prefix=""):
+    for key in sorted(tree):
+        path = f"{prefix}/{key}" if prefix else str(key)
+        value = tree[key]
+        if isinstance(value, dict):
+            yield from _flatten_leaves(value, path)
+        else:
+            yield path, value
+
+
+def validate(spec: _config.EmbeddingSpec, features, num_shards: int) -> None:
+    """Checks concrete inputs on the host; raises one ValueError listing every problem."""
+    flat = flatten_inputs(spec, features)
+    configs = dict(spec.flat_features)
+    problems: list[str] = []
+    batch_sizes: dict[str, int] = {}
+    for path, leaf in flat.items():
+        f = configs[path]
+        ids, weights = _split(leaf)
+        if ids is None or not hasattr(ids, "shape") and not isinstance(ids, (list, tuple)):
+            problems.append(f"Feature {path!r}: expected an int array (B,) or (B, L) or "
+                            f"jte.Weighted, got {type(leaf).__name__}.")
+            continue
+        if not _is_concrete(ids):
+            continue
+        ids = np.asarray(ids)
+        if not np.issubdtype(ids.dtype, np.integer):
+            problems.append(f"Feature {path!r}: ids must have an integer dtype, got "
+                            f"{ids.dtype}.")
+            continue
+        if ids.ndim not in (1, 2):
+            problems.append(f"Feature {path!r}: ids must be (B,) or (B, L), got shape "
+                            f"{ids.shape}.")
+            continue
+        batch_sizes[path] = ids.shape[0]
+        if weights is not None and _is_concrete(weights):
+            weights = np.asarray(weights)
+            if not np.issubdtype(weights.dtype, np.floating):
+                problems.append(f"Feature {path!r}: weights must be floats, got "
+                                f"{weights.dtype}.")
+            elif weights.shape != ids.shape:
+                problems.append(f"Feature {path!r}: weights shape {weights.shape} differs "
+                                f"from ids shape {ids.shape}.")
+            elif not np.all(np.isfinite(weights[ids != -1])):
+                pos = np.argwhere(~np.isfinite(weights) & (ids != -1))[0].tolist()
+                problems.append(f"Feature {path!r}: weight at position {pos} is not finite.")
+        vocab = f.table.vocabulary_size
+        bad = (ids != -1) & ((ids < 0) | (ids >= vocab))
+        if bad.any():
+            where = np.argwhere(bad)
+            first = where[0].tolist()
+            problems.append(
+                f"Feature {path!r}: id {ids[tuple(first)]} at position {first} is outside "
+                f"[0, {vocab}) of table {spec_table_name(spec, f)!r}"
+                + (f" ({len(where)} invalid ids in all)" if len(where) > 1 else "")
+                + ". Use -1 for padding.")
+    if len(set(batch_sizes.values())) > 1:
+        problems.append(f"all features must have the same batch size B, got {batch_sizes}.")
+    elif batch_sizes:
+        batch = next(iter(batch_sizes.values()))
+        if batch % num_shards:
+            problems.append(f"batch size B={batch} must be a multiple of the mesh size "
+                            f"{num_shards} along the sharding axis.")
+    if problems:
+        raise ValueError("Invalid features:\n  " + "\n  ".join(problems))
+
+
+def spec_table_name(spec, feature) -> str:
+    return _config.table_names(spec)[id(feature.table)]
+
+
+def normalize(feature: _config.FeatureConfig, leaf) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(ids, weights, in_range): ids int32 (B, L) with -1 where nothing is looked up, weights
+    float32 (B, L) (0 there), and whether each given id lies in [0, V) or is -1.
+
+    Works on NumPy and traced values alike; ids outside [0, V) other than -1 behave exactly
+    like -1.
+    """
+    ids, weights = _split(leaf)
+    ids = jnp.asarray(ids)
+    if ids.ndim == 1:
+        ids = ids[:, None]
+        if weights is not None:
+            weights = jnp.asarray(weights)[:, None]
+    ids = ids.astype(jnp.int32)
+    if feature.is_sequence:
+        length = feature.max_sequence_length
+        if ids.shape[1] > length:
+            ids = ids[:, :length]
+            weights = None if weights is None else jnp.asarray(weights)[:, :length]
+        elif ids.shape[1] < length:
+            pad = ((0, 0), (0, length - ids.shape[1]))
+            ids = jnp.pad(ids, pad, constant_values=-1)
+            weights = None if weights is None else jnp.pad(jnp.asarray(weights), pad)
+    vocab = feature.table.vocabulary_size
+    valid = (ids >= 0) & (ids < vocab)
+    in_range = valid | (ids == -1)
+    ids = jnp.where(valid, ids, -1)
+    if weights is None:
+        weights = valid.astype(jnp.float32)
+    else:
+        weights = jnp.where(valid, jnp.asarray(weights, jnp.float32), 0.0)
+    return ids, weights, in_range
+
+
+def invalid_counts(spec: _config.EmbeddingSpec, features) -> dict[str, jax.Array]:
+    """{feature path: int32 count of ids that are neither -1 nor in [0, V)}; jittable."""
+    flat = flatten_inputs(spec, features)
+    configs = dict(spec.flat_features)
+    out = {}
+    for path, leaf in flat.items():
+        ids, _ = _split(leaf)
+        ids = jnp.asarray(ids)
+        vocab = configs[path].table.vocabulary_size
+        out[path] = jnp.sum((ids != -1) & ((ids < 0) | (ids >= vocab)), dtype=jnp.int32)
+    return out
+
+
+def check_batch(features_flat: dict[str, Any], num_shards: int) -> int:
+    """The common batch size B; static, so it is checked under jit too."""
+    sizes = {p: int(np.shape(_split(leaf)[0])[0]) for p, leaf in features_flat.items()}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"all features must have the same batch size B, got {sizes}.")
+    batch = next(iter(sizes.values()))
+    if batch % num_shards:
+        raise ValueError(f"batch size B={batch} must be a multiple of the mesh size "
+                         f"{num_shards} along the sharding axis.")
+    for path, leaf in features_flat.items():
+        ids, weights = _split(leaf)
+        if weights is not None and np.shape(weights) != np.shape(ids):
+            raise ValueError(f"Feature {path!r}: weights shape {np.shape(weights)} differs "
+                             f"from ids shape {np.shape(ids)}.")
+        if len(np.shape(ids)) not in (1, 2):
+            raise ValueError(f"Feature {path!r}: ids must be (B,) or (B, L), got shape "
+                             f"{np.shape(ids)}.")
+    return batch

@@ -1,0 +1,103 @@
+"""Which shard owns which row, and how logical rows map to the sharded arrays.
+
+With N shards and V rows, ownership is TensorFlow's (`tf.nn.embedding_lookup` with
+partition_strategy):
+
+- "div": contiguous blocks; the first V % N shards hold V // N + 1 rows, the others V // N.
+- "mod": row r lives on shard r % N at local index r // N.
+
+Every shard is padded to S = ceil(V / N) rows so that the table is one (N * S, ...) jax.Array
+row-sharded over the mesh axis; shard p holds physical rows [p * S, (p + 1) * S). Padding rows
+are never read or written. Lookup, update, init, export and checkpoints all go through this
+module; none of them re-derives ownership.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class TableLayout:
+    """Row ownership of one table of `vocabulary_size` rows over `num_shards` shards."""
+
+    vocabulary_size: int
+    num_shards: int
+    strategy: str
+
+    @property
+    def rows_per_shard(self) -> int:
+        """S: rows of every shard, padding included."""
+        return -(-self.vocabulary_size // self.num_shards)
+
+    @property
+    def padded_rows(self) -> int:
+        return self.rows_per_shard * self.num_shards
+
+    def shard_sizes(self) -> np.ndarray:
+        """(N,) rows each shard really holds."""
+        v, n = self.vocabulary_size, self.num_shards
+        q, r = divmod(v, n)
+        p = np.arange(n)
+        if self.strategy == "div":
+            return np.where(p < r, q + 1, q)
+        return (v - p + n - 1) // n  # ids p, p + n, ... below v.
+
+    def owner_and_local(self, ids):
+        """Shard owning each id, and the id's index inside that shard (jnp or np ids)."""
+        n = self.num_shards
+        if self.strategy == "mod":
+            return ids % n, ids // n
+        q, r = divmod(self.vocabulary_size, n)
+        big = r * (q + 1)  # Rows held by the larger shards.
+        rest = ids - big
+        owner = _where(ids, ids < big, ids // (q + 1), r + rest // max(q, 1))
+        local = _where(ids, ids < big, ids % (q + 1), rest % max(q, 1))
+        return owner, local
+
+    def logical_ids(self, shard: int) -> np.ndarray:
+        """The global ids shard `shard` holds, in its local order."""
+        size = int(self.shard_sizes()[shard])
+        if self.strategy == "mod":
+            return shard + self.num_shards * np.arange(size)
+        start = int(self.shard_sizes()[:shard].sum())
+        return start + np.arange(size)
+
+    def to_physical(self, x):
+        """Logical (V, ...) -> padded (N * S, ...); padding rows are zero. np or jnp."""
+        xp = jnp if isinstance(x, jnp.ndarray) and not isinstance(x, np.ndarray) else np
+        n, s, v = self.num_shards, self.rows_per_shard, self.vocabulary_size
+        tail = x.shape[1:]
+        if self.strategy == "mod":
+            x = xp.pad(x, [(0, n * s - v)] + [(0, 0)] * len(tail))
+            x = xp.swapaxes(x.reshape((s, n) + tail), 0, 1)
+            return x.reshape((n * s,) + tail)
+        q, r = divmod(v, n)
+        if r == 0:
+            return x
+        big = x[:r * s].reshape((r, s) + tail)
+        small = x[r * s:].reshape((n - r, q) + tail)
+        small = xp.pad(small, [(0, 0), (0, 1)] + [(0, 0)] * len(tail))
+        return xp.concatenate([big, small]).reshape((n * s,) + tail)
+
+    def to_logical(self, x):
+        """Padded (N * S, ...) -> logical (V, ...); the inverse of to_physical."""
+        xp = jnp if isinstance(x, jnp.ndarray) and not isinstance(x, np.ndarray) else np
+        n, s, v = self.num_shards, self.rows_per_shard, self.vocabulary_size
+        tail = x.shape[1:]
+        x = x.reshape((n, s) + tail)
+        if self.strategy == "mod":
+            return xp.swapaxes(x, 0, 1).reshape((n * s,) + tail)[:v]
+        q, r = divmod(v, n)
+        if r == 0:
+            return x.reshape((v,) + tail)
+        return xp.concatenate([x[:r].reshape((r * s,) + tail),
+                               x[r:, :q].reshape(((n - r) * q,) + tail)])
+
+
+def _where(like, cond, a, b):
+    xp = np if isinstance(like, (np.ndarray, np.generic, int)) else jnp
+    return xp.where(cond, a, b)

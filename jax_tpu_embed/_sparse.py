@@ -1,0 +1,186 @@
+"""Shard-local lookup and sparse update; run inside `shard_map` over the mesh axis.
+
+Per step and device (N devices, local batch b = B / N, M = B * L positions of one table):
+
+- lookup: all-gather the ids of the global batch (B·L·4 bytes), gather the rows this shard
+  owns (masked), combine per example and reduce-scatter the (B, D) partial activations so
+  each device keeps its own (b, D): (N-1)/N · B·D·4 bytes. A sequence feature moves
+  (B, L, D) instead of (B, D).
+- update: all-gather the activation gradients (B·D·4 bytes; the transpose of the
+  reduce-scatter), expand them to one gradient per position, sort the positions this shard
+  owns by local row, sum the gradients of each row, gather those rows and their slots, apply
+  the per-row optimizer (vmapped) and scatter the new rows back in place. Rows not in the batch
+  are never read or written: work and traffic are O(B·L·D), independent of V.
+
+No table-sized value is ever formed (except for `Adam(lazy_adam=False)`, whose contract
+updates every row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _config, _layout, _optimizers
+
+
+@dataclasses.dataclass(frozen=True)
+class TablePlan:
+    """Static facts of one table that the kernels need."""
+    name: str
+    config: _config.TableConfig
+    optimizer: _optimizers.Optimizer
+    layout: _layout.TableLayout
+    slot_specs: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class FeaturePlan:
+    path: str
+    config: _config.FeatureConfig
+    table: str
+
+
+def combiner_scale(weights: jax.Array, combiner: str) -> jax.Array:
+    """Per-position factor (B, L) so that output = Σ_l scale·row; 0 where a divisor is 0."""
+    if combiner == "sum":
+        return weights
+    if combiner == "mean":
+        denom = jnp.sum(weights, axis=1, keepdims=True)
+    else:  # sqrtn
+        denom = jnp.sqrt(jnp.sum(weights * weights, axis=1, keepdims=True))
+    safe = jnp.where(denom == 0, 1.0, denom)
+    return jnp.where(denom == 0, 0.0, weights / safe)
+
+
+def _gathered(ids, weights, axis):
+    """Global-batch ids and weights (weights derived from ids when the feature has none)."""
+    ids_all = lax.all_gather(ids, axis, tiled=True)
+    if weights is None:
+        return ids_all, (ids_all >= 0).astype(jnp.float32)
+    return ids_all, lax.all_gather(weights, axis, tiled=True)
+
+
+def _owned(layout: _layout.TableLayout, ids_all, axis):
+    """(mine, local): which positions this shard owns and their local rows (0 elsewhere)."""
+    owner, local = layout.owner_and_local(ids_all)
+    mine = (ids_all >= 0) & (owner == lax.axis_index(axis))
+    return mine, jnp.where(mine, local, 0)
+
+
+def _scale(feature: FeaturePlan, weights_all):
+    if feature.config.is_sequence:
+        return weights_all
+    return combiner_scale(weights_all, feature.config.table.combiner)
+
+
+def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
+                 plans: dict[str, TablePlan], axis: str) -> dict:
+    """Activations of this device's examples: (b, D) or (b, L, D) per feature path."""
+    out = {}
+    for f in features:
+        plan = plans[f.table]
+        ids, weights = feats[f.path]
+        ids_all, w_all = _gathered(ids, weights, axis)
+        mine, local = _owned(plan.layout, ids_all, axis)
+        rows = jnp.take(tables[f.table], local, axis=0).astype(jnp.float32)  # (B, L, D)
+        scale = jnp.where(mine, _scale(f, w_all), 0.0)
+        if f.config.is_sequence:
+            partial = rows * scale[..., None]
+        else:
+            partial = jnp.einsum("bl,bld->bd", scale, rows,
+                                 precision=lax.Precision.HIGHEST)
+        out[f.path] = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
+    return out
+
+
+def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
+                 features: list[FeaturePlan], plans: dict[str, TablePlan], axis: str,
+                 spec: _config.EmbeddingSpec):
+    """One sparse optimizer step on this device's shard of every table."""
+    tables, slots = dict(tables), dict(slots)
+    by_table: dict[str, list] = {}
+    for f in features:
+        plan = plans[f.table]
+        ids, weights = feats[f.path]
+        ids_all, w_all = _gathered(ids, weights, axis)
+        mine, local = _owned(plan.layout, ids_all, axis)
+        grad_all = lax.all_gather(grads[f.path], axis, tiled=True).astype(jnp.float32)
+        scale = _scale(f, w_all)
+        if f.config.is_sequence:
+            g = grad_all * scale[..., None]  # (B, L, D)
+        else:
+            g = scale[..., None] * grad_all[:, None, :]
+        key = jnp.where(mine, local, plan.layout.rows_per_shard)
+        by_table.setdefault(f.table, []).append(
+            (key.reshape(-1), g.reshape(-1, g.shape[-1])))
+    multiplier = (None if spec.gradient_multiplier_fn is None else
+                  jnp.asarray(spec.gradient_multiplier_fn(step), jnp.float32))
+    for name, parts in by_table.items():
+        plan = plans[name]
+        keys = jnp.concatenate([k for k, _ in parts])
+        g = jnp.concatenate([v for _, v in parts])
+        rows_idx, g_sum = _sum_duplicates(keys, g, plan.layout.rows_per_shard)
+        if multiplier is not None:
+            g_sum = g_sum * multiplier
+        if spec.clipping_limit is not None:
+            g_sum = jnp.clip(g_sum, -spec.clipping_limit, spec.clipping_limit)
+        g_sum = plan.optimizer.clip_gradient(g_sum)
+        tables[name], slots[name] = _apply_rows(plan, tables[name], slots[name], rows_idx,
+                                                g_sum, step, axis)
+    return tables, slots
+
+
+def _sum_duplicates(keys, g, num_rows):
+    """Sums the gradients of equal keys.
+
+    Args:
+        keys: (M,) local row per position, `num_rows` for positions this shard does not own.
+        g: (M, D) gradient per position.
+
+    Returns:
+        rows (M,) ascending distinct local rows, padded with distinct out-of-range indices
+        (>= num_rows) that gathers fill and scatters drop; and their summed gradients (M, D).
+    """
+    m = keys.shape[0]
+    sorted_keys, order = lax.sort((keys, lax.iota(jnp.int32, m)), num_keys=1)
+    starts = jnp.concatenate([jnp.ones((1,), bool), sorted_keys[1:] != sorted_keys[:-1]])
+    segment = jnp.cumsum(starts, dtype=jnp.int32) - 1
+    g_sum = jax.ops.segment_sum(jnp.take(g, order, axis=0), segment, num_segments=m,
+                                indices_are_sorted=True)
+    rows = jnp.full((m,), num_rows, jnp.int32).at[segment].set(sorted_keys)
+    # Unused segments and the "not mine" segment get distinct out-of-range rows.
+    rows = jnp.where(rows < num_rows, rows, num_rows + lax.iota(jnp.int32, m))
+    return rows, g_sum
+
+
+def _apply_rows(plan: TablePlan, table, slots: dict, rows_idx, g, step, axis):
+    """Gathers the touched rows and slots, runs the optimizer, scatters them back."""
+    opt = plan.optimizer
+    lr = _optimizers.evaluate(opt.learning_rate, step)
+    hps = tuple(_optimizers.evaluate(h, step) for h in opt.hyperparameters())
+    names = [s.name for s in plan.slot_specs]
+    if opt.dense_update:
+        # Every row of the shard is updated; rows not in the batch see a zero gradient.
+        num_rows = table.shape[0]
+        g = jnp.zeros((num_rows, g.shape[1]), jnp.float32).at[rows_idx].set(g, mode="drop")
+        size = jnp.asarray(plan.layout.shard_sizes(), jnp.int32)[lax.axis_index(axis)]
+        local = lax.iota(jnp.int32, num_rows)
+        rows_idx = jnp.where(local < size, local, num_rows + local)  # Padding stays as is.
+    row = table.at[rows_idx].get(mode="fill", fill_value=0).astype(jnp.float32)
+    slot_vals = [slots[n].at[rows_idx].get(mode="fill", fill_value=0) for n in names]
+
+    def one_row(g_r, w_r, s_r):
+        out = opt.update_row(g_r, w_r, s_r, lr, hps)
+        return (opt.finish_row(out[0], w_r, lr),) + tuple(out[1:])
+
+    new = jax.vmap(one_row)(g, row, slot_vals)
+    put = lambda buf, v: buf.at[rows_idx].set(v.astype(buf.dtype), mode="drop",
+                                              unique_indices=True, indices_are_sorted=True)
+    table = put(table, new[0])
+    slots = {n: put(slots[n], v) for n, v in zip(names, new[1:])}
+    return table, slots
