@@ -83,12 +83,15 @@ class Embedding:
                 slot_specs=tuple(opt.slot_specs()))
         self.features = [_sparse.FeaturePlan(p, f, names[id(f.table)])
                          for p, f in spec.flat_features]
-        self._row_sharding = NamedSharding(mesh, P(axis))
         self._replicated = NamedSharding(mesh, P())
         self._lookup_jit = jax.jit(self._lookup)
         self._apply_jit = jax.jit(self._apply)
 
     # ------------------------------------------------------------------ state
+
+    def _rows(self, rank: int) -> NamedSharding:
+        """Row sharding of a rank-`rank` array, spelled as jit's outputs spell it."""
+        return NamedSharding(self.mesh, P(self.axis, *([None] * (rank - 1))))
 
     def _slot_shape(self, plan, spec):
         d = plan.config.dim
@@ -100,9 +103,9 @@ class Embedding:
         for name, plan in self.plans.items():
             tables[name] = jax.ShapeDtypeStruct(
                 (plan.layout.padded_rows, plan.config.dim), plan.config.dtype,
-                sharding=self._row_sharding)
+                sharding=self._rows(2))
             slots[name] = {s.name: jax.ShapeDtypeStruct(self._slot_shape(plan, s), jnp.float32,
-                                                        sharding=self._row_sharding)
+                                                        sharding=self._rows(s.rank))
                            for s in plan.slot_specs}
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
         return EmbeddingState(tables, slots, step)
@@ -130,7 +133,8 @@ class Embedding:
                 logical = _optimizers.slot_initial_value(slot, key, shape)
             return plan.layout.to_physical(logical)
 
-        return jax.jit(make, out_shardings=self._row_sharding)(key)
+        rank = 2 if slot is None else slot.rank
+        return jax.jit(make, out_shardings=self._rows(rank))(key)
 
     def restore_tables(self, tables: dict, slots: dict | None = None, step: int = 0,
                        key: jax.Array | None = None) -> EmbeddingState:
@@ -179,7 +183,7 @@ class Embedding:
 
     def _put(self, plan, logical: np.ndarray) -> jax.Array:
         physical = plan.layout.to_physical(logical)
-        return jax.make_array_from_callback(physical.shape, self._row_sharding,
+        return jax.make_array_from_callback(physical.shape, self._rows(physical.ndim),
                                             lambda index: physical[index])
 
     def _fetch(self, x: jax.Array) -> np.ndarray:

@@ -179,8 +179,10 @@ def _apply_rows(plan: TablePlan, table, slots: dict, rows_idx, g, step, axis):
         return (opt.finish_row(out[0], w_r, lr),) + tuple(out[1:])
 
     new = jax.vmap(one_row)(g, row, slot_vals)
-    put = lambda buf, v: buf.at[rows_idx].set(v.astype(buf.dtype), mode="drop",
-                                              unique_indices=True, indices_are_sorted=True)
+    # No unique_indices/indices_are_sorted hints: with them the TPU compiler turns the two
+    # scatters of table and slot into whole-buffer passes (measured: 3.9 GB vs 0.27 GB
+    # "bytes accessed" for 8,192 rows into a 2.5M x 128 shard).
+    put = lambda buf, v: buf.at[rows_idx].set(v.astype(buf.dtype), mode="drop")
     table = put(table, new[0])
     slots = {n: put(slots[n], v) for n, v in zip(names, new[1:])}
     return table, slots

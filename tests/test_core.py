@@ -1,0 +1,326 @@
+"""Lookups and sparse updates against the float64 NumPy reference, on 1-8 shards."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+
+import jax_tpu_embed as jte
+import reference
+
+B = 16
+
+
+def _features_and_spec(optimizer, *, table_optimizer=None, strategy="div", **spec_kw):
+    """A spec exercising every input form: shared table, combiners, weights, sequences."""
+    shared = jte.TableConfig(37, 5, combiner="sum", name="shared")
+    mean_t = jte.TableConfig(11, 3, combiner="mean", optimizer=table_optimizer)
+    sqrtn_t = jte.TableConfig(20, 4, combiner="sqrtn")
+    spec = jte.EmbeddingSpec(
+        {"multi": jte.FeatureConfig(shared),
+         "one": jte.FeatureConfig(shared),
+         "nested": {"mean": jte.FeatureConfig(mean_t),
+                    "seq": jte.FeatureConfig(mean_t, max_sequence_length=4)},
+         "weighted": jte.FeatureConfig(sqrtn_t)},
+        optimizer, partition_strategy=strategy, **spec_kw)
+    return spec
+
+
+def _inputs(rng):
+    multi = rng.integers(0, 12, (B, 6))  # Few distinct ids: many duplicates.
+    multi[rng.random((B, 6)) < 0.3] = -1
+    multi[3] = -1  # An example with no ids.
+    seq = rng.integers(0, 11, (B, 6))  # Longer than max_sequence_length: truncated.
+    seq[:, 3:][rng.random((B, 3)) < 0.5] = -1
+    wid = rng.integers(0, 20, (B, 3))
+    wid[0, 1] = -1
+    wts = rng.uniform(0.1, 2.0, (B, 3)).astype(np.float32)
+    return {"multi": multi.astype(np.int32),
+            "one": rng.integers(0, 37, (B,)).astype(np.int32),
+            "nested": {"mean": rng.integers(-1, 11, (B, 2)).astype(np.int32),
+                       "seq": seq.astype(np.int32)},
+            "weighted": jte.Weighted(wid.astype(np.int32), wts)}
+
+
+def _grads(rng, acts):
+    return jax.tree.map(lambda a: rng.normal(size=a.shape).astype(np.float32), acts)
+
+
+# (path, table name, combiner, max_sequence_length) of the spec above.
+_FEATURES = [("multi", "shared", "sum", 0), ("one", "shared", "sum", 0),
+             ("nested/mean", "nested/mean", "mean", 0), ("nested/seq", "nested/mean", "mean", 4),
+             ("weighted", "weighted", "sqrtn", 0)]
+
+
+def _leaf(tree, path):
+    for k in path.split("/"):
+        tree = tree[k]
+    return tree
+
+
+def _ids_weights(features, path):
+    leaf = _leaf(features, path)
+    if isinstance(leaf, jte.Weighted):
+        return np.asarray(leaf.ids), np.asarray(leaf.weights)
+    return np.asarray(leaf), None
+
+
+def reference_lookup(tables, features):
+    out = {}
+    for path, table, combiner, seq in _FEATURES:
+        ids, w = _ids_weights(features, path)
+        out[path] = reference.lookup(tables[table], ids, w, combiner, seq)
+    return out
+
+
+def reference_row_grads(tables, features, grads):
+    contributions = {}
+    for path, table, combiner, seq in _FEATURES:
+        ids, w = _ids_weights(features, path)
+        contributions.setdefault(table, []).append(
+            (ids, w, combiner, seq, _leaf(grads, path)))
+    return {t: reference.row_gradients(tables[t].shape[0], c) for t, c in contributions.items()}
+
+
+@pytest.mark.parametrize("strategy", ["div", "mod"])
+@pytest.mark.parametrize("num_shards,kind", [(1, "explicit"), (2, "auto"), (4, "explicit"),
+                                             (8, "auto")])
+def test_lookup_matches_reference(kind, strategy, num_shards, rng):
+    spec = _features_and_spec(jte.SGD(0.1), strategy=strategy)
+    emb = jte.Embedding(spec, make_mesh(num_shards, kind))
+    state = emb.init(jax.random.key(1))
+    features = _inputs(rng)
+    acts = emb.lookup(state, features)
+    want = reference_lookup(emb.export(state), features)
+    for path, *_ in _FEATURES:
+        got = np.asarray(_leaf(acts, path))
+        np.testing.assert_allclose(got, want[path], rtol=1e-5, atol=1e-6, err_msg=path)
+    assert np.all(np.asarray(acts["multi"])[3] == 0)  # No ids: zero vector.
+
+
+OPTIMIZERS = {
+    "sgd": (jte.SGD(0.3), {}),
+    "adagrad": (jte.Adagrad(0.2, initial_accumulator_value=0.5), {}),
+    "adagrad_momentum": (jte.AdagradMomentum(0.1, momentum=0.9, use_nesterov=True,
+                                             exponent=3.0, beta2=0.9, epsilon=1e-6),
+                         dict(momentum=0.9, use_nesterov=True, exponent=3.0, beta2=0.9,
+                              epsilon=1e-6)),
+    "adagrad_momentum_plain": (jte.AdagradMomentum(0.1, momentum=0.5),
+                               dict(momentum=0.5, use_nesterov=False, exponent=2.0, beta2=1.0,
+                                    epsilon=1e-10)),
+    "adam": (jte.Adam(0.05), dict(beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                                  sum_inside_sqrt=True)),
+    "adam_outside": (jte.Adam(0.05, beta_1=0.5, beta_2=0.7, epsilon=1e-3,
+                              sum_inside_sqrt=False),
+                     dict(beta_1=0.5, beta_2=0.7, epsilon=1e-3, sum_inside_sqrt=False)),
+    "ftrl": (jte.FTRL(0.2, l1_regularization_strength=0.01, l2_regularization_strength=0.1,
+                      beta=0.5, learning_rate_power=-0.5),
+             dict(learning_rate_power=-0.5, l1=0.01, l2=0.1, beta=0.5,
+                  multiply_linear_by_learning_rate=False)),
+    "ftrl_linear_lr": (jte.FTRL(0.2, l1_regularization_strength=0.01, beta=0.1,
+                                learning_rate_power=-0.7, multiply_linear_by_learning_rate=True),
+                       dict(learning_rate_power=-0.7, l1=0.01, l2=0.0, beta=0.1,
+                            multiply_linear_by_learning_rate=True)),
+    "rowwise_adagrad": (jte.RowwiseAdagrad(0.2, initial_accumulator_value=0.1),
+                        dict(epsilon=1e-8)),
+}
+
+
+def _ref_name(key):
+    return key.replace("_plain", "").replace("_outside", "").replace("_linear_lr", "")
+
+
+def _run_reference(emb, spec, tables, slots, features, grads, steps_lr, extras=None):
+    extras = extras or {}
+    row_grads = reference_row_grads(tables, features, grads)
+    out_t, out_s = {}, {}
+    for name, table in tables.items():
+        cfg = emb.plans[name]
+        opt_key = next(k for k, (o, _) in OPTIMIZERS.items() if o is cfg.optimizer)
+        _, hp = OPTIMIZERS[opt_key]
+        out_t[name], out_s[name] = reference.apply(
+            _ref_name(opt_key), hp, table, slots[name], row_grads.get(name, {}),
+            cfg.optimizer.learning_rate, **extras)
+    return out_t, out_s
+
+
+# Each optimizer on one (strategy, mesh) pair; test_results_identical_for_every_strategy_and_mesh
+# covers the rest.
+_MESHES = [("div", 1), ("mod", 4), ("div", 8), ("mod", 2), ("mod", 8), ("div", 4)]
+
+
+@pytest.mark.parametrize("opt_key,strategy,num_shards",
+                         [(k, *_MESHES[i % len(_MESHES)])
+                          for i, k in enumerate(sorted(OPTIMIZERS))])
+def test_update_matches_reference(opt_key, strategy, num_shards, rng):
+    optimizer, _ = OPTIMIZERS[opt_key]
+    spec = _features_and_spec(optimizer, table_optimizer=OPTIMIZERS["adam"][0],
+                              strategy=strategy)
+    emb = jte.Embedding(spec, make_mesh(num_shards))
+    state = emb.init(jax.random.key(2))
+    for _ in range(2):  # Two steps: slots written by step 1 are read by step 2.
+        features = _inputs(rng)
+        tables, slots = emb.export(state), emb.export_slots(state)
+        grads = _grads(rng, emb.lookup(state, features))
+        state = emb.apply_gradients(state, features, grads)
+        want_t, want_s = _run_reference(emb, spec, tables, slots, features, grads, None)
+        got_t, got_s = emb.export(state), emb.export_slots(state)
+        row_grads = reference_row_grads(tables, features, grads)
+        for name in tables:
+            np.testing.assert_allclose(got_t[name], want_t[name], rtol=2e-5, atol=2e-6,
+                                       err_msg=name)
+            for s in want_s[name]:
+                np.testing.assert_allclose(got_s[name][s], want_s[name][s], rtol=2e-5,
+                                           atol=1e-6, err_msg=f"{name}/{s}")
+            untouched = np.setdiff1d(np.arange(tables[name].shape[0]),
+                                     list(row_grads.get(name, {})))
+            np.testing.assert_array_equal(got_t[name][untouched], tables[name][untouched])
+            for s in got_s[name]:
+                np.testing.assert_array_equal(got_s[name][s][untouched],
+                                              slots[name][s][untouched])
+    assert int(state.step) == 2
+
+
+def test_results_identical_for_every_strategy_and_mesh(rng):
+    features = [_inputs(rng) for _ in range(2)]
+    exports = []
+    for strategy in ["div", "mod"]:
+        for n in [1, 2, 4, 8]:
+            spec = _features_and_spec(jte.Adagrad(0.1), strategy=strategy,
+                                      table_optimizer=jte.FTRL(0.1))
+            emb = jte.Embedding(spec, make_mesh(n, "auto" if n % 2 else "explicit"))
+            state = emb.init(jax.random.key(3))
+            g_rng = np.random.default_rng(5)
+            for f in features:
+                state = emb.apply_gradients(state, f, _grads(g_rng, emb.lookup(state, f)))
+            exports.append((emb.export(state), emb.export_slots(state)))
+    t0, s0 = exports[0]
+    for t, s in exports[1:]:
+        for name in t0:
+            np.testing.assert_allclose(t[name], t0[name], rtol=1e-6, atol=1e-7)
+            for k in s0[name]:
+                np.testing.assert_allclose(s[name][k], s0[name][k], rtol=1e-6, atol=1e-7)
+
+
+def test_extras_in_order_with_schedules(rng):
+    """Multiplier -> clipping_limit -> clipvalue -> optimizer -> decay -> weight clipping."""
+    sched = lambda step: 0.3 / (1.0 + step)
+    opt = jte.Adagrad(sched, initial_accumulator_value=0.2, clipvalue=(-0.4, 0.3),
+                      weight_decay_factor=0.05,
+                      multiply_weight_decay_factor_by_learning_rate=True,
+                      clip_weight_min=-0.25, clip_weight_max=0.2)
+    spec = _features_and_spec(opt, table_optimizer=jte.SGD(0.2, weight_decay_factor=0.1),
+                              clipping_limit=0.5,
+                              gradient_multiplier_fn=lambda step: 2.0 + step)
+    emb = jte.Embedding(spec, make_mesh(4))
+    state = emb.init(jax.random.key(4))
+    step_fn = jax.jit(emb.apply_gradients)
+    for step in range(3):
+        features = _inputs(rng)
+        tables, slots = emb.export(state), emb.export_slots(state)
+        grads = _grads(rng, emb.lookup(state, features))
+        grads = jax.tree.map(lambda g: 3 * g, grads)  # Large: clipping matters.
+        state = step_fn(state, features, grads)
+        row_grads = reference_row_grads(tables, features, grads)
+        common = dict(multiplier=2.0 + step, clipping_limit=0.5)
+        want, want_s = reference.apply(
+            "adagrad", {}, tables["shared"], slots["shared"], row_grads["shared"],
+            sched(step), clipvalue=(-0.4, 0.3), weight_decay=0.05, decay_by_lr=True,
+            clip_min=-0.25, clip_max=0.2, **common)
+        np.testing.assert_allclose(emb.export(state)["shared"], want, rtol=1e-5, atol=1e-6)
+        want_sgd, _ = reference.apply("sgd", {}, tables["nested/mean"], {},
+                                      row_grads["nested/mean"], 0.2, weight_decay=0.1,
+                                      **common)
+        np.testing.assert_allclose(emb.export(state)["nested/mean"], want_sgd, rtol=1e-5,
+                                   atol=1e-6)
+    assert step_fn._cache_size() == 1  # Schedules are traced: no recompiles.
+
+
+def _momentum_sgd(gradient, row, slots, learning_rate, hyperparameters):
+    (velocity, count) = slots
+    (beta,) = hyperparameters
+    velocity = beta * velocity + gradient
+    return row - learning_rate * velocity, velocity, count + 1.0
+
+
+@pytest.mark.parametrize("strategy", ["div", "mod"])
+def test_custom_optimizer(strategy, rng):
+    opt = jte.CustomOptimizer(_momentum_sgd, learning_rate=lambda s: 0.1 * (s + 1),
+                              slot_names=["velocity", "count"],
+                              slot_initializers=[jax.nn.initializers.constant(0.5), 0.0],
+                              hyperparameters=[lambda s: 0.9 - 0.1 * s], slot_dims=[2, 1])
+    spec = _features_and_spec(opt, strategy=strategy)
+    emb = jte.Embedding(spec, make_mesh(8))
+    state = emb.init(jax.random.key(0))
+    np.testing.assert_array_equal(emb.export_slots(state)["shared"]["velocity"], 0.5)
+    for step in range(2):
+        features = _inputs(rng)
+        tables, slots = emb.export(state), emb.export_slots(state)
+        grads = _grads(rng, emb.lookup(state, features))
+        state = emb.apply_gradients(state, features, grads)
+        rg = reference_row_grads(tables, features, grads)["shared"]
+        want_t, want_v, want_c = (tables["shared"].copy(), slots["shared"]["velocity"].copy(),
+                                  slots["shared"]["count"].copy())
+        beta, lr = 0.9 - 0.1 * step, 0.1 * (step + 1)
+        for r, g in rg.items():
+            want_v[r] = beta * want_v[r] + g
+            want_t[r] = want_t[r] - lr * want_v[r]
+            want_c[r] += 1
+        got = emb.export_slots(state)["shared"]
+        np.testing.assert_allclose(emb.export(state)["shared"], want_t, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["velocity"], want_v, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(got["count"], want_c)
+        assert got["count"].shape == (37,)
+
+
+def test_dense_adam_updates_every_row(rng):
+    spec = _features_and_spec(jte.Adam(0.1, lazy_adam=False), strategy="mod")
+    emb = jte.Embedding(spec, make_mesh(4))
+    state = emb.init(jax.random.key(0))
+    hp = dict(beta_1=0.9, beta_2=0.999, epsilon=1e-7, sum_inside_sqrt=True)
+    for _ in range(2):
+        features = _inputs(rng)
+        tables, slots = emb.export(state), emb.export_slots(state)
+        grads = _grads(rng, emb.lookup(state, features))
+        state = emb.apply_gradients(state, features, grads)
+        rg = reference_row_grads(tables, features, grads)
+        for name in tables:
+            want, want_s = reference.apply("adam", hp, tables[name], slots[name],
+                                           rg.get(name, {}), 0.1, dense=True)
+            np.testing.assert_allclose(emb.export(state)[name], want, rtol=2e-5, atol=1e-6)
+            np.testing.assert_allclose(emb.export_slots(state)[name]["momenta"],
+                                       want_s["momenta"], rtol=2e-5, atol=1e-7)
+
+
+def test_bfloat16_tables_compute_in_float32(rng):
+    t = jte.TableConfig(50, 8, combiner="sum", dtype=jnp.bfloat16)
+    spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(t)}, jte.Adagrad(0.1))
+    emb = jte.Embedding(spec, make_mesh(2))
+    state = emb.init(jax.random.key(0))
+    assert state.tables["f"].dtype == jnp.bfloat16
+    assert state.slots["f"]["accumulators"].dtype == jnp.float32
+    ids = rng.integers(0, 50, (8, 3)).astype(np.int32)
+    acts = emb.lookup(state, {"f": ids})
+    assert acts["f"].dtype == jnp.float32
+    want = reference.lookup(emb.export(state)["f"].astype(np.float64), ids, None, "sum")
+    np.testing.assert_allclose(acts["f"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_same_logical_init_for_every_mesh_and_strategy():
+    ref = None
+    for strategy in ["div", "mod"]:
+        for n in [1, 3, 8]:
+            spec = _features_and_spec(jte.FTRL(0.1), strategy=strategy)
+            emb = jte.Embedding(spec, make_mesh(n, "auto"))
+            state = emb.init(jax.random.key(7))
+            got = (emb.export(state), emb.export_slots(state))
+            if ref is None:
+                ref = got
+            for name in ref[0]:
+                np.testing.assert_array_equal(got[0][name], ref[0][name])
+                np.testing.assert_array_equal(got[1][name]["accumulators"], 0.1)
+    std = ref[0]["shared"].std()
+    assert 0.5 / np.sqrt(5) < std < 1.2 / np.sqrt(5)  # TF default: stddev 1/sqrt(dim).
