@@ -53,10 +53,13 @@ class Embedding:
             axis named "shard".
         axis: The mesh axis the tables' rows and the batch are split over. Default: the
             mesh's only axis; required for a multi-axis mesh.
+        lane_width: Physical row width that narrow rows are packed into (see _layout.Packing);
+            0 stores every array as (rows, D). Default: 128 on TPU meshes, 0 elsewhere. It
+            changes only the physical layout: every result is the same.
     """
 
     def __init__(self, spec: _config.EmbeddingSpec, mesh: jax.sharding.Mesh | None = None,
-                 axis: str | None = None):
+                 axis: str | None = None, *, lane_width: int | None = None):
         if not isinstance(spec, _config.EmbeddingSpec):
             raise TypeError(f"Embedding: spec must be a jte.EmbeddingSpec, got "
                             f"{type(spec).__name__}.")
@@ -72,6 +75,11 @@ class Embedding:
                              f"{mesh.axis_names}.")
         self.spec, self.mesh, self.axis = spec, mesh, axis
         self.num_shards = int(mesh.shape[axis])
+        if lane_width is None:
+            lane_width = 128 if mesh.devices.flat[0].platform == "tpu" else 0
+        if lane_width not in (0, 128):
+            raise ValueError(f"Embedding: lane_width must be 0 or 128, got {lane_width!r}.")
+        self.lane_width = lane_width
         names = _config.table_names(spec)
         self.plans: dict[str, _sparse.TablePlan] = {}
         for name, table in spec.tables().items():
@@ -80,7 +88,11 @@ class Embedding:
                 name=name, config=table, optimizer=opt,
                 layout=_layout.TableLayout(table.vocabulary_size, self.num_shards,
                                            spec.partition_strategy),
-                slot_specs=tuple(opt.slot_specs()))
+                slot_specs=tuple(opt.slot_specs()), lanes=lane_width)
+            if self.plans[name].layout.rows_per_shard >= 1 << 30:
+                raise ValueError(f"Embedding: table {name!r} would hold "
+                                 f"{self.plans[name].layout.rows_per_shard} rows per shard; "
+                                 f"at most 2**30 are supported: use more shards.")
         self.features = [_sparse.FeaturePlan(p, f, names[id(f.table)])
                          for p, f in spec.flat_features]
         self._replicated = NamedSharding(mesh, P())
@@ -93,20 +105,24 @@ class Embedding:
         """Row sharding of a rank-`rank` array, spelled as jit's outputs spell it."""
         return NamedSharding(self.mesh, P(self.axis, *([None] * (rank - 1))))
 
-    def _slot_shape(self, plan, spec):
-        d = plan.config.dim
-        return (plan.layout.padded_rows, d) if spec.rank == 2 else (plan.layout.padded_rows,)
+    def _packings(self, plan):
+        """{None: the table's packing, slot name: the slot's}."""
+        out = {None: plan.packing}
+        out.update({s.name: plan.slot_packing(s) for s in plan.slot_specs})
+        return out
 
     def abstract_state(self) -> EmbeddingState:
         """The state as jax.ShapeDtypeStruct leaves with shardings; allocates nothing."""
         tables, slots = {}, {}
         for name, plan in self.plans.items():
-            tables[name] = jax.ShapeDtypeStruct(
-                (plan.layout.padded_rows, plan.config.dim), plan.config.dtype,
-                sharding=self._rows(2))
-            slots[name] = {s.name: jax.ShapeDtypeStruct(self._slot_shape(plan, s), jnp.float32,
-                                                        sharding=self._rows(s.rank))
-                           for s in plan.slot_specs}
+            shape = plan.packing.physical_shape(plan.layout)
+            tables[name] = jax.ShapeDtypeStruct(shape, plan.config.dtype,
+                                                sharding=self._rows(len(shape)))
+            slots[name] = {}
+            for s in plan.slot_specs:
+                shape = plan.slot_packing(s).physical_shape(plan.layout)
+                slots[name][s.name] = jax.ShapeDtypeStruct(shape, jnp.float32,
+                                                           sharding=self._rows(len(shape)))
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
         return EmbeddingState(tables, slots, step)
 
@@ -131,9 +147,11 @@ class Embedding:
             else:
                 shape = (v, d) if slot.rank == 2 else (v,)
                 logical = _optimizers.slot_initial_value(slot, key, shape)
-            return plan.layout.to_physical(logical)
+            packing = plan.packing if slot is None else plan.slot_packing(slot)
+            return packing.pack(plan.layout.to_physical(logical), self.num_shards)
 
-        rank = 2 if slot is None else slot.rank
+        packing = plan.packing if slot is None else plan.slot_packing(slot)
+        rank = len(packing.physical_shape(plan.layout))
         return jax.jit(make, out_shardings=self._rows(rank))(key)
 
     def restore_tables(self, tables: dict, slots: dict | None = None, step: int = 0,
@@ -156,7 +174,7 @@ class Embedding:
             if value.shape != (v, d):
                 raise ValueError(f"restore_tables: table {name!r} has shape {value.shape}; the "
                                  f"spec says (vocabulary_size, dim) = ({v}, {d}).")
-            new_tables[name] = self._put(plan, value.astype(plan.config.dtype))
+            new_tables[name] = self._put(plan, plan.packing, value.astype(plan.config.dtype))
             given = dict(slots.get(name, {}))
             unknown = sorted(set(given) - {s.name for s in plan.slot_specs})
             if unknown:
@@ -170,7 +188,7 @@ class Embedding:
                     if value.shape != shape:
                         raise ValueError(f"restore_tables: slot {s.name!r} of table {name!r} "
                                          f"has shape {value.shape}, expected {shape}.")
-                    new_slots[name][s.name] = self._put(plan, value)
+                    new_slots[name][s.name] = self._put(plan, plan.slot_packing(s), value)
                 else:
                     if callable(s.initializer) and key is None:
                         raise ValueError(f"restore_tables: slot {s.name!r} of table {name!r} "
@@ -181,8 +199,8 @@ class Embedding:
         step = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
         return EmbeddingState(new_tables, new_slots, step)
 
-    def _put(self, plan, logical: np.ndarray) -> jax.Array:
-        physical = plan.layout.to_physical(logical)
+    def _put(self, plan, packing, logical: np.ndarray) -> jax.Array:
+        physical = packing.pack(plan.layout.to_physical(logical), self.num_shards)
         return jax.make_array_from_callback(physical.shape, self._rows(physical.ndim),
                                             lambda index: physical[index])
 
@@ -192,15 +210,20 @@ class Embedding:
         from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
+    def _logical(self, plan, packing, physical: np.ndarray) -> np.ndarray:
+        rows = packing.unpack(physical, self.num_shards, plan.layout.rows_per_shard)
+        return plan.layout.to_logical(rows)
+
     def export(self, state: EmbeddingState) -> dict[str, np.ndarray]:
         """{table name: (V, D) np.ndarray} in natural row order, whatever strategy or mesh."""
-        return {n: p.layout.to_logical(self._fetch(state.tables[n]))
+        return {n: self._logical(p, p.packing, self._fetch(state.tables[n]))
                 for n, p in self.plans.items()}
 
     def export_slots(self, state: EmbeddingState) -> dict[str, dict[str, np.ndarray]]:
         """{table name: {slot name: (V, D) or (V,)}}; {} for a table without slots."""
-        return {n: {s: p.layout.to_logical(self._fetch(a))
-                    for s, a in state.slots[n].items()}
+        return {n: {s.name: self._logical(p, p.slot_packing(s),
+                                          self._fetch(state.slots[n][s.name]))
+                    for s in p.slot_specs}
                 for n, p in self.plans.items()}
 
     def shard_rows(self, state: EmbeddingState, table_name: str, shard: int) -> np.ndarray:
@@ -208,16 +231,21 @@ class Embedding:
         if table_name not in self.plans:
             raise ValueError(f"shard_rows: no table {table_name!r}; tables are "
                              f"{list(self.plans)}.")
-        layout = self.plans[table_name].layout
+        plan = self.plans[table_name]
+        layout, packing = plan.layout, plan.packing
         if not 0 <= shard < self.num_shards:
             raise ValueError(f"shard_rows: shard must be in [0, {self.num_shards}), "
                              f"got {shard}.")
-        start, size = shard * layout.rows_per_shard, int(layout.shard_sizes()[shard])
+        per_shard = packing.shard_rows(layout.rows_per_shard)
+        start, size = shard * per_shard, int(layout.shard_sizes()[shard])
         array = state.tables[table_name]
         for piece in array.addressable_shards:
             if (piece.index[0].start or 0) == start:
-                return np.asarray(piece.data)[:size]
-        return self._fetch(array)[start:start + size]
+                local = np.asarray(piece.data)
+                break
+        else:
+            local = self._fetch(array)[start:start + per_shard]
+        return packing.unpack(local, 1, layout.rows_per_shard)[:size]
 
     # ---------------------------------------------------------------- compute
 

@@ -7,9 +7,18 @@ partition_strategy):
 - "mod": row r lives on shard r % N at local index r // N.
 
 Every shard is padded to S = ceil(V / N) rows so that the table is one (N * S, ...) jax.Array
-row-sharded over the mesh axis; shard p holds physical rows [p * S, (p + 1) * S). Padding rows
-are never read or written. Lookup, update, init, export and checkpoints all go through this
+row-sharded over the mesh axis; shard p holds rows [p * S, (p + 1) * S). Padding rows are
+never read or written. Lookup, update, init, export and checkpoints all go through this
 module; none of them re-derives ownership.
+
+Lane packing (`Packing`). TPU vector registers and HBM tiles are 128 lanes wide; a row scatter
+into a (rows, 64) array makes the TPU compiler copy the whole array, and (rows, 16|32) arrays
+cost whole-array passes (../shared/TPU_AOT.md). So on TPU each array of width w < 128 is stored
+with its rows padded to W (the smallest power of two >= w) and k = 128 // W logical rows side
+by side in one 128-lane physical row: shard-local row r lives in physical row r // k, lanes
+[(r % k) * W, (r % k) * W + w). Rank-1 slots (w = 1) pack 128 rows per physical row. On CPU
+and GPU k = 1 and nothing changes. Users never see this: export, shard_rows and checkpoints
+speak in logical rows.
 """
 
 from __future__ import annotations
@@ -68,7 +77,7 @@ class TableLayout:
 
     def to_physical(self, x):
         """Logical (V, ...) -> padded (N * S, ...); padding rows are zero. np or jnp."""
-        xp = jnp if isinstance(x, jnp.ndarray) and not isinstance(x, np.ndarray) else np
+        xp = _xp(x)
         n, s, v = self.num_shards, self.rows_per_shard, self.vocabulary_size
         tail = x.shape[1:]
         if self.strategy == "mod":
@@ -85,7 +94,7 @@ class TableLayout:
 
     def to_logical(self, x):
         """Padded (N * S, ...) -> logical (V, ...); the inverse of to_physical."""
-        xp = jnp if isinstance(x, jnp.ndarray) and not isinstance(x, np.ndarray) else np
+        xp = _xp(x)
         n, s, v = self.num_shards, self.rows_per_shard, self.vocabulary_size
         tail = x.shape[1:]
         x = x.reshape((n, s) + tail)
@@ -96,6 +105,72 @@ class TableLayout:
             return x.reshape((v,) + tail)
         return xp.concatenate([x[:r].reshape((r * s,) + tail),
                                x[r:, :q].reshape(((n - r) * q,) + tail)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """How one row-sharded array of logical row width `width` is stored.
+
+    Attributes:
+        width: Logical row width: D, or 1 for a rank-1 slot (stored without a minor axis when
+            it is not packed).
+        rank: 2 for (rows, D) arrays, 1 for (rows,) arrays.
+        lanes: Physical row width to pack into (128 on TPU); 0 disables packing.
+    """
+
+    width: int
+    rank: int
+    lanes: int = 0
+
+    @property
+    def padded_width(self) -> int:
+        """W: the logical width rounded up to a power of two when packing, else unchanged."""
+        if not self.lanes or self.width >= self.lanes:
+            return self.width
+        return 1 << (self.width - 1).bit_length()
+
+    @property
+    def per_row(self) -> int:
+        """k: logical rows per physical row."""
+        if not self.lanes or self.width >= self.lanes:
+            return 1
+        return self.lanes // self.padded_width
+
+    @property
+    def packed(self) -> bool:
+        return self.per_row > 1 or self.padded_width != self.width
+
+    def shard_rows(self, rows_per_shard: int) -> int:
+        """Physical rows of one shard holding `rows_per_shard` logical rows."""
+        return -(-rows_per_shard // self.per_row)
+
+    def physical_shape(self, layout: TableLayout) -> tuple:
+        n = layout.num_shards * self.shard_rows(layout.rows_per_shard)
+        if not self.packed:
+            return (n, self.width) if self.rank == 2 else (n,)
+        return (n, self.per_row * self.padded_width)
+
+    def pack(self, x, num_shards: int):
+        """(N * S, width) or (N * S,) shard-ordered rows -> the physical array. np or jnp."""
+        if not self.packed:
+            return x
+        xp = _xp(x)
+        k, w = self.per_row, self.padded_width
+        x = x.reshape((num_shards, -1, self.width))
+        s = x.shape[1]
+        x = xp.pad(x, [(0, 0), (0, self.shard_rows(s) * k - s), (0, w - self.width)])
+        return x.reshape((-1, k * w))
+
+    def unpack(self, x, num_shards: int, rows_per_shard: int):
+        """The inverse of pack: physical -> (N * S, width) or (N * S,)."""
+        if not self.packed:
+            return x
+        x = x.reshape((num_shards, -1, self.padded_width))[:, :rows_per_shard, :self.width]
+        return x.reshape((-1, self.width) if self.rank == 2 else (-1,))
+
+
+def _xp(x):
+    return jnp if isinstance(x, jnp.ndarray) and not isinstance(x, np.ndarray) else np
 
 
 def _where(like, cond, a, b):

@@ -6,6 +6,9 @@ The environment is set before jax is imported anywhere.
 import os
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+# libtpu (the TPU compiler for AOT compile tests) takes a machine-wide lock; pytest-xdist's
+# workers each load it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 

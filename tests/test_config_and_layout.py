@@ -137,7 +137,7 @@ def _step(emb):
     return step
 
 
-def _compiled_update(vocab, dim=128, batch=256, ids=8, mesh=None):
+def _compiled_update(vocab, dim=128, batch=256, ids=8, mesh=None, with_step=True):
     table = jte.TableConfig(vocab, dim, combiner="sum", name="t")
     spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(0.1))
     mesh = mesh or make_mesh(4)
@@ -147,6 +147,8 @@ def _compiled_update(vocab, dim=128, batch=256, ids=8, mesh=None):
     grads = {"f": jax.ShapeDtypeStruct((batch, dim), jnp.float32, sharding=batch_sharding)}
     upd = jax.jit(emb.apply_gradients, donate_argnums=0)
     compiled = upd.lower(emb.abstract_state(), feats, grads).compile()
+    if not with_step:
+        return emb, compiled, None
     full = jax.jit(_step(emb), donate_argnums=0).lower(emb.abstract_state(), feats).compile()
     return emb, compiled, full
 
@@ -176,8 +178,24 @@ def test_update_cost_does_not_grow_with_vocabulary():
     except Exception as e:  # libtpu missing or unusable.
         pytest.skip(f"TPU compiler unavailable: {e}")
     mesh = jax.sharding.Mesh(np.array(topo.devices), ("shard",))
-    costs = []
-    for vocab in [100_000, 10_000_000]:
-        _, compiled, _ = _compiled_update(vocab, dim=128, batch=1024, ids=8, mesh=mesh)
-        costs.append(compiled.cost_analysis()["bytes accessed"])
-    assert costs[1] < 1.1 * costs[0], costs
+    for dim in [32, 128]:  # 32: lane-packed on TPU; 128: one row per 128 lanes.
+        costs = []
+        for vocab in [100_000, 10_000_000]:
+            _, compiled, _ = _compiled_update(vocab, dim=dim, batch=1024, ids=8, mesh=mesh,
+                                            with_step=False)
+            costs.append(compiled.cost_analysis()["bytes accessed"])
+        assert costs[1] < 1.1 * costs[0], (dim, costs)
+
+
+@pytest.mark.parametrize("width,rank,k,w", [(5, 2, 16, 8), (64, 2, 2, 64), (128, 2, 1, 128),
+                                            (1, 1, 128, 1), (200, 2, 1, 200), (3, 2, 32, 4)])
+def test_lane_packing_round_trip(width, rank, k, w):
+    packing = _layout.Packing(width, rank, lanes=128)
+    assert (packing.per_row, packing.padded_width) == (k, w)
+    layout = _layout.TableLayout(37, 4, "mod")
+    rows = layout.rows_per_shard * 4
+    x = np.arange(rows * width).reshape((rows, width) if rank == 2 else (rows,)) + 1.0
+    phys = packing.pack(x, 4)
+    assert phys.shape == packing.physical_shape(layout)
+    np.testing.assert_array_equal(packing.unpack(phys, 4, layout.rows_per_shard), x)
+    assert _layout.Packing(width, rank, lanes=0).pack(x, 4) is x
