@@ -160,11 +160,14 @@ def _sum_duplicates(keys, g):
         >= _NOT_MINE that gathers fill and scatters drop; and their summed gradients (M, D).
     """
     m = keys.shape[0]
-    sorted_keys, order = lax.sort((keys, lax.iota(jnp.int32, m)), num_keys=1)
+    # A key-only sort plus a vectorised binary search for each position's first occurrence:
+    # XLA:CPU sorts (key, position) pairs ~3x slower than keys alone (10,240 keys: 2.9 ms vs
+    # 1.0 ms), and the pair sort dominated the update.
+    sorted_keys = lax.sort(keys)
     starts = jnp.concatenate([jnp.ones((1,), bool), sorted_keys[1:] != sorted_keys[:-1]])
     segment = jnp.cumsum(starts, dtype=jnp.int32) - 1
-    g_sum = jax.ops.segment_sum(jnp.take(g, order, axis=0), segment, num_segments=m,
-                                indices_are_sorted=True)
+    first = jnp.searchsorted(sorted_keys, keys, side="left", method="scan")
+    g_sum = jax.ops.segment_sum(g, segment[first], num_segments=m)
     rows = jnp.full((m,), _NOT_MINE, jnp.int32).at[segment].set(sorted_keys)
     # Unused segments and the "not mine" segment get distinct out-of-range rows.
     rows = jnp.where(rows < _NOT_MINE, rows, _NOT_MINE + lax.iota(jnp.int32, m))
