@@ -345,7 +345,14 @@ def test_lane_packed_layout_gives_identical_results(opt_key, strategy, num_shard
         jax.tree.map(_close, a_plain, a_packed)
         grads = _grads(rng, a_plain)
         s_plain = plain.apply_gradients(s_plain, features, grads)
+        before = packed.export(s_packed)["shared"]
         s_packed = packed.apply_gradients(s_packed, features, grads)
+        touched = list(reference_row_grads({"shared": before, "nested/mean": np.zeros((11, 3)),
+                                            "weighted": np.zeros((20, 4))},
+                                           features, grads)["shared"])
+        untouched = np.setdiff1d(np.arange(37), touched)
+        np.testing.assert_array_equal(packed.export(s_packed)["shared"][untouched],
+                                      before[untouched])  # Neighbours keep their bits.
         for name in plain.plans:
             _close(plain.export(s_plain)[name],
                                           packed.export(s_packed)[name])
