@@ -20,3 +20,9 @@ from ._optimizers import Optimizer as Optimizer
 from ._optimizers import RowwiseAdagrad as RowwiseAdagrad
 
 __version__ = "0.1.0"
+
+from . import checkpoint as checkpoint  # noqa: E402
+from . import compat as compat  # noqa: E402
+from . import serving as serving  # noqa: E402
+from ._config_file import load_config as load_config  # noqa: E402
+from ._config_file import load_spec as load_spec  # noqa: E402

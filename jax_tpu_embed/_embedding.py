@@ -327,6 +327,14 @@ class Embedding:
                 f"{math.prod(natural[:-1])} (shape {natural[:-1]}).")
         return tuple(f.config.output_shape) + (d,)
 
+    def _reshape(self, x, shape):
+        """Reshape that tells Explicit meshes where the result lives: split over the batch
+        axis when the leading dimension divides evenly, else replicated."""
+        if tuple(x.shape) == tuple(shape) or not _is_explicit(self.mesh):
+            return x.reshape(shape)
+        spec = P(self.axis) if shape[0] % self.num_shards == 0 else P()
+        return jax.lax.reshape(x, shape, out_sharding=NamedSharding(self.mesh, spec))
+
     def _shard_map(self, fn, in_specs, out_specs):
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                              check_vma=False)
@@ -338,7 +346,8 @@ class Embedding:
         fn = functools.partial(_sparse.lookup_local, features=self.features, plans=self.plans,
                                axis=self.axis)
         acts = self._shard_map(lambda t, x: fn(t, x), (row, row), row)(tables, feats)
-        return {f.path: acts[f.path].reshape(self._out_shape(f, batch)) for f in self.features}
+        return {f.path: self._reshape(acts[f.path], self._out_shape(f, batch))
+                for f in self.features}
 
     def _apply(self, state, flat, grads):
         feats = self._normalized(flat)
@@ -352,7 +361,7 @@ class Embedding:
                                  f"is {want}.")
             natural = ((batch, f.config.max_sequence_length, f.config.table.dim)
                        if f.config.is_sequence else (batch, f.config.table.dim))
-            local_grads[f.path] = self._batch_sharded(g.reshape(natural))
+            local_grads[f.path] = self._batch_sharded(self._reshape(g, natural))
         row, rep = P(self.axis), P()
         fn = functools.partial(_sparse.update_local, features=self.features, plans=self.plans,
                                axis=self.axis, spec=self.spec)

@@ -1,0 +1,396 @@
+"""Checkpoints of an `Embedding`'s state, and optionally dense params, with orbax.
+
+    jte.checkpoint.save(directory, emb, state, dense={"params": params, "opt": opt_state})
+    state, dense = jte.checkpoint.restore(directory, emb2)        # latest step, any mesh
+
+Checkpoints speak in logical rows, so one written on N shards with "mod" restores on M shards
+with "div". Each save is one orbax step directory named after `state.step`; earlier ones are
+kept. Orbax writes a step into a temporary directory and renames it only once every file is
+written, so a save cut short (killed process, full disk) leaves the previous checkpoints
+restorable and is never seen as a step.
+
+On disk, `directory/<step>/` holds three orbax items:
+
+- `embedding`: {"tables": {name: (R, D)}, "slots": {name: {slot: (R, D) or (R,)}}}; rows
+  [0, V) are the table's rows in natural id order, rows [V, R) are zeros (R = V rounded up to
+  a multiple of the saving mesh size, so that every device writes an equal slice).
+- `metadata`: JSON: the step, each table's vocabulary_size, dim, dtype and slots.
+- `dense`: the `dense` pytree, when one was given.
+
+No host gathers a whole table: tables are brought to logical row order on the devices,
+sharded, and every host writes only the slices its devices hold; restore reads each device's
+slice of the logical rows and converts them back on the devices. The conversion holds a
+transient second copy of the tables in device memory while saving (none for "div" tables
+whose V is a multiple of N: their layout already is the logical one), and while restoring
+the read copies are freed one table at a time as they are converted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import _embedding, _layout
+
+_FORMAT = "jax_tpu_embed.checkpoint/1"
+_ITEMS = ("embedding", "metadata", "dense")
+
+
+def _orbax():
+    """orbax.checkpoint, imported on first use: it takes about a second to import."""
+    import orbax.checkpoint
+    return orbax.checkpoint
+
+
+class CheckpointNotFoundError(FileNotFoundError, ValueError):
+    """No checkpoint where one was asked for: a missing directory, no complete step, or a step
+    that is not there. Both a FileNotFoundError and a ValueError."""
+
+
+def save(directory: str | os.PathLike, emb: _embedding.Embedding,
+         state: _embedding.EmbeddingState, *, dense: Any = None) -> int:
+    """Writes `state` (and `dense`) as the checkpoint of step `state.step` under `directory`.
+
+    Args:
+        directory: Root of the checkpoints; created if missing. Local path or any path orbax
+            accepts (e.g. gs://...).
+        emb: The Embedding that `state` belongs to.
+        state: Its state; tables and slots are stored in logical rows.
+        dense: Optional pytree of arrays (e.g. flax params and optax state) saved alongside.
+
+    Returns:
+        The step saved. Returns once the checkpoint is complete on disk (synchronous).
+
+    Raises:
+        ValueError: `state` does not match `emb`'s tables, or `directory` already holds a
+            checkpoint for this step.
+    """
+    ocp = _orbax()
+    path = _path(directory)
+    _check_state(emb, state)
+    step = int(jax.device_get(state.step))
+    embedding = {"tables": {}, "slots": {}}
+    for name, plan in emb.plans.items():
+        embedding["tables"][name] = _to_logical(emb, plan.layout, plan.packing,
+                                                state.tables[name])
+        embedding["slots"][name] = {
+            s.name: _to_logical(emb, plan.layout, plan.slot_packing(s),
+                                state.slots[name][s.name])
+            for s in plan.slot_specs}
+    items = {"embedding": ocp.args.StandardSave(embedding),
+             "metadata": ocp.args.JsonSave(_metadata(emb, step, dense is not None))}
+    if dense is not None:
+        items["dense"] = ocp.args.StandardSave(dense)
+    with _manager(path, read_only=False) as manager:
+        try:
+            manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except ocp.checkpoint_manager.StepAlreadyExistsError as e:
+            raise ValueError(f"checkpoint.save: {path} already holds a checkpoint for step "
+                             f"{step}; delete it or save from a state with another step.") from e
+        manager.wait_until_finished()
+    return step
+
+
+def restore(directory: str | os.PathLike, emb: _embedding.Embedding, *,
+            step: int | None = None, dense_target: Any = None
+            ) -> tuple[_embedding.EmbeddingState, Any]:
+    """Reads a checkpoint onto `emb`'s mesh and partition strategy.
+
+    Args:
+        directory: Root the checkpoints were saved under.
+        emb: Any Embedding whose tables have the checkpoint's names, vocabulary sizes, dims
+            and optimizer slots; its mesh size and partition strategy may differ.
+        step: The step to restore; default the latest complete one.
+        dense_target: Optional pytree like the saved `dense` (arrays or
+            jax.ShapeDtypeStruct): the dense state comes back with its exact pytree types
+            (e.g. optax NamedTuples) and its leaves' shardings (replicated on `emb`'s mesh
+            where a leaf has none). Without it, containers come back as orbax stores them
+            (dicts and lists) and every leaf is replicated on `emb`'s mesh.
+
+    Returns:
+        (state, dense): the EmbeddingState with `step` restored, and the dense pytree, or None
+        if none was saved.
+
+    Raises:
+        CheckpointNotFoundError (a FileNotFoundError and a ValueError): `directory` does not
+            exist, holds no complete checkpoint, or has no checkpoint for `step`.
+        ValueError: a table's vocabulary size, dim or slots differ from `emb`'s (the message
+            names each such table), or tables are missing or extra.
+    """
+    ocp = _orbax()
+    path = _path(directory)
+    if not _exists(path):
+        raise CheckpointNotFoundError(
+            f"checkpoint.restore: checkpoint directory {path} does not exist.")
+    with _manager(path, read_only=True) as manager:
+        steps = sorted(manager.all_steps())
+        if not steps:
+            raise CheckpointNotFoundError(
+                f"checkpoint.restore: {path} holds no complete checkpoint (no finished step "
+                f"directory; saves cut short are ignored).")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointNotFoundError(
+                f"checkpoint.restore: {path} has no checkpoint for step {step}; its steps "
+                f"are {steps}.")
+        meta = manager.restore(step, args=ocp.args.Composite(
+            metadata=ocp.args.JsonRestore())).metadata
+        _check_compatible(emb, meta, f"{path}/{step}")
+        items = {"embedding": ocp.args.StandardRestore(_embedding_target(emb), strict=False)}
+        if meta["has_dense"]:
+            if dense_target is None:
+                stored = manager.item_metadata(step)["dense"]
+                target = _dense_target_from_metadata(emb, stored)
+            else:
+                target = _dense_target(emb, dense_target)
+            items["dense"] = ocp.args.StandardRestore(target)
+        elif dense_target is not None:
+            raise ValueError(f"checkpoint.restore: dense_target was given but the checkpoint "
+                             f"{path}/{step} holds no dense state.")
+        restored = manager.restore(step, args=ocp.args.Composite(**items))
+    stored = restored.embedding
+    tables, slots = {}, {}
+    for name, plan in emb.plans.items():
+        # pop: each read copy is freed as soon as it is converted.
+        tables[name] = _to_physical(emb, plan.layout, plan.packing,
+                                    stored["tables"].pop(name))
+        own = stored["slots"].pop(name)
+        slots[name] = {s.name: _to_physical(emb, plan.layout, plan.slot_packing(s),
+                                            own.pop(s.name))
+                       for s in plan.slot_specs}
+    step_array = jax.device_put(jnp.asarray(meta["step"], jnp.int32),
+                                NamedSharding(emb.mesh, P()))
+    state = _embedding.EmbeddingState(tables, slots, step_array)
+    return state, (restored.dense if meta["has_dense"] else None)
+
+
+def all_steps(directory: str | os.PathLike) -> list[int]:
+    """The steps of the complete checkpoints under `directory`, ascending ([] if none)."""
+    path = _path(directory)
+    if not _exists(path):
+        return []
+    with _manager(path, read_only=True) as manager:
+        return sorted(manager.all_steps())
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def _path(directory) -> str:
+    path = os.fspath(directory)
+    return path if "://" in path else os.path.abspath(path)
+
+
+def _exists(path: str) -> bool:
+    if "://" in path:
+        from etils import epath
+        return epath.Path(path).is_dir()
+    return os.path.isdir(path)
+
+
+class _QuietAbsl(logging.Filter):
+    """Drops orbax's warnings about read-only managers, which restore uses on purpose."""
+
+    def filter(self, record):
+        text = record.getMessage()
+        return "read only" not in text and "read_only" not in text
+
+
+@contextlib.contextmanager
+def _manager(path: str, read_only: bool):
+    ocp = _orbax()
+    quiet = _QuietAbsl()
+    log = logging.getLogger("absl")
+    log.addFilter(quiet)
+    try:
+        options = ocp.CheckpointManagerOptions(
+            read_only=read_only, create=not read_only, enable_async_checkpointing=False,
+            # A save killed mid-way leaves "<step>.orbax-checkpoint-tmp-*"; the next save
+            # clears it.
+            cleanup_tmp_directories=not read_only)
+        handlers = {"embedding": ocp.StandardCheckpointHandler(),
+                    "metadata": ocp.JsonCheckpointHandler(),
+                    "dense": ocp.StandardCheckpointHandler()}
+        with ocp.CheckpointManager(path, options=options, item_handlers=handlers) as manager:
+            yield manager
+    finally:
+        log.removeFilter(quiet)
+
+
+def _auto_twin(emb) -> jax.sharding.Mesh:
+    """`emb.mesh` with Auto axes: the layout conversions reshape sharded dims, which Explicit
+    axes reject; the devices and the partitioning are the same."""
+    return jax.sharding.Mesh(emb.mesh.devices, emb.mesh.axis_names)
+
+
+def _row_sharding(emb, auto: bool, ndim: int) -> NamedSharding:
+    # Spelled P(axis, None, ...) as jit's outputs spell it, so a restored state hits the same
+    # compiled train step as a fresh one.
+    mesh = _auto_twin(emb) if auto else emb.mesh
+    return NamedSharding(mesh, P(emb.axis, *([None] * (ndim - 1))))
+
+
+@functools.lru_cache(maxsize=None)
+def _logical_fn(layout: _layout.TableLayout, packing: _layout.Packing,
+                sharding: NamedSharding):
+    def fn(physical):
+        rows = packing.unpack(physical, layout.num_shards, layout.rows_per_shard)
+        logical = layout.to_logical(rows)  # (V, ...)
+        pad = [(0, layout.padded_rows - layout.vocabulary_size)] + [(0, 0)] * (rows.ndim - 1)
+        return jnp.pad(logical, pad)
+    return jax.jit(fn, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _physical_fn(layout: _layout.TableLayout, packing: _layout.Packing,
+                 sharding: NamedSharding):
+    def fn(stored):
+        return packing.pack(layout.to_physical(stored[:layout.vocabulary_size]),
+                            layout.num_shards)
+    return jax.jit(fn, out_shardings=sharding)
+
+
+def _to_logical(emb, layout, packing, array: jax.Array) -> jax.Array:
+    """Physical array -> logical rows padded with zeros to N * S, row-sharded."""
+    ndim = packing.rank
+    array = jax.device_put(array, _row_sharding(emb, True, array.ndim))
+    if (layout.strategy == "div" and layout.padded_rows == layout.vocabulary_size and
+            not packing.packed):
+        return array  # Already logical, unpadded: no copy.
+    return _logical_fn(layout, packing, _row_sharding(emb, True, ndim))(array)
+
+
+def _to_physical(emb, layout, packing, stored: jax.Array) -> jax.Array:
+    """Stored logical rows (R', ...) on `emb`'s mesh -> the physical array, row-sharded."""
+    ndim = len(packing.physical_shape(layout))
+    physical = _physical_fn(layout, packing, _row_sharding(emb, True, ndim))(stored)
+    return jax.device_put(physical, _row_sharding(emb, False, ndim))
+
+
+def _slot_info(plan) -> dict:
+    return {s.name: {"rank": s.rank} for s in plan.slot_specs}
+
+
+def _metadata(emb, step: int, has_dense: bool) -> dict:
+    return {
+        "format": _FORMAT,
+        "step": step,
+        "has_dense": has_dense,
+        "partition_strategy": emb.spec.partition_strategy,  # Informational only.
+        "num_shards": emb.num_shards,
+        "tables": {name: {"vocabulary_size": plan.config.vocabulary_size,
+                          "dim": plan.config.dim,
+                          "dtype": jnp.dtype(plan.config.dtype).name,
+                          "stored_rows": plan.layout.padded_rows,
+                          "slots": _slot_info(plan)}
+                   for name, plan in emb.plans.items()},
+    }
+
+
+def _check_state(emb, state) -> None:
+    if not isinstance(state, _embedding.EmbeddingState):
+        raise TypeError(f"checkpoint.save: state must be a jte.EmbeddingState, got "
+                        f"{type(state).__name__}.")
+    want = emb.abstract_state()
+    problems = []
+    if set(state.tables) != set(want.tables):
+        problems.append(f"state has tables {sorted(state.tables)}, the embedding "
+                        f"{sorted(want.tables)}")
+    else:
+        for name, w in want.tables.items():
+            if tuple(state.tables[name].shape) != w.shape:
+                problems.append(f"table {name!r} has shape {tuple(state.tables[name].shape)}, "
+                                f"expected {w.shape}")
+            got_slots = {s: tuple(a.shape) for s, a in state.slots.get(name, {}).items()}
+            want_slots = {s: a.shape for s, a in want.slots[name].items()}
+            if got_slots != want_slots:
+                problems.append(f"table {name!r} has slots {got_slots}, expected {want_slots}")
+    if problems:
+        raise ValueError("checkpoint.save: the state does not belong to this embedding (a "
+                         "state of another mesh size or spec?): " + "; ".join(problems) + ".")
+
+
+def _check_compatible(emb, meta: dict, where: str) -> None:
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"checkpoint.restore: {where} is not a jax_tpu_embed checkpoint "
+                         f"(format {meta.get('format')!r}, expected {_FORMAT!r}).")
+    saved = meta["tables"]
+    problems = []
+    missing = sorted(n for n in emb.plans if n not in saved)
+    extra = sorted(n for n in saved if n not in emb.plans)
+    if missing:
+        problems.append(f"tables {missing} are not in the checkpoint (it has {sorted(saved)})")
+    if extra:
+        problems.append(f"the checkpoint's tables {extra} are not in the embedding's spec")
+    for name, plan in emb.plans.items():
+        if name not in saved:
+            continue
+        s = saved[name]
+        for field, have in (("vocabulary_size", plan.config.vocabulary_size),
+                            ("dim", plan.config.dim)):
+            if s[field] != have:
+                problems.append(f"table {name!r}: {field} is {s[field]} in the checkpoint "
+                                f"but {have} in the spec")
+        want_slots = _slot_info(plan)
+        if s["slots"] != want_slots:
+            problems.append(f"table {name!r}: the checkpoint has optimizer slots "
+                            f"{_describe_slots(s['slots'])} but the spec's optimizer "
+                            f"({type(plan.optimizer).__name__}) has "
+                            f"{_describe_slots(want_slots)}")
+    if problems:
+        raise ValueError(f"checkpoint.restore: {where} does not fit the embedding: "
+                         + "; ".join(problems) + ".")
+
+
+def _describe_slots(slots: dict) -> str:
+    return "{" + ", ".join(f"{n!r} (rank {v['rank']})" for n, v in slots.items()) + "}"
+
+
+def _embedding_target(emb) -> dict:
+    """Abstract logical arrays (padded to `emb`'s N * S rows) on `emb`'s mesh."""
+    tables, slots = {}, {}
+    for name, plan in emb.plans.items():
+        rows, d = plan.layout.padded_rows, plan.config.dim
+        tables[name] = jax.ShapeDtypeStruct((rows, d), plan.config.dtype,
+                                            sharding=_row_sharding(emb, True, 2))
+        slots[name] = {s.name: jax.ShapeDtypeStruct((rows, d) if s.rank == 2 else (rows,),
+                                                    jnp.float32,
+                                                    sharding=_row_sharding(emb, True, s.rank))
+                       for s in plan.slot_specs}
+    return {"tables": tables, "slots": slots}
+
+
+def _replicated(emb) -> NamedSharding:
+    return NamedSharding(emb.mesh, P())
+
+
+def _dense_target(emb, target):
+    def leaf(x):
+        if x is None:
+            return None
+        sharding = getattr(x, "sharding", None)
+        if not isinstance(sharding, jax.sharding.Sharding):
+            sharding = _replicated(emb)
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype if hasattr(x, "dtype") else
+                                    np.asarray(x).dtype, sharding=sharding)
+    return jax.tree.map(leaf, target)
+
+
+def _dense_target_from_metadata(emb, stored):
+    tree = getattr(stored, "tree", stored)
+
+    def leaf(m):
+        if hasattr(m, "shape") and hasattr(m, "dtype"):
+            return jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=_replicated(emb))
+        return m
+    return jax.tree.map(leaf, tree, is_leaf=lambda m: hasattr(m, "shape"))

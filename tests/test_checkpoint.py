@@ -1,0 +1,316 @@
+"""jte.checkpoint: logical-row checkpoints that move between meshes and strategies, keep
+earlier steps, survive a save killed part-way, and refuse tables that do not fit."""
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import make_mesh
+
+import jax_tpu_embed as jte
+from jax_tpu_embed import checkpoint
+
+B = 24
+
+
+def _spec(strategy="div", *, users_vocab=13, users_dim=4, items_optimizer=None):
+    users = jte.TableConfig(users_vocab, users_dim, combiner="sum", name="users",
+                            dtype=jnp.bfloat16)
+    items = jte.TableConfig(11, 3, name="items",
+                            optimizer=items_optimizer or jte.RowwiseAdagrad(0.2))
+    return jte.EmbeddingSpec(
+        {"u": jte.FeatureConfig(users),
+         "i": {"a": jte.FeatureConfig(items),
+               "seq": jte.FeatureConfig(items, max_sequence_length=3)}},
+        jte.Adagrad(0.3), partition_strategy=strategy)
+
+
+def _emb(strategy, num_shards, kind="explicit"):
+    """Embeddings (and their compiled steps) shared by the tests: compiling dominates."""
+    return _cached_emb(strategy, num_shards, kind)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_emb(strategy, num_shards, kind):
+    return jte.Embedding(_spec(strategy), make_mesh(num_shards, kind))
+
+
+@functools.lru_cache(maxsize=None)
+def _init(emb, seed=0):
+    return emb.init(jax.random.key(seed))
+
+
+def _batch(rng):
+    u = rng.integers(0, 13, (B, 4))
+    u[rng.random((B, 4)) < 0.3] = -1
+    feats = {"u": u,
+             "i": {"a": rng.integers(0, 6, (B, 3)),  # Few ids: duplicates, shared with seq.
+                   "seq": rng.integers(-1, 11, (B, 3))}}
+    grads = {"u": rng.standard_normal((B, 4)),
+             "i": {"a": rng.standard_normal((B, 3)), "seq": rng.standard_normal((B, 3, 3))}}
+    return feats, jax.tree.map(lambda g: g.astype(np.float32), grads)
+
+
+def _train(emb, state, batches):
+    for feats, grads in batches:
+        state = emb.apply_gradients(state, feats, grads)
+    return state
+
+
+def _dense_init():
+    params = {"w": jnp.arange(12.0).reshape(3, 4) / 7, "b": jnp.ones(4)}
+    opt = optax.adam(0.01)
+    return params, opt, opt.init(params)
+
+
+def _dense_step(opt, params, opt_state, scale):
+    grads = jax.tree.map(lambda p: jnp.sin(p * scale), params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def _assert_same_state(emb_a, state_a, emb_b, state_b, exact=True):
+    ta, tb = emb_a.export(state_a), emb_b.export(state_b)
+    sa, sb = emb_a.export_slots(state_a), emb_b.export_slots(state_b)
+    assert ta.keys() == tb.keys() and sa.keys() == sb.keys()
+    for name in ta:
+        assert ta[name].dtype == tb[name].dtype
+        if exact:
+            np.testing.assert_array_equal(ta[name], tb[name])
+        else:
+            np.testing.assert_allclose(np.asarray(ta[name], np.float64),
+                                       np.asarray(tb[name], np.float64), rtol=1e-6, atol=1e-6)
+        assert sa[name].keys() == sb[name].keys()
+        for slot in sa[name]:
+            if exact:
+                np.testing.assert_array_equal(sa[name][slot], sb[name][slot])
+            else:
+                np.testing.assert_allclose(sa[name][slot], sb[name][slot], rtol=1e-6,
+                                           atol=1e-6)
+    assert int(state_a.step) == int(state_b.step)
+
+
+@pytest.mark.parametrize("save_on,restore_on", [
+    (("mod", 8, "explicit"), ("div", 2, "auto")),
+    (("div", 4, "explicit"), ("mod", 3, "explicit")),
+])
+def test_restore_on_other_mesh_and_strategy_continues_identically(tmp_path, save_on,
+                                                                  restore_on):
+    rng = np.random.default_rng(1)
+    batches = [_batch(rng) for _ in range(5)]
+    emb1, emb2 = _emb(*save_on), _emb(*restore_on)
+    state1 = _train(emb1, _init(emb1), batches[:2])
+    params, opt, opt_state = _dense_init()
+    params, opt_state = _dense_step(opt, params, opt_state, 1.0)
+    assert checkpoint.save(tmp_path, emb1, state1,
+                           dense={"params": params, "opt": opt_state}) == 2
+
+    _, _, like = _dense_init()
+    state2, dense = checkpoint.restore(tmp_path, emb2,
+                                       dense_target={"params": params, "opt": like})
+    # The restore itself is lossless: bit-identical logical tables and slots.
+    _assert_same_state(emb1, state1, emb2, state2, exact=True)
+    assert jax.tree.structure(dense) == jax.tree.structure({"params": params, "opt": opt_state})
+    jax.tree.map(np.testing.assert_array_equal, dense, {"params": params, "opt": opt_state})
+    assert state2.tables["users"].sharding.mesh.devices.size == restore_on[1]
+
+    # Training continues the same way on both sides.
+    state1 = _train(emb1, state1, batches[2:])
+    state2 = _train(emb2, state2, batches[2:])
+    _assert_same_state(emb1, state1, emb2, state2, exact=False)
+    p1, o1 = _dense_step(opt, params, opt_state, 2.0)
+    p2, o2 = _dense_step(opt, dense["params"], dense["opt"], 2.0)
+    jax.tree.map(np.testing.assert_array_equal, (p1, o1), (p2, o2))
+
+
+def test_restored_state_equals_saved_and_lookups_match(tmp_path):
+    rng = np.random.default_rng(2)
+    emb8 = _emb("mod", 8)
+    state = _train(emb8, _init(emb8), [_batch(rng) for _ in range(2)])
+    checkpoint.save(tmp_path, emb8, state)
+    restored, dense = checkpoint.restore(tmp_path, emb8)
+    assert dense is None
+    # Same mesh and strategy: the very same physical arrays, with the same shardings (so a
+    # compiled train step is reused, not traced again).
+    for name in state.tables:
+        np.testing.assert_array_equal(np.asarray(restored.tables[name]),
+                                      np.asarray(state.tables[name]))
+        assert restored.tables[name].sharding == state.tables[name].sharding
+        for slot, value in state.slots[name].items():
+            assert restored.slots[name][slot].sharding == value.sharding
+    assert restored.step.sharding == state.step.sharding
+    emb1 = _emb("div", 1)
+    on_one, _ = checkpoint.restore(tmp_path, emb1)
+    feats, _ = _batch(rng)
+    want = emb8.lookup(state, feats)
+    got = emb1.lookup(on_one, feats)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                 want, got)
+
+
+def test_one_checkpoint_per_step_latest_by_default(tmp_path):
+    rng = np.random.default_rng(4)
+    emb = _emb("div", 2, "auto")
+    state = _init(emb)
+    exports = {}
+    for _ in range(3):
+        state = _train(emb, state, [_batch(rng)])
+        checkpoint.save(tmp_path, emb, state)
+        exports[int(state.step)] = emb.export(state)
+    assert checkpoint.all_steps(tmp_path) == [1, 2, 3]
+    latest, _ = checkpoint.restore(tmp_path, emb)
+    assert int(latest.step) == 3
+    first, _ = checkpoint.restore(tmp_path, emb, step=1)
+    assert int(first.step) == 1
+    for step, restored in ((3, latest), (1, first)):
+        got = emb.export(restored)
+        for name in got:
+            np.testing.assert_array_equal(got[name], exports[step][name])
+    with pytest.raises(ValueError, match="already holds a checkpoint for step 3"):
+        checkpoint.save(tmp_path, emb, state)
+    # An earlier step can still be written (e.g. after restoring step 1 and training again).
+    again = _train(emb, first, [_batch(rng)])
+    assert checkpoint.save(tmp_path / "other", emb, again) == 2
+
+
+def test_dense_without_target_comes_back_as_stored_containers(tmp_path):
+    emb = _emb("div", 2, "auto")
+    state = _init(emb)
+    params, _, opt_state = _dense_init()
+    checkpoint.save(tmp_path, emb, state, dense={"params": params, "opt": opt_state,
+                                                "count": jnp.int32(7)})
+    _, dense = checkpoint.restore(tmp_path, emb)
+    np.testing.assert_array_equal(dense["params"]["w"], params["w"])
+    assert int(dense["count"]) == 7
+    leaves = jax.tree.leaves(opt_state)
+    np.testing.assert_array_equal(jax.tree.leaves(dense["opt"])[0], leaves[0])
+    assert dense["params"]["b"].sharding.is_fully_replicated
+    checkpoint.save(tmp_path / "bare", emb, state)
+    with pytest.raises(ValueError, match="holds no dense state"):
+        checkpoint.restore(tmp_path / "bare", emb, dense_target={"x": jnp.zeros(1)})
+
+
+def test_missing_directory_step_or_checkpoint(tmp_path):
+    emb = _emb("div", 1)
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        checkpoint.restore(missing, emb)
+    with pytest.raises(ValueError, match=str(missing)):
+        checkpoint.restore(missing, emb)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(checkpoint.CheckpointNotFoundError, match="no complete checkpoint"):
+        checkpoint.restore(empty, emb)
+    checkpoint.save(tmp_path / "one", emb, _init(emb))
+    with pytest.raises(ValueError, match=r"no checkpoint for step 5; its steps are \[0\]"):
+        checkpoint.restore(tmp_path / "one", emb, step=5)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(users_vocab=14), r"table 'users': vocabulary_size is 13 in the checkpoint but 14"),
+    (dict(users_dim=5), r"table 'users': dim is 4 in the checkpoint but 5"),
+    (dict(items_optimizer=jte.Adagrad(0.1)),
+     r"table 'items': the checkpoint has optimizer slots \{'accumulators' \(rank 1\)\}"),
+    (dict(items_optimizer=jte.SGD(0.1)), r"table 'items'.*but the spec's optimizer \(SGD\)"),
+])
+def test_table_that_does_not_fit_is_named(tmp_path, change, match):
+    emb = _emb("div", 2, "auto")
+    checkpoint.save(tmp_path, emb, _init(emb))
+    other = jte.Embedding(_spec("div", **change), make_mesh(2))
+    with pytest.raises(ValueError, match=match):
+        checkpoint.restore(tmp_path, other)
+
+
+def test_missing_and_extra_tables_are_named(tmp_path):
+    emb = _emb("div", 2, "auto")
+    checkpoint.save(tmp_path, emb, _init(emb))
+    spec = jte.EmbeddingSpec({"u": jte.FeatureConfig(jte.TableConfig(13, 4, name="users")),
+                              "z": jte.FeatureConfig(jte.TableConfig(3, 2, name="zeta"))},
+                             jte.Adagrad(0.3))
+    with pytest.raises(ValueError, match=r"\['zeta'\] are not in the checkpoint.*"
+                                         r"tables \['items'\] are not in"):
+        checkpoint.restore(tmp_path, jte.Embedding(spec, make_mesh(2)))
+
+
+def test_state_of_another_embedding_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="does not belong to this embedding"):
+        checkpoint.save(tmp_path, _emb("div", 4), _init(_emb("mod", 8)))
+
+
+_KILLED_SAVER = textwrap.dedent("""
+    import os, sys
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    import jax_tpu_embed as jte
+    from jax_tpu_embed import checkpoint
+    spec = jte.EmbeddingSpec(
+        {"f": jte.FeatureConfig(jte.TableConfig(250_000, 64, name="big"))}, jte.SGD(0.1))
+    emb = jte.Embedding(spec, jax.make_mesh((1,), ("shard",)))
+    state = emb.init(jax.random.key(0))
+    checkpoint.save(sys.argv[1], emb, state)
+    print("saved", flush=True)
+    state = jte.EmbeddingState({"big": state.tables["big"] * 2.0}, state.slots, state.step + 1)
+    print("saving", flush=True)
+    checkpoint.save(sys.argv[1], emb, state)  # ~64 MB: killed while it writes.
+    print("finished", flush=True)
+""")
+
+
+def test_save_killed_part_way_leaves_previous_checkpoint_restorable(tmp_path):
+    directory = tmp_path / "ckpt"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVER, str(directory)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env)
+    try:
+        assert proc.stdout.readline().strip() == "saved"
+        assert proc.stdout.readline().strip() == "saving"
+        deadline = time.monotonic() + 60
+        partial = []
+        while not partial and proc.poll() is None and time.monotonic() < deadline:
+            partial = [n for n in os.listdir(directory) if n.startswith("1.") and "tmp" in n]
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        assert partial, "the save of step 1 finished before it could be interrupted"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert "1" not in os.listdir(directory)  # Step 1 never became a checkpoint.
+
+    spec = jte.EmbeddingSpec(
+        {"f": jte.FeatureConfig(jte.TableConfig(250_000, 64, name="big"))}, jte.SGD(0.1))
+    emb = jte.Embedding(spec, make_mesh(2))
+    assert checkpoint.all_steps(directory) == [0]
+    state, _ = checkpoint.restore(directory, emb)
+    assert int(state.step) == 0
+    want = emb.init(jax.random.key(0))  # The subprocess saved init(key(0)) as step 0.
+    np.testing.assert_array_equal(emb.export(state)["big"], emb.export(want)["big"])
+    # The next save of step 1 succeeds despite the leftover temporary directory.
+    state = emb.apply_gradients(state, {"f": np.arange(8)}, {"f": np.ones((8, 64), np.float32)})
+    checkpoint.save(directory, emb, state)
+    assert checkpoint.all_steps(directory) == [0, 1]
+    assert not [n for n in os.listdir(directory) if "tmp" in n]
+
+
+@pytest.mark.parametrize("save_lanes,restore_lanes", [(128, 0), (0, 128)])
+def test_lane_packed_state_round_trips_through_logical_rows(tmp_path, save_lanes,
+                                                            restore_lanes):
+    """TPU's packed physical layout (forced here) and the plain one share checkpoints."""
+    rng = np.random.default_rng(3)
+    saver = jte.Embedding(_spec("mod"), make_mesh(4), lane_width=save_lanes)
+    loader = jte.Embedding(_spec("div"), make_mesh(2), lane_width=restore_lanes)
+    state = _train(saver, saver.init(jax.random.key(1)), [_batch(rng) for _ in range(2)])
+    checkpoint.save(tmp_path, saver, state)
+    restored, _ = checkpoint.restore(tmp_path, loader)
+    _assert_same_state(saver, state, loader, restored)
