@@ -26,3 +26,4 @@ from . import compat as compat  # noqa: E402
 from . import serving as serving  # noqa: E402
 from ._config_file import load_config as load_config  # noqa: E402
 from ._config_file import load_spec as load_spec  # noqa: E402
+from . import _multihost as multihost  # noqa: E402

@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _config, _inputs, _layout, _optimizers, _sparse
+from . import _config, _inputs, _layout, _multihost, _optimizers, _sparse
 
 Nested = Any
 
@@ -215,19 +215,29 @@ class Embedding:
         return plan.layout.to_logical(rows)
 
     def export(self, state: EmbeddingState) -> dict[str, np.ndarray]:
-        """{table name: (V, D) np.ndarray} in natural row order, whatever strategy or mesh."""
+        """{table name: (V, D) np.ndarray} in natural row order, whatever strategy or mesh.
+
+        With several processes this gathers the tables onto every process (a collective):
+        call it on every process, then write from one.
+        """
         return {n: self._logical(p, p.packing, self._fetch(state.tables[n]))
                 for n, p in self.plans.items()}
 
     def export_slots(self, state: EmbeddingState) -> dict[str, dict[str, np.ndarray]]:
-        """{table name: {slot name: (V, D) or (V,)}}; {} for a table without slots."""
+        """{table name: {slot name: (V, D) or (V,)}}; {} for a table without slots.
+
+        A collective with several processes, like `export`.
+        """
         return {n: {s.name: self._logical(p, p.slot_packing(s),
                                           self._fetch(state.slots[n][s.name]))
                     for s in p.slot_specs}
                 for n, p in self.plans.items()}
 
     def shard_rows(self, state: EmbeddingState, table_name: str, shard: int) -> np.ndarray:
-        """The rows shard `shard` holds, in its local order, padding excluded."""
+        """The rows shard `shard` holds, in its local order, padding excluded.
+
+        With several processes this is a collective, like `export`: call it on every process.
+        """
         if table_name not in self.plans:
             raise ValueError(f"shard_rows: no table {table_name!r}; tables are "
                              f"{list(self.plans)}.")
@@ -239,11 +249,12 @@ class Embedding:
         per_shard = packing.shard_rows(layout.rows_per_shard)
         start, size = shard * per_shard, int(layout.shard_sizes()[shard])
         array = state.tables[table_name]
-        for piece in array.addressable_shards:
-            if (piece.index[0].start or 0) == start:
-                local = np.asarray(piece.data)
-                break
+        if array.is_fully_addressable:
+            local = next(np.asarray(piece.data) for piece in array.addressable_shards
+                         if (piece.index[0].start or 0) == start)
         else:
+            # Several processes: all gather, whichever holds the shard; one that read its
+            # own copy instead would leave the others waiting in the all-gather.
             local = self._fetch(array)[start:start + per_shard]
         return packing.unpack(local, 1, layout.rows_per_shard)[:size]
 
@@ -257,8 +268,12 @@ class Embedding:
         """{feature path: int32 number of ids neither -1 nor in [0, V)}; jittable."""
         return _inputs.invalid_counts(self.spec, features)
 
-    def _prepare(self, features) -> dict:
+    def _prepare(self, features, act_grads=None) -> dict:
         flat = _inputs.flatten_inputs(self.spec, features)
+        # With several processes a NumPy input is the global batch: processes passing their
+        # own rows instead would train on wrong data without an error. Checked first, so
+        # that validation below fails on every process or on none.
+        _multihost.check_same_on_every_process((flat, act_grads))
         if all(not isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(flat)):
             if any(not isinstance(x, jax.Array) for x in jax.tree.leaves(flat)):
                 self.validate(features)
@@ -287,7 +302,7 @@ class Embedding:
         Each row in the batch gets exactly one update from the sum of its gradients (across
         examples and across features sharing its table); other rows and slots are untouched.
         """
-        flat = self._prepare(features)
+        flat = self._prepare(features, act_grads)
         grads = dict(_config.flatten_features(act_grads)) if isinstance(act_grads, dict) \
             else None
         if grads is None or set(grads) != set(flat):

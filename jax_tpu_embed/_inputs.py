@@ -129,7 +129,7 @@ def validate(spec: _config.EmbeddingSpec, features, num_shards: int) -> None:
             continue
         if not _is_concrete(ids):
             continue
-        ids = np.asarray(ids)
+        ids = _host_value(ids)
         if not np.issubdtype(ids.dtype, np.integer):
             problems.append(f"Feature {path!r}: ids must have an integer dtype, got "
                             f"{ids.dtype}.")
@@ -140,7 +140,7 @@ def validate(spec: _config.EmbeddingSpec, features, num_shards: int) -> None:
             continue
         batch_sizes[path] = ids.shape[0]
         if weights is not None and _is_concrete(weights):
-            weights = np.asarray(weights)
+            weights = _host_value(weights)
             if not np.issubdtype(weights.dtype, np.floating):
                 problems.append(f"Feature {path!r}: weights must be floats, got "
                                 f"{weights.dtype}.")
@@ -169,6 +169,18 @@ def validate(spec: _config.EmbeddingSpec, features, num_shards: int) -> None:
                             f"{num_shards} along the sharding axis.")
     if problems:
         raise ValueError("Invalid features:\n  " + "\n  ".join(problems))
+
+
+def _host_value(x):
+    """x as NumPy. Of a jax.Array spanning several processes only this process's shards can be
+    read; the rest is zeros (id 0 is always valid), so each process checks its own rows of
+    the global batch and reports global positions."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        out = np.zeros(x.shape, x.dtype)
+        for shard in x.addressable_shards:
+            out[shard.index] = np.asarray(shard.data)
+        return out
+    return np.asarray(x)
 
 
 def spec_table_name(spec, feature) -> str:

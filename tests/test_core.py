@@ -321,7 +321,7 @@ def test_same_logical_init_for_every_mesh_and_strategy():
                 ref = got
             for name in ref[0]:
                 np.testing.assert_array_equal(got[0][name], ref[0][name])
-                np.testing.assert_array_equal(got[1][name]["accumulators"], 0.1)
+                np.testing.assert_array_equal(got[1][name]["accumulators"], np.float32(0.1))
     std = ref[0]["shared"].std()
     assert 0.5 / np.sqrt(5) < std < 1.2 / np.sqrt(5)  # TF default: stddev 1/sqrt(dim).
 

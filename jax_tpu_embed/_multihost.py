@@ -1,0 +1,111 @@
+"""Multi-host input helpers: each process feeds its own part of the global batch.
+
+On a multi-host slice (or any multi-controller JAX job) every process runs the same program,
+but each one holds only its devices' part of the global batch. `Embedding.lookup` and
+`apply_gradients` take global `jax.Array`s sharded over the embedding's axis; these helpers
+say which rows of the global batch a process must load and turn its rows into those arrays
+with `jax.make_array_from_process_local_data`.
+
+    rows = multihost.process_batch_rows(emb, global_batch=B)      # this process's rows of B
+    features = multihost.global_batch(emb, load(rows))           # leaves (b_local, ...)
+    acts = emb.lookup(state, features)                           # global (B, D) arrays
+    state = emb.apply_gradients(state, features, multihost.global_batch(emb, act_grads))
+
+In one process both are trivial (every row; a device_put), so the same code runs everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+Nested = Any
+
+
+def batch_sharding(emb) -> NamedSharding:
+    """The sharding of every batch input: dimension 0 split over `emb.axis`."""
+    return NamedSharding(emb.mesh, P(emb.axis))
+
+
+def process_batch_rows(emb, global_batch: int) -> np.ndarray:
+    """The rows of the global batch this process supplies, in the order it supplies them.
+
+    Args:
+        emb: The `jte.Embedding`.
+        global_batch: B, a multiple of the mesh size along `emb.axis`.
+
+    Returns:
+        int64 (b,) indices into [0, B), ascending: the rows of this process's devices along
+        `emb.axis` (b = B * local shards / N). Processes that are replicas along other mesh
+        axes get the same rows and must load the same data. In one process: arange(B).
+    """
+    n = emb.num_shards
+    if global_batch <= 0 or global_batch % n:
+        raise ValueError(f"process_batch_rows: global_batch={global_batch} must be a "
+                         f"positive multiple of the mesh size {n} along axis {emb.axis!r}.")
+    per_shard = global_batch // n
+    index_map = batch_sharding(emb).addressable_devices_indices_map((global_batch,))
+    starts = sorted({index[0].start or 0 for index in index_map.values()})
+    return np.concatenate([np.arange(s, s + per_shard, dtype=np.int64) for s in starts]
+                          + [np.zeros((0,), np.int64)])  # Empty when no device is local.
+
+
+def global_batch(emb, local: Nested) -> Nested:
+    """Global jax.Arrays, sharded over `emb.axis`, from this process's rows.
+
+    Args:
+        emb: The `jte.Embedding`.
+        local: A pytree (features, `jte.Weighted` leaves included, or activation gradients)
+            whose array leaves hold this process's rows of the global batch, in the order of
+            `process_batch_rows`: (b, ...) with b = B * local shards / N.
+
+    Returns:
+        The same structure with (B, ...) jax.Arrays sharded as `batch_sharding(emb)`. Every
+        process calls it with the same structure and shapes: each gives its rows of the same
+        global arrays (no communication happens here).
+    """
+    sharding = batch_sharding(emb)
+
+    def one(x):
+        x = np.asarray(x)
+        if x.ndim == 0:
+            raise ValueError(f"global_batch: every leaf needs a batch dimension, got a "
+                             f"scalar {x!r}.")
+        return jax.make_array_from_process_local_data(sharding, x)
+
+    return jax.tree.map(one, local)
+
+
+def check_same_on_every_process(tree: Nested, what: str = "NumPy inputs") -> None:
+    """Raises ValueError unless every process passed equal NumPy leaves in `tree`.
+
+    With several processes, jit takes a NumPy argument as one global value, replicated: every
+    process must pass the whole global batch, the same everywhere. A process that passes only
+    its own rows would silently train on a smaller, different batch per process. Compares one
+    hash per process (a small all-gather, so every process must call it); jax.Arrays and
+    tracers are skipped. Does nothing in one process or without NumPy leaves.
+    """
+    leaves = [x for x in jax.tree.leaves(tree)
+              if not isinstance(x, (jax.Array, jax.core.Tracer))]
+    if jax.process_count() == 1 or not leaves:
+        return
+    digest = hashlib.sha256()
+    for x in leaves:
+        x = np.ascontiguousarray(x)
+        digest.update(f"{x.shape}{x.dtype.str};".encode())
+        digest.update(x.tobytes())
+    mine = np.frombuffer(digest.digest()[:8], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
+    differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
+    if differ:
+        raise ValueError(
+            f"{what} differ between processes (processes {differ} differ from process 0). "
+            f"With several processes a NumPy input is the global batch and must be the same "
+            f"on every process. To feed each process its own rows, make global jax.Arrays of "
+            f"them: multihost.global_batch(emb, local_rows).")

@@ -1,0 +1,217 @@
+"""One process of the 2-process CPU job of test_multihost.py, and the training both share.
+
+As a script (the test starts two, with JAX_PLATFORMS=cpu and 4 CPU devices each):
+
+    python tests/_multihost_worker.py --port P --process-id I --num-processes 2 \
+        --out DIR --cases div:explicit,mod:auto:numpy:restore
+
+it joins JAX's multi-controller runtime on 127.0.0.1:P (gloo CPU collectives) and runs
+`train` for every case (strategy:mesh[:inputs[:start]], its arguments) over a mesh of all
+global devices, each process feeding only its rows of the global batch; process 0 writes
+DIR/<case with _ for :>.npz. Imported by the test (one process, 8 devices), `train` gives the
+single-process result of the same training.
+
+jax_tpu_embed never touches a device at import, so importing it before
+`jax.distributed.initialize` is fine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+import jax_tpu_embed as jte
+from jax_tpu_embed import _multihost as multihost
+
+B = 32
+STEPS = 3
+SEED = 1234
+
+
+def make_spec(strategy: str) -> jte.EmbeddingSpec:
+    """Two tables: "shared" (Adagrad, the spec's) for a weighted multi-hot and a one-hot
+    feature, "seq" (its own Adam) for a sequence feature. V is not a multiple of 8, so "div"
+    shards differ in size and both strategies pad."""
+    shared = jte.TableConfig(vocabulary_size=37, dim=8, combiner="mean", name="shared")
+    seq = jte.TableConfig(vocabulary_size=21, dim=4, name="seq",
+                          optimizer=jte.Adam(learning_rate=0.05))
+    features = {
+        "multi": jte.FeatureConfig(shared),                          # Weighted (B, 3)
+        "one": jte.FeatureConfig(shared),                            # (B,)
+        "seq": jte.FeatureConfig(seq, max_sequence_length=4),        # (B, 5), truncated
+    }
+    return jte.EmbeddingSpec(features, jte.Adagrad(learning_rate=0.1),
+                             partition_strategy=strategy)
+
+
+def make_mesh(kind: str) -> jax.sharding.Mesh:
+    """One axis "shard" over every device. "explicit": jax.make_mesh (Explicit axes); "auto":
+    jax.sharding.Mesh (Auto axes); "interleaved": Auto, the processes' devices alternating
+    along the axis, so a process's rows of the batch are not one contiguous block."""
+    devices = jax.devices()  # Sorted by process, then by id.
+    if kind == "explicit":
+        return jax.make_mesh((len(devices),), ("shard",))
+    if kind == "interleaved":
+        by_process = {}
+        for d in devices:
+            by_process.setdefault(d.process_index, []).append(d)
+        devices = [d for group in zip(*by_process.values()) for d in group]
+    return jax.sharding.Mesh(np.array(devices), ("shard",))
+
+
+def global_step_data(step: int):
+    """(features, act_grads) of the global batch of `step`, as NumPy; the same everywhere."""
+    rng = np.random.default_rng([SEED, step])
+    # Small id ranges: many duplicates within and across features of the shared table.
+    multi = rng.integers(-1, 37, (B, 3)).astype(np.int32)
+    weights = rng.uniform(0.5, 2.0, (B, 3)).astype(np.float32)
+    one = rng.integers(0, 37, (B,)).astype(np.int32)
+    seq = rng.integers(-1, 21, (B, 5)).astype(np.int32)
+    features = {"multi": jte.Weighted(multi, weights), "one": one, "seq": seq}
+    grads = {"multi": rng.standard_normal((B, 8)).astype(np.float32),
+             "one": rng.standard_normal((B, 8)).astype(np.float32),
+             "seq": rng.standard_normal((B, 4, 4)).astype(np.float32)}
+    return features, grads
+
+
+def _gather(x):
+    """A global jax.Array as NumPy on every process."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _raises(fn, *args) -> bool:
+    try:
+        fn(*args)
+    except ValueError:
+        return True
+    return False
+
+
+def _gather_rows(rows):
+    if jax.process_count() == 1:
+        return np.asarray(rows)[None]
+    return np.asarray(multihost_utils.process_allgather(rows.astype(np.int32)))
+
+
+def initial_values():
+    """(tables, slots) for `restore_tables`: the Adam table's "velocities" left out."""
+    rng = np.random.default_rng([SEED, 99])
+    tables = {"shared": rng.standard_normal((37, 8)).astype(np.float32),
+              "seq": rng.standard_normal((21, 4)).astype(np.float32)}
+    slots = {"shared": {"accumulators": rng.uniform(0.1, 0.5, (37, 8)).astype(np.float32)},
+             "seq": {"momenta": rng.uniform(-0.1, 0.1, (21, 4)).astype(np.float32)}}
+    return tables, slots
+
+
+def train(strategy: str, mesh_kind: str, inputs: str = "local", start: str = "init") -> dict:
+    """Trains STEPS steps; {"table/t", "slot/t/s", "acts/<step>/<feature>": np.ndarray}.
+
+    inputs="local": every process feeds only its rows of each global batch, as global
+    jax.Arrays (in one process: all rows). "numpy": every process passes the whole global
+    batch as NumPy arrays. start="init": `emb.init(key)`; "restore": `emb.restore_tables`
+    from `initial_values()` (no table-initializer compiles: the cheaper start).
+    """
+    emb = jte.Embedding(make_spec(strategy), make_mesh(mesh_kind))
+    if start == "init":
+        state = emb.init(jax.random.key(0))
+    else:
+        tables, slots = initial_values()
+        state = emb.restore_tables(tables, slots, step=5)
+    first_step = int(_gather(state.step))
+    rows = multihost.process_batch_rows(emb, B)
+    out = {}
+    for step in range(STEPS):
+        features, grads = global_step_data(step)
+        local = jax.tree.map(lambda x: x[rows], (features, grads))
+        if inputs == "local":
+            features, grads = multihost.global_batch(emb, local)
+        elif step == 0:  # Whether the NumPy check passes the global batch, rejects local rows.
+            out["meta/same_check"] = np.array([_raises(multihost.check_same_on_every_process,
+                                                       (features, grads)),
+                                               _raises(multihost.check_same_on_every_process,
+                                                       local)])
+        acts = emb.lookup(state, features)
+        for path, a in acts.items():
+            out[f"acts/{step}/{path}"] = _gather(a)
+        state = emb.apply_gradients(state, features, grads)
+    assert int(_gather(state.step)) == first_step + STEPS
+    # Which rows each process fed: (processes, b); checked by the test, not compared.
+    out["meta/rows"] = _gather_rows(rows)
+    for name, table in emb.export(state).items():
+        out[f"table/{name}"] = np.asarray(table)
+    for name, slots in emb.export_slots(state).items():
+        for slot, value in slots.items():
+            out[f"slot/{name}/{slot}"] = np.asarray(value)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--process-id", type=int, required=True)
+    parser.add_argument("--num-processes", type=int, default=2)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", default="div:explicit")
+    parser.add_argument("--init-timeout", type=int, default=60)
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    address = f"127.0.0.1:{args.port}"
+    jax.distributed.initialize(
+        coordinator_address=address, num_processes=args.num_processes,
+        process_id=args.process_id, coordinator_bind_address=address,
+        cluster_detection_method="deactivate",  # No probing for TPU/Slurm/MPI environments.
+        initialization_timeout=args.init_timeout, heartbeat_timeout_seconds=30,
+        shutdown_timeout_seconds=30)
+    _pin_gloo_to_loopback()
+    assert jax.process_count() == args.num_processes, jax.process_count()
+    assert jax.device_count() == args.num_processes * jax.local_device_count()
+    print(f"[{args.process_id}] up in {time.perf_counter() - start:.1f}s: "
+          f"{jax.local_device_count()} local of {jax.device_count()} devices", flush=True)
+
+    for case in args.cases.split(","):
+        t0 = time.perf_counter()
+        result = train(*case.split(":"))
+        if jax.process_index() == 0:
+            # Written whole, then renamed: the test reads each case as soon as it appears.
+            path = os.path.join(args.out, case.replace(":", "_") + ".npz")
+            with open(path + ".tmp", "wb") as f:
+                np.savez(f, **result)
+            os.replace(path + ".tmp", path)
+        print(f"[{args.process_id}] {case}: {time.perf_counter() - t0:.1f}s", flush=True)
+    jax.distributed.shutdown()
+    return 0
+
+
+def _pin_gloo_to_loopback():
+    """Makes gloo listen on 127.0.0.1 instead of the address the hostname resolves to.
+
+    jax creates the CPU client's gloo collectives without a hostname, so gloo binds to
+    whatever `hostname` resolves to (often an external interface). The backend is created
+    lazily, so replacing the CPU factory between `distributed.initialize` and the first use
+    of a device is enough. Private API of jax 0.10.2 (pinned); skipped if it moved.
+    """
+    try:
+        from jax._src import distributed, xla_bridge
+        from jax._src.lib import _jax
+        collectives = _jax.make_gloo_tcp_collectives(
+            distributed_client=distributed.global_state.client, hostname="127.0.0.1")
+        xla_bridge.register_backend_factory(
+            "cpu", functools.partial(xla_bridge.make_cpu_client, collectives=collectives),
+            priority=0, fail_quietly=False)
+    except (ImportError, AttributeError, TypeError) as e:  # pragma: no cover
+        print(f"gloo keeps its default address ({e!r})", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
