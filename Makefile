@@ -19,5 +19,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
+# Benchmarks against the peers (torch, FBGEMM, flax+optax), W0 and W1 of shared/WORKLOADS.md.
+bench: $(STAMP)
+	$(PY) -m pip install -q -r benchmarks/requirements-bench.txt
+	$(PY) benchmarks/run.py --workload W0 --engines all --steps 20 --out bench_results/
+	$(PY) benchmarks/run.py --workload W1 --engines all --steps 20 --max-seconds 40 --out bench_results/
+
 clean:
 	rm -rf $(VENV) .pytest_cache

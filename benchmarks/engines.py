@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import Callable
 
 import numpy as np
@@ -109,6 +110,10 @@ class DenseJax(Engine):
                       "update is dense: every row and accumulator is rewritten each step "
                       "(untouched rows get g = 0, so values match the sparse update).")
 
+    def __init__(self, *args, optax_eps: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.optax_eps = float(optax_eps)   # 0: exact TF Adagrad; optax's default is 1e-7
+
     def check_available(self):
         return _missing(["jax", "flax", "optax"])
 
@@ -128,7 +133,7 @@ class DenseJax(Engine):
                         for i, n in enumerate(names)]
 
         model = Model()
-        opt = optax.adagrad(self.lr, initial_accumulator_value=self.a0, eps=0.0)
+        opt = optax.adagrad(self.lr, initial_accumulator_value=self.a0, eps=self.optax_eps)
         self._batches = [jax.device_put(wl.ids[k]) for k in range(wl.num_batches)]
         self._R = jax.device_put(wl.R)
         if init_tables is None:
@@ -340,6 +345,19 @@ class FbgemmRowwiseAdagrad(FbgemmTBE):
 # jax_tpu_embed (the library under test), via its public API only
 # ==========================================================================================
 
+def _import_jte():
+    """Imports jax_tpu_embed: the installed one, else the checkout this file belongs to."""
+    try:
+        return importlib.import_module("jax_tpu_embed")
+    except ModuleNotFoundError as e:
+        if e.name != "jax_tpu_embed":
+            raise
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        if root not in sys.path:
+            sys.path.append(root)
+        return importlib.import_module("jax_tpu_embed")
+
+
 class JteEngine(Engine):
     kind = "jte"
     xla_device_count = 2      # one XLA host device per core; the mesh is all local devices
@@ -350,7 +368,7 @@ class JteEngine(Engine):
         if msg:
             return msg
         try:
-            import jax_tpu_embed as jte  # noqa: F401
+            jte = _import_jte()
         except Exception as e:
             return (f"jax_tpu_embed does not import yet ({type(e).__name__}: {e}); "
                     f"engine {self.name} skipped")
@@ -373,7 +391,7 @@ class JteEngine(Engine):
         import jax
         import jax.numpy as jnp
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-        import jax_tpu_embed as jte
+        jte = _import_jte()
 
         c = wl.config
         self._names = wl.table_names
