@@ -3,9 +3,16 @@
     import jax_tpu_embed as jte
 """
 
+from . import _multihost as multihost
+from . import checkpoint as checkpoint
+from . import compat as compat
+from . import flax as flax
+from . import serving as serving
 from ._config import EmbeddingSpec as EmbeddingSpec
 from ._config import FeatureConfig as FeatureConfig
 from ._config import TableConfig as TableConfig
+from ._config_file import load_config as load_config
+from ._config_file import load_spec as load_spec
 from ._embedding import Embedding as Embedding
 from ._embedding import EmbeddingState as EmbeddingState
 from ._inputs import Weighted as Weighted
@@ -18,12 +25,8 @@ from ._optimizers import Adam as Adam
 from ._optimizers import CustomOptimizer as CustomOptimizer
 from ._optimizers import Optimizer as Optimizer
 from ._optimizers import RowwiseAdagrad as RowwiseAdagrad
+from ._train import TrainState as TrainState
+from ._train import TrainStep as TrainStep
+from ._train import make_train_step as make_train_step
 
 __version__ = "0.1.0"
-
-from . import checkpoint as checkpoint  # noqa: E402
-from . import compat as compat  # noqa: E402
-from . import serving as serving  # noqa: E402
-from ._config_file import load_config as load_config  # noqa: E402
-from ._config_file import load_spec as load_spec  # noqa: E402
-from . import _multihost as multihost  # noqa: E402

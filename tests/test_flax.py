@@ -1,0 +1,272 @@
+"""jte.flax: the Embed layer's variables, and the flax train step against the generic one."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_tpu_embed as jte
+from conftest import make_mesh
+
+B, D = 16, 4
+
+
+def make_spec(strategy="div", pipeline=False, v_user=61, v_item=29):
+    user = jte.TableConfig(v_user, D, combiner="mean", name="user")
+    item = jte.TableConfig(v_item, D, combiner="sum", name="item")
+    return jte.EmbeddingSpec(
+        {"user": jte.FeatureConfig(user), "item": jte.FeatureConfig(item),
+         "history": jte.FeatureConfig(item)},
+        jte.Adagrad(learning_rate=0.2), partition_strategy=strategy,
+        pipeline_execution=pipeline)
+
+
+def make_batch(rng, v_user=61, v_item=29):
+    history = rng.integers(0, v_item, (B, 3))
+    history[rng.random((B, 3)) < 0.3] = -1
+    return {"features": {"user": rng.integers(0, v_user, (B, 2)).astype(np.int32),
+                         "item": rng.integers(0, v_item, B).astype(np.int32),
+                         "history": history.astype(np.int32)},
+            "y": rng.normal(size=B).astype(np.float32)}
+
+
+class Model(nn.Module):
+    embed: jte.flax.Embed
+
+    @nn.compact
+    def __call__(self, batch):
+        acts = self.embed(batch["features"])
+        x = jnp.concatenate([acts["history"], acts["item"], acts["user"]], axis=-1)
+        return nn.Dense(1, name="head")(jnp.tanh(x))[:, 0]
+
+
+def mse(outputs, batch):
+    return jnp.mean((outputs - batch["y"]) ** 2)
+
+
+# ----------------------------------------------------------------------- the layer
+
+def test_variables_live_in_the_embedding_collection():
+    spec = make_spec()
+    emb = jte.Embedding(spec, make_mesh(2))
+    model = Model(jte.flax.Embed.from_embedding(emb))
+    assert model.embed.embedding is emb
+    variables = model.init(jax.random.key(0), make_batch(np.random.default_rng(0)))
+    assert set(variables) == {"params", "embedding"}
+    assert set(variables["params"]) == {"head"}  # No table among the params.
+    state = variables["embedding"]["embed"]
+    want = emb.abstract_state()
+    for name, table in want.tables.items():
+        assert state["tables"][name].shape == table.shape
+        assert state["tables"][name].sharding.is_equivalent_to(table.sharding, table.ndim)
+        assert state["slots"][name]["accumulators"].shape == table.shape
+    assert int(state["step"]) == 0
+
+
+def test_init_is_embedding_init(monkeypatch):
+    """The layer draws its state with one `Embedding.init` call and stores it unchanged."""
+    spec = make_spec()
+    layer = jte.flax.Embed(spec, make_mesh(2))
+    keys = []
+    real_init = jte.Embedding.init
+
+    def spy(self, key):
+        keys.append(key)
+        return real_init(self, key)
+
+    monkeypatch.setattr(jte.Embedding, "init", spy)
+    features = make_batch(np.random.default_rng(1))["features"]
+    variables = layer.init(jax.random.key(3), features)
+    assert len(keys) == 1
+    emb = layer.embedding
+    got = jte.flax.embedding_states(variables["embedding"])[""]
+    want = real_init(emb, keys[0])
+    for name, table in emb.export(want).items():
+        np.testing.assert_array_equal(emb.export(got)[name], table)
+    np.testing.assert_allclose(layer.apply(variables, features)["user"],
+                               emb.lookup(want, features)["user"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("num_shards,kind,strategy", [(8, "explicit", "mod"),
+                                                      (4, "auto", "div")])
+def test_same_logical_tables_for_every_mesh(num_shards, kind, strategy):
+    batch = make_batch(np.random.default_rng(2))
+    tables = {}
+    for n, k, s in [(1, "explicit", "div"), (num_shards, kind, strategy)]:
+        layer = jte.flax.Embed(make_spec(s), make_mesh(n, k))
+        variables = layer.init(jax.random.key(7), batch["features"])
+        tables[n] = layer.embedding.export(
+            jte.flax.embedding_states(variables["embedding"])[""])
+    for name, table in tables[1].items():
+        np.testing.assert_array_equal(tables[num_shards][name], table)
+
+
+def test_apply_without_embedding_variables_raises():
+    model = Model(jte.flax.Embed(make_spec(), make_mesh(2)))
+    batch = make_batch(np.random.default_rng(3))
+    variables = model.init(jax.random.key(0), batch)
+    with pytest.raises(ValueError, match="no 'embedding' variables"):
+        model.apply({"params": variables["params"]}, batch)
+
+
+def test_embedding_states_round_trip():
+    model = Model(jte.flax.Embed(make_spec(), make_mesh(2)))
+    variables = model.init(jax.random.key(0), make_batch(np.random.default_rng(4)))
+    states = jte.flax.embedding_states(variables["embedding"])
+    assert list(states) == ["embed"]
+    fresh = model.embed.embedding.init(jax.random.key(9))
+    replaced = jte.flax.replace_embedding_states(variables["embedding"], {"embed": fresh})
+    assert replaced["embed"]["tables"]["user"] is fresh.tables["user"]
+    assert variables["embedding"]["embed"]["tables"]["user"] is not fresh.tables["user"]
+    with pytest.raises(ValueError, match="no Embed at"):
+        jte.flax.replace_embedding_states(variables["embedding"], {"other": fresh})
+
+
+# ------------------------------------------------------------------------ the step
+
+def test_flax_step_equals_generic_step():
+    """The same model, written as a flax module and as loss_fn(params, acts, batch)."""
+    rng = np.random.default_rng(5)
+    batches = [make_batch(rng) for _ in range(3)]
+    mesh = make_mesh(4, "auto")
+    model = Model(jte.flax.Embed(make_spec(), mesh))
+    flax_step = jte.flax.make_train_step(model, mse, optax.adam(0.05))
+    f_state = flax_step.init(jax.random.key(0), batches[0])
+
+    emb = model.embed.embedding
+    head = nn.Dense(1)
+
+    def loss_fn(params, acts, batch):
+        x = jnp.concatenate([acts["history"], acts["item"], acts["user"]], axis=-1)
+        return mse(head.apply({"params": params["head"]}, jnp.tanh(x))[:, 0], batch)
+
+    generic = jte.make_train_step(emb, loss_fn, optax.adam(0.05))
+    emb_state = jte.flax.embedding_states(f_state.embedding)["embed"]
+    g_state = generic.init(None, f_state.params, embedding_state=emb.restore_tables(
+        emb.export(emb_state), emb.export_slots(emb_state)))
+
+    for batch in batches:
+        f_state, f_metrics = flax_step(f_state, batch)
+        g_state, g_metrics = generic(g_state, batch)
+        np.testing.assert_allclose(f_metrics["loss"], g_metrics["loss"], rtol=1e-6)
+    assert flax_step.trace_count == generic.trace_count == 1
+    got = emb.export(jte.flax.embedding_states(f_state.embedding)["embed"])
+    for name, table in emb.export(g_state.embedding).items():
+        np.testing.assert_allclose(got[name], table, rtol=1e-5, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 f_state.params, g_state.params)
+    np.testing.assert_allclose(flax_step.predict(f_state, batches[0]),
+                               model.apply(flax_step.variables(f_state), batches[0]),
+                               rtol=1e-6)
+
+
+def test_optax_never_sees_a_table():
+    seen = []
+
+    def record():
+        def init(params):
+            seen.append(jax.tree.map(jnp.shape, params))
+            return optax.EmptyState()
+
+        def update(updates, state, params=None):
+            seen.append(jax.tree.map(jnp.shape, updates))
+            return jax.tree.map(lambda g: -0.1 * g, updates), state
+
+        return optax.GradientTransformation(init, update)
+
+    model = Model(jte.flax.Embed(make_spec(), make_mesh(2)))
+    step = jte.flax.make_train_step(model, mse, record())
+    rng = np.random.default_rng(6)
+    state = step.init(jax.random.key(0), make_batch(rng))
+    emb = model.embed.embedding
+    before = emb.export(jte.flax.embedding_states(state.embedding)["embed"])
+    batch = make_batch(rng, v_user=20, v_item=10)  # Rows >= 20 / >= 10 stay untouched.
+    state, _ = step(state, batch)
+    assert seen and all(set(s) == {"head"} for s in seen)
+    after = emb.export(jte.flax.embedding_states(state.embedding)["embed"])
+    np.testing.assert_array_equal(after["user"][20:], before["user"][20:])
+    np.testing.assert_array_equal(after["item"][10:], before["item"][10:])
+    assert np.any(after["user"][:20] != before["user"][:20])
+
+
+class TwoTowers(nn.Module):
+    """Two Embed layers: one plain, one pipelined."""
+    users: jte.flax.Embed
+    items: jte.flax.Embed
+
+    @nn.compact
+    def __call__(self, batch):
+        u = self.users(batch["u"])["user"]
+        i = self.items(batch["i"])["item"]
+        return jnp.sum(nn.Dense(D)(u) * i, axis=-1)
+
+
+def test_two_layers_one_pipelined():
+    mesh = make_mesh(2)
+    user = jte.TableConfig(41, D, name="user")
+    item = jte.TableConfig(43, D, name="item")
+    users = jte.flax.Embed(jte.EmbeddingSpec({"user": jte.FeatureConfig(user)},
+                                             jte.SGD(0.5)), mesh)
+    items = jte.flax.Embed(jte.EmbeddingSpec({"item": jte.FeatureConfig(item)}, jte.SGD(0.5),
+                                             pipeline_execution=True), mesh)
+    model = TwoTowers(users, items)
+    step = jte.flax.make_train_step(model, mse, optax.sgd(0.1))
+    rng = np.random.default_rng(7)
+
+    def batch():
+        return {"u": {"user": rng.integers(0, 41, B)}, "i": {"item": rng.integers(0, 43, B)},
+                "y": rng.normal(size=B).astype(np.float32)}
+
+    state = step.init(jax.random.key(0), batch())
+    assert sorted(state.pending.features) == ["items"]
+    for _ in range(3):
+        state, m = step(state, batch())
+    states = jte.flax.embedding_states(state.embedding)
+    assert int(states["users"].step) == 3 and int(states["items"].step) == 2
+    with pytest.raises(ValueError, match="flush"):
+        step.predict(state, batch())
+    state = step.flush(state)
+    assert int(jte.flax.embedding_states(state.embedding)["items"].step) == 3
+    assert step.trace_count == 1
+    assert np.all(np.isfinite(step.predict(state, batch())))
+
+
+class CallsTwice(nn.Module):
+    embed: jte.flax.Embed
+
+    @nn.compact
+    def __call__(self, batch):
+        a = self.embed(batch["features"])["item"]
+        b = self.embed(batch["features"])["item"]
+        return jnp.sum(a * b, axis=-1)
+
+
+def test_layer_called_twice_raises():
+    model = CallsTwice(jte.flax.Embed(make_spec(), make_mesh(2)))
+    step = jte.flax.make_train_step(model, mse, optax.sgd(0.1))
+    batch = make_batch(np.random.default_rng(8))
+    with pytest.raises(ValueError, match="called more than once"):
+        step.init(jax.random.key(0), batch)  # Found when init looks at the batch.
+
+
+def test_model_without_embed_raises():
+    step = jte.flax.make_train_step(nn.Dense(1), mse, optax.sgd(0.1))
+    with pytest.raises(ValueError, match="no jte.flax.Embed"):
+        step.init(jax.random.key(0), np.ones((B, 3), np.float32))
+
+
+def test_abstract_state_matches_init():
+    model = Model(jte.flax.Embed(make_spec(pipeline=True), make_mesh(2)))
+    step = jte.flax.make_train_step(model, mse, optax.adam(1e-3))
+    batch = make_batch(np.random.default_rng(9))
+    real = step.init(jax.random.key(0), batch)
+    abstract = step.abstract_state(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch))
+    real_leaves, real_def = jax.tree.flatten(real)
+    abstract_leaves, abstract_def = jax.tree.flatten(abstract)
+    assert real_def == abstract_def
+    for x, a in zip(real_leaves, abstract_leaves):
+        assert (x.shape, x.dtype) == (a.shape, a.dtype)
+        assert x.sharding.is_equivalent_to(a.sharding, x.ndim)
