@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _config, _inputs, _layout, _multihost, _optimizers, _sparse
+from . import _config, _cpu_kernels, _inputs, _layout, _multihost, _optimizers, _sparse
 
 Nested = Any
 
@@ -56,10 +56,16 @@ class Embedding:
         lane_width: Physical row width that narrow rows are packed into (see _layout.Packing);
             0 stores every array as (rows, D). Default: 128 on TPU meshes, 0 elsewhere. It
             changes only the physical layout: every result is the same.
+        cpu_kernels: Run the shard-local sums, updates (SGD, Adagrad, RowwiseAdagrad) and
+            pooled lookups of unpacked float32 tables as C++ kernels (_cpu_kernels), compiled
+            on first use. Default: on for CPU meshes. If g++ is missing or compilation
+            fails, a warning is given once and the portable XLA path runs. Results match
+            the portable path to float32 rounding.
     """
 
     def __init__(self, spec: _config.EmbeddingSpec, mesh: jax.sharding.Mesh | None = None,
-                 axis: str | None = None, *, lane_width: int | None = None):
+                 axis: str | None = None, *, lane_width: int | None = None,
+                 cpu_kernels: bool | None = None):
         if not isinstance(spec, _config.EmbeddingSpec):
             raise TypeError(f"Embedding: spec must be a jte.EmbeddingSpec, got "
                             f"{type(spec).__name__}.")
@@ -80,6 +86,12 @@ class Embedding:
         if lane_width not in (0, 128):
             raise ValueError(f"Embedding: lane_width must be 0 or 128, got {lane_width!r}.")
         self.lane_width = lane_width
+        on_cpu = mesh.devices.flat[0].platform == "cpu"
+        if cpu_kernels and not on_cpu:
+            raise ValueError(f"Embedding: cpu_kernels=True needs a CPU mesh; this one is on "
+                             f"{mesh.devices.flat[0].platform!r}.")
+        self.cpu_kernels = bool(on_cpu and cpu_kernels is not False and
+                                _cpu_kernels.available())
         names = _config.table_names(spec)
         self.plans: dict[str, _sparse.TablePlan] = {}
         for name, table in spec.tables().items():
@@ -88,7 +100,8 @@ class Embedding:
                 name=name, config=table, optimizer=opt,
                 layout=_layout.TableLayout(table.vocabulary_size, self.num_shards,
                                            spec.partition_strategy),
-                slot_specs=tuple(opt.slot_specs()), lanes=lane_width)
+                slot_specs=tuple(opt.slot_specs()), lanes=lane_width,
+                cpu_kernels=self.cpu_kernels)
             if self.plans[name].layout.rows_per_shard >= 1 << 30:
                 raise ValueError(f"Embedding: table {name!r} would hold "
                                  f"{self.plans[name].layout.rows_per_shard} rows per shard; "

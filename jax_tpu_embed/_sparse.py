@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _config, _layout, _optimizers
+from . import _config, _cpu_kernels, _layout, _optimizers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +37,13 @@ class TablePlan:
     layout: _layout.TableLayout
     slot_specs: tuple
     lanes: int = 0  # Physical row width to pack narrow rows into (128 on TPU); 0: none.
+    cpu_kernels: bool = False  # Use the C++ kernels of _cpu_kernels (CPU meshes only).
+
+    @property
+    def cpu_rows(self) -> bool:
+        """Whether this table's rows go through the C++ lookup and update kernels."""
+        return (self.cpu_kernels and self.lanes == 0 and
+                jnp.dtype(self.config.dtype) == jnp.float32)
 
     @property
     def packing(self) -> _layout.Packing:
@@ -96,8 +103,13 @@ def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
         ids, weights = feats[f.path]
         ids_all, w_all = _gathered(ids, weights, axis)
         mine, local = _owned(plan.layout, ids_all, axis)
-        rows = _read(tables[f.table], plan.packing, local).astype(jnp.float32)  # (B, L, D)
         scale = jnp.where(mine, _scale(f, w_all), 0.0)
+        if plan.cpu_rows and not f.config.is_sequence:
+            partial = _cpu_kernels.pooled_lookup(tables[f.table],
+                                                 jnp.where(mine, local, _NOT_MINE), scale)
+            out[f.path] = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
+            continue
+        rows = _read(tables[f.table], plan.packing, local).astype(jnp.float32)  # (B, L, D)
         if f.config.is_sequence:
             partial = rows * scale[..., None]
         else:
@@ -125,15 +137,29 @@ def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
         else:
             g = scale[..., None] * grad_all[:, None, :]
         key = jnp.where(mine, local, _NOT_MINE)
+        # The C++ update takes a lone pooled feature's (scale, grad_all) instead of g.
+        pooled = None if f.config.is_sequence else (scale.reshape(-1), grad_all)
         by_table.setdefault(f.table, []).append(
-            (key.reshape(-1), g.reshape(-1, g.shape[-1])))
+            (key.reshape(-1), g.reshape(-1, g.shape[-1]), pooled))
     multiplier = (None if spec.gradient_multiplier_fn is None else
                   jnp.asarray(spec.gradient_multiplier_fn(step), jnp.float32))
     for name, parts in by_table.items():
         plan = plans[name]
-        keys = jnp.concatenate([k for k, _ in parts])
-        g = jnp.concatenate([v for _, v in parts])
-        rows_idx, g_sum = _sum_duplicates(keys, g)
+        keys = jnp.concatenate([k for k, _, _ in parts])
+        g = jnp.concatenate([v for _, v, _ in parts])
+        if plan.cpu_rows and _cpu_kernels.supports_update(plan.optimizer):
+            lr = _optimizers.evaluate(plan.optimizer.learning_rate, step)
+            names = [s.name for s in plan.slot_specs]
+            scale = None
+            if len(parts) == 1 and parts[0][2] is not None:
+                scale, g = parts[0][2]
+            tables[name], new = _cpu_kernels.update(
+                plan.optimizer, tables[name], tuple(slots[name][n] for n in names), keys, g,
+                lr, multiplier, spec.clipping_limit, scale)
+            slots[name] = dict(zip(names, new))
+            continue
+        sum_duplicates = _cpu_kernels.sum_duplicates if plan.cpu_kernels else _sum_duplicates
+        rows_idx, g_sum = sum_duplicates(keys, g)
         if multiplier is not None:
             g_sum = g_sum * multiplier
         if spec.clipping_limit is not None:

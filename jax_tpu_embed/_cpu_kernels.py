@@ -1,0 +1,182 @@
+"""CPU fast path: shard-local kernels in C++ called through XLA FFI.
+
+XLA:CPU runs the gathers, scatters and sorts of the portable kernels (_sparse.py) one element
+at a time on one thread. On CPU meshes these replace them, shard by shard inside shard_map:
+
+- `sum_duplicates`: `_sparse._sum_duplicates`, bit for bit (radix sort, then the gradients
+  of each row summed in position order from +0.0, as XLA's scatter-add sums them).
+- `update`: sum duplicates, gradient multiplier and clipping, then SGD, Adagrad or
+  RowwiseAdagrad and their extras (weight decay, weight clipping), in place on the donated
+  table and slot, touching only the rows in the batch. Same formulas and operation order as
+  `_optimizers`; Adagrad's rsqrt(a) is computed as 1 / sqrt(a), which may differ from XLA's
+  in the last bit, and RowwiseAdagrad's mean(g²) sums in a different order.
+- `pooled_lookup`: the gather and weighted sum of a non-sequence feature, without the
+  (B, L, D) intermediate.
+
+The C++ source (csrc/cpu_kernels.cc) is compiled on first use with g++ into a cache directory
+keyed by the source and flags ($JTE_CACHE_DIR, else ~/.cache/jax_tpu_embed). Without g++, or
+if compilation fails, `available()` is False after one warning and the portable path runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _optimizers
+
+_SOURCE = pathlib.Path(__file__).parent / "csrc" / "cpu_kernels.cc"
+_TARGETS = {"jte_sum_duplicates": "JteSumDuplicates", "jte_update_no_slot": "JteUpdateNoSlot",
+            "jte_update_one_slot": "JteUpdateOneSlot", "jte_pooled_lookup": "JtePooledLookup"}
+_KINDS = {_optimizers.SGD: 0, _optimizers.Adagrad: 1, _optimizers.RowwiseAdagrad: 2}
+# Must match `Flags` in the C++ source.
+_MULTIPLIER, _CLIP_LIMIT, _CLIP_VALUE, _DECAY, _DECAY_BY_LR, _W_MIN, _W_MAX = (
+    1, 2, 4, 8, 16, 32, 64)
+
+_lock = threading.Lock()
+_state: dict = {}  # "ok": bool once tried; "lib": the loaded library.
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        flags = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        flags = ""
+    # AVX2 only when this machine has it; never FMA, so that roundings match XLA's.
+    return ["-mavx2"] if " avx2" in flags else ["-march=x86-64-v2"] if " sse4_2" in flags \
+        else []
+
+
+def _build() -> pathlib.Path:
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off",
+             "-fno-math-errno", *_cpu_flags(), "-I", jax.ffi.include_dir()]
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([cxx] + flags).encode() +
+                         jax.__version__.encode()).hexdigest()[:16]
+    cache = pathlib.Path(os.environ.get("JTE_CACHE_DIR") or
+                         pathlib.Path.home() / ".cache" / "jax_tpu_embed")
+    lib = cache / f"cpu_kernels-{key}.so"
+    if lib.exists():
+        return lib
+    cache.mkdir(parents=True, exist_ok=True)
+    # Build next to the target and rename: concurrent processes never load a partial file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        result = subprocess.run([cxx, *flags, str(_SOURCE), "-o", tmp], capture_output=True,
+                                text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"g++ failed:\n{result.stderr[-2000:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def available() -> bool:
+    """True when the kernels are compiled, loaded and registered (tried once per process)."""
+    with _lock:
+        if "ok" not in _state:
+            try:
+                lib = ctypes.cdll.LoadLibrary(str(_build()))
+                for name, symbol in _TARGETS.items():
+                    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                                platform="cpu")
+                _state.update(ok=True, lib=lib)
+            except Exception as e:  # noqa: BLE001 - any failure means: use the portable path.
+                warnings.warn(f"jax_tpu_embed: CPU kernels unavailable ({e}); using the "
+                              f"portable XLA path.", RuntimeWarning, stacklevel=2)
+                _state["ok"] = False
+        return _state["ok"]
+
+
+def supports_update(optimizer: _optimizers.Optimizer) -> bool:
+    """Whether `update` implements this optimizer (its type exactly, not subclasses)."""
+    return type(optimizer) in _KINDS
+
+
+def sum_duplicates(keys: jax.Array, g: jax.Array):
+    """`_sparse._sum_duplicates(keys, g)`: keys (M,) int32, g (M, D) float32."""
+    m = keys.shape[0]
+    return jax.ffi.ffi_call(
+        "jte_sum_duplicates",
+        (jax.ShapeDtypeStruct((m,), jnp.int32), jax.ShapeDtypeStruct(g.shape, jnp.float32)),
+    )(keys.astype(jnp.int32), g.astype(jnp.float32))
+
+
+def update(optimizer: _optimizers.Optimizer, table: jax.Array, slots: tuple, keys: jax.Array,
+           g: jax.Array, learning_rate: jax.Array, multiplier: jax.Array | None,
+           clipping_limit: float | None, scale: jax.Array | None = None):
+    """One sparse step, in place: (new table, new slots).
+
+    Args:
+        optimizer: SGD, Adagrad or RowwiseAdagrad (see `supports_update`).
+        table: (S, D) float32 shard; slots: () or one (S, D) / (S,) float32 shard.
+        keys: (M,) local row per position, >= 2**30 where this shard owns none.
+        g: (M, D) float32 gradient per position; or, with `scale`, (M / L, D) gradients
+            of which position p gets scale[p] * g[p // L] (a pooled feature's (B, D)
+            gradient, never expanded to (B * L, D)).
+        scale: (M,) float32 or None.
+        learning_rate, multiplier: float32 scalars (multiplier None: 1).
+        clipping_limit: The spec's clipping limit, or None.
+    """
+    flags, clip_lo, clip_hi = 0, 0.0, 0.0
+    if multiplier is not None:
+        flags |= _MULTIPLIER
+    if clipping_limit is not None:
+        flags |= _CLIP_LIMIT
+    c = optimizer.clipvalue
+    if c is not None:
+        flags |= _CLIP_VALUE
+        clip_lo, clip_hi = (-c, c) if np.isscalar(c) else c
+    if optimizer.weight_decay_factor:
+        flags |= _DECAY
+        if optimizer.multiply_weight_decay_factor_by_learning_rate:
+            flags |= _DECAY_BY_LR
+    if optimizer.clip_weight_min is not None:
+        flags |= _W_MIN
+    if optimizer.clip_weight_max is not None:
+        flags |= _W_MAX
+    attrs = dict(
+        kind=np.int32(_KINDS[type(optimizer)]), flags=np.int32(flags),
+        eps=np.float32(getattr(optimizer, "epsilon", 0.0)),
+        clip_limit=np.float32(clipping_limit or 0.0), clip_lo=np.float32(clip_lo),
+        clip_hi=np.float32(clip_hi), decay=np.float32(optimizer.weight_decay_factor or 0.0),
+        w_min=np.float32(optimizer.clip_weight_min or 0.0),
+        w_max=np.float32(optimizer.clip_weight_max or 0.0))
+    scalars = jnp.stack([jnp.asarray(learning_rate, jnp.float32),
+                         jnp.asarray(1.0 if multiplier is None else multiplier, jnp.float32)])
+    if scale is None:
+        scale = jnp.ones(keys.shape, jnp.float32)  # 1 * g is exactly g.
+    buffers = (table,) + tuple(slots)
+    n = len(buffers)
+    out = jax.ffi.ffi_call(
+        "jte_update_no_slot" if n == 1 else "jte_update_one_slot",
+        tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers),
+        input_output_aliases={4 + i: i for i in range(n)},
+    )(keys.astype(jnp.int32), scale.astype(jnp.float32), g.astype(jnp.float32), scalars,
+      *buffers, **attrs)
+    return out[0], tuple(out[1:])
+
+
+def pooled_lookup(table: jax.Array, keys: jax.Array, scale: jax.Array) -> jax.Array:
+    """(B, D) = Σ_l scale[b, l] · table[keys[b, l]] over keys in [0, S); others skipped."""
+    b = keys.shape[0]
+    return jax.ffi.ffi_call(
+        "jte_pooled_lookup", jax.ShapeDtypeStruct((b, table.shape[1]), jnp.float32),
+    )(keys.astype(jnp.int32), scale.astype(jnp.float32), table)
