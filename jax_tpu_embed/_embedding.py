@@ -109,6 +109,7 @@ class Embedding:
         self.features = [_sparse.FeaturePlan(p, f, names[id(f.table)])
                          for p, f in spec.flat_features]
         self._replicated = NamedSharding(mesh, P())
+        self._init_jit = None
         self._lookup_jit = jax.jit(self._lookup)
         self._apply_jit = jax.jit(self._apply)
 
@@ -140,32 +141,47 @@ class Embedding:
         return EmbeddingState(tables, slots, step)
 
     def init(self, key: jax.Array) -> EmbeddingState:
-        """Initial tables and slots: the same logical values for every mesh and strategy."""
+        """Initial tables and slots: the same logical values for every mesh and strategy.
+
+        One jitted program for every table and slot (compiled once per Embedding); it also
+        works traced inside another jit.
+        """
+        if self._init_jit is None:
+            shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state())
+            self._init_jit = jax.jit(self._init_all, out_shardings=shardings)
+        return self._init_jit(key)
+
+    def _init_all(self, key) -> EmbeddingState:
         tables, slots = {}, {}
         for i, (name, plan) in enumerate(self.plans.items()):
             table_key = jax.random.fold_in(key, i)
-            tables[name] = self._init_array(plan, table_key, None)
-            slots[name] = {s.name: self._init_array(plan, jax.random.fold_in(table_key, j + 1), s)
+            tables[name] = self._make_array(plan, None, table_key)
+            slots[name] = {s.name: self._make_array(plan, s, jax.random.fold_in(table_key, j + 1))
                            for j, s in enumerate(plan.slot_specs)}
-        step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
-        return EmbeddingState(tables, slots, step)
+        return EmbeddingState(tables, slots, jnp.zeros((), jnp.int32))
+
+    def _make_array(self, plan, slot: _optimizers.SlotSpec | None, key):
+        """The physical, row-sharded initial value of a table (slot None) or one slot."""
+        v, d = plan.config.vocabulary_size, plan.config.dim
+        if slot is None:
+            init = plan.config.initializer or _default_initializer(d)
+            logical = jnp.asarray(init(key, (v, d), jnp.float32)).astype(plan.config.dtype)
+        else:
+            shape = (v, d) if slot.rank == 2 else (v,)
+            logical = _optimizers.slot_initial_value(slot, key, shape)
+        packing = plan.packing if slot is None else plan.slot_packing(slot)
+        physical = packing.pack(plan.layout.to_physical(logical), self.num_shards)
+        sharding = self._rows(physical.ndim)
+        # Said explicitly so that an init traced inside another jit keeps the row sharding.
+        if _is_explicit(self.mesh):
+            return jax.sharding.reshard(physical, sharding)
+        return jax.lax.with_sharding_constraint(physical, sharding)
 
     def _init_array(self, plan, key, slot: _optimizers.SlotSpec | None):
-        v, d = plan.config.vocabulary_size, plan.config.dim
-
-        def make(key):
-            if slot is None:
-                init = plan.config.initializer or _default_initializer(d)
-                logical = jnp.asarray(init(key, (v, d), jnp.float32)).astype(plan.config.dtype)
-            else:
-                shape = (v, d) if slot.rank == 2 else (v,)
-                logical = _optimizers.slot_initial_value(slot, key, shape)
-            packing = plan.packing if slot is None else plan.slot_packing(slot)
-            return packing.pack(plan.layout.to_physical(logical), self.num_shards)
-
         packing = plan.packing if slot is None else plan.slot_packing(slot)
-        rank = len(packing.physical_shape(plan.layout))
-        return jax.jit(make, out_shardings=self._rows(rank))(key)
+        sharding = self._rows(len(packing.physical_shape(plan.layout)))
+        return jax.jit(functools.partial(self._make_array, plan, slot),
+                       out_shardings=sharding)(key)
 
     def restore_tables(self, tables: dict, slots: dict | None = None, step: int = 0,
                        key: jax.Array | None = None) -> EmbeddingState:
