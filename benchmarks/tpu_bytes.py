@@ -1,0 +1,195 @@
+"""Compiler-estimated HBM traffic of the W1 train step on a TPU slice, against essential bytes.
+
+    python benchmarks/tpu_bytes.py                      # W1 on v5p:2x2x1 at D = 32, 64, 128
+    python benchmarks/tpu_bytes.py --dims 64 --topology v5e:2x2 --json out.json
+
+No TPU needed: libtpu compiles the step from shapes (shared/TPU_AOT.md). For each dim it prints
+the compiler's "bytes accessed" per step (cost_analysis of the per-device program, times the
+device count) next to the essential bytes of WORKLOADS.md,
+
+    essential = Σ_t U_t·D·4·4 + T·B·L·4
+
+(read and write each unique row and its Adagrad accumulator row; the int32 ids, counted per
+table as benchmarks/workloads.py does, which reproduces WORKLOADS.md's totals), their ratio
+(target <= 3x), per-device temporaries and every collective (op, shape, bytes per device).
+
+U_t, the unique rows of one table per step, is the expectation under W1's id distribution:
+P(rank r) ∝ (r+1)^-1.05 on [0, V), B·L draws, E[U] = Σ_r 1 - (1 - p_r)^(B·L); the permutation
+of ranks to rows does not change it. (WORKLOADS.md measured ~207,000 over 8 tables.)
+
+Also compiled, to split the total: the lookup alone, `apply_gradients` alone, and a "row floor":
+a plain-XLA gather of U_t/N rows from one (S, D) shard and, as a separate program, a scatter of
+U_t/N rows into it (donated), counted for 8 tables x (table + accumulator) x N devices — what
+the cost model charges for the essential row reads and writes themselves (it charges whole
+(8, 128) tiles, 4 KiB, per f32 row touched), with the bytes it charges per row.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_tpu_embed as jte  # noqa: E402
+from jax_tpu_embed import _tpu  # noqa: E402
+
+# W1 of shared/WORKLOADS.md.
+TABLES, V, B, L, EXPONENT = 8, 1_000_000, 4096, 20, 1.05
+
+
+def expected_unique_rows(vocabulary_size: int = V, draws: int = B * L,
+                         exponent: float = EXPONENT) -> float:
+    """E[distinct ranks] among `draws` i.i.d. draws with P(r) ∝ (r+1)^-exponent on [0, V)."""
+    p = np.arange(1, vocabulary_size + 1, dtype=np.float64) ** -exponent
+    p /= p.sum()
+    return float(np.sum(-np.expm1(draws * np.log1p(-p))))
+
+
+def essential_bytes(dim: int, unique_per_table: float) -> float:
+    return TABLES * (unique_per_table * dim * 4 * 4 + B * L * 4)
+
+
+def _embedding(topo: _tpu.Topology, dim: int) -> jte.Embedding:
+    tables = [jte.TableConfig(V, dim, combiner="sum", name=f"t{i}") for i in range(TABLES)]
+    spec = jte.EmbeddingSpec({f"t{i}": jte.FeatureConfig(t) for i, t in enumerate(tables)},
+                             jte.Adagrad(learning_rate=0.05))
+    return jte.Embedding(spec, _tpu.mesh(topo))
+
+
+def _cost(compiled) -> tuple[float, int]:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["bytes accessed"]), int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def _parts(emb: jte.Embedding, unique_per_table: float) -> dict[str, tuple[float, int]]:
+    """{part: (bytes accessed per device, temp bytes per device)}."""
+    state = emb.abstract_state()
+    features = _tpu.abstract_features(emb, B, L)
+    batch = NamedSharding(emb.mesh, P(emb.axis))
+    grads = {f.path: jax.ShapeDtypeStruct((B, f.config.table.dim), jnp.float32, sharding=batch)
+             for f in emb.features}
+    out = {}
+    out["lookup only"] = _cost(jax.jit(emb.lookup).lower(state, features).compile())
+    out["apply_gradients only"] = _cost(
+        jax.jit(emb.apply_gradients, donate_argnums=0).lower(state, features, grads).compile())
+
+    # The essential row work as two plain-XLA programs on one device and one (S, D) array:
+    # gather U_t/N rows, and scatter U_t/N rows back (donated). Kept apart so that nothing
+    # fuses: this is what the cost model charges per row read and per row written.
+    n = emb.num_shards
+    rows = int(round(unique_per_table / n))
+    one = NamedSharding(jax.sharding.Mesh(np.array(emb.mesh.devices.flat[:1]), ("d",)), P())
+    dim = emb.spec.flat_features[0][1].table.dim
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=one)
+    table = spec((-(-V // n), dim), jnp.float32)
+    idx, upd = spec((rows,), jnp.int32), spec((rows, dim), jnp.float32)
+    gather, _ = _cost(jax.jit(lambda t, i: t[i]).lower(table, idx).compile())
+    scatter, _ = _cost(jax.jit(lambda t, i, u: t.at[i].set(u), donate_argnums=0)
+                       .lower(table, idx, upd).compile())
+    # Per device: 8 tables x (table + accumulator) x (one gather + one scatter).
+    out["row floor (gather+scatter)"] = (TABLES * 2 * (gather + scatter), 0)
+    out["per row: gather, scatter"] = (gather / rows, scatter / rows)
+    return out
+
+
+def measure(topology: str, dims, parts: bool = True) -> list[dict]:
+    topo = _tpu.topology(topology)
+    n = len(topo.devices)
+    unique = expected_unique_rows()
+    results = []
+    for dim in dims:
+        emb = _embedding(topo, dim)
+        r = _tpu.compile_train_step(emb, B, L, topo=topo)
+        essential = essential_bytes(dim, unique)
+        res = {
+            "topology": topology, "devices": n, "dim": dim, "tables": TABLES,
+            "vocabulary_size": V, "batch": B, "ids_per_example": L,
+            "unique_rows_per_table": round(unique),
+            "essential_bytes": essential,
+            "bytes_accessed_per_device": r.bytes_accessed,
+            "bytes_accessed_total": r.bytes_accessed * n,
+            "ratio": r.bytes_accessed * n / essential,
+            "temp_bytes_per_device": r.temp_bytes,
+            "largest_temps": [str(t) for t in r.largest_temps[:3]],
+            "copies": r.copies(),
+            "collectives": [{"op": c.op, "shape": c.shape, "bytes": c.bytes}
+                            for c in r.collectives],
+            "compile_seconds": round(r.compile_seconds, 1),
+        }
+        if parts:
+            parts = _parts(emb, unique)
+            per_gather, per_scatter = parts.pop("per row: gather, scatter")
+            # Per-device programs (the floor: one device's shards), times the device count.
+            res["parts"] = {k: {"bytes_accessed_total": b * n, "temp_bytes_per_device": t}
+                            for k, (b, t) in parts.items()}
+            res["cost_model_bytes_per_row"] = {"gather": per_gather, "scatter": per_scatter,
+                                               "row": dim * 4}
+        results.append(res)
+    return results
+
+
+def report(results: list[dict]) -> str:
+    mb = lambda x: f"{x / 1e6:,.1f} MB"
+    first = results[0]
+    lines = [f"W1 ({first['tables']} tables x {first['vocabulary_size']:,} rows, B={B}, L={L}, "
+             f"Adagrad) on {first['topology']} ({first['devices']} devices); expected unique "
+             f"rows per table and step U_t = {first['unique_rows_per_table']:,} "
+             f"({first['tables'] * first['unique_rows_per_table']:,} in all)", ""]
+    lines.append(f"{'D':>4s} {'essential':>12s} {'bytes accessed':>15s} {'ratio':>7s} "
+                 f"{'target':>7s} {'temp/device':>13s}")
+    for r in results:
+        lines.append(f"{r['dim']:>4d} {mb(r['essential_bytes']):>12s} "
+                     f"{mb(r['bytes_accessed_total']):>15s} {r['ratio']:>6.1f}x {'3.0x':>7s} "
+                     f"{mb(r['temp_bytes_per_device']):>13s}")
+    for r in results:
+        lines += ["", f"D={r['dim']}: compiled in {r['compile_seconds']} s"]
+        for name, part in r.get("parts", {}).items():
+            lines.append(f"  {name:24s} bytes accessed {mb(part['bytes_accessed_total']):>12s}"
+                         f" ({part['bytes_accessed_total'] / r['essential_bytes']:.1f}x "
+                         f"essential), temp/device {mb(part['temp_bytes_per_device'])}")
+        if "cost_model_bytes_per_row" in r:
+            c = r["cost_model_bytes_per_row"]
+            lines.append(f"  cost model per row of {c['row']} B: gather {c['gather']:,.0f} B, "
+                         f"scatter {c['scatter']:,.0f} B")
+        lines.append(f"  largest temporaries: {'; '.join(r['largest_temps']) or 'none'}")
+        if r["copies"]:
+            lines.append(f"  copies >= 1 MiB: {', '.join(r['copies'])}")
+        counts: dict = {}
+        for c in r["collectives"]:
+            key = (c["op"], c["shape"], c["bytes"])
+            counts[key] = counts.get(key, 0) + 1
+        lines.append(f"  collectives per device ({len(r['collectives'])}, "
+                     f"{mb(sum(c['bytes'] for c in r['collectives']))} in all):")
+        for (op, shape, nbytes), k in sorted(counts.items(), key=lambda kv: -kv[0][2]):
+            lines.append(f"    {k:3d} x {op:15s} {shape:18s} {nbytes:>12,} B")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--topology", default="v5p:2x2x1")
+    p.add_argument("--dims", default="32,64,128", help="comma-separated dims")
+    p.add_argument("--no-parts", action="store_true", help="skip the lookup/update/floor split")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    a = p.parse_args(argv)
+    results = measure(a.topology, [int(d) for d in a.dims.split(",")], not a.no_parts)
+    print(report(results))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

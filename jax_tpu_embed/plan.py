@@ -1,0 +1,250 @@
+"""Will this config fit that TPU slice? Compile its train step for the slice and ask libtpu.
+
+    python -m jax_tpu_embed.plan --config configs/criteo_1tb_dcnv2.yaml --topology v5p:4x4x4
+    python -m jax_tpu_embed.plan --config CONFIG --topology v5e:4x8 --batch 16384 --json
+
+No TPU is needed: libtpu's compiler builds the per-device program of the train step (lookup,
+a tiny dense layer, loss, gradients, `apply_gradients`, state donated) from shapes alone, and
+reports per chip: table and slot bytes, temporaries, the total against the chip's HBM, and the
+compiler's "bytes accessed" and flops per step. Exit status: 0 if it fits, 1 if it does not,
+2 for bad input (unknown topology, batch not a multiple of the device count, bad config).
+
+The config is the project's config file (`jte.load_config`, see jax_tpu_embed/_config_file.py)
+with an optional `inputs` section, read only here:
+
+    inputs:
+      batch: 65536                 # global batch B (--batch overrides it)
+      ids_per_example:             # L per feature path (default 1); sequence features use
+        cat_0: 3                   # their max_sequence_length
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # Plan on the CPU; never probe for a TPU.
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+from typing import Any, Mapping, Sequence  # noqa: E402
+
+import jax  # noqa: E402
+
+from . import _config, _config_file, _embedding, _tpu  # noqa: E402
+
+# Slice shapes to suggest when a config does not fit, smallest first.
+_SLICES = {
+    "v4": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16",
+           "8x16x16"),
+    "v5p": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16",
+            "8x16x16", "16x16x16"),
+    "v5e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+    "v6e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+}
+
+
+class PlanError(ValueError):
+    """Bad input: the message names the value and the limit."""
+
+
+def read_inputs(config: _config_file.ConfigFile) -> tuple[int | None, dict[str, int]]:
+    """(batch or None, {feature path: ids per example}) from the config's `inputs` section."""
+    raw = config.extra.get("inputs") or {}
+    where = f"{config.path}: inputs"
+    if not isinstance(raw, Mapping):
+        raise PlanError(f"{where}: must be a mapping with `batch` and `ids_per_example`, "
+                        f"got {raw!r}.")
+    unknown = sorted(set(raw) - {"batch", "ids_per_example"})
+    if unknown:
+        raise PlanError(f"{where}.{unknown[0]}: unknown key; allowed: batch, "
+                        f"ids_per_example.")
+    batch = raw.get("batch")
+    if batch is not None and (not _config._is_int(batch) or batch <= 0):
+        raise PlanError(f"{where}.batch: must be an int > 0, got {batch!r}.")
+    lengths = raw.get("ids_per_example") or {}
+    if not isinstance(lengths, Mapping):
+        raise PlanError(f"{where}.ids_per_example: must be a mapping {{feature path: L}}, "
+                        f"got {lengths!r}.")
+    paths = [p for p, _ in config.spec.flat_features]
+    out = {}
+    for path, length in lengths.items():
+        if path not in paths:
+            raise PlanError(f"{where}.ids_per_example.{path}: no such feature; the features "
+                            f"are {paths}.")
+        if not _config._is_int(length) or length <= 0:
+            raise PlanError(f"{where}.ids_per_example.{path}: must be an int > 0, got "
+                            f"{length!r}.")
+        out[path] = int(length)
+    return (int(batch) if batch is not None else None), out
+
+
+def plan(config_path: str, topology: str, batch: int | None = None) -> dict[str, Any]:
+    """Compiles the config's train step for `topology`; the per-chip figures as a dict.
+
+    Raises:
+        PlanError (a ValueError): unknown topology, bad config or inputs, or a batch that is
+            not a multiple of the slice's device count.
+    """
+    try:
+        config = _config_file.load_config(config_path)
+    except FileNotFoundError as e:
+        raise PlanError(str(e)) from None
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    config_batch, lengths = read_inputs(config)
+    batch = batch if batch is not None else config_batch
+    if batch is None:
+        raise PlanError(f"no batch: pass --batch B or set inputs.batch in {config_path}.")
+    if batch <= 0:
+        raise PlanError(f"--batch must be > 0, got {batch}.")
+    try:
+        topo = _tpu.topology(topology)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    n = len(topo.devices)
+    if batch % n:
+        lower, upper = batch // n * n, -(-batch // n) * n
+        choices = " or ".join(str(b) for b in (lower, upper) if b > 0)
+        raise PlanError(f"batch {batch} is not a multiple of the {n} devices of {topology} "
+                        f"(the batch is split evenly over every device); use {choices}.")
+    try:
+        emb = _embedding.Embedding(config.spec, _tpu.mesh(topo))
+    except ValueError as e:
+        raise PlanError(f"{config_path} on {topology}: {e}") from None
+    report = _tpu.compile_train_step(emb, batch, lengths, topo=topo, allow_oom=True)
+    return _result(config_path, config.spec, emb, topo, batch, lengths, report)
+
+
+def _result(path, spec, emb, topo, batch, lengths, r: _tpu.CompileReport) -> dict[str, Any]:
+    per_chip = topo.devices_per_chip
+    tables = []
+    for name, table in spec.tables().items():
+        plan_ = emb.plans[name]
+        tables.append({
+            "name": name, "vocabulary_size": table.vocabulary_size, "dim": table.dim,
+            "optimizer": type(plan_.optimizer).__name__,
+            "rows_per_shard": plan_.layout.rows_per_shard,
+            "table_bytes_per_chip": r.table_bytes[name] * per_chip,
+            "slot_bytes_per_chip": r.slot_bytes[name] * per_chip,
+        })
+    state = r.state_bytes * per_chip
+    total = r.peak_bytes * per_chip
+    hbm = topo.hbm_per_chip
+    out = {
+        "config": path, "topology": topo.name, "chips": topo.chips, "devices": len(topo.devices),
+        "devices_per_chip": per_chip, "batch": batch,
+        "ids_per_example": {p: lengths.get(p, f.max_sequence_length or 1)
+                            for p, f in spec.flat_features},
+        "tables": tables,
+        "per_chip": {
+            "table_bytes": sum(t["table_bytes_per_chip"] for t in tables),
+            "slot_bytes": sum(t["slot_bytes_per_chip"] for t in tables),
+            "other_argument_bytes": (r.argument_bytes - r.state_bytes) * per_chip,
+            "temp_bytes": r.temp_bytes * per_chip,
+            "total_bytes": total,
+            "hbm_bytes": hbm,
+            "bytes_accessed": r.bytes_accessed * per_chip,
+            "flops": r.flops * per_chip,
+        },
+        "fits": total <= hbm,
+        "largest_temps": [{"bytes": t.bytes, "shape": t.shape, "op": t.name,
+                           "source": t.op_name, "memory": t.space}
+                          for t in r.largest_temps[:3]],
+        "collectives": {"count": len(r.collectives),
+                        "bytes": sum(c.bytes for c in r.collectives) * per_chip,
+                        "largest": str(max(r.collectives, key=lambda c: c.bytes))
+                        if r.collectives else None},
+        "compile_seconds": round(r.compile_seconds, 1),
+        "compiler_oom": r.oom,
+    }
+    if not out["fits"]:
+        out["over_by_bytes"] = total - hbm
+        out["suggestion"] = _suggest(topo, state, total)
+    return out
+
+
+def _suggest(topo: _tpu.Topology, state: int, total: int) -> str:
+    """A larger slice of the same generation on which the estimate fits. Tables and slots
+    shrink with the chip count; the rest (batch-sized temporaries, ids) does not."""
+    rest = total - state
+    hbm = topo.hbm_per_chip
+    if rest >= hbm:
+        return (f"the non-table part alone ({_tpu.format_bytes(rest)} per chip: batch-sized "
+                f"temporaries and inputs) exceeds HBM ({_tpu.format_bytes(hbm)}); reduce "
+                f"the batch.")
+    for shape in _SLICES.get(topo.generation, ()):
+        chips = math.prod(int(x) for x in shape.split("x"))
+        if chips <= topo.chips:
+            continue
+        estimate = state * topo.chips / chips + rest
+        if estimate <= 0.9 * hbm:  # Leave room for what the estimate misses.
+            return (f"try --topology {topo.generation}:{shape} ({chips} chips; estimated "
+                    f"{_tpu.format_bytes(estimate)} per chip of {_tpu.format_bytes(hbm)}).")
+    need = math.ceil(state * topo.chips / (0.9 * hbm - rest))
+    return f"needs about {need} chips of {topo.generation}; use a larger slice or generation."
+
+
+def format_table(res: dict[str, Any]) -> str:
+    """The human-readable report."""
+    fb = _tpu.format_bytes
+    c = res["per_chip"]
+    lines = [
+        f"{res['config']} on {res['topology']}: {res['chips']} chips, {res['devices']} "
+        f"devices ({res['devices_per_chip']} per chip), global batch {res['batch']}",
+        "",
+        f"{'table':24s} {'vocabulary':>12s} {'dim':>5s} {'optimizer':>15s} "
+        f"{'rows/shard':>11s} {'table/chip':>13s} {'slots/chip':>13s}",
+    ]
+    for t in res["tables"]:
+        lines.append(f"{t['name'][:24]:24s} {t['vocabulary_size']:>12,} {t['dim']:>5} "
+                     f"{t['optimizer'][:15]:>15s} {t['rows_per_shard']:>11,} "
+                     f"{fb(t['table_bytes_per_chip']):>13s} {fb(t['slot_bytes_per_chip']):>13s}")
+    pct = 100.0 * c["total_bytes"] / c["hbm_bytes"]
+    verdict = "fits" if res["fits"] else (
+        f"DOES NOT FIT: over by {fb(res['over_by_bytes'])}; {res['suggestion']}")
+    temps = ", ".join(f"{t['op']} {t['shape']} {fb(t['bytes'])}"
+                      for t in res["largest_temps"]) or "none"
+    lines += [
+        "",
+        "per chip (compiler's memory and cost analysis of one train step):",
+        f"  tables                {fb(c['table_bytes']):>13s}",
+        f"  optimizer slots       {fb(c['slot_bytes']):>13s}",
+        f"  other inputs          {fb(c['other_argument_bytes']):>13s}   (ids, dense layer)",
+        f"  temporaries           {fb(c['temp_bytes']):>13s}   largest: {temps}",
+        f"  total                 {fb(c['total_bytes']):>13s}   of {fb(c['hbm_bytes'])} HBM "
+        f"({pct:.1f}%): {verdict}",
+        f"  bytes accessed/step   {c['bytes_accessed'] / 1e9:>10.3f} GB",
+        f"  flops/step            {c['flops'] / 1e9:>10.3f} GFLOP",
+        f"  collectives           {res['collectives']['count']:>10d}     "
+        f"largest: {res['collectives']['largest']}",
+        f"compiled in {res['compile_seconds']} s",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jax_tpu_embed.plan",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="YAML or TOML config (jte.load_config)")
+    p.add_argument("--topology", required=True, help="TPU slice, e.g. v5p:4x4x4 or v5e:4x8")
+    p.add_argument("--batch", type=int, default=None,
+                   help="global batch B (default: the config's inputs.batch)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = p.parse_args(argv)
+    try:  # The environment variable above is too late if jax was imported first.
+        jax.config.update("jax_platforms", "cpu")
+    except Exception:  # Backends already started: planning works with any of them.
+        pass
+    try:
+        res = plan(args.config, args.topology, args.batch)
+    except PlanError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(res, indent=2) if args.json else format_table(res))
+    return 0 if res["fits"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""`python -m jax_tpu_embed.plan`: per-chip memory and cost of a config on a TPU slice, compiled
+by libtpu without a TPU. Small configs on 4-chip slices, so every case compiles in seconds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import jax_tpu_embed as jte
+
+if importlib.util.find_spec("libtpu") is None:
+    pytest.skip("libtpu is not installed (pip install 'jax[tpu]' to compile for TPU "
+                "topologies without a TPU)", allow_module_level=True)
+
+from jax_tpu_embed import plan  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CRITEO = os.path.join(REPO, "configs", "criteo_1tb_dcnv2.yaml")
+
+SMALL = """\
+optimizer: {name: adagrad, learning_rate: 0.05}
+tables:
+  users: {vocabulary_size: 1000000, dim: 128, combiner: sum}
+  items: {vocabulary_size: 200000, dim: 64}
+features:
+  user: {table: users}
+  history: {table: items}
+  recent: {table: items, max_sequence_length: 8}
+inputs:
+  batch: 512
+  ids_per_example: {history: 5}
+"""
+
+# 100M rows x 128 x 4 B x 2 (Adagrad) = 95.4 GiB: 23.8 GiB per v5e chip of 16 GiB.
+HUGE = """\
+optimizer: adagrad
+tables:
+  t: {vocabulary_size: 100000000, dim: 128, combiner: sum}
+features:
+  f: {table: t}
+inputs: {batch: 256}
+"""
+
+
+@pytest.fixture
+def config(tmp_path):
+    def write(text: str, name: str = "c.yaml") -> str:
+        path = tmp_path / name
+        path.write_text(text)
+        return str(path)
+    return write
+
+
+def _run(capsys, *args) -> tuple[int, str, str]:
+    code = plan.main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_small_config_fits_with_per_chip_figures(config, capsys):
+    code, out, err = _run(capsys, "--config", config(SMALL), "--topology", "v5e:2x2", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert (res["topology"], res["chips"], res["batch"], res["fits"]) == ("v5e:2x2", 4, 512, True)
+    assert res["ids_per_example"] == {"history": 5, "recent": 8, "user": 1}
+    c = res["per_chip"]
+    tables = {t["name"]: t for t in res["tables"]}
+    # users: 250,000 rows per chip x 128 x 4 B, and an accumulator of the same size.
+    assert tables["users"]["rows_per_shard"] == 250_000
+    assert tables["users"]["table_bytes_per_chip"] == 250_000 * 128 * 4
+    assert tables["users"]["slot_bytes_per_chip"] == 250_000 * 128 * 4
+    assert c["table_bytes"] >= 250_000 * 128 * 4 + 50_000 * 64 * 4
+    assert c["hbm_bytes"] == 16 * 2**30
+    assert c["table_bytes"] + c["slot_bytes"] <= c["total_bytes"] <= c["hbm_bytes"]
+    assert c["bytes_accessed"] > 0 and c["flops"] > 0
+    assert res["collectives"]["count"] > 0 and res["compiler_oom"] is None
+
+
+def test_table_output_and_batch_override(config, capsys):
+    code, out, err = _run(capsys, "--config", config(SMALL), "--topology", "v5p:2x2x1",
+                          "--batch", "1024")
+    assert code == 0, err
+    assert "on v5p:2x2x1: 4 chips, 4 devices (1 per chip), global batch 1024" in out
+    for needle in ("users", "items", "tables", "optimizer slots", "temporaries",
+                   "of 95.00 GiB HBM", ": fits", "bytes accessed/step", "flops/step"):
+        assert needle in out, needle
+
+
+def test_v4_counts_two_devices_per_chip(config, capsys):
+    code, out, err = _run(capsys, "--config", config(SMALL), "--topology", "v4:2x2x1", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert (res["chips"], res["devices"], res["devices_per_chip"]) == (4, 8, 2)
+    users = {t["name"]: t for t in res["tables"]}["users"]
+    assert users["rows_per_shard"] == 125_000
+    assert users["table_bytes_per_chip"] == 2 * 125_000 * 128 * 4
+    assert res["per_chip"]["hbm_bytes"] == 32 * 2**30
+
+
+def test_config_that_does_not_fit_says_by_how_much_and_what_to_use(config, capsys):
+    code, out, err = _run(capsys, "--config", config(HUGE), "--topology", "v5e:2x2")
+    assert code == 1, err
+    assert "DOES NOT FIT: over by" in out
+    assert "try --topology v5e:2x4" in out
+    code, out, _ = _run(capsys, "--config", config(HUGE), "--topology", "v5e:2x2", "--json")
+    res = json.loads(out)
+    assert res["fits"] is False
+    assert res["over_by_bytes"] == res["per_chip"]["total_bytes"] - 16 * 2**30 > 7 * 2**30
+    assert "RESOURCE_EXHAUSTED" in res["compiler_oom"]
+
+
+def test_batch_not_a_multiple_of_the_devices(config, capsys):
+    code, out, err = _run(capsys, "--config", config(SMALL), "--topology", "v5e:2x2",
+                          "--batch", "1001")
+    assert code == 2 and not out
+    assert "batch 1001 is not a multiple of the 4 devices of v5e:2x2" in err
+    assert "use 1000 or 1004" in err
+
+
+@pytest.mark.parametrize("topology, message", [
+    ("v5p:1x1x1", "topology 'v5p:1x1x1' is not known to libtpu"),
+    ("v9:2x2", "generation 'v9' has no known HBM size"),
+    ("v5p-8", "'v5p-8' is not of the form GENERATION:AxB[xC]"),
+])
+def test_unknown_topology(config, capsys, topology, message):
+    code, out, err = _run(capsys, "--config", config(SMALL), "--topology", topology)
+    assert code == 2 and not out
+    assert message in err
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ("inputs: {batch: 512, ids_per_example: {nope: 3}}",
+     "inputs.ids_per_example.nope: no such feature"),
+    ("inputs: {batch: 512, ids_per_example: {history: 0}}",
+     "inputs.ids_per_example.history: must be an int > 0, got 0"),
+    ("inputs: {batch: -4}", "inputs.batch: must be an int > 0, got -4"),
+    ("inputs: {batch: 512, lengths: {}}", "inputs.lengths: unknown key"),
+    ("inputs: {}", "no batch: pass --batch B or set inputs.batch"),
+])
+def test_bad_inputs_section(config, capsys, inputs, message):
+    text = SMALL.split("inputs:")[0] + inputs + "\n"
+    code, out, err = _run(capsys, "--config", config(text), "--topology", "v5e:2x2")
+    assert code == 2 and not out
+    assert message in err
+
+
+def test_bad_config_file(config, capsys):
+    code, _, err = _run(capsys, "--config", config(SMALL.replace("dim: 64", "dim: -64")),
+                        "--topology", "v5e:2x2")
+    assert code == 2 and "tables.items.dim" in err
+    code, _, err = _run(capsys, "--config", "/nonexistent/x.yaml", "--topology", "v5e:2x2")
+    assert code == 2 and "no such config file" in err
+
+
+def test_criteo_config_is_mlperf_dcnv2():
+    config = jte.load_config(CRITEO)
+    tables = config.spec.tables()
+    assert len(tables) == 26 and len(config.spec.flat_features) == 26
+    assert max(t.vocabulary_size for t in tables.values()) == 40_000_000
+    assert sum(t.vocabulary_size for t in tables.values()) == 204_184_588
+    assert {t.dim for t in tables.values()} == {128}
+    assert isinstance(config.spec.optimizer, jte.Adagrad)
+    batch, lengths = plan.read_inputs(config)
+    assert batch == 4096 and sum(lengths.values()) == 214 and lengths["cat_20"] == 100
+
+
+def test_module_entry_point(config):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "jax_tpu_embed.plan", "--config",
+                           config(SMALL), "--topology", "v5p:1x1x1"],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert proc.returncode == 2
+    assert "python -m jax_tpu_embed.plan: error: topology 'v5p:1x1x1'" in proc.stderr

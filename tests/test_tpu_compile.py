@@ -1,0 +1,250 @@
+"""The real train step, compiled by libtpu for real TPU topologies on this CPU-only machine.
+
+Per topology (v5e:2x2, v5p:2x2x1, v6e:2x2, v4:2x2x1), dim (16, 32, 64, 128, 256) and optimizer
+(Adagrad, Adam, a CustomOptimizer: SGD with momentum) the step — lookup, a tiny dense layer
+and loss, d(loss)/d(activations) by jax.vjp, `emb.apply_gradients`, state donated — is compiled
+from `emb.abstract_state()` and abstract features, and the compiler's own reports must show:
+
+- per-device memory (arguments + outputs - aliases + temporaries) within the chip's HBM;
+- no temporary (any memory space) larger than 10% of a table shard: no whole-table copy;
+- no collective moving 10% of a table shard or more: only batch-sized data crosses chips;
+- every table and slot aliased to its output (donation works), alias bytes >= state bytes.
+
+Sizes: V = 8M rows (a table shard of 64 MB to 2 GB per device) and a small batch (B = 128,
+L = 4 plus a one-hot feature on the same table), so batch-sized temporaries are far below 10%
+of a shard while a table-sized one is 10x over. Compile time does not depend on V.
+
+Cases known to fail with tables stored as plain (N*S, D) arrays are marked xfail(strict=True)
+with the measured numbers while the engine uses that layout (_KNOWN_UNPACKED); with narrow
+rows packed into 128-lane rows every case must pass.
+The 60 cases take about 2 CPU-minutes of compilation. JTE_TPU_COMPILE_THREADS (default 2)
+sets how many compile at once; JTE_TPU_MATRIX=quick keeps 12 (Adagrad at dims 16, 64, 128) for
+a fast local loop — the default is the full matrix.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import importlib.util
+import os
+
+import pytest
+
+import jax_tpu_embed as jte
+
+if importlib.util.find_spec("libtpu") is None:
+    pytest.skip("libtpu is not installed (pip install 'jax[tpu]' to compile for TPU "
+                "topologies without a TPU)", allow_module_level=True)
+
+from jax_tpu_embed import _tpu  # noqa: E402
+
+TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2", "v4:2x2x1")
+DIMS = (16, 32, 64, 128, 256)
+OPTIMIZERS = ("adagrad", "adam", "sgd_momentum")
+V = 8_000_000
+B = 128
+L = 4
+TEMP_LIMIT = 0.10  # Of one table shard.
+COLLECTIVE_LIMIT = 0.10
+
+
+def _sgd_momentum(gradient, row, slots, learning_rate, hyperparameters):
+    (momentum,) = slots
+    momentum = hyperparameters[0] * momentum + gradient
+    return row - learning_rate * momentum, momentum
+
+
+def _optimizer(name: str) -> jte.Optimizer:
+    if name == "adagrad":
+        return jte.Adagrad(learning_rate=0.05)
+    if name == "adam":
+        return jte.Adam(learning_rate=0.001)
+    return jte.CustomOptimizer(_sgd_momentum, learning_rate=0.01, slot_names=["momenta"],
+                               slot_initializers=[0.0], hyperparameters=[0.9])
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    topology: str
+    dim: int
+    optimizer: str
+
+    def __str__(self):
+        return f"{self.topology}-d{self.dim}-{self.optimizer}"
+
+
+# Cases that fail while the engine stores a narrow table as a plain (N*S, D) array (measured
+# with jax 0.10.2 + libtpu 0.0.42.1, V = 8M, B = 128, L = 4). They are marked
+# xfail(strict=True) only in that layout: packed into 128-lane rows, they must pass.
+_COPY64 = ("whole-table relayout: the entry layout of f32[S,64] state is dim-major "
+           "{{0,1:T(8,128)}}; `copy` makes a row-major {{1,0:T(8,128)}} copy of each state array "
+           "(lane-padded to 128, {copy:,} B = 2x the {shard:,} B shard) for the row "
+           "gather/scatter and copies it back: {n} copies; temp {temp:,} B per device")
+_STAGE16 = ("whole shard staged through memory space 3: {op} f32[1000000,16] 64,004,096 B "
+            "(= the 64,000,000 B shard) around the row scatter; temp {temp:,} B (HBM)")
+_KNOWN_UNPACKED: dict[tuple, str] = {
+    ("v5e:2x2", 64, "adagrad"): _COPY64.format(copy=1024000000, shard=512000000, n=2,
+                                               temp=3073517056),
+    ("v5e:2x2", 64, "adam"): _COPY64.format(copy=1024000000, shard=512000000, n=3,
+                                            temp=3073450496),
+    ("v5e:2x2", 64, "sgd_momentum"): _COPY64.format(copy=1024000000, shard=512000000, n=2,
+                                                    temp=2049616384),
+    ("v5p:2x2x1", 64, "adagrad"): _COPY64.format(copy=1024000000, shard=512000000, n=2,
+                                                 temp=1026054816),
+    ("v5p:2x2x1", 64, "adam"): _COPY64.format(copy=1024000000, shard=512000000, n=3,
+                                              temp=1026353216),
+    ("v5p:2x2x1", 64, "sgd_momentum"): _COPY64.format(copy=1024000000, shard=512000000, n=2,
+                                                      temp=3073792128),
+    ("v6e:2x2", 64, "adagrad"): _COPY64.format(copy=1024000000, shard=512000000, n=2,
+                                               temp=3073165856),
+    ("v6e:2x2", 64, "adam"): _COPY64.format(copy=1024000000, shard=512000000, n=3,
+                                            temp=1025628224),
+    ("v6e:2x2", 64, "sgd_momentum"): _COPY64.format(copy=1024000000, shard=512000000, n=2,
+                                                    temp=3073525888),
+    ("v4:2x2x1", 64, "adagrad"): _COPY64.format(copy=512000000, shard=256000000, n=4,
+                                                temp=1025809920),
+    ("v4:2x2x1", 64, "adam"): _COPY64.format(copy=512000000, shard=256000000, n=6,
+                                             temp=1537938944),
+    ("v4:2x2x1", 64, "sgd_momentum"): _COPY64.format(copy=512000000, shard=256000000, n=4,
+                                                     temp=1025496064),
+    ("v4:2x2x1", 16, "adagrad"): _STAGE16.format(op="copy-start", temp=577024),
+    ("v4:2x2x1", 16, "adam"): _STAGE16.format(op="custom-call", temp=673792),
+    ("v4:2x2x1", 16, "sgd_momentum"): _STAGE16.format(op="custom-call", temp=706048),
+}
+
+
+def _stored_unpacked(topology: str, dim: int) -> bool:
+    """Whether the engine stores a (V, dim) table on this slice as a plain (N*S, dim) array."""
+    table = jte.TableConfig(1024, dim, name="t")
+    spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.SGD())
+    emb = jte.Embedding(spec, _tpu.mesh(_tpu.topology(topology)))
+    shape = emb.abstract_state().tables["t"].shape
+    return dim < 128 and len(shape) == 2 and shape[1] == dim
+
+
+def _cases():
+    quick = os.environ.get("JTE_TPU_MATRIX", "full") == "quick"
+    for topology in TOPOLOGIES:
+        for dim in (16, 64, 128) if quick else DIMS:
+            for opt in ("adagrad",) if quick else OPTIMIZERS:
+                case = Case(topology, dim, opt)
+                why = _KNOWN_UNPACKED.get((topology, dim, opt))
+                if why and not _stored_unpacked(topology, dim):
+                    why = None
+                marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
+                yield pytest.param(case, id=str(case), marks=marks)
+
+
+def _compile(case: Case) -> _tpu.CompileReport:
+    topo = _tpu.topology(case.topology)
+    table = jte.TableConfig(V, case.dim, combiner="sum", name="t")
+    spec = jte.EmbeddingSpec({"multi": jte.FeatureConfig(table),
+                              "one": jte.FeatureConfig(table)}, _optimizer(case.optimizer))
+    emb = jte.Embedding(spec, _tpu.mesh(topo))
+    return _tpu.compile_train_step(emb, B, {"multi": L, "one": 1}, topo=topo)
+
+
+class _Compiler:
+    """Compiles the selected cases on a few threads (compilation releases the GIL), in
+    collection order, so that a test mostly finds its report ready."""
+
+    def __init__(self, cases: list[Case], threads: int):
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, threads))
+        self._futures = {c: self._pool.submit(_compile, c) for c in cases}
+
+    def get(self, case: Case) -> _tpu.CompileReport:
+        if case not in self._futures:
+            self._futures[case] = self._pool.submit(_compile, case)
+        return self._futures[case].result()
+
+    def close(self):
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(scope="module")
+def compiler(request):
+    selected = [item.callspec.params["case"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")
+                and "case" in item.callspec.params]
+    threads = int(os.environ.get("JTE_TPU_COMPILE_THREADS", "2"))
+    pool = _Compiler(selected, threads)
+    yield pool
+    pool.close()
+
+
+def _describe(case: Case, r: _tpu.CompileReport) -> str:
+    temps = "; ".join(str(t) for t in r.largest_temps[:3]) or "none"
+    colls = ", ".join(str(c) for c in r.collectives) or "none"
+    return (f"{case}: peak {r.peak_bytes:,} B of {r.hbm_bytes:,} B HBM per device; "
+            f"temp {r.temp_bytes:,} B; table shard {r.table_bytes['t']:,} B as stored; "
+            f"bytes accessed {r.bytes_accessed:,.0f}; largest temps: {temps}; "
+            f"copies >= 1 MiB: {r.copies() or 'none'}; collectives: {colls}")
+
+
+@pytest.mark.parametrize("case", list(_cases()))
+def test_train_step_compiles_within_limits(case, compiler):
+    r = compiler.get(case)
+    shard = -(-V // len(r.topology.devices)) * case.dim * 4  # Logical f32 rows of one shard.
+    about = _describe(case, r)
+    print(about)
+    problems = []
+    if not r.fits:
+        problems.append(f"per-device memory {r.peak_bytes:,} B exceeds the "
+                        f"{r.hbm_bytes:,} B of HBM per device")
+    big = [t for t in r.largest_temps if t.bytes > TEMP_LIMIT * shard]
+    if big:
+        problems.append(f"temporaries above {TEMP_LIMIT:.0%} of the {shard:,} B table "
+                        f"shard: " + "; ".join(str(t) for t in big[:4]))
+    heavy = [c for c in r.collectives if c.bytes >= COLLECTIVE_LIMIT * shard]
+    if heavy:
+        problems.append("collectives moving table-sized data: "
+                        + ", ".join(str(c) for c in heavy))
+    if r.unaliased_state or not r.aliased_state:
+        problems.append(f"donated state not aliased to outputs: {r.unaliased_state} "
+                        f"(aliased: {r.aliased_state})")
+    if r.alias_bytes < r.state_bytes:
+        problems.append(f"alias bytes {r.alias_bytes:,} < state bytes {r.state_bytes:,}")
+    assert not problems, "\n".join(problems) + "\n" + about
+
+
+def test_unknown_topology_is_a_clear_error():
+    with pytest.raises(ValueError, match="'v5p:1x1x1' is not known to libtpu"):
+        _tpu.topology("v5p:1x1x1")
+    with pytest.raises(ValueError, match="generation 'v9' has no known HBM size"):
+        _tpu.topology("v9:2x2")
+    with pytest.raises(ValueError, match="not of the form"):
+        _tpu.topology("v5p-8")
+
+
+def test_topologies_and_hbm():
+    # v4 exposes one device per TensorCore (two per chip); the others one per chip.
+    v4 = _tpu.topology("v4:2x2x1")
+    assert (len(v4.devices), v4.chips, v4.hbm_per_device) == (8, 4, 16 * _tpu.GiB)
+    v5e = _tpu.topology("v5e:2x2")
+    assert (len(v5e.devices), v5e.chips, v5e.hbm_per_device) == (4, 4, 16 * _tpu.GiB)
+    assert _tpu.topology("v5p:2x2x1").hbm_per_chip == 95 * _tpu.GiB
+    assert _tpu.topology("v6e:2x2").hbm_per_chip == 32 * _tpu.GiB
+
+
+def test_hlo_parsers():
+    hlo = (
+        "HloModule m, input_output_alias={ {0}: (0, {}, may-alias) }, "
+        "entry_computation_layout={(f32[8,4]{1,0})->f32[8,4]{1,0}}\n\n"
+        "ENTRY %main (p0: f32[8,4], p1: f32[8,4]) -> f32[8,4] {\n"
+        "  %p0 = f32[8,4]{1,0} parameter(0), metadata={op_name=\"state.tables[\\'t\\']\"}\n"
+        "  %p1 = f32[8,4]{1,0} parameter(1), metadata={op_name=\"state.slots[\\'t\\'][\\'a\\']\"}\n"
+        "  %ag = f32[32,4]{1,0} all-gather(%p1), dimensions={0}\n"
+        "  %rs-start = (f32[32,4]{1,0}, f32[8,4]{1,0}) reduce-scatter-start(%ag)\n"
+        "  %rs-done = f32[8,4]{1,0} reduce-scatter-done(%rs-start)\n"
+        "  %ar = (f32[8,4]{1,0}, f32[8,4]{1,0}, f32[]) all-reduce(%p0, %p1, %s)\n"
+        "  %c = f32[8,4]{0,1} copy(%p0)\n"
+        "  ROOT %r = f32[8,4]{1,0} add(%c, %p1)\n"
+        "}\n")
+    colls = _tpu.collectives(hlo)
+    assert [(c.op, c.shape, c.bytes) for c in colls] == [
+        ("all-gather", "f32[32,4]", 512), ("reduce-scatter", "f32[32,4]", 512),
+        ("all-reduce", "2 x f32[8,4] + f32[]", 260)]
+    aliased, unaliased = _tpu._state_aliasing(hlo)
+    assert aliased == ["state.tables['t']"]
+    assert unaliased == ["state.slots['t']['a']"]
