@@ -109,7 +109,7 @@ class Embedding:
         self.features = [_sparse.FeaturePlan(p, f, names[id(f.table)])
                          for p, f in spec.flat_features]
         self._replicated = NamedSharding(mesh, P())
-        self._init_jit = None
+        self._init_fns = None
         self._lookup_jit = jax.jit(self._lookup)
         self._apply_jit = jax.jit(self._apply)
 
@@ -143,22 +143,29 @@ class Embedding:
     def init(self, key: jax.Array) -> EmbeddingState:
         """Initial tables and slots: the same logical values for every mesh and strategy.
 
-        One jitted program for every table and slot (compiled once per Embedding); it also
-        works traced inside another jit.
+        One jitted program per table (its rows and slots), compiled once per Embedding and
+        run one after another, so the transient memory of initialisation is one table's, not
+        all of them at once. Works traced inside another jit too.
         """
-        if self._init_jit is None:
+        if self._init_fns is None:
             shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state())
-            self._init_jit = jax.jit(self._init_all, out_shardings=shardings)
-        return self._init_jit(key)
-
-    def _init_all(self, key) -> EmbeddingState:
+            self._init_fns = {
+                name: jax.jit(functools.partial(self._init_table, plan),
+                              out_shardings=(shardings.tables[name], shardings.slots[name]))
+                for name, plan in self.plans.items()}
         tables, slots = {}, {}
-        for i, (name, plan) in enumerate(self.plans.items()):
-            table_key = jax.random.fold_in(key, i)
-            tables[name] = self._make_array(plan, None, table_key)
-            slots[name] = {s.name: self._make_array(plan, s, jax.random.fold_in(table_key, j + 1))
-                           for j, s in enumerate(plan.slot_specs)}
-        return EmbeddingState(tables, slots, jnp.zeros((), jnp.int32))
+        for i, name in enumerate(self.plans):
+            tables[name], slots[name] = self._init_fns[name](jax.random.fold_in(key, i))
+        step = jnp.zeros((), jnp.int32)
+        if not isinstance(key, jax.core.Tracer):
+            step = jax.device_put(step, self._replicated)
+        return EmbeddingState(tables, slots, step)
+
+    def _init_table(self, plan, table_key):
+        table = self._make_array(plan, None, table_key)
+        slots = {s.name: self._make_array(plan, s, jax.random.fold_in(table_key, j + 1))
+                 for j, s in enumerate(plan.slot_specs)}
+        return table, slots
 
     def _make_array(self, plan, slot: _optimizers.SlotSpec | None, key):
         """The physical, row-sharded initial value of a table (slot None) or one slot."""
