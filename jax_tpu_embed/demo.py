@@ -27,9 +27,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                                " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
-import importlib  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
+import shutil  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
@@ -371,18 +371,13 @@ def _plot(path: pathlib.Path, losses: list[float], eval_auc: float,
     return path
 
 
-def _checkpoint(directory: pathlib.Path, step, state) -> tuple[pathlib.Path | None, str]:
-    """Saves tables and dense params with jte.checkpoint when that module exists."""
-    try:
-        checkpoint = importlib.import_module("jax_tpu_embed.checkpoint")
-    except ModuleNotFoundError as e:
-        if e.name != "jax_tpu_embed.checkpoint":
-            raise
-        return None, "not saved: jax_tpu_embed.checkpoint is not available in this version."
+def _checkpoint(directory: pathlib.Path, step, state) -> tuple[pathlib.Path, str]:
+    """Saves tables and dense params with jte.checkpoint; a rerun replaces the last run's."""
+    shutil.rmtree(directory, ignore_errors=True)
     (name, emb), = step.embeddings.items()
     emb_state = jte.flax.embedding_states(state.embedding)[name]
-    checkpoint.save(str(directory.resolve()), emb, emb_state,
-                    dense={"params": state.params, "opt_state": state.opt_state})
+    jte.checkpoint.save(str(directory.resolve()), emb, emb_state,
+                        dense={"params": state.params, "opt_state": state.opt_state})
     return directory, "saved"
 
 
