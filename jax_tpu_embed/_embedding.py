@@ -352,7 +352,7 @@ class Embedding:
         feats = {}
         for f in self.features:
             leaf = flat[f.path]
-            ids, weights, _ = _inputs.normalize(f.config, leaf)
+            ids, weights = _inputs.normalize(f.config, leaf)
             if not isinstance(leaf, _inputs.Weighted):
                 weights = None  # Derived from the ids on each device: nothing to send.
             feats[f.path] = (self._batch_sharded(ids),

@@ -187,9 +187,9 @@ def spec_table_name(spec, feature) -> str:
     return _config.table_names(spec)[id(feature.table)]
 
 
-def normalize(feature: _config.FeatureConfig, leaf) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(ids, weights, in_range): ids int32 (B, L) with -1 where nothing is looked up, weights
-    float32 (B, L) (0 there), and whether each given id lies in [0, V) or is -1.
+def normalize(feature: _config.FeatureConfig, leaf) -> tuple[jax.Array, jax.Array]:
+    """(ids, weights): ids int32 (B, L) with -1 where nothing is looked up, weights
+    float32 (B, L) (0 there).
 
     Works on NumPy and traced values alike; ids outside [0, V) other than -1 behave exactly
     like -1.
@@ -212,13 +212,12 @@ def normalize(feature: _config.FeatureConfig, leaf) -> tuple[jax.Array, jax.Arra
             weights = None if weights is None else jnp.pad(jnp.asarray(weights), pad)
     vocab = feature.table.vocabulary_size
     valid = (ids >= 0) & (ids < vocab)
-    in_range = valid | (ids == -1)
     ids = jnp.where(valid, ids, -1)
     if weights is None:
         weights = valid.astype(jnp.float32)
     else:
         weights = jnp.where(valid, jnp.asarray(weights, jnp.float32), 0.0)
-    return ids, weights, in_range
+    return ids, weights
 
 
 def invalid_counts(spec: _config.EmbeddingSpec, features) -> dict[str, jax.Array]:

@@ -59,7 +59,7 @@ def lookup(spec: _config.EmbeddingSpec, tables: Mapping[str, Any], features: Nes
 
 
 def _embed(path: str, feature: _config.FeatureConfig, table, leaf):
-    ids, weights, _ = _inputs.normalize(feature, leaf)  # (B, L); -1 and 0 where nothing.
+    ids, weights = _inputs.normalize(feature, leaf)  # (B, L); -1 and 0 where nothing.
     rows = jnp.take(table, jnp.maximum(ids, 0), axis=0).astype(jnp.float32)  # (B, L, D)
     if feature.is_sequence:
         acts = rows * weights[..., None]
