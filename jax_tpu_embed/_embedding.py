@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -39,6 +40,24 @@ def _default_initializer(dim: int):
     return jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(dim))
 
 
+def _max_ids(value, spec: _config.EmbeddingSpec) -> dict:
+    """{table name: pairs per shard and pass} from Embedding's max_ids_per_shard."""
+    tables = spec.tables()
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        value = {name: value for name in tables}
+    unknown = sorted(set(value) - set(tables))
+    if unknown:
+        raise ValueError(f"Embedding: max_ids_per_shard names {unknown}, which are not tables; "
+                         f"the tables are {sorted(tables)}.")
+    for name, v in value.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"Embedding: max_ids_per_shard for table {name!r} must be a "
+                             f"positive int, got {v!r}.")
+    return {name: int(v) for name, v in value.items()}
+
+
 def _is_explicit(mesh) -> bool:
     types = getattr(mesh, "axis_types", None) or ()
     return any(t == jax.sharding.AxisType.Explicit for t in types)
@@ -61,11 +80,19 @@ class Embedding:
             on first use. Default: on for CPU meshes. If g++ is missing or compilation
             fails, a warning is given once and the portable XLA path runs. Results match
             the portable path to float32 rounding.
+        max_ids_per_shard: How many (id, position) pairs of a table one shard handles per
+            pass of the sorted, compacted lookup and update: an int for every table or
+            {table name: int}. A shard that owns more in a step runs more passes; no id is
+            ever dropped. The row work of a pass (gathers, gradient sums, optimizer,
+            scatters) is sized by it, not by the global batch. Default: 1.5 x the per-shard
+            average B*L/N of each table (see _sparse.capacity). Tables on the C++ CPU
+            kernels ignore it.
     """
 
     def __init__(self, spec: _config.EmbeddingSpec, mesh: jax.sharding.Mesh | None = None,
                  axis: str | None = None, *, lane_width: int | None = None,
-                 cpu_kernels: bool | None = None):
+                 cpu_kernels: bool | None = None,
+                 max_ids_per_shard: int | Mapping[str, int] | None = None):
         if not isinstance(spec, _config.EmbeddingSpec):
             raise TypeError(f"Embedding: spec must be a jte.EmbeddingSpec, got "
                             f"{type(spec).__name__}.")
@@ -93,6 +120,7 @@ class Embedding:
         self.cpu_kernels = bool(on_cpu and cpu_kernels is not False and
                                 _cpu_kernels.available())
         names = _config.table_names(spec)
+        max_ids = _max_ids(max_ids_per_shard, spec)
         self.plans: dict[str, _sparse.TablePlan] = {}
         for name, table in spec.tables().items():
             opt = spec.optimizer_of(table)
@@ -101,7 +129,7 @@ class Embedding:
                 layout=_layout.TableLayout(table.vocabulary_size, self.num_shards,
                                            spec.partition_strategy),
                 slot_specs=tuple(opt.slot_specs()), lanes=lane_width,
-                cpu_kernels=self.cpu_kernels)
+                cpu_kernels=self.cpu_kernels, max_ids=max_ids.get(name))
             if self.plans[name].layout.rows_per_shard >= 1 << 30:
                 raise ValueError(f"Embedding: table {name!r} would hold "
                                  f"{self.plans[name].layout.rows_per_shard} rows per shard; "

@@ -1,16 +1,23 @@
 """Shard-local lookup and sparse update; run inside `shard_map` over the mesh axis.
 
-Per step and device (N devices, local batch b = B / N, M = B * L positions of one table):
+Per step and device (N devices, local batch b = B / N, M = B * L (id, position) pairs of one
+table, C = `capacity`, by default 1.5 * M / N):
 
-- lookup: all-gather the ids of the global batch (B·L·4 bytes), gather the rows this shard
-  owns (masked), combine per example and reduce-scatter the (B, D) partial activations so
-  each device keeps its own (b, D): (N-1)/N · B·D·4 bytes. A sequence feature moves
-  (B, L, D) instead of (B, D).
+- lookup: all-gather the ids of the global batch (B·L·4 bytes). Sort the M pairs by the local
+  row this shard owns (others last), with each pair's output row and combiner weight riding
+  along in the sort. Then, C owned pairs per pass: gather their rows and sum them into the
+  (B, D) partial activations. Reduce-scatter those so each device keeps its own (b, D):
+  (N-1)/N · B·D·4 bytes. A sequence feature moves (B, L, D) instead of (B, D).
 - update: all-gather the activation gradients (B·D·4 bytes; the transpose of the
-  reduce-scatter), expand them to one gradient per position, sort the positions this shard
-  owns by local row, sum the gradients of each row, gather those rows and their slots, apply
-  the per-row optimizer (vmapped) and scatter the new rows back in place. Rows not in the batch
-  are never read or written: work and traffic are O(B·L·D), independent of V.
+  reduce-scatter) and sort the pairs as above. Per pass of C owned pairs: form each pair's
+  gradient, sum the gradients of each row, gather those rows and their slots, apply the
+  per-row optimizer (vmapped) and scatter the new rows back in place. A row whose pairs
+  straddle two passes is held back and its partial sum carried over, so every row gets
+  exactly one update. Rows not in the batch are never read or written: work and traffic are
+  O(M) int32 sort plus O(C·D) row work per pass, independent of V.
+
+A shard that owns more than C pairs runs ceil(owned / C) passes; nothing is dropped. Tables on
+the C++ CPU kernels (`TablePlan.cpu_rows`) make one pass over all M positions instead.
 
 No table-sized value is ever formed (except for `Adam(lazy_adam=False)`, whose contract
 updates every row).
@@ -38,6 +45,7 @@ class TablePlan:
     slot_specs: tuple
     lanes: int = 0  # Physical row width to pack narrow rows into (128 on TPU); 0: none.
     cpu_kernels: bool = False  # Use the C++ kernels of _cpu_kernels (CPU meshes only).
+    max_ids: int | None = None  # Pairs per shard and pass (see `capacity`); None: automatic.
 
     @property
     def cpu_rows(self) -> bool:
@@ -94,33 +102,141 @@ def _scale(feature: FeaturePlan, weights_all):
     return combiner_scale(weights_all, feature.config.table.combiner)
 
 
+def capacity(plan: TablePlan, positions: int, num_shards: int) -> int:
+    """C: how many of a table's M (id, position) pairs one shard handles per pass.
+
+    `plan.max_ids` when set, else 1.5 times the per-shard average M / N (room for hot rows
+    and uneven ownership), rounded up to a multiple of 8 and at most M. A shard owning more
+    than C pairs in a step runs ceil(owned / C) passes: never drops an id. An optimizer that
+    updates every row (`Adam(lazy_adam=False)`) always runs one pass of all M.
+    """
+    if plan.optimizer.dense_update:
+        return positions
+    c = plan.max_ids or -(-3 * positions // (2 * num_shards))
+    return max(1, min(positions, -(-c // 8) * 8))
+
+
+@dataclasses.dataclass
+class _Stream:
+    """The (id, position) pairs of one table's features that this shard owns, sorted by
+    local row, read C at a time.
+
+    The positions of all features sharing the table are concatenated; `out` is each pair's
+    output row: example b of a pooled feature, or (b, l) of a sequence feature, offset by the
+    feature's first row in the concatenation (`parts`). The payloads ride along in the sort
+    and each pass reads a contiguous slice: the TPU compiler charges a 1-D gather a 4 KiB
+    tile per element (30,720 int32 of 81,920: 128 MB), a 3-operand sort of the 81,920 about
+    4 MB.
+    """
+    keys: jax.Array    # (P + 1,) ascending local rows; _NOT_MINE after the owned pairs
+    out: jax.Array     # (P,) output row per pair (0 after the owned pairs)
+    scale: jax.Array   # (P,) combiner-scaled weight per pair (0 after the owned pairs)
+    count: jax.Array   # () owned pairs
+    capacity: int      # C; P = M rounded up to a multiple of C
+    parts: list        # [(FeaturePlan, first output row, output rows)]
+
+    @property
+    def passes(self):
+        return (self.count + self.capacity - 1) // self.capacity
+
+    def window(self, r):
+        """Pass r: (keys, out, scale), each (C,), of pairs r*C ... r*C + C - 1."""
+        start = r * self.capacity
+        return tuple(lax.dynamic_slice_in_dim(a, start, self.capacity)
+                     for a in (self.keys, self.out, self.scale))
+
+    def next_key(self, r):
+        """The key of the first pair after pass r (_NOT_MINE if none)."""
+        return lax.dynamic_slice_in_dim(self.keys, (r + 1) * self.capacity, 1)[0]
+
+
+def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePlan],
+             axis: str) -> dict[str, _Stream]:
+    """One _Stream per table that does not go through the C++ kernels."""
+    by_table: dict[str, list] = {}
+    for f in features:
+        if plans[f.table].cpu_rows:
+            continue
+        ids, weights = feats[f.path]
+        ids_all, w_all = _gathered(ids, weights, axis)
+        mine, local = _owned(plans[f.table].layout, ids_all, axis)
+        b, l = ids_all.shape
+        pos = lax.iota(jnp.int32, b * l)
+        seq = f.config.is_sequence
+        by_table.setdefault(f.table, []).append(
+            (f, jnp.where(mine, local, _NOT_MINE).reshape(-1),
+             jnp.where(mine, _scale(f, w_all), 0.0).reshape(-1),
+             pos if seq else pos // l, b * l if seq else b))
+    streams = {}
+    for name, items in by_table.items():
+        parts, outs, first = [], [], 0
+        for f, _, _, out, rows in items:
+            parts.append((f, first, rows))
+            outs.append(out + first)
+            first += rows
+        keys = jnp.concatenate([k for _, k, _, _, _ in items])
+        m = keys.shape[0]
+        c = capacity(plans[name], m, lax.axis_size(axis))
+        keys, out, scale = lax.sort(
+            (keys, jnp.concatenate(outs), jnp.concatenate([s for _, _, s, _, _ in items])),
+            num_keys=1)
+        pad = -(-m // c) * c - m
+        streams[name] = _Stream(
+            keys=jnp.pad(keys, (0, pad + 1), constant_values=_NOT_MINE),
+            out=jnp.pad(out, (0, pad)), scale=jnp.pad(scale, (0, pad)),
+            count=jnp.sum(keys < _NOT_MINE, dtype=jnp.int32), capacity=c, parts=parts)
+    return streams
+
+
+def _passes(stream: _Stream, body, carry):
+    """carry = body(r, carry) for every pass; straight-line code when one pass holds all M."""
+    if stream.capacity >= stream.out.shape[0]:
+        return body(jnp.int32(0), carry)
+    return lax.fori_loop(0, stream.passes, body, carry)
+
+
 def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
                  plans: dict[str, TablePlan], axis: str) -> dict:
     """Activations of this device's examples: (b, D) or (b, L, D) per feature path."""
     out = {}
     for f in features:
         plan = plans[f.table]
+        if not plan.cpu_rows:
+            continue
         ids, weights = feats[f.path]
         ids_all, w_all = _gathered(ids, weights, axis)
         mine, local = _owned(plan.layout, ids_all, axis)
         scale = jnp.where(mine, _scale(f, w_all), 0.0)
-        if plan.cpu_rows and not f.config.is_sequence:
-            partial = _cpu_kernels.pooled_lookup(tables[f.table],
-                                                 jnp.where(mine, local, _NOT_MINE), scale)
-            out[f.path] = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
-            continue
-        packing = plan.packing
-        if packing.packed and not f.config.is_sequence:
-            out[f.path] = lax.psum_scatter(_pooled_packed(tables[f.table], packing, local, scale),
-                                           axis, scatter_dimension=0, tiled=True)
-            continue
-        rows = _read(tables[f.table], packing, local).astype(jnp.float32)  # (B, L, D)
         if f.config.is_sequence:
+            rows = jnp.take(tables[f.table], local, axis=0)
             partial = rows * scale[..., None]
         else:
-            partial = jnp.einsum("bl,bld->bd", scale, rows,
-                                 precision=lax.Precision.HIGHEST)
+            partial = _cpu_kernels.pooled_lookup(tables[f.table],
+                                                 jnp.where(mine, local, _NOT_MINE), scale)
         out[f.path] = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
+    for name, stream in _streams(feats, features, plans, axis).items():
+        packing, table = plans[name].packing, tables[name]
+        k, w = packing.per_row, packing.padded_width
+        group = lax.iota(jnp.int32, k * w) // w
+
+        def one_pass(r, acc, stream=stream, table=table, k=k, group=group):
+            keys, out, scale = stream.window(r)
+            phys = table.at[keys // k].get(mode="fill", fill_value=0).astype(jnp.float32)
+            contrib = phys * scale[:, None]
+            if k > 1:
+                # where() after the product: a neighbour's inf or nan never leaks in.
+                contrib = jnp.where(group == (keys % k)[:, None], contrib, 0.0)
+            return acc.at[out].add(contrib)
+
+        rows = stream.parts[-1][1] + stream.parts[-1][2]
+        acc = _passes(stream, one_pass, jnp.zeros((rows, k * w), jnp.float32))
+        if packing.packed:  # Fold the k lane groups: each position filled only its own.
+            acc = acc.reshape(rows, k, w).sum(axis=1)[:, :packing.width]
+        for f, first, n in stream.parts:
+            partial = acc[first:first + n]
+            if f.config.is_sequence:
+                partial = partial.reshape(-1, f.config.max_sequence_length, partial.shape[-1])
+            out[f.path] = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
     return out
 
 
@@ -129,49 +245,93 @@ def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
                  spec: _config.EmbeddingSpec):
     """One sparse optimizer step on this device's shard of every table."""
     tables, slots = dict(tables), dict(slots)
-    by_table: dict[str, list] = {}
-    for f in features:
-        plan = plans[f.table]
-        ids, weights = feats[f.path]
-        ids_all, w_all = _gathered(ids, weights, axis)
-        mine, local = _owned(plan.layout, ids_all, axis)
-        grad_all = lax.all_gather(grads[f.path], axis, tiled=True).astype(jnp.float32)
-        scale = _scale(f, w_all)
-        if f.config.is_sequence:
-            g = grad_all * scale[..., None]  # (B, L, D)
-        else:
-            g = scale[..., None] * grad_all[:, None, :]
-        key = jnp.where(mine, local, _NOT_MINE)
-        # The C++ update takes a lone pooled feature's (scale, grad_all) instead of g.
-        pooled = None if f.config.is_sequence else (scale.reshape(-1), grad_all)
-        by_table.setdefault(f.table, []).append(
-            (key.reshape(-1), g.reshape(-1, g.shape[-1]), pooled))
+    grad_all = {f.path: lax.all_gather(grads[f.path], axis, tiled=True).astype(jnp.float32)
+                for f in features}
     multiplier = (None if spec.gradient_multiplier_fn is None else
                   jnp.asarray(spec.gradient_multiplier_fn(step), jnp.float32))
-    for name, parts in by_table.items():
-        plan = plans[name]
-        keys = jnp.concatenate([k for k, _, _ in parts])
-        g = jnp.concatenate([v for _, v, _ in parts])
-        if plan.cpu_rows and _cpu_kernels.supports_update(plan.optimizer):
-            lr = _optimizers.evaluate(plan.optimizer.learning_rate, step)
-            names = [s.name for s in plan.slot_specs]
-            scale = None
-            if len(parts) == 1 and parts[0][2] is not None:
-                scale, g = parts[0][2]
-            tables[name], new = _cpu_kernels.update(
-                plan.optimizer, tables[name], tuple(slots[name][n] for n in names), keys, g,
-                lr, multiplier, spec.clipping_limit, scale)
-            slots[name] = dict(zip(names, new))
-            continue
-        sum_duplicates = _cpu_kernels.sum_duplicates if plan.cpu_kernels else _sum_duplicates
-        rows_idx, g_sum = sum_duplicates(keys, g)
+
+    def finish(plan, rows_idx, g_sum, table, table_slots):
         if multiplier is not None:
             g_sum = g_sum * multiplier
         if spec.clipping_limit is not None:
             g_sum = jnp.clip(g_sum, -spec.clipping_limit, spec.clipping_limit)
         g_sum = plan.optimizer.clip_gradient(g_sum)
-        tables[name], slots[name] = _apply_rows(plan, tables[name], slots[name], rows_idx,
-                                                g_sum, step, axis)
+        return _apply_rows(plan, table, table_slots, rows_idx, g_sum, step, axis)
+
+    # Tables on the C++ kernels: every position of the global batch, in one pass.
+    by_table: dict[str, list] = {}
+    for f in features:
+        plan = plans[f.table]
+        if not plan.cpu_rows:
+            continue
+        ids, weights = feats[f.path]
+        ids_all, w_all = _gathered(ids, weights, axis)
+        mine, local = _owned(plan.layout, ids_all, axis)
+        scale = _scale(f, w_all)
+        if f.config.is_sequence:
+            g = grad_all[f.path] * scale[..., None]  # (B, L, D)
+        else:
+            g = scale[..., None] * grad_all[f.path][:, None, :]
+        key = jnp.where(mine, local, _NOT_MINE)
+        # The C++ update takes a lone pooled feature's (scale, grad_all) instead of g.
+        pooled = None if f.config.is_sequence else (scale.reshape(-1), grad_all[f.path])
+        by_table.setdefault(f.table, []).append(
+            (key.reshape(-1), g.reshape(-1, g.shape[-1]), pooled))
+    for name, parts in by_table.items():
+        plan = plans[name]
+        keys = jnp.concatenate([k for k, _, _ in parts])
+        g = jnp.concatenate([v for _, v, _ in parts])
+        if not _cpu_kernels.supports_update(plan.optimizer):
+            rows_idx, g_sum = _cpu_kernels.sum_duplicates(keys, g)
+            tables[name], slots[name] = finish(plan, rows_idx, g_sum, tables[name],
+                                               slots[name])
+            continue
+        lr = _optimizers.evaluate(plan.optimizer.learning_rate, step)
+        names = [s.name for s in plan.slot_specs]
+        scale = None
+        if len(parts) == 1 and parts[0][2] is not None:
+            scale, g = parts[0][2]
+        tables[name], new = _cpu_kernels.update(
+            plan.optimizer, tables[name], tuple(slots[name][n] for n in names), keys, g,
+            lr, multiplier, spec.clipping_limit, scale)
+        slots[name] = dict(zip(names, new))
+
+    # Every other table: the owned pairs in passes of C, sorted by row. A row whose pairs
+    # run past the end of a pass is held back, its partial sum carried into the next pass,
+    # so that each row gets exactly one optimizer update with its whole gradient.
+    for name, stream in _streams(feats, features, plans, axis).items():
+        plan = plans[name]
+        grad_rows = jnp.concatenate([grad_all[f.path].reshape(n, -1)
+                                     for f, _, n in stream.parts])
+        c = stream.capacity
+        slot_iota = lax.iota(jnp.int32, c)
+
+        def one_pass(r, carry, stream=stream, plan=plan, grad_rows=grad_rows, c=c,
+                     slot_iota=slot_iota):
+            table, table_slots, held = carry
+            keys, out, scale = stream.window(r)
+            valid = keys < _NOT_MINE
+            g = jnp.where(valid[:, None], scale[:, None] * grad_rows[out], 0.0)
+            starts = jnp.concatenate([jnp.ones((1,), bool), keys[1:] != keys[:-1]])
+            segment = jnp.cumsum(starts, dtype=jnp.int32) - 1
+            g_sum = jax.ops.segment_sum(g, segment, num_segments=c, indices_are_sorted=True)
+            g_sum = g_sum.at[0].add(held)  # Pass r starts with the row pass r - 1 held.
+            # Segment s's row: the s-th distinct key (a sort, not a 1-D scatter; see _Stream).
+            rows = lax.sort(jnp.where(starts, keys, _NOT_MINE))
+            nxt = stream.next_key(r)
+            runs_on = (nxt < _NOT_MINE) & (nxt == keys[c - 1])
+            last = segment[c - 1]
+            held = jnp.where(runs_on, g_sum[last], 0.0)
+            rows = jnp.where(runs_on & (slot_iota == last), _NOT_MINE, rows)
+            # Unused segments get distinct out-of-range rows that gathers fill and scatters
+            # drop.
+            rows = jnp.where(rows < _NOT_MINE, rows, _NOT_MINE + slot_iota)
+            table, table_slots = finish(plan, rows, g_sum, table, table_slots)
+            return table, table_slots, held
+
+        held = jnp.zeros((grad_rows.shape[1],), jnp.float32)
+        tables[name], slots[name], _ = _passes(stream, one_pass,
+                                               (tables[name], slots[name], held))
     return tables, slots
 
 
@@ -205,34 +365,6 @@ def _sum_duplicates(keys, g):
     return rows, g_sum
 
 
-def _read(buf, packing: _layout.Packing, rows):
-    """Logical rows `rows` (any shape, in range) of a shard: rows.shape + (width,)."""
-    if not packing.packed:
-        return jnp.take(buf, rows, axis=0)
-    k, w = packing.per_row, packing.padded_width
-    phys = jnp.take(buf, rows // k, axis=0).reshape(rows.shape + (k, w))
-    out = jnp.take_along_axis(phys, (rows % k)[..., None, None], axis=-2)[..., 0, :]
-    out = out[..., :packing.width]
-    return out if packing.rank == 2 else out[..., 0]
-
-
-def _pooled_packed(buf, packing: _layout.Packing, rows, scale):
-    """Σ_l scale·row of a lane-packed table, (B, L) rows -> (B, D).
-
-    Sums whole 128-lane physical rows with each position's weight on its own lanes only,
-    then folds the k lane groups of the (B, 128) result: the (B, L, k, W) relayout of a
-    per-position unpacking never forms (measured with the TPU compiler, W1-sized lookup of
-    2 tables on v5p:2x2x1: see the commit message).
-    """
-    k, w = packing.per_row, packing.padded_width
-    phys = jnp.take(buf, rows // k, axis=0).astype(jnp.float32)  # (B, L, k * W)
-    group = lax.iota(jnp.int32, k * w) // w
-    # where() after the product: a neighbour's inf or nan never leaks into this sum.
-    contrib = jnp.where(group == (rows % k)[..., None], phys * scale[..., None], 0.0)
-    pooled = jnp.sum(contrib, axis=1)  # (B, k * W)
-    return pooled.reshape(pooled.shape[0], k, w).sum(axis=1)[:, :packing.width]
-
-
 class _Rows:
     """Read-modify-write access to the distinct sorted rows `rows` of one shard array.
 
@@ -251,7 +383,8 @@ class _Rows:
         starts = jnp.concatenate([jnp.ones((1,), bool), phys[1:] != phys[:-1]])
         self.segment = jnp.cumsum(starts, dtype=jnp.int32) - 1
         self.sub = rows % k
-        self.phys = jnp.full(rows.shape, _NOT_MINE, jnp.int32).at[self.segment].set(phys)
+        # Segment s's physical row: the s-th distinct one (a sort, not a 1-D scatter).
+        self.phys = lax.sort(jnp.where(starts, phys, _NOT_MINE))
         block = buf.at[self.phys].get(mode="fill", fill_value=0)
         self.block = block.reshape(rows.shape + (k, packing.padded_width))
 

@@ -365,3 +365,65 @@ def test_lane_packed_layout_gives_identical_results(opt_key, strategy, num_shard
 
 def _close(a, b):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("opt_key,strategy,num_shards,max_ids", [
+    ("adagrad", "div", 4, 1), ("adam", "mod", 2, 3), ("ftrl", "div", 8, 5),
+    ("rowwise_adagrad", "mod", 4, None), ("sgd", "div", 1, 2)])
+@pytest.mark.parametrize("lane_width", [0, 128])
+def test_update_in_passes_matches_reference(opt_key, strategy, num_shards, max_ids,
+                                            lane_width, rng):
+    """The portable (TPU) path handles each shard's owned (id, position) pairs in passes of
+    max_ids_per_shard; with 1..5 a hot row's pairs span several passes and its gradient is
+    carried over. Lookups and updates equal the reference; untouched rows keep their bits."""
+    optimizer, _ = OPTIMIZERS[opt_key]
+    spec = _features_and_spec(optimizer, strategy=strategy)
+    emb = jte.Embedding(spec, make_mesh(num_shards), cpu_kernels=False,
+                        lane_width=lane_width, max_ids_per_shard=max_ids)
+    state = emb.init(jax.random.key(3))
+    for _ in range(2):
+        features = _inputs(rng)
+        tables, slots = emb.export(state), emb.export_slots(state)
+        acts = emb.lookup(state, features)
+        want = reference_lookup(tables, features)
+        for path, *_ in _FEATURES:
+            np.testing.assert_allclose(np.asarray(_leaf(acts, path)), want[path], rtol=1e-5,
+                                       atol=1e-6, err_msg=path)
+        grads = _grads(rng, acts)
+        state = emb.apply_gradients(state, features, grads)
+        want_t, want_s = _run_reference(emb, spec, tables, slots, features, grads, None)
+        got_t, got_s = emb.export(state), emb.export_slots(state)
+        row_grads = reference_row_grads(tables, features, grads)
+        for name in tables:
+            np.testing.assert_allclose(got_t[name], want_t[name], rtol=2e-5, atol=2e-6,
+                                       err_msg=name)
+            for s in want_s[name]:
+                np.testing.assert_allclose(got_s[name][s], want_s[name][s], rtol=2e-5,
+                                           atol=1e-6, err_msg=f"{name}/{s}")
+            untouched = np.setdiff1d(np.arange(tables[name].shape[0]),
+                                     list(row_grads.get(name, {})))
+            np.testing.assert_array_equal(got_t[name][untouched], tables[name][untouched])
+
+
+def test_pass_capacity():
+    from jax_tpu_embed import _sparse
+    spec = _features_and_spec(jte.Adagrad(0.1))
+    plan = jte.Embedding(spec, make_mesh(2), max_ids_per_shard={"shared": 100}).plans
+    assert _sparse.capacity(plan["shared"], 4096, 4) == 104  # Rounded up to 8.
+    assert _sparse.capacity(plan["shared"], 64, 4) == 64  # At most M.
+    assert _sparse.capacity(plan["weighted"], 4096, 4) == 1536  # 1.5 x M / N.
+    assert _sparse.capacity(plan["weighted"], 4096, 1) == 4096
+    dense = jte.Embedding(_features_and_spec(jte.Adam(0.1, lazy_adam=False)), make_mesh(2),
+                          max_ids_per_shard=8).plans
+    assert _sparse.capacity(dense["shared"], 4096, 4) == 4096  # Every row: one pass.
+
+
+@pytest.mark.parametrize("value,match", [
+    (0, "max_ids_per_shard for table 'multi'|max_ids_per_shard for table '.*' must be a "
+        "positive int, got 0"),
+    ({"nope": 8}, r"names \['nope'\], which are not tables"),
+    ({"shared": 2.5}, "table 'shared' must be a positive int, got 2.5"),
+    (True, "must be a positive int, got True")])
+def test_bad_max_ids_per_shard(value, match):
+    with pytest.raises(ValueError, match=match):
+        jte.Embedding(_features_and_spec(jte.SGD(0.1)), make_mesh(2), max_ids_per_shard=value)
