@@ -147,6 +147,25 @@ def _run_reference(emb, spec, tables, slots, features, grads, steps_lr, extras=N
     return out_t, out_s
 
 
+def _check_update(emb, spec, tables, slots, features, grads, state):
+    """The state after one update equals the float64 reference; untouched rows and slots
+    keep their bits."""
+    want_t, want_s = _run_reference(emb, spec, tables, slots, features, grads, None)
+    got_t, got_s = emb.export(state), emb.export_slots(state)
+    row_grads = reference_row_grads(tables, features, grads)
+    for name in tables:
+        np.testing.assert_allclose(got_t[name], want_t[name], rtol=2e-5, atol=2e-6,
+                                   err_msg=name)
+        for s in want_s[name]:
+            np.testing.assert_allclose(got_s[name][s], want_s[name][s], rtol=2e-5,
+                                       atol=1e-6, err_msg=f"{name}/{s}")
+        untouched = np.setdiff1d(np.arange(tables[name].shape[0]),
+                                 list(row_grads.get(name, {})))
+        np.testing.assert_array_equal(got_t[name][untouched], tables[name][untouched])
+        for s in got_s[name]:
+            np.testing.assert_array_equal(got_s[name][s][untouched], slots[name][s][untouched])
+
+
 # Each optimizer on one (strategy, mesh) pair; test_results_identical_for_every_strategy_and_mesh
 # covers the rest.
 _MESHES = [("div", 1), ("mod", 4), ("div", 8), ("mod", 2), ("mod", 8), ("div", 4)]
@@ -166,21 +185,7 @@ def test_update_matches_reference(opt_key, strategy, num_shards, rng):
         tables, slots = emb.export(state), emb.export_slots(state)
         grads = _grads(rng, emb.lookup(state, features))
         state = emb.apply_gradients(state, features, grads)
-        want_t, want_s = _run_reference(emb, spec, tables, slots, features, grads, None)
-        got_t, got_s = emb.export(state), emb.export_slots(state)
-        row_grads = reference_row_grads(tables, features, grads)
-        for name in tables:
-            np.testing.assert_allclose(got_t[name], want_t[name], rtol=2e-5, atol=2e-6,
-                                       err_msg=name)
-            for s in want_s[name]:
-                np.testing.assert_allclose(got_s[name][s], want_s[name][s], rtol=2e-5,
-                                           atol=1e-6, err_msg=f"{name}/{s}")
-            untouched = np.setdiff1d(np.arange(tables[name].shape[0]),
-                                     list(row_grads.get(name, {})))
-            np.testing.assert_array_equal(got_t[name][untouched], tables[name][untouched])
-            for s in got_s[name]:
-                np.testing.assert_array_equal(got_s[name][s][untouched],
-                                              slots[name][s][untouched])
+        _check_update(emb, spec, tables, slots, features, grads, state)
     assert int(state.step) == 2
 
 
@@ -391,18 +396,7 @@ def test_update_in_passes_matches_reference(opt_key, strategy, num_shards, max_i
                                        atol=1e-6, err_msg=path)
         grads = _grads(rng, acts)
         state = emb.apply_gradients(state, features, grads)
-        want_t, want_s = _run_reference(emb, spec, tables, slots, features, grads, None)
-        got_t, got_s = emb.export(state), emb.export_slots(state)
-        row_grads = reference_row_grads(tables, features, grads)
-        for name in tables:
-            np.testing.assert_allclose(got_t[name], want_t[name], rtol=2e-5, atol=2e-6,
-                                       err_msg=name)
-            for s in want_s[name]:
-                np.testing.assert_allclose(got_s[name][s], want_s[name][s], rtol=2e-5,
-                                           atol=1e-6, err_msg=f"{name}/{s}")
-            untouched = np.setdiff1d(np.arange(tables[name].shape[0]),
-                                     list(row_grads.get(name, {})))
-            np.testing.assert_array_equal(got_t[name][untouched], tables[name][untouched])
+        _check_update(emb, spec, tables, slots, features, grads, state)
 
 
 def test_pass_capacity():
