@@ -59,11 +59,17 @@ def essential_bytes(dim: int, unique_per_table: float) -> float:
     return TABLES * (unique_per_table * dim * 4 * 4 + B * L * 4)
 
 
-def _embedding(topo: _tpu.Topology, dim: int) -> jte.Embedding:
+def _embedding(topo: _tpu.Topology, dim: int, max_unique: int | None = None) -> jte.Embedding:
     tables = [jte.TableConfig(V, dim, combiner="sum", name=f"t{i}") for i in range(TABLES)]
     spec = jte.EmbeddingSpec({f"t{i}": jte.FeatureConfig(t) for i, t in enumerate(tables)},
                              jte.Adagrad(learning_rate=0.05))
-    return jte.Embedding(spec, _tpu.mesh(topo))
+    return jte.Embedding(spec, _tpu.mesh(topo), max_unique_ids_per_shard=max_unique)
+
+
+def auto_max_unique(num_shards: int) -> int:
+    """1.5 x the expected distinct rows one shard owns per table and step: what a user sets
+    max_unique_ids_per_shard to from their data's statistics (as TF's max_unique_ids_per_table)."""
+    return int(np.ceil(1.5 * expected_unique_rows() / num_shards))
 
 
 def _cost(compiled) -> tuple[float, int]:
@@ -103,19 +109,23 @@ def _parts(emb: jte.Embedding, unique_per_table: float) -> dict[str, tuple[float
     return out
 
 
-def measure(topology: str, dims, parts: bool = True) -> list[dict]:
+def measure(topology: str, dims, parts: bool = True, max_unique="auto") -> list[dict]:
+    """max_unique: max_unique_ids_per_shard; "auto" (auto_max_unique) or None or an int."""
     topo = _tpu.topology(topology)
     n = len(topo.devices)
     unique = expected_unique_rows()
+    if max_unique == "auto":
+        max_unique = auto_max_unique(n)
     results = []
     for dim in dims:
-        emb = _embedding(topo, dim)
+        emb = _embedding(topo, dim, max_unique)
         r = _tpu.compile_train_step(emb, B, L, topo=topo)
         essential = essential_bytes(dim, unique)
         res = {
             "topology": topology, "devices": n, "dim": dim, "tables": TABLES,
             "vocabulary_size": V, "batch": B, "ids_per_example": L,
             "unique_rows_per_table": round(unique),
+            "max_unique_ids_per_shard": max_unique,
             "essential_bytes": essential,
             "bytes_accessed_per_device": r.bytes_accessed,
             "bytes_accessed_total": r.bytes_accessed * n,
@@ -145,7 +155,8 @@ def report(results: list[dict]) -> str:
     lines = [f"W1 ({first['tables']} tables x {first['vocabulary_size']:,} rows, B={B}, L={L}, "
              f"Adagrad) on {first['topology']} ({first['devices']} devices); expected unique "
              f"rows per table and step U_t = {first['unique_rows_per_table']:,} "
-             f"({first['tables'] * first['unique_rows_per_table']:,} in all)", ""]
+             f"({first['tables'] * first['unique_rows_per_table']:,} in all); "
+             f"max_unique_ids_per_shard={first['max_unique_ids_per_shard']}", ""]
     lines.append(f"{'D':>4s} {'essential':>12s} {'bytes accessed':>15s} {'ratio':>7s} "
                  f"{'target':>7s} {'temp/device':>13s}")
     for r in results:
@@ -182,8 +193,13 @@ def main(argv=None) -> int:
     p.add_argument("--dims", default="32,64,128", help="comma-separated dims")
     p.add_argument("--no-parts", action="store_true", help="skip the lookup/update/floor split")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--max-unique-ids-per-shard", default="auto",
+                   help='"auto" (1.5 x the expected distinct rows per shard), "none" (the '
+                        'default of Embedding: max_ids_per_shard) or an int')
     a = p.parse_args(argv)
-    results = measure(a.topology, [int(d) for d in a.dims.split(",")], not a.no_parts)
+    mu = a.max_unique_ids_per_shard
+    mu = None if mu == "none" else mu if mu == "auto" else int(mu)
+    results = measure(a.topology, [int(d) for d in a.dims.split(",")], not a.no_parts, mu)
     print(report(results))
     if a.json:
         with open(a.json, "w") as f:

@@ -40,8 +40,8 @@ def _default_initializer(dim: int):
     return jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(dim))
 
 
-def _max_ids(value, spec: _config.EmbeddingSpec) -> dict:
-    """{table name: pairs per shard and pass} from Embedding's max_ids_per_shard."""
+def _per_table(what: str, value, spec: _config.EmbeddingSpec) -> dict:
+    """{table name: positive int} from an Embedding argument `what`: an int or a mapping."""
     tables = spec.tables()
     if value is None:
         return {}
@@ -49,13 +49,29 @@ def _max_ids(value, spec: _config.EmbeddingSpec) -> dict:
         value = {name: value for name in tables}
     unknown = sorted(set(value) - set(tables))
     if unknown:
-        raise ValueError(f"Embedding: max_ids_per_shard names {unknown}, which are not tables; "
+        raise ValueError(f"Embedding: {what} names {unknown}, which are not tables; "
                          f"the tables are {sorted(tables)}.")
     for name, v in value.items():
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"Embedding: max_ids_per_shard for table {name!r} must be a "
+            raise ValueError(f"Embedding: {what} for table {name!r} must be a "
                              f"positive int, got {v!r}.")
     return {name: int(v) for name, v in value.items()}
+
+
+def _passes_needed(counts: np.ndarray, c: int, cu: int) -> int:
+    """Passes _sparse.update_local runs over rows with these pair counts (ascending rows):
+    each takes up to C pairs and stops at Cu distinct rows; a row may straddle passes."""
+    passes, row, left = 0, 0, 0  # `left`: pairs of `row` not yet taken.
+    while row < len(counts):
+        passes += 1
+        room, distinct = c, 0
+        while row < len(counts) and room > 0 and distinct < cu:
+            take = min(room, left or int(counts[row]))
+            left = (left or int(counts[row])) - take
+            room, distinct = room - take, distinct + 1
+            if left == 0:
+                row += 1
+    return passes
 
 
 def _is_explicit(mesh) -> bool:
@@ -87,12 +103,19 @@ class Embedding:
             scatters) is sized by it, not by the global batch. Default: 1.5 x the per-shard
             average B*L/N of each table (see _sparse.capacity). Tables on the C++ CPU
             kernels ignore it.
+        max_unique_ids_per_shard: How many distinct rows of a table one shard updates per
+            pass (int or {table name: int}); a pass stops early at that many. The gathers
+            and scatters of rows and slots are sized by it. Default: max_ids_per_shard.
+            Set it from the data's duplication (e.g. 1.5 x the distinct rows per shard and
+            step) when ids repeat a lot: power-law ids have 3-5x fewer distinct rows than
+            pairs.
     """
 
     def __init__(self, spec: _config.EmbeddingSpec, mesh: jax.sharding.Mesh | None = None,
                  axis: str | None = None, *, lane_width: int | None = None,
                  cpu_kernels: bool | None = None,
-                 max_ids_per_shard: int | Mapping[str, int] | None = None):
+                 max_ids_per_shard: int | Mapping[str, int] | None = None,
+                 max_unique_ids_per_shard: int | Mapping[str, int] | None = None):
         if not isinstance(spec, _config.EmbeddingSpec):
             raise TypeError(f"Embedding: spec must be a jte.EmbeddingSpec, got "
                             f"{type(spec).__name__}.")
@@ -120,7 +143,8 @@ class Embedding:
         self.cpu_kernels = bool(on_cpu and cpu_kernels is not False and
                                 _cpu_kernels.available())
         names = _config.table_names(spec)
-        max_ids = _max_ids(max_ids_per_shard, spec)
+        max_ids = _per_table("max_ids_per_shard", max_ids_per_shard, spec)
+        max_unique = _per_table("max_unique_ids_per_shard", max_unique_ids_per_shard, spec)
         self.plans: dict[str, _sparse.TablePlan] = {}
         for name, table in spec.tables().items():
             opt = spec.optimizer_of(table)
@@ -129,7 +153,8 @@ class Embedding:
                 layout=_layout.TableLayout(table.vocabulary_size, self.num_shards,
                                            spec.partition_strategy),
                 slot_specs=tuple(opt.slot_specs()), lanes=lane_width,
-                cpu_kernels=self.cpu_kernels, max_ids=max_ids.get(name))
+                cpu_kernels=self.cpu_kernels, max_ids=max_ids.get(name),
+                max_unique=max_unique.get(name))
             if self.plans[name].layout.rows_per_shard >= 1 << 30:
                 raise ValueError(f"Embedding: table {name!r} would hold "
                                  f"{self.plans[name].layout.rows_per_shard} rows per shard; "
@@ -331,6 +356,46 @@ class Embedding:
     def invalid_id_counts(self, features: Nested) -> dict[str, jax.Array]:
         """{feature path: int32 number of ids neither -1 nor in [0, V)}; jittable."""
         return _inputs.invalid_counts(self.spec, features)
+
+    def id_counts(self, features: Nested) -> dict[str, dict[str, int]]:
+        """How a global batch loads the shards, per table: for choosing `max_ids_per_shard`
+        and `max_unique_ids_per_shard` from real data (run it on a few batches and take the
+        largest values with some headroom).
+
+        Returns {table name: {"pairs": M, the (id, position) pairs of the table's features;
+        "owned_pairs": the most pairs with a valid id any one shard owns; "unique_rows": the
+        most distinct rows any one shard owns; "passes": the most update passes any shard
+        runs with this Embedding's settings (1 unless they are below the other two)}}. Host-side:
+        features are NumPy arrays or fully addressable jax.Arrays.
+        """
+        flat = _inputs.flatten_inputs(self.spec, features)
+        _inputs.check_batch(flat, self.num_shards)
+        ids_by_table: dict[str, list] = {}
+        for f in self.features:
+            leaf = flat[f.path]
+            for x in jax.tree.leaves(leaf):
+                if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                    raise ValueError(f"id_counts: feature {f.path!r} is a jax.Array spanning "
+                                     f"several processes; pass the global batch as NumPy.")
+            ids, _ = _inputs.normalize(f.config, leaf)
+            ids_by_table.setdefault(f.table, []).append(np.asarray(ids).reshape(-1))
+        out = {}
+        for name, parts in ids_by_table.items():
+            plan = self.plans[name]
+            ids = np.concatenate(parts)
+            m = ids.shape[0]
+            c = _sparse.capacity(plan, m, self.num_shards)
+            cu = _sparse.unique_capacity(plan, c)
+            valid = ids[(ids >= 0) & (ids < plan.config.vocabulary_size)]
+            owner, _ = plan.layout.owner_and_local(valid)
+            owned = unique = passes = 0
+            for p in range(self.num_shards):
+                rows, counts = np.unique(valid[owner == p], return_counts=True)
+                owned, unique = max(owned, int(counts.sum())), max(unique, len(rows))
+                passes = max(passes, _passes_needed(counts, c, cu))
+            out[name] = {"pairs": m, "owned_pairs": owned, "unique_rows": unique,
+                         "passes": passes if not plan.cpu_rows else 1}
+        return out
 
     def _prepare(self, features, act_grads=None) -> dict:
         flat = _inputs.flatten_inputs(self.spec, features)

@@ -9,15 +9,17 @@ table, C = `capacity`, by default 1.5 * M / N):
   (B, D) partial activations. Reduce-scatter those so each device keeps its own (b, D):
   (N-1)/N · B·D·4 bytes. A sequence feature moves (B, L, D) instead of (B, D).
 - update: all-gather the activation gradients (B·D·4 bytes; the transpose of the
-  reduce-scatter) and sort the pairs as above. Per pass of C owned pairs: form each pair's
-  gradient, sum the gradients of each row, gather those rows and their slots, apply the
-  per-row optimizer (vmapped) and scatter the new rows back in place. A row whose pairs
-  straddle two passes is held back and its partial sum carried over, so every row gets
-  exactly one update. Rows not in the batch are never read or written: work and traffic are
-  O(M) int32 sort plus O(C·D) row work per pass, independent of V.
+  reduce-scatter) and sort the pairs as above. Per pass of at most C owned pairs and
+  Cu = `unique_capacity` distinct rows: form each pair's gradient, sum the gradients of each
+  row, gather those rows and their slots, apply the per-row optimizer (vmapped) and scatter
+  the new rows back in place. A row whose pairs straddle two passes is held back and its
+  partial sum carried over, so every row gets exactly one update. Rows not in the batch are
+  never read or written: work and traffic are an O(M) int32 sort plus O((C + Cu)·D) row work
+  per pass, independent of V.
 
-A shard that owns more than C pairs runs ceil(owned / C) passes; nothing is dropped. Tables on
-the C++ CPU kernels (`TablePlan.cpu_rows`) make one pass over all M positions instead.
+A shard that owns more pairs (or distinct rows) than one pass holds runs more passes; nothing
+is dropped. Tables on the C++ CPU kernels (`TablePlan.cpu_rows`) make one pass over all M
+positions instead.
 
 No table-sized value is ever formed (except for `Adam(lazy_adam=False)`, whose contract
 updates every row).
@@ -46,6 +48,7 @@ class TablePlan:
     lanes: int = 0  # Physical row width to pack narrow rows into (128 on TPU); 0: none.
     cpu_kernels: bool = False  # Use the C++ kernels of _cpu_kernels (CPU meshes only).
     max_ids: int | None = None  # Pairs per shard and pass (see `capacity`); None: automatic.
+    max_unique: int | None = None  # Distinct rows per shard and pass; None: = capacity.
 
     @property
     def cpu_rows(self) -> bool:
@@ -116,6 +119,13 @@ def capacity(plan: TablePlan, positions: int, num_shards: int) -> int:
     return max(1, min(positions, -(-c // 8) * 8))
 
 
+def unique_capacity(plan: TablePlan, pairs: int) -> int:
+    """Cu: distinct rows one pass of `pairs` (= C) pairs updates; a pass stops at Cu."""
+    if plan.optimizer.dense_update or not plan.max_unique:
+        return pairs
+    return max(1, min(pairs, -(-plan.max_unique // 8) * 8))
+
+
 @dataclasses.dataclass
 class _Stream:
     """The (id, position) pairs of one table's features that this shard owns, sorted by
@@ -128,26 +138,39 @@ class _Stream:
     tile per element (30,720 int32 of 81,920: 128 MB), a 3-operand sort of the 81,920 about
     4 MB.
     """
-    keys: jax.Array    # (P + 1,) ascending local rows; _NOT_MINE after the owned pairs
-    out: jax.Array     # (P,) output row per pair (0 after the owned pairs)
-    scale: jax.Array   # (P,) combiner-scaled weight per pair (0 after the owned pairs)
+    keys: jax.Array    # (M + C + 1,) ascending local rows; _NOT_MINE after the owned pairs
+    out: jax.Array     # (M + C,) output row per pair (0 after the owned pairs)
+    scale: jax.Array   # (M + C,) combiner-scaled weight per pair (0 after the owned pairs)
     count: jax.Array   # () owned pairs
-    capacity: int      # C; P = M rounded up to a multiple of C
+    capacity: int      # C
     parts: list        # [(FeaturePlan, first output row, output rows)]
 
     @property
-    def passes(self):
-        return (self.count + self.capacity - 1) // self.capacity
+    def pairs(self) -> int:
+        return self.out.shape[0] - self.capacity
 
-    def window(self, r):
-        """Pass r: (keys, out, scale), each (C,), of pairs r*C ... r*C + C - 1."""
-        start = r * self.capacity
+    def window(self, start):
+        """(keys, out, scale), each (C,), of the pairs start ... start + C - 1."""
         return tuple(lax.dynamic_slice_in_dim(a, start, self.capacity)
                      for a in (self.keys, self.out, self.scale))
 
-    def next_key(self, r):
-        """The key of the first pair after pass r (_NOT_MINE if none)."""
-        return lax.dynamic_slice_in_dim(self.keys, (r + 1) * self.capacity, 1)[0]
+    def key_at(self, i):
+        """The key of pair i (_NOT_MINE past the owned pairs)."""
+        return lax.dynamic_slice_in_dim(self.keys, i, 1)[0]
+
+    def passes(self, body, carry, *, single: bool):
+        """Runs `consumed, carry = body(start, carry)` from start 0 until every owned pair
+        is consumed; with `single`, one pass is known to take them all: straight-line code."""
+        if single:
+            return body(jnp.int32(0), carry)[1]
+
+        def step(state):
+            start, carry = state
+            consumed, carry = body(start, carry)
+            return start + consumed, carry
+
+        return lax.while_loop(lambda state: state[0] < self.count, step,
+                              (jnp.int32(0), carry))[1]
 
 
 def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePlan],
@@ -180,19 +203,11 @@ def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePla
         keys, out, scale = lax.sort(
             (keys, jnp.concatenate(outs), jnp.concatenate([s for _, _, s, _, _ in items])),
             num_keys=1)
-        pad = -(-m // c) * c - m
         streams[name] = _Stream(
-            keys=jnp.pad(keys, (0, pad + 1), constant_values=_NOT_MINE),
-            out=jnp.pad(out, (0, pad)), scale=jnp.pad(scale, (0, pad)),
+            keys=jnp.pad(keys, (0, c + 1), constant_values=_NOT_MINE),
+            out=jnp.pad(out, (0, c)), scale=jnp.pad(scale, (0, c)),
             count=jnp.sum(keys < _NOT_MINE, dtype=jnp.int32), capacity=c, parts=parts)
     return streams
-
-
-def _passes(stream: _Stream, body, carry):
-    """carry = body(r, carry) for every pass; straight-line code when one pass holds all M."""
-    if stream.capacity >= stream.out.shape[0]:
-        return body(jnp.int32(0), carry)
-    return lax.fori_loop(0, stream.passes, body, carry)
 
 
 def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
@@ -219,17 +234,18 @@ def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
         k, w = packing.per_row, packing.padded_width
         group = lax.iota(jnp.int32, k * w) // w
 
-        def one_pass(r, acc, stream=stream, table=table, k=k, group=group):
-            keys, out, scale = stream.window(r)
+        def one_pass(start, acc, stream=stream, table=table, k=k, group=group):
+            keys, out, scale = stream.window(start)
             phys = table.at[keys // k].get(mode="fill", fill_value=0).astype(jnp.float32)
             contrib = phys * scale[:, None]
             if k > 1:
                 # where() after the product: a neighbour's inf or nan never leaks in.
                 contrib = jnp.where(group == (keys % k)[:, None], contrib, 0.0)
-            return acc.at[out].add(contrib)
+            return stream.capacity, acc.at[out].add(contrib)
 
         rows = stream.parts[-1][1] + stream.parts[-1][2]
-        acc = _passes(stream, one_pass, jnp.zeros((rows, k * w), jnp.float32))
+        acc = stream.passes(one_pass, jnp.zeros((rows, k * w), jnp.float32),
+                            single=stream.capacity >= stream.pairs)
         if packing.packed:  # Fold the k lane groups: each position filled only its own.
             acc = acc.reshape(rows, k, w).sum(axis=1)[:, :packing.width]
         for f, first, n in stream.parts:
@@ -304,34 +320,40 @@ def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
         grad_rows = jnp.concatenate([grad_all[f.path].reshape(n, -1)
                                      for f, _, n in stream.parts])
         c = stream.capacity
-        slot_iota = lax.iota(jnp.int32, c)
+        cu = unique_capacity(plan, c)
+        slot_iota = lax.iota(jnp.int32, cu)
 
-        def one_pass(r, carry, stream=stream, plan=plan, grad_rows=grad_rows, c=c,
-                     slot_iota=slot_iota):
+        def one_pass(start, carry, stream=stream, plan=plan, grad_rows=grad_rows, c=c,
+                     cu=cu, slot_iota=slot_iota):
             table, table_slots, held = carry
-            keys, out, scale = stream.window(r)
-            valid = keys < _NOT_MINE
-            g = jnp.where(valid[:, None], scale[:, None] * grad_rows[out], 0.0)
+            keys, out, scale = stream.window(start)
             starts = jnp.concatenate([jnp.ones((1,), bool), keys[1:] != keys[:-1]])
             segment = jnp.cumsum(starts, dtype=jnp.int32) - 1
-            g_sum = jax.ops.segment_sum(g, segment, num_segments=c, indices_are_sorted=True)
-            g_sum = g_sum.at[0].add(held)  # Pass r starts with the row pass r - 1 held.
+            # This pass takes the owned pairs of its first Cu distinct rows.
+            take = (keys < _NOT_MINE) & (segment < cu)
+            consumed = jnp.sum(take, dtype=jnp.int32)
+            g = jnp.where(take[:, None], scale[:, None] * grad_rows[out], 0.0)
+            g_sum = jax.ops.segment_sum(g, jnp.where(take, segment, cu), num_segments=cu,
+                                        indices_are_sorted=True)
+            g_sum = g_sum.at[0].add(held)  # The row the previous pass held, if any.
             # Segment s's row: the s-th distinct key (a sort, not a 1-D scatter; see _Stream).
-            rows = lax.sort(jnp.where(starts, keys, _NOT_MINE))
-            nxt = stream.next_key(r)
-            runs_on = (nxt < _NOT_MINE) & (nxt == keys[c - 1])
-            last = segment[c - 1]
+            rows = lax.sort(jnp.where(starts & take, keys, _NOT_MINE))[:cu]
+            # Only a pass cut by C can end inside a row: hold that row back and carry its sum.
+            nxt = stream.key_at(start + c)
+            runs_on = (consumed == c) & (nxt < _NOT_MINE) & (nxt == keys[c - 1])
+            last = jnp.minimum(segment[c - 1], cu - 1)
             held = jnp.where(runs_on, g_sum[last], 0.0)
             rows = jnp.where(runs_on & (slot_iota == last), _NOT_MINE, rows)
             # Unused segments get distinct out-of-range rows that gathers fill and scatters
             # drop.
             rows = jnp.where(rows < _NOT_MINE, rows, _NOT_MINE + slot_iota)
             table, table_slots = finish(plan, rows, g_sum, table, table_slots)
-            return table, table_slots, held
+            return consumed, (table, table_slots, held)
 
         held = jnp.zeros((grad_rows.shape[1],), jnp.float32)
-        tables[name], slots[name], _ = _passes(stream, one_pass,
-                                               (tables[name], slots[name], held))
+        tables[name], slots[name], _ = stream.passes(
+            one_pass, (tables[name], slots[name], held),
+            single=c >= stream.pairs and cu >= c)
     return tables, slots
 
 

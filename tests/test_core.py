@@ -372,19 +372,22 @@ def _close(a, b):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("opt_key,strategy,num_shards,max_ids", [
-    ("adagrad", "div", 4, 1), ("adam", "mod", 2, 3), ("ftrl", "div", 8, 5),
-    ("rowwise_adagrad", "mod", 4, None), ("sgd", "div", 1, 2)])
+@pytest.mark.parametrize("opt_key,strategy,num_shards,max_ids,max_unique", [
+    ("adagrad", "div", 4, 1, None), ("adam", "mod", 2, 3, 1), ("ftrl", "div", 8, 5, None),
+    ("rowwise_adagrad", "mod", 4, None, 2), ("sgd", "div", 1, 2, None),
+    ("adagrad_momentum", "div", 1, None, 3)])
 @pytest.mark.parametrize("lane_width", [0, 128])
 def test_update_in_passes_matches_reference(opt_key, strategy, num_shards, max_ids,
-                                            lane_width, rng):
+                                            max_unique, lane_width, rng):
     """The portable (TPU) path handles each shard's owned (id, position) pairs in passes of
-    max_ids_per_shard; with 1..5 a hot row's pairs span several passes and its gradient is
-    carried over. Lookups and updates equal the reference; untouched rows keep their bits."""
+    max_ids_per_shard pairs and max_unique_ids_per_shard distinct rows; with 1..5 a hot
+    row's pairs span several passes and its gradient is carried over. Lookups and updates
+    equal the reference; untouched rows and slots keep their bits."""
     optimizer, _ = OPTIMIZERS[opt_key]
     spec = _features_and_spec(optimizer, strategy=strategy)
     emb = jte.Embedding(spec, make_mesh(num_shards), cpu_kernels=False,
-                        lane_width=lane_width, max_ids_per_shard=max_ids)
+                        lane_width=lane_width, max_ids_per_shard=max_ids,
+                        max_unique_ids_per_shard=max_unique)
     state = emb.init(jax.random.key(3))
     for _ in range(2):
         features = _inputs(rng)
@@ -407,17 +410,48 @@ def test_pass_capacity():
     assert _sparse.capacity(plan["shared"], 64, 4) == 64  # At most M.
     assert _sparse.capacity(plan["weighted"], 4096, 4) == 1536  # 1.5 x M / N.
     assert _sparse.capacity(plan["weighted"], 4096, 1) == 4096
+    assert _sparse.unique_capacity(plan["shared"], 104) == 104  # Default: C.
+    plan = jte.Embedding(spec, make_mesh(2), max_unique_ids_per_shard=21).plans
+    assert _sparse.unique_capacity(plan["shared"], 104) == 24
+    assert _sparse.unique_capacity(plan["shared"], 16) == 16
     dense = jte.Embedding(_features_and_spec(jte.Adam(0.1, lazy_adam=False)), make_mesh(2),
-                          max_ids_per_shard=8).plans
+                          max_ids_per_shard=8, max_unique_ids_per_shard=8).plans
     assert _sparse.capacity(dense["shared"], 4096, 4) == 4096  # Every row: one pass.
+    assert _sparse.unique_capacity(dense["shared"], 4096) == 4096
 
 
 @pytest.mark.parametrize("value,match", [
-    (0, "max_ids_per_shard for table 'multi'|max_ids_per_shard for table '.*' must be a "
-        "positive int, got 0"),
+    (0, "max_ids_per_shard for table '.*' must be a positive int, got 0"),
     ({"nope": 8}, r"names \['nope'\], which are not tables"),
     ({"shared": 2.5}, "table 'shared' must be a positive int, got 2.5"),
     (True, "must be a positive int, got True")])
 def test_bad_max_ids_per_shard(value, match):
     with pytest.raises(ValueError, match=match):
         jte.Embedding(_features_and_spec(jte.SGD(0.1)), make_mesh(2), max_ids_per_shard=value)
+    with pytest.raises(ValueError, match=match.replace("max_ids", "max_unique_ids")):
+        jte.Embedding(_features_and_spec(jte.SGD(0.1)), make_mesh(2),
+                      max_unique_ids_per_shard=value)
+
+
+def test_id_counts_and_passes(rng):
+    """id_counts against a per-shard count written out here ("mod": shard = id % N), and
+    the pass count it predicts against a hand-worked case."""
+    from jax_tpu_embed._embedding import _passes_needed
+    spec = _features_and_spec(jte.Adagrad(0.1), strategy="mod")
+    features = _inputs(rng)
+    emb = jte.Embedding(spec, make_mesh(4), cpu_kernels=False, max_ids_per_shard=4,
+                        max_unique_ids_per_shard=2)
+    got = emb.id_counts(features)
+    shared = np.concatenate([features["multi"].ravel(), features["one"].ravel()])
+    per_shard = [shared[(shared >= 0) & (shared % 4 == p)] for p in range(4)]
+    assert got["shared"]["pairs"] == shared.size
+    assert got["shared"]["owned_pairs"] == max(len(x) for x in per_shard)
+    assert got["shared"]["unique_rows"] == max(len(np.unique(x)) for x in per_shard)
+    # C = 8 (4 rounded up), Cu = 8: at least owned / 8 passes.
+    assert got["shared"]["passes"] >= -(-got["shared"]["owned_pairs"] // 8)
+    assert set(got) == {"shared", "nested/mean", "weighted"}
+    # Rows a..d with 5, 1, 1, 3 pairs; C = 4, Cu = 2: [4 of a] [last of a, b] [c, all 3 of d].
+    assert _passes_needed(np.array([5, 1, 1, 3]), 4, 2) == 3
+    assert _passes_needed(np.array([5, 1, 1, 4]), 4, 2) == 4  # d's last pair spills over.
+    assert _passes_needed(np.array([5, 1, 1, 3]), 16, 16) == 1
+    assert _passes_needed(np.array([1] * 10), 16, 3) == 4
