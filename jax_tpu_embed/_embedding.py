@@ -100,9 +100,9 @@ class Embedding:
             pass of the sorted, compacted lookup and update: an int for every table or
             {table name: int}. A shard that owns more in a step runs more passes; no id is
             ever dropped. The row work of a pass (gathers, gradient sums, optimizer,
-            scatters) is sized by it, not by the global batch. Default: 1.5 x the per-shard
-            average B*L/N of each table (see _sparse.capacity). Tables on the C++ CPU
-            kernels ignore it.
+            scatters) is sized by it, not by the global batch. Default on TPU meshes: 1.5 x
+            the per-shard average B*L/N of each table; elsewhere all B*L, one pass (see
+            _sparse.capacity). Tables on the C++ CPU kernels ignore it.
         max_unique_ids_per_shard: How many distinct rows of a table one shard updates per
             pass (int or {table name: int}); a pass stops early at that many. The gathers
             and scatters of rows and slots are sized by it. Default: max_ids_per_shard.
@@ -154,7 +154,8 @@ class Embedding:
                                            spec.partition_strategy),
                 slot_specs=tuple(opt.slot_specs()), lanes=lane_width,
                 cpu_kernels=self.cpu_kernels, max_ids=max_ids.get(name),
-                max_unique=max_unique.get(name))
+                max_unique=max_unique.get(name),
+                compact=mesh.devices.flat[0].platform == "tpu")
             if self.plans[name].layout.rows_per_shard >= 1 << 30:
                 raise ValueError(f"Embedding: table {name!r} would hold "
                                  f"{self.plans[name].layout.rows_per_shard} rows per shard; "

@@ -1,7 +1,7 @@
 """Shard-local lookup and sparse update; run inside `shard_map` over the mesh axis.
 
 Per step and device (N devices, local batch b = B / N, M = B * L (id, position) pairs of one
-table, C = `capacity`, by default 1.5 * M / N):
+table, C = `capacity`, by default 1.5 * M / N on TPU):
 
 - lookup: all-gather the ids of the global batch (B·L·4 bytes). Sort the M pairs by the local
   row this shard owns (others last), with each pair's output row and combiner weight riding
@@ -49,6 +49,7 @@ class TablePlan:
     cpu_kernels: bool = False  # Use the C++ kernels of _cpu_kernels (CPU meshes only).
     max_ids: int | None = None  # Pairs per shard and pass (see `capacity`); None: automatic.
     max_unique: int | None = None  # Distinct rows per shard and pass; None: = capacity.
+    compact: bool = False  # Default capacity: the per-shard share (TPU) rather than all M.
 
     @property
     def cpu_rows(self) -> bool:
@@ -108,14 +109,16 @@ def _scale(feature: FeaturePlan, weights_all):
 def capacity(plan: TablePlan, positions: int, num_shards: int) -> int:
     """C: how many of a table's M (id, position) pairs one shard handles per pass.
 
-    `plan.max_ids` when set, else 1.5 times the per-shard average M / N (room for hot rows
-    and uneven ownership), rounded up to a multiple of 8 and at most M. A shard owning more
-    than C pairs in a step runs ceil(owned / C) passes: never drops an id. An optimizer that
-    updates every row (`Adam(lazy_adam=False)`) always runs one pass of all M.
+    `plan.max_ids` when set; else, with `plan.compact` (TPU meshes), 1.5 times the per-shard
+    average M / N (room for hot rows and uneven ownership), and otherwise M: XLA:CPU sorts
+    and loops cost more than scanning all pairs (W0 on 2 CPU devices, cpu_kernels=False:
+    lookup 23 ms with 1.5 M / N, 6 ms with M). Rounded up to a multiple of 8 and at most M.
+    A shard owning more than C pairs in a step runs more passes: never drops an id. An
+    optimizer that updates every row (`Adam(lazy_adam=False)`) always runs one pass of all M.
     """
     if plan.optimizer.dense_update:
         return positions
-    c = plan.max_ids or -(-3 * positions // (2 * num_shards))
+    c = plan.max_ids or (-(-3 * positions // (2 * num_shards)) if plan.compact else positions)
     return max(1, min(positions, -(-c // 8) * 8))
 
 
@@ -129,7 +132,8 @@ def unique_capacity(plan: TablePlan, pairs: int) -> int:
 @dataclasses.dataclass
 class _Stream:
     """The (id, position) pairs of one table's features that this shard owns, sorted by
-    local row, read C at a time.
+    local row (a lookup that one pass completes keeps them in position order), read C at a
+    time.
 
     The positions of all features sharing the table are concatenated; `out` is each pair's
     output row: example b of a pooled feature, or (b, l) of a sequence feature, offset by the
@@ -138,7 +142,7 @@ class _Stream:
     tile per element (30,720 int32 of 81,920: 128 MB), a 3-operand sort of the 81,920 about
     4 MB.
     """
-    keys: jax.Array    # (M + C + 1,) ascending local rows; _NOT_MINE after the owned pairs
+    keys: jax.Array    # (M + C + 1,) local rows, ascending and _NOT_MINE after the owned pairs
     out: jax.Array     # (M + C,) output row per pair (0 after the owned pairs)
     scale: jax.Array   # (M + C,) combiner-scaled weight per pair (0 after the owned pairs)
     count: jax.Array   # () owned pairs
@@ -174,8 +178,13 @@ class _Stream:
 
 
 def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePlan],
-             axis: str) -> dict[str, _Stream]:
-    """One _Stream per table that does not go through the C++ kernels."""
+             axis: str, *, sorted_rows: bool) -> dict[str, _Stream]:
+    """One _Stream per table that does not go through the C++ kernels.
+
+    With `sorted_rows` False the pairs stay in position order when one pass of C holds all
+    M (the lookup needs no order; a sort is what XLA:CPU is slowest at), else they are
+    sorted by row.
+    """
     by_table: dict[str, list] = {}
     for f in features:
         if plans[f.table].cpu_rows:
@@ -200,9 +209,10 @@ def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePla
         keys = jnp.concatenate([k for _, k, _, _, _ in items])
         m = keys.shape[0]
         c = capacity(plans[name], m, lax.axis_size(axis))
-        keys, out, scale = lax.sort(
-            (keys, jnp.concatenate(outs), jnp.concatenate([s for _, _, s, _, _ in items])),
-            num_keys=1)
+        keys, out, scale = (keys, jnp.concatenate(outs),
+                            jnp.concatenate([s for _, _, s, _, _ in items]))
+        if sorted_rows or c < m:
+            keys, out, scale = lax.sort((keys, out, scale), num_keys=1)
         streams[name] = _Stream(
             keys=jnp.pad(keys, (0, c + 1), constant_values=_NOT_MINE),
             out=jnp.pad(out, (0, c)), scale=jnp.pad(scale, (0, c)),
@@ -229,7 +239,7 @@ def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
             partial = _cpu_kernels.pooled_lookup(tables[f.table],
                                                  jnp.where(mine, local, _NOT_MINE), scale)
         out[f.path] = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
-    for name, stream in _streams(feats, features, plans, axis).items():
+    for name, stream in _streams(feats, features, plans, axis, sorted_rows=False).items():
         packing, table = plans[name].packing, tables[name]
         k, w = packing.per_row, packing.padded_width
         group = lax.iota(jnp.int32, k * w) // w
@@ -315,7 +325,7 @@ def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
     # Every other table: the owned pairs in passes of C, sorted by row. A row whose pairs
     # run past the end of a pass is held back, its partial sum carried into the next pass,
     # so that each row gets exactly one optimizer update with its whole gradient.
-    for name, stream in _streams(feats, features, plans, axis).items():
+    for name, stream in _streams(feats, features, plans, axis, sorted_rows=True).items():
         plan = plans[name]
         grad_rows = jnp.concatenate([grad_all[f.path].reshape(n, -1)
                                      for f, _, n in stream.parts])

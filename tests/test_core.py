@@ -408,8 +408,10 @@ def test_pass_capacity():
     plan = jte.Embedding(spec, make_mesh(2), max_ids_per_shard={"shared": 100}).plans
     assert _sparse.capacity(plan["shared"], 4096, 4) == 104  # Rounded up to 8.
     assert _sparse.capacity(plan["shared"], 64, 4) == 64  # At most M.
-    assert _sparse.capacity(plan["weighted"], 4096, 4) == 1536  # 1.5 x M / N.
-    assert _sparse.capacity(plan["weighted"], 4096, 1) == 4096
+    assert _sparse.capacity(plan["weighted"], 4096, 4) == 4096  # CPU mesh: all M.
+    tpu_like = dataclasses.replace(plan["weighted"], compact=True)  # As on TPU meshes.
+    assert _sparse.capacity(tpu_like, 4096, 4) == 1536  # 1.5 x M / N.
+    assert _sparse.capacity(tpu_like, 4096, 1) == 4096
     assert _sparse.unique_capacity(plan["shared"], 104) == 104  # Default: C.
     plan = jte.Embedding(spec, make_mesh(2), max_unique_ids_per_shard=21).plans
     assert _sparse.unique_capacity(plan["shared"], 104) == 24
