@@ -80,8 +80,12 @@ def read_inputs(config: _config_file.ConfigFile) -> tuple[int | None, dict[str, 
     return (int(batch) if batch is not None else None), out
 
 
-def plan(config_path: str, topology: str, batch: int | None = None) -> dict[str, Any]:
+def plan(config_path: str, topology: str, batch: int | None = None, *,
+         max_ids_per_shard: int | None = None,
+         max_unique_ids_per_shard: int | None = None) -> dict[str, Any]:
     """Compiles the config's train step for `topology`; the per-chip figures as a dict.
+
+    max_ids_per_shard and max_unique_ids_per_shard go to `jte.Embedding` for every table.
 
     Raises:
         PlanError (a ValueError): unknown topology, bad config or inputs, or a batch that is
@@ -110,7 +114,9 @@ def plan(config_path: str, topology: str, batch: int | None = None) -> dict[str,
         raise PlanError(f"batch {batch} is not a multiple of the {n} devices of {topology} "
                         f"(the batch is split evenly over every device); use {choices}.")
     try:
-        emb = _embedding.Embedding(config.spec, _tpu.mesh(topo))
+        emb = _embedding.Embedding(config.spec, _tpu.mesh(topo),
+                                   max_ids_per_shard=max_ids_per_shard,
+                                   max_unique_ids_per_shard=max_unique_ids_per_shard)
     except ValueError as e:
         raise PlanError(f"{config_path} on {topology}: {e}") from None
     report = _tpu.compile_train_step(emb, batch, lengths, topo=topo, allow_oom=True)
@@ -135,6 +141,8 @@ def _result(path, spec, emb, topo, batch, lengths, r: _tpu.CompileReport) -> dic
     out = {
         "config": path, "topology": topo.name, "chips": topo.chips, "devices": len(topo.devices),
         "devices_per_chip": per_chip, "batch": batch,
+        "max_ids_per_shard": {n: p_.max_ids for n, p_ in emb.plans.items()},
+        "max_unique_ids_per_shard": {n: p_.max_unique for n, p_ in emb.plans.items()},
         "ids_per_example": {p: lengths.get(p, f.max_sequence_length or 1)
                             for p, f in spec.flat_features},
         "tables": tables,
@@ -231,6 +239,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--topology", required=True, help="TPU slice, e.g. v5p:4x4x4 or v5e:4x8")
     p.add_argument("--batch", type=int, default=None,
                    help="global batch B (default: the config's inputs.batch)")
+    p.add_argument("--max-ids-per-shard", type=int, default=None,
+                   help="jte.Embedding's max_ids_per_shard for every table")
+    p.add_argument("--max-unique-ids-per-shard", type=int, default=None,
+                   help="jte.Embedding's max_unique_ids_per_shard for every table (set it "
+                        "from Embedding.id_counts on real batches)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
     try:  # The environment variable above is too late if jax was imported first.
@@ -238,7 +251,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception:  # Backends already started: planning works with any of them.
         pass
     try:
-        res = plan(args.config, args.topology, args.batch)
+        res = plan(args.config, args.topology, args.batch,
+                   max_ids_per_shard=args.max_ids_per_shard,
+                   max_unique_ids_per_shard=args.max_unique_ids_per_shard)
     except PlanError as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2

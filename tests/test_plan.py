@@ -176,3 +176,16 @@ def test_module_entry_point(config):
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert proc.returncode == 2
     assert "python -m jax_tpu_embed.plan: error: topology 'v5p:1x1x1'" in proc.stderr
+
+
+def test_capacities_reach_the_embedding(config, capsys):
+    code, out, err = _run(capsys, "--config", config(SMALL), "--topology", "v5p:2x2x1",
+                          "--batch", "1024", "--max-unique-ids-per-shard", "64", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert set(res["max_unique_ids_per_shard"].values()) == {64}
+    assert set(res["max_ids_per_shard"].values()) == {None}
+    code, _, err = _run(capsys, "--config", config(SMALL), "--topology", "v5p:2x2x1",
+                        "--max-ids-per-shard", "0")
+    assert code == 2
+    assert "max_ids_per_shard for table" in err and "got 0" in err
