@@ -201,19 +201,25 @@ class Embedding:
         run one after another, so the transient memory of initialisation is one table's, not
         all of them at once. Works traced inside another jit too.
         """
+        programs = self.init_programs()
+        tables, slots = {}, {}
+        for i, name in enumerate(self.plans):
+            tables[name], slots[name] = programs[name](jax.random.fold_in(key, i))
+        step = jnp.zeros((), jnp.int32)
+        if not isinstance(key, jax.core.Tracer):
+            step = jax.device_put(step, self._replicated)
+        return EmbeddingState(tables, slots, step)
+
+    def init_programs(self) -> dict:
+        """{table name: the jitted fn(key) -> (table, slots) that `init` runs for it}; for
+        compiling ahead of time (the planner checks initialisation fits HBM too)."""
         if self._init_fns is None:
             shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state())
             self._init_fns = {
                 name: jax.jit(functools.partial(self._init_table, plan),
                               out_shardings=(shardings.tables[name], shardings.slots[name]))
                 for name, plan in self.plans.items()}
-        tables, slots = {}, {}
-        for i, name in enumerate(self.plans):
-            tables[name], slots[name] = self._init_fns[name](jax.random.fold_in(key, i))
-        step = jnp.zeros((), jnp.int32)
-        if not isinstance(key, jax.core.Tracer):
-            step = jax.device_put(step, self._replicated)
-        return EmbeddingState(tables, slots, step)
+        return self._init_fns
 
     def _init_table(self, plan, table_key):
         table = self._make_array(plan, None, table_key)

@@ -277,6 +277,26 @@ class CompileReport:
                 sorted(counts.items(), key=lambda kv: -kv[0][1] * kv[1])]
 
 
+def init_temp_bytes(emb) -> dict[str, int]:
+    """{table name: per-device temporary bytes of the program `emb.init` runs for it}.
+
+    `init` runs one program per table in turn, so its peak is the state made so far plus
+    one table's temporaries: at most the whole state plus the largest of these.
+    """
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    out = {}
+    for name, fn in emb.init_programs().items():
+        lowered = fn.lower(key)
+        try:
+            compiled = lowered.compile()
+        except Exception as e:  # A table too big for HBM: measure it anyway.
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            compiled = lowered.compile(compiler_options={"xla_tpu_no_crash_on_oom": True})
+        out[name] = int(compiled.memory_analysis().temp_size_in_bytes)
+    return out
+
+
 def compile_train_step(emb, batch: int, ids_per_example: int | Mapping[str, int] = 1, *,
                        hidden: int = 16, topo: Topology | None = None,
                        step: Callable | None = None, allow_oom: bool = False) -> CompileReport:

@@ -120,10 +120,12 @@ def plan(config_path: str, topology: str, batch: int | None = None, *,
     except ValueError as e:
         raise PlanError(f"{config_path} on {topology}: {e}") from None
     report = _tpu.compile_train_step(emb, batch, lengths, topo=topo, allow_oom=True)
-    return _result(config_path, config.spec, emb, topo, batch, lengths, report)
+    init_temps = _tpu.init_temp_bytes(emb)
+    return _result(config_path, config.spec, emb, topo, batch, lengths, report, init_temps)
 
 
-def _result(path, spec, emb, topo, batch, lengths, r: _tpu.CompileReport) -> dict[str, Any]:
+def _result(path, spec, emb, topo, batch, lengths, r: _tpu.CompileReport,
+            init_temps: dict[str, int]) -> dict[str, Any]:
     per_chip = topo.devices_per_chip
     tables = []
     for name, table in spec.tables().items():
@@ -138,6 +140,8 @@ def _result(path, spec, emb, topo, batch, lengths, r: _tpu.CompileReport) -> dic
     state = r.state_bytes * per_chip
     total = r.peak_bytes * per_chip
     hbm = topo.hbm_per_chip
+    init_table = max(init_temps, key=init_temps.get) if init_temps else None
+    init_peak = state + (init_temps[init_table] * per_chip if init_table else 0)
     out = {
         "config": path, "topology": topo.name, "chips": topo.chips, "devices": len(topo.devices),
         "devices_per_chip": per_chip, "batch": batch,
@@ -155,8 +159,11 @@ def _result(path, spec, emb, topo, batch, lengths, r: _tpu.CompileReport) -> dic
             "hbm_bytes": hbm,
             "bytes_accessed": r.bytes_accessed * per_chip,
             "flops": r.flops * per_chip,
+            # `init` runs one program per table: the state plus one table's temporaries.
+            "init_peak_bytes": init_peak,
+            "init_temp_bytes": {n: t * per_chip for n, t in init_temps.items()},
         },
-        "fits": total <= hbm,
+        "fits": max(total, init_peak) <= hbm,
         "largest_temps": [{"bytes": t.bytes, "shape": t.shape, "op": t.name,
                            "source": t.op_name, "memory": t.space}
                           for t in r.largest_temps[:3]],
@@ -168,8 +175,8 @@ def _result(path, spec, emb, topo, batch, lengths, r: _tpu.CompileReport) -> dic
         "compiler_oom": r.oom,
     }
     if not out["fits"]:
-        out["over_by_bytes"] = total - hbm
-        out["suggestion"] = _suggest(topo, state, total)
+        out["over_by_bytes"] = max(total, init_peak) - hbm
+        out["suggestion"] = _suggest(topo, state, max(total, init_peak))
     return out
 
 
@@ -214,6 +221,8 @@ def format_table(res: dict[str, Any]) -> str:
         f"DOES NOT FIT: over by {fb(res['over_by_bytes'])}; {res['suggestion']}")
     temps = ", ".join(f"{t['op']} {t['shape']} {fb(t['bytes'])}"
                       for t in res["largest_temps"]) or "none"
+    init = c["init_temp_bytes"]
+    init_largest = (f"{max(init, key=init.get)} {fb(max(init.values()))}" if init else "none")
     lines += [
         "",
         "per chip (compiler's memory and cost analysis of one train step):",
@@ -223,6 +232,8 @@ def format_table(res: dict[str, Any]) -> str:
         f"  temporaries           {fb(c['temp_bytes']):>13s}   largest: {temps}",
         f"  total                 {fb(c['total_bytes']):>13s}   of {fb(c['hbm_bytes'])} HBM "
         f"({pct:.1f}%): {verdict}",
+        f"  initialisation peak   {fb(c['init_peak_bytes']):>13s}   (tables and slots, plus "
+        f"the largest one-table init temporaries: {init_largest})",
         f"  bytes accessed/step   {c['bytes_accessed'] / 1e9:>10.3f} GB",
         f"  flops/step            {c['flops'] / 1e9:>10.3f} GFLOP",
         f"  collectives           {res['collectives']['count']:>10d}     "
