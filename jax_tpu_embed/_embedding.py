@@ -155,7 +155,7 @@ class Embedding:
                 slot_specs=tuple(opt.slot_specs()), lanes=lane_width,
                 cpu_kernels=self.cpu_kernels, max_ids=max_ids.get(name),
                 max_unique=max_unique.get(name),
-                compact=mesh.devices.flat[0].platform == "tpu")
+                tpu=mesh.devices.flat[0].platform == "tpu")
             if self.plans[name].layout.rows_per_shard >= 1 << 30:
                 raise ValueError(f"Embedding: table {name!r} would hold "
                                  f"{self.plans[name].layout.rows_per_shard} rows per shard; "

@@ -49,7 +49,7 @@ class TablePlan:
     cpu_kernels: bool = False  # Use the C++ kernels of _cpu_kernels (CPU meshes only).
     max_ids: int | None = None  # Pairs per shard and pass (see `capacity`); None: automatic.
     max_unique: int | None = None  # Distinct rows per shard and pass; None: = capacity.
-    compact: bool = False  # Default capacity: the per-shard share (TPU) rather than all M.
+    tpu: bool = False  # On a TPU mesh: passes of the per-shard share, pairs sorted with payloads.
 
     @property
     def cpu_rows(self) -> bool:
@@ -109,7 +109,7 @@ def _scale(feature: FeaturePlan, weights_all):
 def capacity(plan: TablePlan, positions: int, num_shards: int) -> int:
     """C: how many of a table's M (id, position) pairs one shard handles per pass.
 
-    `plan.max_ids` when set; else, with `plan.compact` (TPU meshes), 1.5 times the per-shard
+    `plan.max_ids` when set; else, on TPU meshes (`plan.tpu`), 1.5 times the per-shard
     average M / N (room for hot rows and uneven ownership), and otherwise M: XLA:CPU sorts
     and loops cost more than scanning all pairs (W0 on 2 CPU devices, cpu_kernels=False:
     lookup 23 ms with 1.5 M / N, 6 ms with M). Rounded up to a multiple of 8 and at most M.
@@ -118,7 +118,7 @@ def capacity(plan: TablePlan, positions: int, num_shards: int) -> int:
     """
     if plan.optimizer.dense_update:
         return positions
-    c = plan.max_ids or (-(-3 * positions // (2 * num_shards)) if plan.compact else positions)
+    c = plan.max_ids or (-(-3 * positions // (2 * num_shards)) if plan.tpu else positions)
     return max(1, min(positions, -(-c // 8) * 8))
 
 
@@ -131,27 +131,30 @@ def unique_capacity(plan: TablePlan, pairs: int) -> int:
 
 @dataclasses.dataclass
 class _Stream:
-    """The (id, position) pairs of one table's features that this shard owns, sorted by
-    local row (a lookup that one pass completes keeps them in position order), read C at a
-    time.
+    """The (id, position) pairs of one table's features, read C at a time from `start`.
 
     The positions of all features sharing the table are concatenated; `out` is each pair's
     output row: example b of a pooled feature, or (b, l) of a sequence feature, offset by the
-    feature's first row in the concatenation (`parts`). The payloads ride along in the sort
-    and each pass reads a contiguous slice: the TPU compiler charges a 1-D gather a 4 KiB
-    tile per element (30,720 int32 of 81,920: 128 MB), a 3-operand sort of the 81,920 about
-    4 MB.
+    feature's first row in the concatenation (`parts`). Pairs this shard does not own have
+    key _NOT_MINE and scale 0. Built in position order; `sorted()` orders the owned pairs by
+    row, first, with the payloads riding along in the sort so that each pass reads
+    contiguous slices: the TPU compiler charges a 1-D gather a 4 KiB tile per element
+    (30,720 int32 of 81,920: 128 MB), a 3-operand sort of the 81,920 about 4 MB.
     """
-    keys: jax.Array    # (M + C + 1,) local rows, ascending and _NOT_MINE after the owned pairs
-    out: jax.Array     # (M + C,) output row per pair (0 after the owned pairs)
-    scale: jax.Array   # (M + C,) combiner-scaled weight per pair (0 after the owned pairs)
+    keys: jax.Array    # (M + C + 1,) local row per pair; padded with _NOT_MINE
+    out: jax.Array     # (M + C + 1,) output row per pair; padded with 0
+    scale: jax.Array   # (M + C + 1,) combiner-scaled weight per pair; padded with 0
     count: jax.Array   # () owned pairs
     capacity: int      # C
     parts: list        # [(FeaturePlan, first output row, output rows)]
 
     @property
     def pairs(self) -> int:
-        return self.out.shape[0] - self.capacity
+        return self.out.shape[0] - self.capacity - 1
+
+    def sorted(self) -> _Stream:
+        keys, out, scale = lax.sort((self.keys, self.out, self.scale), num_keys=1)
+        return dataclasses.replace(self, keys=keys, out=out, scale=scale)
 
     def window(self, start):
         """(keys, out, scale), each (C,), of the pairs start ... start + C - 1."""
@@ -159,7 +162,7 @@ class _Stream:
                      for a in (self.keys, self.out, self.scale))
 
     def key_at(self, i):
-        """The key of pair i (_NOT_MINE past the owned pairs)."""
+        """The key of pair i (sorted: _NOT_MINE past the owned pairs)."""
         return lax.dynamic_slice_in_dim(self.keys, i, 1)[0]
 
     def passes(self, body, carry, *, single: bool):
@@ -178,13 +181,8 @@ class _Stream:
 
 
 def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePlan],
-             axis: str, *, sorted_rows: bool) -> dict[str, _Stream]:
-    """One _Stream per table that does not go through the C++ kernels.
-
-    With `sorted_rows` False the pairs stay in position order when one pass of C holds all
-    M (the lookup needs no order; a sort is what XLA:CPU is slowest at), else they are
-    sorted by row.
-    """
+             axis: str) -> dict[str, _Stream]:
+    """One _Stream per table that does not go through the C++ kernels, in position order."""
     by_table: dict[str, list] = {}
     for f in features:
         if plans[f.table].cpu_rows:
@@ -207,15 +205,11 @@ def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePla
             outs.append(out + first)
             first += rows
         keys = jnp.concatenate([k for _, k, _, _, _ in items])
-        m = keys.shape[0]
-        c = capacity(plans[name], m, lax.axis_size(axis))
-        keys, out, scale = (keys, jnp.concatenate(outs),
-                            jnp.concatenate([s for _, _, s, _, _ in items]))
-        if sorted_rows or c < m:
-            keys, out, scale = lax.sort((keys, out, scale), num_keys=1)
+        c = capacity(plans[name], keys.shape[0], lax.axis_size(axis))
+        pad = lambda x, value=0: jnp.pad(x, (0, c + 1), constant_values=value)
         streams[name] = _Stream(
-            keys=jnp.pad(keys, (0, c + 1), constant_values=_NOT_MINE),
-            out=jnp.pad(out, (0, c)), scale=jnp.pad(scale, (0, c)),
+            keys=pad(keys, _NOT_MINE), out=pad(jnp.concatenate(outs)),
+            scale=pad(jnp.concatenate([s for _, _, s, _, _ in items])),
             count=jnp.sum(keys < _NOT_MINE, dtype=jnp.int32), capacity=c, parts=parts)
     return streams
 
@@ -239,7 +233,10 @@ def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
             partial = _cpu_kernels.pooled_lookup(tables[f.table],
                                                  jnp.where(mine, local, _NOT_MINE), scale)
         out[f.path] = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
-    for name, stream in _streams(feats, features, plans, axis, sorted_rows=False).items():
+    for name, stream in _streams(feats, features, plans, axis).items():
+        # One pass needs no order; several take the owned pairs first.
+        single = stream.capacity >= stream.pairs
+        stream = stream if single else stream.sorted()
         packing, table = plans[name].packing, tables[name]
         k, w = packing.per_row, packing.padded_width
         group = lax.iota(jnp.int32, k * w) // w
@@ -254,8 +251,7 @@ def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
             return stream.capacity, acc.at[out].add(contrib)
 
         rows = stream.parts[-1][1] + stream.parts[-1][2]
-        acc = stream.passes(one_pass, jnp.zeros((rows, k * w), jnp.float32),
-                            single=stream.capacity >= stream.pairs)
+        acc = stream.passes(one_pass, jnp.zeros((rows, k * w), jnp.float32), single=single)
         if packing.packed:  # Fold the k lane groups: each position filled only its own.
             acc = acc.reshape(rows, k, w).sum(axis=1)[:, :packing.width]
         for f, first, n in stream.parts:
@@ -325,11 +321,20 @@ def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
     # Every other table: the owned pairs in passes of C, sorted by row. A row whose pairs
     # run past the end of a pass is held back, its partial sum carried into the next pass,
     # so that each row gets exactly one optimizer update with its whole gradient.
-    for name, stream in _streams(feats, features, plans, axis, sorted_rows=True).items():
+    for name, stream in _streams(feats, features, plans, axis).items():
         plan = plans[name]
         grad_rows = jnp.concatenate([grad_all[f.path].reshape(n, -1)
                                      for f, _, n in stream.parts])
         c = stream.capacity
+        if not plan.tpu and c >= stream.pairs:
+            # One pass, off TPU: a key-only sort and a binary search (_sum_duplicates) beat
+            # XLA:CPU's payload sort (W0, 2 CPU devices, cpu_kernels=False: apply_gradients
+            # 18 ms vs 33 ms); on TPU they would be 1-D gathers and scatters.
+            keys, out, scale = stream.window(0)
+            rows, g_sum = _sum_duplicates(keys, scale[:, None] * grad_rows[out])
+            tables[name], slots[name] = finish(plan, rows, g_sum, tables[name], slots[name])
+            continue
+        stream = stream.sorted()
         cu = unique_capacity(plan, c)
         slot_iota = lax.iota(jnp.int32, cu)
 

@@ -388,6 +388,9 @@ def test_update_in_passes_matches_reference(opt_key, strategy, num_shards, max_i
     emb = jte.Embedding(spec, make_mesh(num_shards), cpu_kernels=False,
                         lane_width=lane_width, max_ids_per_shard=max_ids,
                         max_unique_ids_per_shard=max_unique)
+    if lane_width:  # As on a TPU mesh: packed rows, per-shard passes, payload sorts.
+        for name, plan in emb.plans.items():
+            emb.plans[name] = dataclasses.replace(plan, tpu=True)
     state = emb.init(jax.random.key(3))
     for _ in range(2):
         features = _inputs(rng)
@@ -409,7 +412,7 @@ def test_pass_capacity():
     assert _sparse.capacity(plan["shared"], 4096, 4) == 104  # Rounded up to 8.
     assert _sparse.capacity(plan["shared"], 64, 4) == 64  # At most M.
     assert _sparse.capacity(plan["weighted"], 4096, 4) == 4096  # CPU mesh: all M.
-    tpu_like = dataclasses.replace(plan["weighted"], compact=True)  # As on TPU meshes.
+    tpu_like = dataclasses.replace(plan["weighted"], tpu=True)  # As on TPU meshes.
     assert _sparse.capacity(tpu_like, 4096, 4) == 1536  # 1.5 x M / N.
     assert _sparse.capacity(tpu_like, 4096, 1) == 4096
     assert _sparse.unique_capacity(plan["shared"], 104) == 104  # Default: C.
