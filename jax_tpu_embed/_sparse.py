@@ -405,30 +405,37 @@ def _sum_duplicates(keys, g):
 class _Rows:
     """Read-modify-write access to the distinct sorted rows `rows` of one shard array.
 
-    Unpacked, a row is gathered and scattered on its own. Packed, the physical rows holding
-    the touched logical rows are gathered once each, the logical rows are updated inside
-    them, and each physical row is written back once, so neighbours sharing a physical row
-    keep their bits and no two writes collide.
+    Unpacked, a row is gathered and scattered on its own. Packed, each logical row's
+    physical row is gathered (a copy per logical row) and its lanes picked out with a mask;
+    on write, the new lanes of all logical rows sharing a physical row, and that row's old
+    lanes, are combined with sorted segment sums of the raw bits (a sum of one value and
+    zeros, so bit-exact, -0.0 included) and each physical row is written back once:
+    neighbours keep their bits and no two writes collide. Segment sums cost the TPU
+    compiler their output's size; a row gather or scatter costs a whole (8, 128) tile.
     """
 
     def __init__(self, buf, packing: _layout.Packing, rows):
         self.buf, self.packing, self.rows = buf, packing, rows
         if not packing.packed:
             return
-        k = packing.per_row
+        k, w = packing.per_row, packing.padded_width
         phys = rows // k  # Non-decreasing, since rows are sorted.
-        starts = jnp.concatenate([jnp.ones((1,), bool), phys[1:] != phys[:-1]])
-        self.segment = jnp.cumsum(starts, dtype=jnp.int32) - 1
-        self.sub = rows % k
+        self.starts = jnp.concatenate([jnp.ones((1,), bool), phys[1:] != phys[:-1]])
+        self.segment = jnp.cumsum(self.starts, dtype=jnp.int32) - 1
         # Segment s's physical row: the s-th distinct one (a sort, not a 1-D scatter).
-        self.phys = lax.sort(jnp.where(starts, phys, _NOT_MINE))
-        block = buf.at[self.phys].get(mode="fill", fill_value=0)
-        self.block = block.reshape(rows.shape + (k, packing.padded_width))
+        self.phys = lax.sort(jnp.where(self.starts, phys, _NOT_MINE))
+        lane = lax.iota(jnp.int32, k * w)
+        self.mine = ((lane // w)[None, :] == (rows % k)[:, None]) & (
+            (lane % w)[None, :] < packing.width)
+        self.bits = _bits(buf.at[phys].get(mode="fill", fill_value=0))
 
     def read(self):
         if not self.packing.packed:
             return self.buf.at[self.rows].get(mode="fill", fill_value=0)
-        out = self.block[self.segment, self.sub, :self.packing.width]
+        k, w = self.packing.per_row, self.packing.padded_width
+        picked = jnp.where(self.mine, self.bits, 0).reshape(-1, k, w)
+        picked = picked.sum(axis=1, dtype=self.bits.dtype)  # One nonzero term: exact bits.
+        out = lax.bitcast_convert_type(picked[:, :self.packing.width], self.buf.dtype)
         return out if self.packing.rank == 2 else out[:, 0]
 
     def write(self, values):
@@ -438,10 +445,24 @@ class _Rows:
         # "bytes accessed" for 8,192 rows into a 2.5M x 128 shard).
         if not self.packing.packed:
             return self.buf.at[self.rows].set(values, mode="drop")
+        k, w = self.packing.per_row, self.packing.padded_width
         if self.packing.rank == 1:
             values = values[:, None]
-        block = self.block.at[self.segment, self.sub, :self.packing.width].set(values)
-        return self.buf.at[self.phys].set(block.reshape(block.shape[0], -1), mode="drop")
+        lanes = jnp.pad(_bits(values), [(0, 0), (0, w - self.packing.width)])
+        lanes = jnp.tile(lanes, (1, k))  # Every lane group; the mask keeps this row's.
+        n = self.rows.shape[0]
+        total = lambda x: jax.ops.segment_sum(x, self.segment, num_segments=n,
+                                              indices_are_sorted=True)
+        new = total(jnp.where(self.mine, lanes, 0))
+        touched = total(self.mine.astype(jnp.int32)) > 0
+        old = total(jnp.where(self.starts[:, None], self.bits, 0))
+        block = lax.bitcast_convert_type(jnp.where(touched, new, old), self.buf.dtype)
+        return self.buf.at[self.phys].set(block, mode="drop")
+
+
+def _bits(x):
+    """The raw bits of x as signed integers of the same width."""
+    return lax.bitcast_convert_type(x, {2: jnp.int16, 4: jnp.int32}[x.dtype.itemsize])
 
 
 def _apply_rows(plan: TablePlan, table, slots: dict, rows_idx, g, step, axis):
