@@ -58,22 +58,6 @@ def _per_table(what: str, value, spec: _config.EmbeddingSpec) -> dict:
     return {name: int(v) for name, v in value.items()}
 
 
-def _passes_needed(counts: np.ndarray, c: int, cu: int) -> int:
-    """Passes _sparse.update_local runs over rows with these pair counts (ascending rows):
-    each takes up to C pairs and stops at Cu distinct rows; a row may straddle passes."""
-    passes, row, left = 0, 0, 0  # `left`: pairs of `row` not yet taken.
-    while row < len(counts):
-        passes += 1
-        room, distinct = c, 0
-        while row < len(counts) and room > 0 and distinct < cu:
-            take = min(room, left or int(counts[row]))
-            left = (left or int(counts[row])) - take
-            room, distinct = room - take, distinct + 1
-            if left == 0:
-                row += 1
-    return passes
-
-
 def _is_explicit(mesh) -> bool:
     types = getattr(mesh, "axis_types", None) or ()
     return any(t == jax.sharding.AxisType.Explicit for t in types)
@@ -399,7 +383,7 @@ class Embedding:
             for p in range(self.num_shards):
                 rows, counts = np.unique(valid[owner == p], return_counts=True)
                 owned, unique = max(owned, int(counts.sum())), max(unique, len(rows))
-                passes = max(passes, _passes_needed(counts, c, cu))
+                passes = max(passes, _sparse.passes_needed(counts, c, cu))
             out[name] = {"pairs": m, "owned_pairs": owned, "unique_rows": unique,
                          "passes": passes if not plan.cpu_rows else 1}
         return out
@@ -493,7 +477,7 @@ class Embedding:
     def _lookup(self, tables, flat):
         feats = self._normalized(flat)
         batch = next(iter(feats.values()))[0].shape[0]
-        row, rep = P(self.axis), P()
+        row = P(self.axis)
         fn = functools.partial(_sparse.lookup_local, features=self.features, plans=self.plans,
                                axis=self.axis)
         acts = self._shard_map(lambda t, x: fn(t, x), (row, row), row)(tables, feats)

@@ -28,7 +28,6 @@ updates every row).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -119,14 +118,35 @@ def capacity(plan: TablePlan, positions: int, num_shards: int) -> int:
     if plan.optimizer.dense_update:
         return positions
     c = plan.max_ids or (-(-3 * positions // (2 * num_shards)) if plan.tpu else positions)
-    return max(1, min(positions, -(-c // 8) * 8))
+    return max(1, min(positions, _round_up(c, 8)))
 
 
 def unique_capacity(plan: TablePlan, pairs: int) -> int:
     """Cu: distinct rows one pass of `pairs` (= C) pairs updates; a pass stops at Cu."""
     if plan.optimizer.dense_update or not plan.max_unique:
         return pairs
-    return max(1, min(pairs, -(-plan.max_unique // 8) * 8))
+    return max(1, min(pairs, _round_up(plan.max_unique, 8)))
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def passes_needed(counts, c: int, cu: int) -> int:
+    """Passes update_local runs over one shard's rows with these pair counts (NumPy, in
+    ascending row order): each pass takes up to C pairs and stops at Cu distinct rows; a
+    row may straddle passes. Embedding.id_counts reports it; kept here, by the engine."""
+    passes, row, left = 0, 0, 0  # `left`: pairs of `row` not yet taken.
+    while row < len(counts):
+        passes += 1
+        room, distinct = c, 0
+        while row < len(counts) and room > 0 and distinct < cu:
+            take = min(room, left or int(counts[row]))
+            left = (left or int(counts[row])) - take
+            room, distinct = room - take, distinct + 1
+            if left == 0:
+                row += 1
+    return passes
 
 
 @dataclasses.dataclass

@@ -441,7 +441,7 @@ def test_bad_max_ids_per_shard(value, match):
 def test_id_counts_and_passes(rng):
     """id_counts against a per-shard count written out here ("mod": shard = id % N), and
     the pass count it predicts against a hand-worked case."""
-    from jax_tpu_embed._embedding import _passes_needed
+    from jax_tpu_embed._sparse import passes_needed
     spec = _features_and_spec(jte.Adagrad(0.1), strategy="mod")
     features = _inputs(rng)
     emb = jte.Embedding(spec, make_mesh(4), cpu_kernels=False, max_ids_per_shard=4,
@@ -456,10 +456,10 @@ def test_id_counts_and_passes(rng):
     assert got["shared"]["passes"] >= -(-got["shared"]["owned_pairs"] // 8)
     assert set(got) == {"shared", "nested/mean", "weighted"}
     # Rows a..d with 5, 1, 1, 3 pairs; C = 4, Cu = 2: [4 of a] [last of a, b] [c, all 3 of d].
-    assert _passes_needed(np.array([5, 1, 1, 3]), 4, 2) == 3
-    assert _passes_needed(np.array([5, 1, 1, 4]), 4, 2) == 4  # d's last pair spills over.
-    assert _passes_needed(np.array([5, 1, 1, 3]), 16, 16) == 1
-    assert _passes_needed(np.array([1] * 10), 16, 3) == 4
+    assert passes_needed(np.array([5, 1, 1, 3]), 4, 2) == 3
+    assert passes_needed(np.array([5, 1, 1, 4]), 4, 2) == 4  # d's last pair spills over.
+    assert passes_needed(np.array([5, 1, 1, 3]), 16, 16) == 1
+    assert passes_needed(np.array([1] * 10), 16, 3) == 4
 
 
 @pytest.mark.parametrize("opt_key", ["adagrad", "rowwise_adagrad", "adam"])
