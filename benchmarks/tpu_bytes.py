@@ -67,9 +67,11 @@ def _embedding(topo: _tpu.Topology, dim: int, max_unique: int | None = None) -> 
 
 
 def auto_max_unique(num_shards: int) -> int:
-    """1.5 x the expected distinct rows one shard owns per table and step: what a user sets
-    max_unique_ids_per_shard to from their data's statistics (as TF's max_unique_ids_per_table)."""
-    return int(np.ceil(1.5 * expected_unique_rows() / num_shards))
+    """The expected distinct rows one shard owns per table and step, E[U_t] / N: what a user
+    sets max_unique_ids_per_shard to from their data (Embedding.id_counts). The fused TPU
+    kernels walk every owned pair whatever it says; it sizes their cost estimates only, so
+    the compiler's "bytes accessed" then holds their expected traffic."""
+    return int(np.ceil(expected_unique_rows() / num_shards))
 
 
 def _cost(compiled) -> tuple[float, int]:
@@ -194,7 +196,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-parts", action="store_true", help="skip the lookup/update/floor split")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--max-unique-ids-per-shard", default="auto",
-                   help='"auto" (1.5 x the expected distinct rows per shard), "none" (the '
+                   help='"auto" (the expected distinct rows per shard), "none" (the '
                         'default of Embedding: max_ids_per_shard) or an int')
     a = p.parse_args(argv)
     mu = a.max_unique_ids_per_shard

@@ -92,14 +92,21 @@ class Embedding:
             and scatters of rows and slots are sized by it. Default: max_ids_per_shard.
             Set it from the data's duplication (e.g. 1.5 x the distinct rows per shard and
             step) when ids repeat a lot: power-law ids have 3-5x fewer distinct rows than
-            pairs.
+            pairs. On TPU meshes with tpu_kernels, C and Cu only size the kernels' cost
+            estimates (the compiler's "bytes accessed"): the kernels walk all owned pairs.
+        tpu_kernels: Run the lookup and update of float32 tables as the fused Pallas TPU
+            kernels of _pallas: each touched physical row moves between HBM and VMEM once
+            per step each way and each pair's gradient is read from VMEM, instead of XLA's
+            tile-charged row gathers and scatters. Default: on for TPU meshes. "interpret"
+            runs them in Pallas' TPU interpreter on any mesh (slow; for tests).
     """
 
     def __init__(self, spec: _config.EmbeddingSpec, mesh: jax.sharding.Mesh | None = None,
                  axis: str | None = None, *, lane_width: int | None = None,
                  cpu_kernels: bool | None = None,
                  max_ids_per_shard: int | Mapping[str, int] | None = None,
-                 max_unique_ids_per_shard: int | Mapping[str, int] | None = None):
+                 max_unique_ids_per_shard: int | Mapping[str, int] | None = None,
+                 tpu_kernels: bool | str | None = None):
         if not isinstance(spec, _config.EmbeddingSpec):
             raise TypeError(f"Embedding: spec must be a jte.EmbeddingSpec, got "
                             f"{type(spec).__name__}.")
@@ -126,6 +133,17 @@ class Embedding:
                              f"{mesh.devices.flat[0].platform!r}.")
         self.cpu_kernels = bool(on_cpu and cpu_kernels is not False and
                                 _cpu_kernels.available())
+        on_tpu = mesh.devices.flat[0].platform == "tpu"
+        if tpu_kernels not in (None, True, False, "interpret"):
+            raise ValueError(f"Embedding: tpu_kernels must be None, True, False or "
+                             f"'interpret', got {tpu_kernels!r}.")
+        if tpu_kernels is True and not on_tpu:
+            raise ValueError(f"Embedding: tpu_kernels=True needs a TPU mesh; this one is on "
+                             f"{mesh.devices.flat[0].platform!r} (use 'interpret' to run "
+                             f"the kernels in Pallas' interpreter).")
+        if tpu_kernels is None:
+            tpu_kernels = on_tpu
+        kernels = {True: "pallas", False: "", "interpret": "interpret"}[tpu_kernels]
         names = _config.table_names(spec)
         max_ids = _per_table("max_ids_per_shard", max_ids_per_shard, spec)
         max_unique = _per_table("max_unique_ids_per_shard", max_unique_ids_per_shard, spec)
@@ -139,7 +157,7 @@ class Embedding:
                 slot_specs=tuple(opt.slot_specs()), lanes=lane_width,
                 cpu_kernels=self.cpu_kernels, max_ids=max_ids.get(name),
                 max_unique=max_unique.get(name),
-                tpu=mesh.devices.flat[0].platform == "tpu")
+                tpu=on_tpu, tpu_kernels=kernels)
             if self.plans[name].layout.rows_per_shard >= 1 << 30:
                 raise ValueError(f"Embedding: table {name!r} would hold "
                                  f"{self.plans[name].layout.rows_per_shard} rows per shard; "
@@ -356,12 +374,14 @@ class Embedding:
         Returns {table name: {"pairs": M, the (id, position) pairs of the table's features;
         "owned_pairs": the most pairs with a valid id any one shard owns; "unique_rows": the
         most distinct rows any one shard owns; "passes": the most update passes any shard
-        runs with this Embedding's settings (1 unless they are below the other two)}}. Host-side:
-        features are NumPy arrays or fully addressable jax.Arrays.
+        runs with this Embedding's settings (1 unless they are below the other two; always 1
+        on the fused TPU kernels, which size only their cost estimates by them)}}.
+        Host-side: features are NumPy arrays or fully addressable jax.Arrays.
         """
         flat = _inputs.flatten_inputs(self.spec, features)
         _inputs.check_batch(flat, self.num_shards)
         ids_by_table: dict[str, list] = {}
+        out_rows: dict[str, int] = {}
         for f in self.features:
             leaf = flat[f.path]
             for x in jax.tree.leaves(leaf):
@@ -370,6 +390,8 @@ class Embedding:
                                      f"several processes; pass the global batch as NumPy.")
             ids, _ = _inputs.normalize(f.config, leaf)
             ids_by_table.setdefault(f.table, []).append(np.asarray(ids).reshape(-1))
+            out_rows[f.table] = out_rows.get(f.table, 0) + (
+                ids.size if f.config.is_sequence else ids.shape[0])
         out = {}
         for name, parts in ids_by_table.items():
             plan = self.plans[name]
@@ -385,7 +407,8 @@ class Embedding:
                 owned, unique = max(owned, int(counts.sum())), max(unique, len(rows))
                 passes = max(passes, _sparse.passes_needed(counts, c, cu))
             out[name] = {"pairs": m, "owned_pairs": owned, "unique_rows": unique,
-                         "passes": passes if not plan.cpu_rows else 1}
+                         "passes": 1 if plan.cpu_rows or _sparse.runs_fused(plan, out_rows[name])
+                         else passes}
         return out
 
     def _prepare(self, features, act_grads=None) -> dict:

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _config, _cpu_kernels, _layout, _optimizers
+from . import _config, _cpu_kernels, _layout, _optimizers, _pallas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +49,19 @@ class TablePlan:
     max_ids: int | None = None  # Pairs per shard and pass (see `capacity`); None: automatic.
     max_unique: int | None = None  # Distinct rows per shard and pass; None: = capacity.
     tpu: bool = False  # On a TPU mesh: passes of the per-shard share, pairs sorted with payloads.
+    tpu_kernels: str = ""  # "pallas" / "interpret": the fused kernels of _pallas; "": XLA.
 
     @property
     def cpu_rows(self) -> bool:
         """Whether this table's rows go through the C++ lookup and update kernels."""
         return (self.cpu_kernels and self.lanes == 0 and
+                jnp.dtype(self.config.dtype) == jnp.float32)
+
+    @property
+    def fused(self) -> bool:
+        """Whether this table's rows go through the fused Pallas kernels (_pallas)."""
+        return (bool(self.tpu_kernels) and not self.cpu_rows and
+                not self.optimizer.dense_update and
                 jnp.dtype(self.config.dtype) == jnp.float32)
 
     @property
@@ -128,6 +136,23 @@ def unique_capacity(plan: TablePlan, pairs: int) -> int:
     return max(1, min(pairs, _round_up(plan.max_unique, 8)))
 
 
+def planned(plan: TablePlan, positions: int, num_shards: int) -> tuple[int, int]:
+    """(pairs, distinct rows) per shard and step that the fused kernels' cost estimates
+    assume: `max_ids_per_shard`, else the average M / N; `max_unique_ids_per_shard`, else
+    as many as pairs. The kernels walk every owned pair whatever these say; set them to
+    the data's expected values (`Embedding.id_counts`) for a true "bytes accessed"."""
+    pairs = plan.max_ids or -(-positions // num_shards)
+    return pairs, min(plan.max_unique or pairs, pairs)
+
+
+def runs_fused(plan: TablePlan, rows: int) -> bool:
+    """Whether a table with `rows` output rows (B, or B·L for a sequence feature, summed
+    over the features sharing it) runs the fused kernels: `plan.fused` and the rows'
+    (rows, 128·⌈k·w/128⌉) f32 block fits VMEM (_pallas.fits_vmem); else the XLA passes."""
+    return plan.fused and _pallas.fits_vmem(rows, plan.packing.per_row *
+                                            plan.packing.padded_width)
+
+
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
@@ -160,17 +185,18 @@ class _Stream:
     row, first, with the payloads riding along in the sort so that each pass reads
     contiguous slices: the TPU compiler charges a 1-D gather a 4 KiB tile per element
     (30,720 int32 of 81,920: 128 MB), a 3-operand sort of the 81,920 about 4 MB.
+    `fused`: the table runs the fused kernels of _pallas, which walk all owned pairs in one
+    call: no passes, no padding.
     """
-    keys: jax.Array    # (M + C + 1,) local row per pair; padded with _NOT_MINE
-    out: jax.Array     # (M + C + 1,) output row per pair; padded with 0
-    scale: jax.Array   # (M + C + 1,) combiner-scaled weight per pair; padded with 0
+    keys: jax.Array    # (M [+ C + 1],) local row per pair; padded with _NOT_MINE for passes
+    out: jax.Array     # (M [+ C + 1],) output row per pair; padded with 0
+    scale: jax.Array   # (M [+ C + 1],) combiner-scaled weight per pair; padded with 0
     count: jax.Array   # () owned pairs
     capacity: int      # C
+    pairs: int         # M
+    rows: int          # Output rows of all the table's features together.
     parts: list        # [(FeaturePlan, first output row, output rows)]
-
-    @property
-    def pairs(self) -> int:
-        return self.out.shape[0] - self.capacity - 1
+    fused: bool
 
     def sorted(self) -> _Stream:
         keys, out, scale = lax.sort((self.keys, self.out, self.scale), num_keys=1)
@@ -200,22 +226,37 @@ class _Stream:
                               (jnp.int32(0), carry))[1]
 
 
+def _flat_pairs(f: FeaturePlan, ids, weights, axis):
+    """The global batch's (ids, scales), each (B·L,) in position order.
+
+    Flattened on the local shard before the all-gather: a (B, L) array with L < 128 is
+    lane-padded on TPU (20 ids: 6.4x the bytes), and every op after the gather would pay
+    for it. The combiner's per-example sums use the local rows; a plain sum needs no
+    weights at all (1 for an id, 0 for padding)."""
+    ids_all = lax.all_gather(ids.reshape(-1), axis, tiled=True)
+    if weights is None and (f.config.is_sequence or f.config.table.combiner == "sum"):
+        return ids_all, (ids_all >= 0).astype(jnp.float32)
+    w = (ids >= 0).astype(jnp.float32) if weights is None else weights
+    return ids_all, lax.all_gather(_scale(f, w).reshape(-1), axis, tiled=True)
+
+
 def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePlan],
              axis: str) -> dict[str, _Stream]:
     """One _Stream per table that does not go through the C++ kernels, in position order."""
     by_table: dict[str, list] = {}
     for f in features:
-        if plans[f.table].cpu_rows:
+        plan = plans[f.table]
+        if plan.cpu_rows:
             continue
         ids, weights = feats[f.path]
-        ids_all, w_all = _gathered(ids, weights, axis)
-        mine, local = _owned(plans[f.table].layout, ids_all, axis)
-        b, l = ids_all.shape
+        ids_all, scale = _flat_pairs(f, ids, weights, axis)
+        owner, local = plan.layout.owner_and_local(ids_all)
+        mine = (ids_all >= 0) & (owner == lax.axis_index(axis))
+        b, l = ids.shape[0] * lax.axis_size(axis), ids.shape[1]
         pos = lax.iota(jnp.int32, b * l)
         seq = f.config.is_sequence
         by_table.setdefault(f.table, []).append(
-            (f, jnp.where(mine, local, _NOT_MINE).reshape(-1),
-             jnp.where(mine, _scale(f, w_all), 0.0).reshape(-1),
+            (f, jnp.where(mine, local, _NOT_MINE), jnp.where(mine, scale, 0.0),
              pos if seq else pos // l, b * l if seq else b))
     streams = {}
     for name, items in by_table.items():
@@ -225,12 +266,16 @@ def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePla
             outs.append(out + first)
             first += rows
         keys = jnp.concatenate([k for _, k, _, _, _ in items])
-        c = capacity(plans[name], keys.shape[0], lax.axis_size(axis))
-        pad = lambda x, value=0: jnp.pad(x, (0, c + 1), constant_values=value)
+        plan = plans[name]
+        c = capacity(plan, keys.shape[0], lax.axis_size(axis))
+        fused = runs_fused(plan, first)
+        pad = (lambda x, value=0: x) if fused else (
+            lambda x, value=0: jnp.pad(x, (0, c + 1), constant_values=value))
         streams[name] = _Stream(
             keys=pad(keys, _NOT_MINE), out=pad(jnp.concatenate(outs)),
             scale=pad(jnp.concatenate([s for _, _, s, _, _ in items])),
-            count=jnp.sum(keys < _NOT_MINE, dtype=jnp.int32), capacity=c, parts=parts)
+            count=jnp.sum(keys < _NOT_MINE, dtype=jnp.int32), capacity=c,
+            pairs=keys.shape[0], rows=first, parts=parts, fused=fused)
     return streams
 
 
@@ -254,11 +299,21 @@ def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
                                                  jnp.where(mine, local, _NOT_MINE), scale)
         out[f.path] = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
     for name, stream in _streams(feats, features, plans, axis).items():
+        plan = plans[name]
+        packing, table = plan.packing, tables[name]
+        k, w = packing.per_row, packing.padded_width
+        rows = stream.rows
+        if stream.fused:
+            stream = stream.sorted()
+            acc = _pallas.pooled_lookup(
+                table, packing, stream.keys, stream.out, stream.scale, stream.count, rows,
+                planned=planned(plan, stream.pairs, lax.axis_size(axis)),
+                interpret=plan.tpu_kernels == "interpret")
+            out.update(_fold(acc, stream, packing, axis))
+            continue
         # One pass needs no order; several take the owned pairs first.
         single = stream.capacity >= stream.pairs
         stream = stream if single else stream.sorted()
-        packing, table = plans[name].packing, tables[name]
-        k, w = packing.per_row, packing.padded_width
         group = lax.iota(jnp.int32, k * w) // w
 
         def one_pass(start, acc, stream=stream, table=table, k=k, group=group):
@@ -270,15 +325,23 @@ def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
                 contrib = jnp.where(group == (keys % k)[:, None], contrib, 0.0)
             return stream.capacity, acc.at[out].add(contrib)
 
-        rows = stream.parts[-1][1] + stream.parts[-1][2]
         acc = stream.passes(one_pass, jnp.zeros((rows, k * w), jnp.float32), single=single)
-        if packing.packed:  # Fold the k lane groups: each position filled only its own.
-            acc = acc.reshape(rows, k, w).sum(axis=1)[:, :packing.width]
-        for f, first, n in stream.parts:
-            partial = acc[first:first + n]
-            if f.config.is_sequence:
-                partial = partial.reshape(-1, f.config.max_sequence_length, partial.shape[-1])
-            out[f.path] = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
+        out.update(_fold(acc, stream, packing, axis))
+    return out
+
+
+def _fold(acc, stream: _Stream, packing: _layout.Packing, axis: str) -> dict:
+    """Each feature's activations from the (rows, k·w) partial sums of its table's stream:
+    the k lane groups folded (each position filled only its own), reduce-scattered."""
+    if packing.packed:
+        k, w = packing.per_row, packing.padded_width
+        acc = acc.reshape(acc.shape[0], k, w).sum(axis=1)[:, :packing.width]
+    out = {}
+    for f, first, n in stream.parts:
+        partial = acc[first:first + n]
+        if f.config.is_sequence:
+            partial = partial.reshape(-1, f.config.max_sequence_length, partial.shape[-1])
+        out[f.path] = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
     return out
 
 
@@ -293,12 +356,8 @@ def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
                   jnp.asarray(spec.gradient_multiplier_fn(step), jnp.float32))
 
     def finish(plan, rows_idx, g_sum, table, table_slots):
-        if multiplier is not None:
-            g_sum = g_sum * multiplier
-        if spec.clipping_limit is not None:
-            g_sum = jnp.clip(g_sum, -spec.clipping_limit, spec.clipping_limit)
-        g_sum = plan.optimizer.clip_gradient(g_sum)
-        return _apply_rows(plan, table, table_slots, rows_idx, g_sum, step, axis)
+        scalars, row_fn = _row_step(plan, spec, step)
+        return _apply_rows(plan, table, table_slots, rows_idx, g_sum, scalars, row_fn, axis)
 
     # Tables on the C++ kernels: every position of the global batch, in one pass.
     by_table: dict[str, list] = {}
@@ -346,6 +405,18 @@ def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
         grad_rows = jnp.concatenate([grad_all[f.path].reshape(n, -1)
                                      for f, _, n in stream.parts])
         c = stream.capacity
+        if stream.fused:
+            stream = stream.sorted()
+            names = [sl.name for sl in plan.slot_specs]
+            scalars, row_fn = _row_step(plan, spec, step)
+            new = _pallas.fused_update(
+                [tables[name]] + [slots[name][n] for n in names],
+                [plan.packing] + [plan.slot_packing(sl) for sl in plan.slot_specs],
+                stream.keys, stream.out, stream.scale, stream.count, grad_rows, scalars,
+                row_fn, planned=planned(plan, stream.pairs, lax.axis_size(axis)),
+                interpret=plan.tpu_kernels == "interpret")
+            tables[name], slots[name] = new[0], dict(zip(names, new[1:]))
+            continue
         if not plan.tpu and c >= stream.pairs:
             # One pass, off TPU: a key-only sort and a binary search (_sum_duplicates) beat
             # XLA:CPU's payload sort (W0, 2 CPU devices, cpu_kernels=False: apply_gradients
@@ -485,15 +556,38 @@ def _bits(x):
     return lax.bitcast_convert_type(x, {2: jnp.int16, 4: jnp.int32}[x.dtype.itemsize])
 
 
-def _apply_rows(plan: TablePlan, table, slots: dict, rows_idx, g, step, axis):
-    """Gathers the touched rows and slots, runs the optimizer, scatters them back."""
+def _row_step(plan: TablePlan, spec: _config.EmbeddingSpec, step):
+    """(scalars, row_fn): the step's scalars as a (n,) f32 array, and
+    row_fn(g (D,), [row, *slots], scalars) -> [new row, *new slots] for ONE row: the
+    gradient multiplier and clipping, the optimizer's update_row and finish_row. The XLA
+    form vmaps it over the touched rows; the fused kernel calls it per row."""
     opt = plan.optimizer
-    lr = _optimizers.evaluate(opt.learning_rate, step)
-    hps = tuple(_optimizers.evaluate(h, step) for h in opt.hyperparameters())
+    hps = tuple(opt.hyperparameters())
+    scalars = [_optimizers.evaluate(opt.learning_rate, step)]
+    scalars += [_optimizers.evaluate(h, step) for h in hps]
+    multiplied = spec.gradient_multiplier_fn is not None
+    if multiplied:
+        scalars.append(jnp.asarray(spec.gradient_multiplier_fn(step), jnp.float32))
+
+    def row_fn(g, values, s):
+        lr, row = s[0], values[0].astype(jnp.float32)
+        if multiplied:
+            g = g * s[-1]
+        if spec.clipping_limit is not None:
+            g = jnp.clip(g, -spec.clipping_limit, spec.clipping_limit)
+        g = opt.clip_gradient(g)
+        out = opt.update_row(g, row, list(values[1:]), lr, tuple(s[1:1 + len(hps)]))
+        return [opt.finish_row(out[0], row, lr)] + list(out[1:])
+
+    return jnp.stack(scalars), row_fn
+
+
+def _apply_rows(plan: TablePlan, table, slots: dict, rows_idx, g, scalars, row_fn, axis):
+    """Gathers the touched rows and slots, runs the optimizer, scatters them back."""
     names = [s.name for s in plan.slot_specs]
     packings = [plan.packing] + [plan.slot_packing(s) for s in plan.slot_specs]
     buffers = [table] + [slots[n] for n in names]
-    if opt.dense_update:
+    if plan.optimizer.dense_update:
         # Every row of the shard is updated; rows not in the batch see a zero gradient.
         num_rows = plan.layout.rows_per_shard
         g = jnp.zeros((num_rows, g.shape[1]), jnp.float32).at[rows_idx].set(g, mode="drop")
@@ -501,12 +595,8 @@ def _apply_rows(plan: TablePlan, table, slots: dict, rows_idx, g, step, axis):
         local = lax.iota(jnp.int32, num_rows)
         rows_idx = jnp.where(local < size, local, _NOT_MINE + local)  # Padding stays as is.
     access = [_Rows(b, p, rows_idx) for b, p in zip(buffers, packings)]
-    row, *slot_vals = [a.read() for a in access]
-
-    def one_row(g_r, w_r, s_r):
-        out = opt.update_row(g_r, w_r.astype(jnp.float32), s_r, lr, hps)
-        return (opt.finish_row(out[0], w_r.astype(jnp.float32), lr),) + tuple(out[1:])
-
-    new = jax.vmap(one_row)(g, row, slot_vals)
+    values = [a.read() for a in access]
+    s = [scalars[j] for j in range(scalars.shape[0])]
+    new = jax.vmap(lambda g_r, v_r: row_fn(g_r, v_r, s))(g, values)
     table, *new_slots = [a.write(v) for a, v in zip(access, new)]
     return table, dict(zip(names, new_slots))

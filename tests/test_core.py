@@ -14,11 +14,19 @@ import reference
 B = 16
 
 
-def _features_and_spec(optimizer, *, table_optimizer=None, strategy="div", **spec_kw):
+# `wide`: the same features over larger tables (ids spread by _WIDE's factors), in dims
+# that pack 2, 32 and 1 rows to a 128-lane physical row: touched rows span many physical
+# rows and some share one.
+_WIDE = {"shared": (600, 40, 16), "mean": (300, 3, 27), "sqrtn": (400, 128, 20)}
+
+
+def _features_and_spec(optimizer, *, table_optimizer=None, strategy="div", wide=False,
+                       **spec_kw):
     """A spec exercising every input form: shared table, combiners, weights, sequences."""
-    shared = jte.TableConfig(37, 5, combiner="sum", name="shared")
-    mean_t = jte.TableConfig(11, 3, combiner="mean", optimizer=table_optimizer)
-    sqrtn_t = jte.TableConfig(20, 4, combiner="sqrtn")
+    size = lambda name, v, d: _WIDE[name][:2] if wide else (v, d)
+    shared = jte.TableConfig(*size("shared", 37, 5), combiner="sum", name="shared")
+    mean_t = jte.TableConfig(*size("mean", 11, 3), combiner="mean", optimizer=table_optimizer)
+    sqrtn_t = jte.TableConfig(*size("sqrtn", 20, 4), combiner="sqrtn")
     spec = jte.EmbeddingSpec(
         {"multi": jte.FeatureConfig(shared),
          "one": jte.FeatureConfig(shared),
@@ -29,7 +37,21 @@ def _features_and_spec(optimizer, *, table_optimizer=None, strategy="div", **spe
     return spec
 
 
-def _inputs(rng):
+def _inputs(rng, wide=False):
+    """Random ids with many duplicates and padding; `wide`: spread over _WIDE's tables."""
+    out = _small_inputs(rng)
+    if not wide:
+        return out
+    spread = lambda ids, name: np.where(ids >= 0, ids * _WIDE[name][2] + 1, ids).astype(
+        np.int32)
+    out["multi"], out["one"] = spread(out["multi"], "shared"), spread(out["one"], "shared")
+    out["nested"] = {k: spread(v, "mean") for k, v in out["nested"].items()}
+    w = out["weighted"]
+    out["weighted"] = jte.Weighted(spread(w.ids, "sqrtn"), w.weights)
+    return out
+
+
+def _small_inputs(rng):
     multi = rng.integers(0, 12, (B, 6))  # Few distinct ids: many duplicates.
     multi[rng.random((B, 6)) < 0.3] = -1
     multi[3] = -1  # An example with no ids.
@@ -147,10 +169,10 @@ def _run_reference(emb, spec, tables, slots, features, grads, steps_lr, extras=N
     return out_t, out_s
 
 
-def _check_update(emb, spec, tables, slots, features, grads, state):
+def _check_update(emb, spec, tables, slots, features, grads, state, extras=None):
     """The state after one update equals the float64 reference; untouched rows and slots
     keep their bits."""
-    want_t, want_s = _run_reference(emb, spec, tables, slots, features, grads, None)
+    want_t, want_s = _run_reference(emb, spec, tables, slots, features, grads, None, extras)
     got_t, got_s = emb.export(state), emb.export_slots(state)
     row_grads = reference_row_grads(tables, features, grads)
     for name in tables:
@@ -251,18 +273,22 @@ def _momentum_sgd(gradient, row, slots, learning_rate, hyperparameters):
     return row - learning_rate * velocity, velocity, count + 1.0
 
 
-@pytest.mark.parametrize("strategy", ["div", "mod"])
-def test_custom_optimizer(strategy, rng):
+@pytest.mark.parametrize("strategy,tpu_kernels", [("div", False), ("mod", "interpret")])
+def test_custom_optimizer(strategy, tpu_kernels, rng):
+    """A user's row function with a schedule, a hyperparameter and a rank-1 slot; also
+    through the fused TPU kernels (in Pallas' interpreter, packed 128-lane rows)."""
     opt = jte.CustomOptimizer(_momentum_sgd, learning_rate=lambda s: 0.1 * (s + 1),
                               slot_names=["velocity", "count"],
                               slot_initializers=[jax.nn.initializers.constant(0.5), 0.0],
                               hyperparameters=[lambda s: 0.9 - 0.1 * s], slot_dims=[2, 1])
-    spec = _features_and_spec(opt, strategy=strategy)
-    emb = jte.Embedding(spec, make_mesh(8))
+    spec = _features_and_spec(opt, strategy=strategy, wide=bool(tpu_kernels))
+    kernels = dict(tpu_kernels="interpret", lane_width=128) if tpu_kernels else {}
+    emb = jte.Embedding(spec, make_mesh(8), **kernels)
+    assert emb.plans["shared"].fused == bool(tpu_kernels)
     state = emb.init(jax.random.key(0))
     np.testing.assert_array_equal(emb.export_slots(state)["shared"]["velocity"], 0.5)
     for step in range(2):
-        features = _inputs(rng)
+        features = _inputs(rng, wide=bool(tpu_kernels))
         tables, slots = emb.export(state), emb.export_slots(state)
         grads = _grads(rng, emb.lookup(state, features))
         state = emb.apply_gradients(state, features, grads)
@@ -278,7 +304,7 @@ def test_custom_optimizer(strategy, rng):
         np.testing.assert_allclose(emb.export(state)["shared"], want_t, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got["velocity"], want_v, rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(got["count"], want_c)
-        assert got["count"].shape == (37,)
+        assert got["count"].shape == (600 if tpu_kernels else 37,)
 
 
 def test_dense_adam_updates_every_row(rng):
@@ -403,6 +429,40 @@ def test_update_in_passes_matches_reference(opt_key, strategy, num_shards, max_i
         grads = _grads(rng, acts)
         state = emb.apply_gradients(state, features, grads)
         _check_update(emb, spec, tables, slots, features, grads, state)
+
+
+@pytest.mark.parametrize("opt_key,strategy,num_shards", [
+    ("adagrad", "div", 4), ("adam", "mod", 2), ("ftrl", "div", 1),
+    ("rowwise_adagrad", "mod", 8), ("sgd", "div", 2)])
+def test_fused_tpu_kernels_match_reference(opt_key, strategy, num_shards, rng, monkeypatch):
+    """The fused Pallas lookup and update (_pallas, TPU meshes' default), run in Pallas'
+    TPU interpreter: packed rows, shared tables, sequence features, rank-1 slots, gradient
+    multiplier and clipping equal the float64 reference; untouched rows and slots keep
+    their bits. (test_custom_optimizer runs a user's row function through them.) Blocks of
+    8 pairs: rows carried from block to block, packed rows re-read after a write."""
+    from jax_tpu_embed import _pallas
+    monkeypatch.setattr(_pallas, "_BLOCK", 8)
+    optimizer, _ = OPTIMIZERS[opt_key]
+    spec = _features_and_spec(optimizer, strategy=strategy, wide=True, clipping_limit=0.9,
+                              gradient_multiplier_fn=lambda step: 1.5)
+    emb = jte.Embedding(spec, make_mesh(num_shards), cpu_kernels=False, lane_width=128,
+                        tpu_kernels="interpret")
+    for name, plan in emb.plans.items():
+        emb.plans[name] = dataclasses.replace(plan, tpu=True)
+        assert emb.plans[name].fused
+    state = emb.init(jax.random.key(5))
+    for _ in range(2):
+        features = _inputs(rng, wide=True)
+        tables, slots = emb.export(state), emb.export_slots(state)
+        acts = emb.lookup(state, features)
+        want = reference_lookup(tables, features)
+        for path, *_ in _FEATURES:
+            np.testing.assert_allclose(np.asarray(_leaf(acts, path)), want[path], rtol=1e-5,
+                                       atol=1e-6, err_msg=path)
+        grads = _grads(rng, acts)
+        state = emb.apply_gradients(state, features, grads)
+        _check_update(emb, spec, tables, slots, features, grads, state,
+                      dict(clipping_limit=0.9, multiplier=1.5))
 
 
 def test_pass_capacity():
