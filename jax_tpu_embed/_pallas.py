@@ -153,13 +153,12 @@ def _row_bytes(packing: _layout.Packing, dtype) -> int:
 
 def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows: int,
                   *, planned: tuple[int, int], interpret: bool = False):
-    """(rows, k·w) f32: out[o] += scale · (the physical row of key, only key's lane group).
+    """(rows, D) f32: out[o] += scale · row(key) over the owned pairs (key, o, scale).
 
-    `keys` ascending with `count` owned pairs first; the caller folds the k lane groups.
-    `planned` = (pairs, distinct rows) per shard sizes the cost estimate only.
+    `keys` ascending with `count` owned pairs first. `planned` = (pairs, distinct rows)
+    per shard sizes the cost estimate only.
     """
-    k, w = packing.per_row, packing.padded_width
-    lanes = k * w
+    lanes, width = packing.per_row * packing.padded_width, packing.width
 
     def kernel(count_ref, keys_ref, out_ref, scale_ref, table_hbm, acc_ref, buf, phys, n,
                sem):
@@ -171,7 +170,6 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
 
         here = jnp.clip(count_ref[0] - i * _BLOCK, 0, _BLOCK)
         rows_ = _Rows(table_hbm, buf, None, phys, n, 0, packing, sem)
-        group = lax.broadcasted_iota(jnp.int32, (1, lanes), 1) // w
 
         @pl.when(here > 0)
         def _():
@@ -181,9 +179,7 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
                 key = keys_ref[p]
                 previous = jnp.where(p > 0, keys_ref[jnp.maximum(p - 1, 0)], -1)
                 j = rows_.slot_after(j, previous, key)
-                row = buf[pl.ds(j, 1), :].astype(jnp.float32) * scale_ref[p]
-                if k > 1:
-                    row = jnp.where(group == key % k, row, 0.0)
+                row = rows_.read(j, key).astype(jnp.float32) * scale_ref[p]
                 acc_ref[pl.ds(out_ref[p], 1), :] += row
                 return j
 
@@ -195,16 +191,16 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(_blocks(keys.shape[0]),),
             in_specs=_pair_specs() + [pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=pl.BlockSpec((rows, lanes), lambda i, c: (0, 0)),
+            out_specs=pl.BlockSpec((rows, width), lambda i, c: (0, 0)),
             scratch_shapes=[pltpu.VMEM((_BLOCK, lanes), table.dtype),
                             pltpu.SMEM((1, _BLOCK), jnp.int32), pltpu.SMEM((1,), jnp.int32),
                             pltpu.SemaphoreType.DMA(())]),
-        out_shape=jax.ShapeDtypeStruct((rows, lanes), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((rows, width), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         cost_estimate=pl.CostEstimate(
-            flops=3 * planned[0] * lanes, transcendentals=0,
+            flops=2 * planned[0] * width, transcendentals=0,
             bytes_accessed=(planned[1] * lanes * itemsize + 12 * planned[0] +
-                            rows * lanes * 4)),
+                            rows * width * 4)),
         interpret=interpret,
     )(jnp.reshape(count, (1,)).astype(jnp.int32), keys, out, scale, table)
 

@@ -309,7 +309,7 @@ def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
                 table, packing, stream.keys, stream.out, stream.scale, stream.count, rows,
                 planned=planned(plan, stream.pairs, lax.axis_size(axis)),
                 interpret=plan.tpu_kernels == "interpret")
-            out.update(_fold(acc, stream, packing, axis))
+            out.update(_scatter_parts(acc, stream, axis))
             continue
         # One pass needs no order; several take the owned pairs first.
         single = stream.capacity >= stream.pairs
@@ -326,16 +326,15 @@ def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
             return stream.capacity, acc.at[out].add(contrib)
 
         acc = stream.passes(one_pass, jnp.zeros((rows, k * w), jnp.float32), single=single)
-        out.update(_fold(acc, stream, packing, axis))
+        if packing.packed:  # Fold the k lane groups: each position filled only its own.
+            acc = acc.reshape(rows, k, w).sum(axis=1)[:, :packing.width]
+        out.update(_scatter_parts(acc, stream, axis))
     return out
 
 
-def _fold(acc, stream: _Stream, packing: _layout.Packing, axis: str) -> dict:
-    """Each feature's activations from the (rows, k·w) partial sums of its table's stream:
-    the k lane groups folded (each position filled only its own), reduce-scattered."""
-    if packing.packed:
-        k, w = packing.per_row, packing.padded_width
-        acc = acc.reshape(acc.shape[0], k, w).sum(axis=1)[:, :packing.width]
+def _scatter_parts(acc, stream: _Stream, axis: str) -> dict:
+    """Each feature's activations: its rows of the (rows, D) partial sums of its table's
+    stream, reduce-scattered over the batch."""
     out = {}
     for f, first, n in stream.parts:
         partial = acc[first:first + n]
