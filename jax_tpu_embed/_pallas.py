@@ -153,12 +153,15 @@ def _row_bytes(packing: _layout.Packing, dtype) -> int:
 
 def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows: int,
                   *, planned: tuple[int, int], interpret: bool = False):
-    """(rows, D) f32: out[o] += scale · row(key) over the owned pairs (key, o, scale).
+    """out[o] += scale · row(key) over the owned pairs (key, o, scale), lane-dense.
 
-    `keys` ascending with `count` owned pairs first. `planned` = (pairs, distinct rows)
-    per shard sizes the cost estimate only.
+    Returns (rows / k, k·w) f32: output row o in lanes [(o % k)·w, (o % k)·w + D) of row
+    o // k, for the table's packing (k, w); zero lanes elsewhere. `keys` ascending with
+    `count` owned pairs first. `planned` = (pairs, distinct rows) per shard sizes the cost
+    estimate only.
     """
-    lanes, width = packing.per_row * packing.padded_width, packing.width
+    k, w, width = packing.per_row, packing.padded_width, packing.width
+    lanes = k * w
 
     def kernel(count_ref, keys_ref, out_ref, scale_ref, table_hbm, acc_ref, buf, phys, n,
                sem):
@@ -179,8 +182,14 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
                 key = keys_ref[p]
                 previous = jnp.where(p > 0, keys_ref[jnp.maximum(p - 1, 0)], -1)
                 j = rows_.slot_after(j, previous, key)
-                row = rows_.read(j, key).astype(jnp.float32) * scale_ref[p]
-                acc_ref[pl.ds(out_ref[p], 1), :] += row
+                o = out_ref[p]
+                row = buf[pl.ds(j, 1), :].astype(jnp.float32) * scale_ref[p]
+                if k > 1:  # From key's lane group to o's.
+                    row = pltpu.roll(row, (o % k - key % k) * w % lanes, 1)
+                start = o % k * w
+                lane = lax.broadcasted_iota(jnp.int32, (1, lanes), 1)
+                row = jnp.where((lane >= start) & (lane < start + width), row, 0.0)
+                acc_ref[pl.ds(o // k, 1), :] += row
                 return j
 
             lax.fori_loop(0, here, pair, jnp.int32(0))
@@ -191,16 +200,16 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(_blocks(keys.shape[0]),),
             in_specs=_pair_specs() + [pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=pl.BlockSpec((rows, width), lambda i, c: (0, 0)),
+            out_specs=pl.BlockSpec((rows // k, lanes), lambda i, c: (0, 0)),
             scratch_shapes=[pltpu.VMEM((_BLOCK, lanes), table.dtype),
                             pltpu.SMEM((1, _BLOCK), jnp.int32), pltpu.SMEM((1,), jnp.int32),
                             pltpu.SemaphoreType.DMA(())]),
-        out_shape=jax.ShapeDtypeStruct((rows, width), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((rows // k, lanes), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         cost_estimate=pl.CostEstimate(
             flops=2 * planned[0] * width, transcendentals=0,
             bytes_accessed=(planned[1] * lanes * itemsize + 12 * planned[0] +
-                            rows * width * 4)),
+                            rows // k * lanes * 4)),
         interpret=interpret,
     )(jnp.reshape(count, (1,)).astype(jnp.int32), keys, out, scale, table)
 
@@ -214,14 +223,16 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
         packings: Their `_layout.Packing`s.
         keys, out, scale: The sorted pairs: (P,) local row, output row, combiner scale.
         count: () owned pairs (first in `keys`).
-        grads: (R, D) f32 activation gradient per output row.
+        grads: (R / k, k·w) f32 activation gradients, lane-dense as pooled_lookup's output
+            (k, w of the table's packing, packings[0]).
         scalars: (n,) f32 values `row_fn` reads (learning rate, hyperparameters, ...).
         row_fn: fn(g (D,), [row (D,), *slots ((D,) or ())], scalars) -> new values, for one
             row (vmapped over a leading axis of one inside the kernel).
         planned: (pairs, distinct rows) per shard and step: sizes the cost estimate only.
     """
     n = len(arrays)
-    dim = grads.shape[1]
+    gk, gw, dim = packings[0].per_row, packings[0].padded_width, packings[0].width
+    glanes = gk * gw
     lanes = [p.per_row * p.padded_width for p in packings]
 
     def kernel(count_ref, keys_ref, out_ref, scale_ref, scalars_ref, grads_ref, *refs):
@@ -267,7 +278,11 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
                     gacc[...] = jnp.zeros_like(gacc)
 
                 slots = [r.slot_after(j, current, key) for r, j in zip(arrays_, slots)]
-                gacc[...] += scale_ref[p] * grads_ref[pl.ds(out_ref[p], 1), :]
+                o = out_ref[p]
+                g = grads_ref[pl.ds(o // gk, 1), :]
+                if gk > 1:
+                    g = pltpu.roll(g, (glanes - o % gk * gw) % glanes, 1)
+                gacc[...] += scale_ref[p] * g[:, :dim]
                 return (key, *slots)
 
             last, *slots = lax.fori_loop(0, here, pair, (carried,) + (jnp.int32(0),) * n)

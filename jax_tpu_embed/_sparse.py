@@ -145,11 +145,11 @@ def planned(plan: TablePlan, positions: int, num_shards: int) -> tuple[int, int]
     return pairs, min(plan.max_unique or pairs, pairs)
 
 
-def runs_fused(plan: TablePlan, rows: int) -> bool:
-    """Whether a table with `rows` output rows (B, or B·L for a sequence feature, summed
-    over the features sharing it) runs the fused kernels: `plan.fused` and the rows'
-    (rows, 128·⌈k·w/128⌉) f32 block fits VMEM (_pallas.fits_vmem); else the XLA passes."""
-    return plan.fused and _pallas.fits_vmem(rows, plan.packing.per_row *
+def runs_fused(plan: TablePlan, packed_rows: int) -> bool:
+    """Whether a table runs the fused kernels: `plan.fused`, and its activations (B rows per
+    feature, or B·L for a sequence feature, k to a lane-dense row of k·w lanes) fit the
+    kernels' VMEM block (_pallas.fits_vmem); else the XLA passes."""
+    return plan.fused and _pallas.fits_vmem(packed_rows, plan.packing.per_row *
                                             plan.packing.padded_width)
 
 
@@ -186,7 +186,8 @@ class _Stream:
     contiguous slices: the TPU compiler charges a 1-D gather a 4 KiB tile per element
     (30,720 int32 of 81,920: 128 MB), a 3-operand sort of the 81,920 about 4 MB.
     `fused`: the table runs the fused kernels of _pallas, which walk all owned pairs in one
-    call: no passes, no padding.
+    call: no passes, no padding; its activations and their gradients travel lane-dense
+    (`pack`, see _streams).
     """
     keys: jax.Array    # (M [+ C + 1],) local row per pair; padded with _NOT_MINE for passes
     out: jax.Array     # (M [+ C + 1],) output row per pair; padded with 0
@@ -195,8 +196,9 @@ class _Stream:
     capacity: int      # C
     pairs: int         # M
     rows: int          # Output rows of all the table's features together.
-    parts: list        # [(FeaturePlan, first output row, output rows)]
+    parts: list        # [(FeaturePlan, first output row, output rows, rows per device)]
     fused: bool
+    pack: int = 1      # Output rows per lane-dense row (fused: the table's k), see _streams.
 
     def sorted(self) -> _Stream:
         keys, out, scale = lax.sort((self.keys, self.out, self.scale), num_keys=1)
@@ -259,24 +261,51 @@ def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePla
             (f, jnp.where(mine, local, _NOT_MINE), jnp.where(mine, scale, 0.0),
              pos if seq else pos // l, b * l if seq else b))
     streams = {}
+    n = lax.axis_size(axis)
     for name, items in by_table.items():
+        plan = plans[name]
+        keys = jnp.concatenate([k for _, k, _, _, _ in items])
+        c = capacity(plan, keys.shape[0], n)
+        k = plan.packing.per_row
+        fused = plan.fused and runs_fused(plan, _out_rows(items, n, k) // k)
+        k = k if fused else 1
         parts, outs, first = [], [], 0
         for f, _, _, out, rows in items:
-            parts.append((f, first, rows))
-            outs.append(out + first)
-            first += rows
-        keys = jnp.concatenate([k for _, k, _, _, _ in items])
-        plan = plans[name]
-        c = capacity(plan, keys.shape[0], lax.axis_size(axis))
-        fused = runs_fused(plan, first)
+            # Device d's rows of a feature are [d·r, d·r + local) with `local` rounded up to
+            # r, a multiple of k: the feature's (N·r, D) activations, padded to the table's
+            # lane width w, pack to (N·r / k, k·w), lane-dense, and each device's share is
+            # whole packed rows. A narrow (B, D) array is lane-padded on TPU (D=32: 4x the
+            # bytes) in the all-gather, the reduce-scatter and the kernels' VMEM blocks.
+            local = rows // n
+            r = _round_up(local, k)
+            parts.append((f, first, n * r, local))
+            outs.append(out // local * r + out % local + first)
+            first += n * r
         pad = (lambda x, value=0: x) if fused else (
             lambda x, value=0: jnp.pad(x, (0, c + 1), constant_values=value))
         streams[name] = _Stream(
             keys=pad(keys, _NOT_MINE), out=pad(jnp.concatenate(outs)),
             scale=pad(jnp.concatenate([s for _, _, s, _, _ in items])),
             count=jnp.sum(keys < _NOT_MINE, dtype=jnp.int32), capacity=c,
-            pairs=keys.shape[0], rows=first, parts=parts, fused=fused)
+            pairs=keys.shape[0], rows=first, parts=parts, fused=fused, pack=k)
     return streams
+
+
+def _out_rows(items, n: int, k: int) -> int:
+    """Output rows of a table's features with each device's share rounded up to k."""
+    return sum(n * _round_up(rows // n, k) for *_, rows in items)
+
+
+def _packed(x, packing: _layout.Packing):
+    """(r, D) rows, r a multiple of k -> (r / k, k·w) lane-dense (zero lanes past D)."""
+    k, w = packing.per_row, packing.padded_width
+    x = jnp.pad(x, [(0, 0), (0, w - x.shape[1])])
+    return x.reshape(-1, k * w)
+
+
+def _unpacked(x, packing: _layout.Packing, rows: int):
+    """The inverse of _packed, then the first `rows` rows."""
+    return x.reshape(-1, packing.padded_width)[:rows, :packing.width]
 
 
 def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
@@ -309,7 +338,7 @@ def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
                 table, packing, stream.keys, stream.out, stream.scale, stream.count, rows,
                 planned=planned(plan, stream.pairs, lax.axis_size(axis)),
                 interpret=plan.tpu_kernels == "interpret")
-            out.update(_scatter_parts(acc, stream, axis))
+            out.update(_scatter_parts(acc, stream, axis, packing))
             continue
         # One pass needs no order; several take the owned pairs first.
         single = stream.capacity >= stream.pairs
@@ -332,15 +361,19 @@ def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
     return out
 
 
-def _scatter_parts(acc, stream: _Stream, axis: str) -> dict:
-    """Each feature's activations: its rows of the (rows, D) partial sums of its table's
-    stream, reduce-scattered over the batch."""
-    out = {}
-    for f, first, n in stream.parts:
-        partial = acc[first:first + n]
+def _scatter_parts(acc, stream: _Stream, axis: str, packing=None) -> dict:
+    """Each feature's activations: its rows of its table's partial sums, reduce-scattered
+    over the batch. `acc` is (rows, D), or with `packing` lane-dense (rows / k, k·w) with
+    k = stream.pack (_streams), unpacked after the reduce-scatter."""
+    out, k = {}, stream.pack
+    for f, first, rows, local in stream.parts:
+        partial = lax.psum_scatter(acc[first // k:(first + rows) // k], axis,
+                                   scatter_dimension=0, tiled=True)
+        if packing is not None:
+            partial = _unpacked(partial, packing, local)
         if f.config.is_sequence:
             partial = partial.reshape(-1, f.config.max_sequence_length, partial.shape[-1])
-        out[f.path] = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
+        out[f.path] = partial
     return out
 
 
@@ -349,8 +382,7 @@ def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
                  spec: _config.EmbeddingSpec):
     """One sparse optimizer step on this device's shard of every table."""
     tables, slots = dict(tables), dict(slots)
-    grad_all = {f.path: lax.all_gather(grads[f.path], axis, tiled=True).astype(jnp.float32)
-                for f in features}
+    gathered = lambda g: lax.all_gather(g, axis, tiled=True).astype(jnp.float32)
     multiplier = (None if spec.gradient_multiplier_fn is None else
                   jnp.asarray(spec.gradient_multiplier_fn(step), jnp.float32))
 
@@ -368,13 +400,14 @@ def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
         ids_all, w_all = _gathered(ids, weights, axis)
         mine, local = _owned(plan.layout, ids_all, axis)
         scale = _scale(f, w_all)
+        grad_all = gathered(grads[f.path])
         if f.config.is_sequence:
-            g = grad_all[f.path] * scale[..., None]  # (B, L, D)
+            g = grad_all * scale[..., None]  # (B, L, D)
         else:
-            g = scale[..., None] * grad_all[f.path][:, None, :]
+            g = scale[..., None] * grad_all[:, None, :]
         key = jnp.where(mine, local, _NOT_MINE)
         # The C++ update takes a lone pooled feature's (scale, grad_all) instead of g.
-        pooled = None if f.config.is_sequence else (scale.reshape(-1), grad_all[f.path])
+        pooled = None if f.config.is_sequence else (scale.reshape(-1), grad_all)
         by_table.setdefault(f.table, []).append(
             (key.reshape(-1), g.reshape(-1, g.shape[-1]), pooled))
     for name, parts in by_table.items():
@@ -401,10 +434,15 @@ def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
     # so that each row gets exactly one optimizer update with its whole gradient.
     for name, stream in _streams(feats, features, plans, axis).items():
         plan = plans[name]
-        grad_rows = jnp.concatenate([grad_all[f.path].reshape(n, -1)
-                                     for f, _, n in stream.parts])
         c = stream.capacity
         if stream.fused:
+            # Each device's activation gradients lane-dense (its rows padded to r, see
+            # _streams), then all-gathered.
+            n = lax.axis_size(axis)
+            grad_rows = jnp.concatenate([
+                gathered(_packed(jnp.pad(grads[f.path].reshape(local, -1),
+                                         [(0, rows // n - local), (0, 0)]), plan.packing))
+                for f, _, rows, local in stream.parts])
             stream = stream.sorted()
             names = [sl.name for sl in plan.slot_specs]
             scalars, row_fn = _row_step(plan, spec, step)
@@ -416,6 +454,8 @@ def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
                 interpret=plan.tpu_kernels == "interpret")
             tables[name], slots[name] = new[0], dict(zip(names, new[1:]))
             continue
+        grad_rows = jnp.concatenate([gathered(grads[f.path]).reshape(rows, -1)
+                                     for f, _, rows, _ in stream.parts])
         if not plan.tpu and c >= stream.pairs:
             # One pass, off TPU: a key-only sort and a binary search (_sum_duplicates) beat
             # XLA:CPU's payload sort (W0, 2 CPU devices, cpu_kernels=False: apply_gradients
