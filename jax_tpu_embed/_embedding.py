@@ -14,7 +14,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _config, _cpu_kernels, _inputs, _layout, _multihost, _optimizers, _sparse
+from . import (_config, _cpu_kernels, _inputs, _layout, _multihost, _optimizers, _pallas,
+               _sparse)
 
 Nested = Any
 
@@ -157,7 +158,8 @@ class Embedding:
                 slot_specs=tuple(opt.slot_specs()), lanes=lane_width,
                 cpu_kernels=self.cpu_kernels, max_ids=max_ids.get(name),
                 max_unique=max_unique.get(name),
-                tpu=on_tpu, tpu_kernels=kernels)
+                tpu=on_tpu, tpu_kernels=kernels,
+                vmem=_pallas.vmem_bytes(mesh.devices.flat[0].device_kind))
             if self.plans[name].layout.rows_per_shard >= 1 << 30:
                 raise ValueError(f"Embedding: table {name!r} would hold "
                                  f"{self.plans[name].layout.rows_per_shard} rows per shard; "

@@ -1,31 +1,34 @@
-"""Fused Pallas TPU kernels for the sorted (row, position) stream of one table shard.
+"""Fused Pallas TPU kernels for the sorted (row, position) pairs of one table shard.
 
 The XLA forms in _sparse.py gather and scatter rows with XLA ops, which the TPU compiler
-charges a whole (8, 128) tile per row touched, and gather each pair's activation gradient
-the same way (tpu_row_access.py). These kernels walk the pairs of a `_Stream`, sorted by
-row, one at a time instead, and move each touched physical row between HBM and VMEM with
-one DMA each way:
+charges a whole (8, 128) tile per row touched (4.6 KB to gather a 512-byte row, 8.7 KB to
+scatter it; benchmarks/tpu_row_access.py), and gather each pair's activation gradient the
+same way (150 MB per W1 table and device). These kernels walk the owned pairs of a
+`_sparse._Stream`, sorted by row, in blocks of `_BLOCK` that arrive through SMEM on a
+sequential grid, and stop at the owned count:
 
-- `pooled_lookup`: out[o] += scale · row for every owned pair (row, o, scale); a physical
-  row is read once for all the consecutive pairs that share it.
-- `fused_update`: the gradients of a row's pairs are summed in VMEM (the activation
-  gradients are VMEM-resident), then the row's table and slot lanes are read, the
-  optimizer's per-row function runs on them and they are written back: each touched
-  physical row of each array is read once and written once. Rows outside the batch are
-  never touched; the buffers are updated in place (aliased).
+- `pooled_lookup`: per block, the distinct physical rows it touches are read with their
+  DMAs in flight together, then each pair adds scale · row into the partial activations,
+  a VMEM scratch written to HBM once at the end.
+- `fused_update`: the activation gradients are copied into VMEM once. Per block, the
+  distinct physical rows of the table and of every slot are read (DMAs in flight
+  together); each row's pair gradients are summed in VMEM; when the stream moves past a
+  row, the optimizer's per-row function runs on the row's lanes; then the block's rows
+  are written back in place (the arrays are aliased to the outputs). The row still open
+  at the end of a block (its pairs may go on) is carried: its gradient sum stays in VMEM
+  and the next block re-reads its physical row after this block's write. Logical rows that
+  share a physical row (packed, `_layout.Packing`) share its one VMEM copy, so their
+  writes never overwrite each other.
 
-Packed arrays (`_layout.Packing`: k logical rows of width w per 128-lane physical row) keep
-one physical row per array "open" in VMEM; a logical row's lanes are rotated to lane 0 to
-be read and back to be written, and the open row is written back when the stream moves
-past it, so logical rows sharing a physical row never overwrite each other.
+Activations and their gradients are lane-dense: (R/k, k·w) with the table's packing (k
+rows of width w per 128 lanes), not (R, D), which the TPU pads to 128 lanes. A logical row
+is moved between its lane group and lane 0 (or its output's lane group) by a lane
+rotation.
 
-The pairs come in blocks of `_BLOCK` through SMEM (a sequential grid); the kernel stops at
-the owned count. Cost estimates declare the bytes the DMAs and blocks move for the
-planned capacity (C pairs, Cu distinct rows), as XLA's cost analysis counts one pass of a
-while loop: that is what `cost_analysis` then reports for them.
-
-`interpret=True` runs the same kernels in Pallas' TPU interpreter (any backend): the tests
-check them against the XLA forms and float64 references on the CPU.
+Cost estimates declare the bytes the DMAs and SMEM blocks move for the planned pairs and
+distinct rows per shard (`_sparse.planned`): that is what `cost_analysis` reports for the
+kernels. `interpret=True` runs them in Pallas' interpreter on any backend; the tests check
+them against float64 references on CPU meshes that way.
 """
 
 from __future__ import annotations
@@ -42,15 +45,34 @@ from . import _layout
 _BLOCK = 1024  # Pairs per grid step (SMEM block of keys, output rows and scales).
 
 
-# VMEM the resident (rows, lanes) f32 block (activations out, or activation gradients in) may
-# take, double-buffered: 12 MiB of the 16 MiB default scoped VMEM of v4 and v5e. Larger
-# global batches (rows = B, or B·L for sequence features) take the XLA form.
-_VMEM_BUDGET = 12 << 20
+_SMALLEST_VMEM = 16 << 20  # v4's, per TensorCore: the default when the chip is unknown.
 
 
-def fits_vmem(rows: int, lanes: int) -> bool:
-    """Whether a (rows, lanes) f32 block, lanes padded to 128, fits the kernels' budget."""
-    return 2 * rows * (-(-lanes // 128) * 128) * 4 <= _VMEM_BUDGET
+def vmem_bytes(device_kind: str) -> int:
+    """VMEM per TensorCore of a TPU by its device kind (pltpu.get_tpu_info_for_chip): 16 MiB
+    on v4, 64 MiB on v5p, 128 MiB on v5e and v6e; 16 MiB if unknown."""
+    chip = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p",
+            "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e"}.get(device_kind)
+    if chip is None:
+        return _SMALLEST_VMEM
+    return int(pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(chip), 1).vmem_capacity_bytes)
+
+
+def _block_bytes(rows: int, lanes: int) -> int:
+    return rows * (-(-lanes // 128) * 128) * 4
+
+
+def fits_vmem(rows: int, lanes: int, vmem: int) -> bool:
+    """Whether the kernels' resident (rows, lanes) f32 block (the lane-dense activations
+    or their gradients: B/k rows per feature, B·L/k for a sequence feature) takes at most
+    half of a VMEM of `vmem` bytes; the rest is for the per-block row buffers. Larger
+    batches take the XLA passes."""
+    return _block_bytes(rows, lanes) <= vmem // 2
+
+
+def _params(vmem: int):
+    return pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                vmem_limit_bytes=vmem * 7 // 8)
 
 
 def _blocks(pairs: int) -> int:
@@ -152,7 +174,7 @@ def _row_bytes(packing: _layout.Packing, dtype) -> int:
 
 
 def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows: int,
-                  *, planned: tuple[int, int], interpret: bool = False):
+                  *, planned: tuple[int, int], vmem: int, interpret: bool = False):
     """out[o] += scale · row(key) over the owned pairs (key, o, scale), lane-dense.
 
     Returns (rows / k, k·w) f32: output row o in lanes [(o % k)·w, (o % k)·w + D) of row
@@ -163,8 +185,8 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
     k, w, width = packing.per_row, packing.padded_width, packing.width
     lanes = k * w
 
-    def kernel(count_ref, keys_ref, out_ref, scale_ref, table_hbm, acc_ref, buf, phys, n,
-               sem):
+    def kernel(count_ref, keys_ref, out_ref, scale_ref, table_hbm, acc_hbm, acc_ref, buf,
+               phys, n, sem):
         i = pl.program_id(0)
 
         @pl.when(i == 0)
@@ -194,18 +216,23 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
 
             lax.fori_loop(0, here, pair, jnp.int32(0))
 
+        @pl.when(i == pl.num_programs(0) - 1)
+        def _():
+            pltpu.sync_copy(acc_ref, acc_hbm)  # One VMEM copy, not a double-buffered block.
+
     itemsize = jnp.dtype(table.dtype).itemsize
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(_blocks(keys.shape[0]),),
             in_specs=_pair_specs() + [pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=pl.BlockSpec((rows // k, lanes), lambda i, c: (0, 0)),
-            scratch_shapes=[pltpu.VMEM((_BLOCK, lanes), table.dtype),
+            out_specs=pl.BlockSpec(memory_space=pl.ANY),
+            scratch_shapes=[pltpu.VMEM((rows // k, lanes), jnp.float32),
+                            pltpu.VMEM((_BLOCK, lanes), table.dtype),
                             pltpu.SMEM((1, _BLOCK), jnp.int32), pltpu.SMEM((1,), jnp.int32),
                             pltpu.SemaphoreType.DMA(())]),
         out_shape=jax.ShapeDtypeStruct((rows // k, lanes), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        compiler_params=_params(vmem),
         cost_estimate=pl.CostEstimate(
             flops=2 * planned[0] * width, transcendentals=0,
             bytes_accessed=(planned[1] * lanes * itemsize + 12 * planned[0] +
@@ -215,7 +242,7 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
 
 
 def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, scalars,
-                 row_fn, *, planned: tuple[int, int], interpret: bool = False):
+                 row_fn, *, planned: tuple[int, int], vmem: int, interpret: bool = False):
     """Sums each row's gradient and applies `row_fn` to it in place; returns new arrays.
 
     Args:
@@ -235,10 +262,10 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
     glanes = gk * gw
     lanes = [p.per_row * p.padded_width for p in packings]
 
-    def kernel(count_ref, keys_ref, out_ref, scale_ref, scalars_ref, grads_ref, *refs):
+    def kernel(count_ref, keys_ref, out_ref, scale_ref, scalars_ref, grads_hbm, *refs):
         hbm = refs[n:2 * n]  # The aliased outputs; refs[:n] are the same buffers.
         bufs, tmps = refs[2 * n:3 * n], refs[3 * n:4 * n]
-        gacc, phys, counts, state, sem = refs[4 * n:]
+        grads_ref, gacc, phys, counts, state, sem = refs[4 * n:]
         arrays_ = [_Rows(h, b, t, phys, counts, a, p, sem)
                    for a, (h, b, t, p) in enumerate(zip(hbm, bufs, tmps, packings))]
         i = pl.program_id(0)
@@ -249,6 +276,7 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
         def _():
             state[0] = -1  # The row whose gradient gacc sums, carried across blocks.
             gacc[...] = jnp.zeros_like(gacc)
+            pltpu.sync_copy(grads_hbm, grads_ref)  # One VMEM copy, not double-buffered.
 
         def finish(row, slots):
             values = [r.read(j, row).astype(jnp.float32) for r, j in zip(arrays_, slots)]
@@ -307,19 +335,20 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
             num_scalar_prefetch=1, grid=(_blocks(keys.shape[0]),),
             in_specs=_pair_specs() + [
                 pl.BlockSpec(memory_space=pltpu.SMEM),
-                pl.BlockSpec(grads.shape, lambda i, c: (0, 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
             ] + [pl.BlockSpec(memory_space=pl.ANY)] * n,
             out_specs=[pl.BlockSpec(memory_space=pl.ANY)] * n,
             scratch_shapes=(
                 [pltpu.VMEM((_BLOCK + 1, l), a.dtype) for l, a in zip(lanes, arrays)] +
                 [pltpu.VMEM((1, l), a.dtype) for l, a in zip(lanes, arrays)] +
-                [pltpu.VMEM((1, dim), jnp.float32), pltpu.SMEM((n, _BLOCK + 1), jnp.int32),
+                [pltpu.VMEM(grads.shape, jnp.float32),
+                 pltpu.VMEM((1, dim), jnp.float32), pltpu.SMEM((n, _BLOCK + 1), jnp.int32),
                  pltpu.SMEM((n,), jnp.int32), pltpu.SMEM((1,), jnp.int32),
                  pltpu.SemaphoreType.DMA(())])),
         out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
         # Operand indices count the scalar-prefetch operand: arrays start at 6.
         input_output_aliases={6 + a: a for a in range(n)},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        compiler_params=_params(vmem),
         cost_estimate=pl.CostEstimate(
             flops=4 * planned[0] * dim, transcendentals=planned[1] * dim,
             bytes_accessed=(2 * planned[1] * row_bytes + 12 * planned[0] +

@@ -1,28 +1,46 @@
 """Shard-local lookup and sparse update; run inside `shard_map` over the mesh axis.
 
-Per step and device (N devices, local batch b = B / N, M = B * L (id, position) pairs of one
-table, C = `capacity`, by default 1.5 * M / N on TPU):
+Per step and device, for one table: N devices, global batch B, L ids per example, D the
+dim, M = B·L (id, position) pairs, P_p of them owned by device p, U_p the distinct rows it
+owns, S slots. Packing (_layout.Packing): k logical rows of width w (D rounded up to a
+power of two) per physical row of R = k·w·4 bytes (TPU: 512 B for D <= 128; R = D·4 when
+not packed).
 
-- lookup: all-gather the ids of the global batch (B·L·4 bytes). Sort the M pairs by the local
-  row this shard owns (others last), with each pair's output row and combiner weight riding
-  along in the sort. Then, C owned pairs per pass: gather their rows and sum them into the
-  (B, D) partial activations. Reduce-scatter those so each device keeps its own (b, D):
-  (N-1)/N · B·D·4 bytes. A sequence feature moves (B, L, D) instead of (B, D).
-- update: all-gather the activation gradients (B·D·4 bytes; the transpose of the
-  reduce-scatter) and sort the pairs as above. Per pass of at most C owned pairs and
-  Cu = `unique_capacity` distinct rows: form each pair's gradient, sum the gradients of each
-  row, gather those rows and their slots, apply the per-row optimizer (vmapped) and scatter
-  the new rows back in place. A row whose pairs straddle two passes is held back and its
-  partial sum carried over, so every row gets exactly one update. Rows not in the batch are
-  never read or written: work and traffic are an O(M) int32 sort plus O((C + Cu)·D) row work
-  per pass, independent of V.
+Both paths all-gather the ids of the global batch, (N-1)/N · M·4 bytes received (plus the
+combiner weights when a feature has them or combines by mean/sqrtn), and sort the M pairs
+by the local row this shard owns (others last), each pair's output row and combiner weight
+riding along in the sort (3 · M·4 bytes of keys and payloads).
 
-A shard that owns more pairs (or distinct rows) than one pass holds runs more passes; nothing
-is dropped. Tables on the C++ CPU kernels (`TablePlan.cpu_rows`) make one pass over all M
-positions instead.
+Fused kernels (TPU meshes, `TablePlan.fused`; _pallas.py), one call per table walking the
+P_p owned pairs:
+- lookup: reads 12·P_p bytes of sorted pairs and each touched physical row once, U'_p·R
+  (U'_p <= U_p: logical rows sharing a physical row share the read); sums into the
+  lane-dense (B/k, k·w) partial activations in VMEM, written once (B·w·4 bytes), then
+  reduce-scattered: (N-1)/N · B·w·4 bytes (B·L·w·4 for a sequence feature).
+- update: all-gathers the lane-dense activation gradients, (N-1)/N · B·w·4 bytes; the
+  kernel reads them once into VMEM and the pairs (12·P_p), sums each row's gradient in
+  VMEM, then reads and writes each touched physical row of the table and of every slot
+  once: 2·U'_p·R·(1 + S) bytes. Nothing else touches a row.
+At D = 128 that is the essential traffic; below, a 512-byte physical row is read for a
+4·D-byte logical row (Mosaic DMAs move at least 512 contiguous bytes): the rows cost
+128 / D times essential at most (4x at D=32).
 
-No table-sized value is ever formed (except for `Adam(lazy_adam=False)`, whose contract
-updates every row).
+XLA passes (elsewhere: CPU meshes, tpu_kernels=False, bf16 tables, dense Adam, batches
+whose activations overflow VMEM), C = `capacity` owned pairs per pass (1.5·M/N on TPU, M
+elsewhere), Cu = `unique_capacity` distinct rows:
+- lookup: per pass gather C rows (C·D·4 B) and sum them into the (B, D) partial
+  activations; reduce-scatter those, (N-1)/N · B·D·4 bytes.
+- update: all-gather the activation gradients ((N-1)/N · B·D·4 bytes); per pass form the C
+  pairs' gradients, sum them per row, gather the pass's distinct rows and their slots,
+  apply the optimizer (vmapped), scatter them back in place: 2·U_p·D·4·(1 + S) bytes in
+  all. A row whose pairs straddle two passes is held back and its partial sum carried, so
+  every row gets exactly one update. A shard owning more than one pass holds runs more
+  passes; nothing is dropped. Tables on the C++ CPU kernels (`TablePlan.cpu_rows`) make
+  one pass over all M positions instead.
+
+Rows not in the batch are never read or written: work and traffic are independent of the
+vocabulary V. No table-sized value is ever formed (except for `Adam(lazy_adam=False)`,
+whose contract updates every row).
 """
 
 from __future__ import annotations
@@ -50,6 +68,7 @@ class TablePlan:
     max_unique: int | None = None  # Distinct rows per shard and pass; None: = capacity.
     tpu: bool = False  # On a TPU mesh: passes of the per-shard share, pairs sorted with payloads.
     tpu_kernels: str = ""  # "pallas" / "interpret": the fused kernels of _pallas; "": XLA.
+    vmem: int = 16 << 20  # VMEM per TensorCore of the mesh's TPUs (_pallas.vmem_bytes).
 
     @property
     def cpu_rows(self) -> bool:
@@ -149,8 +168,8 @@ def runs_fused(plan: TablePlan, packed_rows: int) -> bool:
     """Whether a table runs the fused kernels: `plan.fused`, and its activations (B rows per
     feature, or B·L for a sequence feature, k to a lane-dense row of k·w lanes) fit the
     kernels' VMEM block (_pallas.fits_vmem); else the XLA passes."""
-    return plan.fused and _pallas.fits_vmem(packed_rows, plan.packing.per_row *
-                                            plan.packing.padded_width)
+    return plan.fused and _pallas.fits_vmem(
+        packed_rows, plan.packing.per_row * plan.packing.padded_width, plan.vmem)
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -336,7 +355,7 @@ def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
             stream = stream.sorted()
             acc = _pallas.pooled_lookup(
                 table, packing, stream.keys, stream.out, stream.scale, stream.count, rows,
-                planned=planned(plan, stream.pairs, lax.axis_size(axis)),
+                planned=planned(plan, stream.pairs, lax.axis_size(axis)), vmem=plan.vmem,
                 interpret=plan.tpu_kernels == "interpret")
             out.update(_scatter_parts(acc, stream, axis, packing))
             continue
@@ -451,7 +470,7 @@ def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
                 [plan.packing] + [plan.slot_packing(sl) for sl in plan.slot_specs],
                 stream.keys, stream.out, stream.scale, stream.count, grad_rows, scalars,
                 row_fn, planned=planned(plan, stream.pairs, lax.axis_size(axis)),
-                interpret=plan.tpu_kernels == "interpret")
+                vmem=plan.vmem, interpret=plan.tpu_kernels == "interpret")
             tables[name], slots[name] = new[0], dict(zip(names, new[1:]))
             continue
         grad_rows = jnp.concatenate([gathered(grads[f.path]).reshape(rows, -1)

@@ -522,6 +522,53 @@ def test_id_counts_and_passes(rng):
     assert passes_needed(np.array([1] * 10), 16, 3) == 4
 
 
+def test_tpu_kernels_choice_and_fallback(rng):
+    """Which tables the fused TPU kernels take: float32 tables with a sparse update whose
+    activations fit half of the chip's VMEM; the others run the XLA passes with the same
+    results. Bad values of tpu_kernels are refused, naming what is allowed."""
+    from jax_tpu_embed import _pallas, _sparse
+    assert _pallas.vmem_bytes("TPU v5") == 64 << 20  # v5p
+    assert _pallas.vmem_bytes("TPU v5 lite") == 128 << 20  # v5e
+    assert _pallas.vmem_bytes("TPU v4") == 16 << 20
+    assert _pallas.vmem_bytes("cpu") == 16 << 20  # Unknown: the smallest.
+    # 4,096 lane-dense rows of 128 f32 lanes: 2 MiB, half of 4 MiB.
+    assert _pallas.fits_vmem(4096, 128, 4 << 20) and not _pallas.fits_vmem(4097, 128, 4 << 20)
+    assert _pallas.fits_vmem(4096, 64, 4 << 20)  # Lanes pad to 128 in VMEM.
+
+    spec = _features_and_spec(jte.Adagrad(0.2), wide=True)
+    emb = jte.Embedding(spec, make_mesh(2), lane_width=128, tpu_kernels="interpret")
+    assert all(p.fused for p in emb.plans.values())
+    dense = jte.Embedding(_features_and_spec(jte.Adam(0.1, lazy_adam=False)), make_mesh(2),
+                          lane_width=128, tpu_kernels="interpret")
+    assert not any(p.fused for p in dense.plans.values())
+    assert not jte.Embedding(spec, make_mesh(2)).plans["shared"].fused  # Off TPU: XLA.
+    # A chip with too little VMEM for the batch's activations: the XLA passes.
+    tiny = dataclasses.replace(emb.plans["shared"], vmem=64 << 10)
+    assert _sparse.runs_fused(emb.plans["shared"], 32) and not _sparse.runs_fused(tiny, 512)
+    small = jte.Embedding(spec, make_mesh(2), lane_width=128, tpu_kernels="interpret")
+    for name, plan in small.plans.items():
+        small.plans[name] = dataclasses.replace(plan, vmem=4 << 10)
+    features = _inputs(rng, wide=True)
+    state = emb.init(jax.random.key(1))
+    acts, acts_small = emb.lookup(state, features), small.lookup(state, features)
+    grads = _grads(rng, acts)
+    for path, *_ in _FEATURES:
+        np.testing.assert_allclose(_leaf(acts_small, path), _leaf(acts, path), rtol=1e-6,
+                                   atol=1e-6)
+    a = emb.export(emb.apply_gradients(state, features, grads))
+    b = small.export(small.apply_gradients(state, features, grads))
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-6, atol=1e-7)
+    assert emb.id_counts(features)["shared"]["passes"] == 1
+
+    with pytest.raises(ValueError, match="tpu_kernels must be None, True, False or "
+                                         "'interpret', got 'yes'"):
+        jte.Embedding(spec, make_mesh(2), tpu_kernels="yes")
+    with pytest.raises(ValueError, match="tpu_kernels=True needs a TPU mesh; this one is on "
+                                         "'cpu'"):
+        jte.Embedding(spec, make_mesh(2), tpu_kernels=True)
+
+
 @pytest.mark.parametrize("opt_key", ["adagrad", "rowwise_adagrad", "adam"])
 def test_packed_bfloat16_update_is_bit_identical_to_plain(opt_key, rng):
     """Packed rows are read and written through their raw bits: a bfloat16 table (with -0.0
