@@ -43,8 +43,6 @@ from jax.experimental.pallas import tpu as pltpu
 from . import _layout
 
 _BLOCK = 1024  # Pairs per grid step (SMEM block of keys, output rows and scales).
-
-
 _SMALLEST_VMEM = 16 << 20  # v4's, per TensorCore: the default when the chip is unknown.
 
 
@@ -75,6 +73,17 @@ def _params(vmem: int):
                                 vmem_limit_bytes=vmem * 7 // 8)
 
 
+# Tables, slots and the activation blocks stay in HBM, moved only by the kernels' own DMAs.
+_HBM = pl.BlockSpec(memory_space=pltpu.HBM)
+
+
+def _in_hbm(x):
+    """x, pinned to HBM as a pallas_call operand: otherwise the compiler may prefetch a
+    whole small table shard into VMEM for the lookup (seen: two 8 MB W1 shards per step on
+    64 chips), traffic in proportion to the vocabulary."""
+    return pltpu.with_memory_space_constraint(x, pltpu.HBM)
+
+
 def _blocks(pairs: int) -> int:
     return -(-pairs // _BLOCK)
 
@@ -87,13 +96,14 @@ def _pair_specs():
     return [pl.BlockSpec((_BLOCK,), index, memory_space=pltpu.SMEM) for _ in range(3)]
 
 
-class _Rows:
+class _BlockRows:
     """The distinct physical rows of one array that one block of pairs touches, in VMEM.
 
     `gather` lists them (consecutive keys map to non-decreasing physical rows, so a change
     of physical row is a new one) and reads them all with DMAs in flight together; `put`
     writes them all back the same way. Packed logical rows are read and written through
-    their lane group (rotated to lane 0 and back). `n` and `at` live in SMEM.
+    their lane group (rotated to lane 0 and back). The list (`phys[a]`) and its length
+    (`n[a]`) live in SMEM; `a` is the array's index among the kernel's arrays.
     """
 
     def __init__(self, hbm, buf, tmp, phys, n, a: int, packing: _layout.Packing, sem):
@@ -194,7 +204,7 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
             acc_ref[...] = jnp.zeros_like(acc_ref)
 
         here = jnp.clip(count_ref[0] - i * _BLOCK, 0, _BLOCK)
-        rows_ = _Rows(table_hbm, buf, None, phys, n, 0, packing, sem)
+        rows_ = _BlockRows(table_hbm, buf, None, phys, n, 0, packing, sem)
 
         @pl.when(here > 0)
         def _():
@@ -225,8 +235,8 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(_blocks(keys.shape[0]),),
-            in_specs=_pair_specs() + [pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=pl.BlockSpec(memory_space=pl.ANY),
+            in_specs=_pair_specs() + [_HBM],
+            out_specs=_HBM,
             scratch_shapes=[pltpu.VMEM((rows // k, lanes), jnp.float32),
                             pltpu.VMEM((_BLOCK, lanes), table.dtype),
                             pltpu.SMEM((1, _BLOCK), jnp.int32), pltpu.SMEM((1,), jnp.int32),
@@ -238,7 +248,8 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
             bytes_accessed=(planned[1] * lanes * itemsize + 12 * planned[0] +
                             rows // k * lanes * 4)),
         interpret=interpret,
-    )(jnp.reshape(count, (1,)).astype(jnp.int32), keys, out, scale, table)
+    )(jnp.reshape(count, (1,)).astype(jnp.int32), keys, out, scale,
+      table if interpret else _in_hbm(table))
 
 
 def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, scalars,
@@ -266,7 +277,7 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
         hbm = refs[n:2 * n]  # The aliased outputs; refs[:n] are the same buffers.
         bufs, tmps = refs[2 * n:3 * n], refs[3 * n:4 * n]
         grads_ref, gacc, phys, counts, state, sem = refs[4 * n:]
-        arrays_ = [_Rows(h, b, t, phys, counts, a, p, sem)
+        arrays_ = [_BlockRows(h, b, t, phys, counts, a, p, sem)
                    for a, (h, b, t, p) in enumerate(zip(hbm, bufs, tmps, packings))]
         i = pl.program_id(0)
         count = count_ref[0]
@@ -335,9 +346,9 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
             num_scalar_prefetch=1, grid=(_blocks(keys.shape[0]),),
             in_specs=_pair_specs() + [
                 pl.BlockSpec(memory_space=pltpu.SMEM),
-                pl.BlockSpec(memory_space=pl.ANY),
-            ] + [pl.BlockSpec(memory_space=pl.ANY)] * n,
-            out_specs=[pl.BlockSpec(memory_space=pl.ANY)] * n,
+                _HBM,
+            ] + [_HBM] * n,
+            out_specs=[_HBM] * n,
             scratch_shapes=(
                 [pltpu.VMEM((_BLOCK + 1, l), a.dtype) for l, a in zip(lanes, arrays)] +
                 [pltpu.VMEM((1, l), a.dtype) for l, a in zip(lanes, arrays)] +
