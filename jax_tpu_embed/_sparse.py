@@ -286,7 +286,7 @@ def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePla
         keys = jnp.concatenate([k for _, k, _, _, _ in items])
         c = capacity(plan, keys.shape[0], n)
         k = plan.packing.per_row
-        fused = plan.fused and runs_fused(plan, _out_rows(items, n, k) // k)
+        fused = runs_fused(plan, _out_rows(items, n, k) // k)
         k = k if fused else 1
         parts, outs, first = [], [], 0
         for f, _, _, out, rows in items:
@@ -466,11 +466,11 @@ def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
             names = [sl.name for sl in plan.slot_specs]
             scalars, row_fn = _row_step(plan, spec, step)
             new = _pallas.fused_update(
-                [tables[name]] + [slots[name][n] for n in names],
+                [tables[name]] + [slots[name][s] for s in names],
                 [plan.packing] + [plan.slot_packing(sl) for sl in plan.slot_specs],
                 stream.keys, stream.out, stream.scale, stream.count, grad_rows, scalars,
-                row_fn, planned=planned(plan, stream.pairs, lax.axis_size(axis)),
-                vmem=plan.vmem, interpret=plan.tpu_kernels == "interpret")
+                row_fn, planned=planned(plan, stream.pairs, n), vmem=plan.vmem,
+                interpret=plan.tpu_kernels == "interpret")
             tables[name], slots[name] = new[0], dict(zip(names, new[1:]))
             continue
         grad_rows = jnp.concatenate([gathered(grads[f.path]).reshape(rows, -1)

@@ -188,6 +188,22 @@ def _check_update(emb, spec, tables, slots, features, grads, state, extras=None)
             np.testing.assert_array_equal(got_s[name][s][untouched], slots[name][s][untouched])
 
 
+def _two_steps_match_reference(emb, spec, rng, key, *, wide=False, extras=None):
+    """Two steps of random inputs: lookups equal the reference, updates _check_update's."""
+    state = emb.init(key)
+    for _ in range(2):
+        features = _inputs(rng, wide=wide)
+        tables, slots = emb.export(state), emb.export_slots(state)
+        acts = emb.lookup(state, features)
+        want = reference_lookup(tables, features)
+        for path, *_ in _FEATURES:
+            np.testing.assert_allclose(np.asarray(_leaf(acts, path)), want[path], rtol=1e-5,
+                                       atol=1e-6, err_msg=path)
+        grads = _grads(rng, acts)
+        state = emb.apply_gradients(state, features, grads)
+        _check_update(emb, spec, tables, slots, features, grads, state, extras)
+
+
 # Each optimizer on one (strategy, mesh) pair; test_results_identical_for_every_strategy_and_mesh
 # covers the rest.
 _MESHES = [("div", 1), ("mod", 4), ("div", 8), ("mod", 2), ("mod", 8), ("div", 4)]
@@ -417,18 +433,7 @@ def test_update_in_passes_matches_reference(opt_key, strategy, num_shards, max_i
     if lane_width:  # As on a TPU mesh: packed rows, per-shard passes, payload sorts.
         for name, plan in emb.plans.items():
             emb.plans[name] = dataclasses.replace(plan, tpu=True)
-    state = emb.init(jax.random.key(3))
-    for _ in range(2):
-        features = _inputs(rng)
-        tables, slots = emb.export(state), emb.export_slots(state)
-        acts = emb.lookup(state, features)
-        want = reference_lookup(tables, features)
-        for path, *_ in _FEATURES:
-            np.testing.assert_allclose(np.asarray(_leaf(acts, path)), want[path], rtol=1e-5,
-                                       atol=1e-6, err_msg=path)
-        grads = _grads(rng, acts)
-        state = emb.apply_gradients(state, features, grads)
-        _check_update(emb, spec, tables, slots, features, grads, state)
+    _two_steps_match_reference(emb, spec, rng, jax.random.key(3))
 
 
 @pytest.mark.parametrize("opt_key,strategy,num_shards", [
@@ -450,19 +455,8 @@ def test_fused_tpu_kernels_match_reference(opt_key, strategy, num_shards, rng, m
     for name, plan in emb.plans.items():
         emb.plans[name] = dataclasses.replace(plan, tpu=True)
         assert emb.plans[name].fused
-    state = emb.init(jax.random.key(5))
-    for _ in range(2):
-        features = _inputs(rng, wide=True)
-        tables, slots = emb.export(state), emb.export_slots(state)
-        acts = emb.lookup(state, features)
-        want = reference_lookup(tables, features)
-        for path, *_ in _FEATURES:
-            np.testing.assert_allclose(np.asarray(_leaf(acts, path)), want[path], rtol=1e-5,
-                                       atol=1e-6, err_msg=path)
-        grads = _grads(rng, acts)
-        state = emb.apply_gradients(state, features, grads)
-        _check_update(emb, spec, tables, slots, features, grads, state,
-                      dict(clipping_limit=0.9, multiplier=1.5))
+    _two_steps_match_reference(emb, spec, rng, jax.random.key(5), wide=True,
+                               extras=dict(clipping_limit=0.9, multiplier=1.5))
 
 
 def test_pass_capacity():
