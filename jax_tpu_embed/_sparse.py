@@ -271,8 +271,7 @@ def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePla
             continue
         ids, weights = feats[f.path]
         ids_all, scale = _flat_pairs(f, ids, weights, axis)
-        owner, local = plan.layout.owner_and_local(ids_all)
-        mine = (ids_all >= 0) & (owner == lax.axis_index(axis))
+        mine, local = _owned(plan.layout, ids_all, axis)
         b, l = ids.shape[0] * lax.axis_size(axis), ids.shape[1]
         pos = lax.iota(jnp.int32, b * l)
         seq = f.config.is_sequence
