@@ -13,7 +13,15 @@ compiles, for one device of the topology:
 - a Pallas TPU kernel that DMAs each row from HBM (scalar-prefetched ids): does Mosaic
   compile it for this topology, its result against `table[ids]` in Pallas' interpret mode on
   the CPU, and whether a DMA of a narrower lane slice (one packed 32-wide row of a 128-lane
-  physical row) compiles.
+  physical row) compiles;
+- on chips with SparseCores (v5p, v6e; their DMA granule is 32 bytes, not 512): Pallas
+  SparseCore kernels on the chip's vector subcores — an indirect-DMA gather of the rows from
+  the shard stored flat, (S·D,), and from the usual (S, D) array; an Adagrad update of the
+  rows of a flat table and accumulator in place (gather, math, scatter); whether `sqrt`
+  lowers on a vector subcore (the update computes 1/sqrt by Newton steps from a bit-level
+  first guess instead); and whether Pallas' interpreter runs an indirect DMA on the CPU.
+  For each: compiles, temporaries, table-sized ops in the optimized HLO (a relayout copy of
+  the table), the compiler's bytes accessed against the bytes the kernel declares.
 
 These are the facts behind README's "what stands between W1 and 3x essential".
 """
@@ -28,6 +36,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
@@ -36,6 +46,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.layout import Format, Layout  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
+from jax.experimental.pallas import tpu_sc as plsc  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -45,7 +56,11 @@ SHARD_ROWS, ROWS, BLOCK = 250_000, 6_400, 64
 
 
 def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0][:300]
+    """The error's own message: its first line, or the innermost "...Error: ..." line of a
+    traceback it carries (errors raised inside a callback arrive wrapped)."""
+    lines = str(e).strip().splitlines()
+    inner = [x for x in lines if re.match(r"^\w+(Error|Exception): ", x)]
+    return (inner[-1] if inner else lines[0])[:300]
 
 
 def _compile(fn, args, in_shardings=None, donate=()):
@@ -97,6 +112,218 @@ def _dma_rows(ids, table, *, lanes: int, interpret: bool = False):
     )(ids, table)
 
 
+# ------------------------------------------------------------------------------ SparseCore
+
+WINDOW = 8  # Rows per indirect DMA (one index vector of the vector subcore's lanes).
+
+
+def _sparse_core(chip: str):
+    return pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(chip), 1).sparse_core
+
+
+def _sc_mesh(sc):
+    return plsc.VectorSubcoreMesh(core_axis_name="core", subcore_axis_name="subcore",
+                                  num_cores=sc.num_cores, num_subcores=sc.num_subcores)
+
+
+def _worker_rows(sc, n: int):
+    """(first row, rows) of this vector subcore's equal share of n rows."""
+    per = n // (sc.num_cores * sc.num_subcores)
+    worker = jax.lax.axis_index("core") * sc.num_subcores + jax.lax.axis_index("subcore")
+    return worker * per, per
+
+
+def _sc_gather(table, ids, *, sc, dim: int, interpret=False):
+    """out[j] = table[ids[j]] on the SparseCores; `table` (S·D,) flat or (S, D)."""
+    n = ids.shape[0]
+    rows = table.reshape(-1, dim)
+
+    @pl.kernel(out_type=jax.ShapeDtypeStruct((n, dim), table.dtype), mesh=_sc_mesh(sc),
+               compiler_params=pltpu.CompilerParams(use_tc_tiling_on_sc=False),
+               scratch_types=[pltpu.VMEM((WINDOW,), jnp.int32),
+                              pltpu.VMEM((WINDOW, dim), table.dtype)],
+               cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
+                                             bytes_accessed=n * (2 * dim * 4 + 4)),
+               interpret=interpret)
+    def kernel(table_hbm, ids_hbm, out_hbm, idx, buf):
+        first, per = _worker_rows(sc, n)
+
+        @pl.loop(0, per, step=WINDOW)
+        def _(j):
+            pltpu.sync_copy(ids_hbm.at[pl.ds(first + j, WINDOW)], idx)
+            pltpu.sync_copy(table_hbm.at[idx], buf)
+            pltpu.sync_copy(buf, out_hbm.at[pl.ds(first + j, WINDOW)])
+
+    return kernel(rows, ids)
+
+
+def _rsqrt(a, scratch):
+    """1/sqrt(a) for a (lanes,) f32 vector > 0, on a vector subcore without sqrt: the
+    bit-level first guess (0x5F375A86 - bits/2), then three Newton steps (relative error
+    ~1e-7 after the third). `scratch`: a (1, lanes) int32 VMEM ref for the bit casts."""
+    scratch[0, :] = jnp.int32(0x5F375A86) - jax.lax.shift_right_logical(
+        _bits(a, scratch), 1)
+    y = scratch.bitcast(jnp.float32)[0, :]
+    for _ in range(3):
+        y = y * (1.5 - 0.5 * a * y * y)
+    return y
+
+
+def _bits(a, scratch):
+    scratch.bitcast(jnp.float32)[0, :] = a
+    return scratch[0, :]
+
+
+def _sc_adagrad(table, acc, ids, grads, *, sc, dim: int, lr: float = 0.05):
+    """Adagrad on rows ids (distinct) of flat (S·D,) `table` and `acc`, in place:
+    acc += g², table -= lr·g/sqrt(acc), one indirect-DMA gather and scatter per window."""
+    n, lanes = ids.shape[0], sc.num_lanes
+    t_ref, a_ref = jax.new_ref(table.reshape(-1, dim)), jax.new_ref(acc.reshape(-1, dim))
+
+    @pl.kernel(out_type=(), mesh=_sc_mesh(sc),
+               compiler_params=pltpu.CompilerParams(use_tc_tiling_on_sc=False),
+               scratch_types=[pltpu.VMEM((WINDOW,), jnp.int32)] +
+                             [pltpu.VMEM((WINDOW, dim), jnp.float32)] * 3 +
+                             [pltpu.VMEM((1, lanes), jnp.int32)],
+               cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
+                                             bytes_accessed=n * (5 * dim * 4 + 4)))
+    def kernel(ids_hbm, g_hbm, idx, tb, ab, gb, scratch):
+        first, per = _worker_rows(sc, n)
+
+        @pl.loop(0, per, step=WINDOW)
+        def _(j):
+            pltpu.sync_copy(ids_hbm.at[pl.ds(first + j, WINDOW)], idx)
+            pltpu.sync_copy(t_ref.at[idx], tb)
+            pltpu.sync_copy(a_ref.at[idx], ab)
+            pltpu.sync_copy(g_hbm.at[pl.ds(first + j, WINDOW)], gb)
+
+            @pl.loop(0, WINDOW)
+            def _(r):
+                @pl.loop(0, dim, step=lanes)
+                def _(k):
+                    at = (r, pl.ds(k, lanes))
+                    g = gb[at]
+                    a = ab[at] + g * g
+                    ab[at] = a
+                    tb[at] = tb[at] - lr * g * _rsqrt(a, scratch)
+
+            pltpu.sync_copy(tb, t_ref.at[idx])
+            pltpu.sync_copy(ab, a_ref.at[idx])
+
+    kernel(ids, grads)
+    return t_ref[...].reshape(-1), a_ref[...].reshape(-1)
+
+
+def _sc_sqrt(x, *, sc):
+    lanes = sc.num_lanes
+
+    @pl.kernel(out_type=jax.ShapeDtypeStruct((lanes,), jnp.float32), mesh=_sc_mesh(sc),
+               scratch_types=[pltpu.VMEM((lanes,), jnp.float32)])
+    def kernel(x_hbm, o_hbm, buf):
+        pltpu.sync_copy(x_hbm, buf)
+        buf[...] = jnp.sqrt(buf[...])
+        pltpu.sync_copy(buf, o_hbm)
+
+    return kernel(x)
+
+
+def _compile_hlo(fn, args, donate=()):
+    """(compiled, None) or (None, error line)."""
+    try:
+        return jax.jit(fn, donate_argnums=donate).lower(*args).compile(), None
+    except Exception as e:  # The compiler's errors are the result here.
+        return None, _first_line(e)
+
+
+_NOT_DATA_OPS = ("parameter", "bitcast", "tuple", "get-tuple-element", "call-start",
+                 "call-done", "custom-call", "constant")
+
+
+def _table_sized_ops(hlo: str, shard_bytes: int) -> list[str]:
+    """Ops of the optimized HLO (besides parameters, bitcasts and the kernel call) whose
+    result is at least a table shard: relayout copies of the whole table."""
+    out = []
+    for name, shape, op, _ in _tpu._parse(hlo):
+        if op not in _NOT_DATA_OPS and any(b >= shard_bytes for _, b in
+                                           _tpu.array_bytes(shape)):
+            out.append(f"{op} {shape.split('{')[0]}")
+    return out
+
+
+def _sc_result(compiled, error, shard_bytes: int, declared: float) -> dict:
+    if compiled is None:
+        return {"compiles": error}
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return {"compiles": "compiles",
+            "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+            "table_sized_ops": _table_sized_ops(compiled.as_text(), shard_bytes),
+            "bytes_accessed": float((cost or {}).get("bytes accessed", 0.0)),
+            "declared_bytes": declared}
+
+
+def measure_sparse_core(topology: str, dims) -> dict | None:
+    """The SparseCore rows of the report, or None if the chip has no SparseCore."""
+    chip = topology.split(":")[0]
+    sc = _sparse_core(chip)
+    if sc is None:
+        return None
+    topo = _tpu.topology(topology)
+    mesh = Mesh(np.array(topo.devices[:1]), ("d",))
+    one = NamedSharding(mesh, P())
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=one)
+    quantum = sc.num_cores * sc.num_subcores * WINDOW
+    n = -(-ROWS // quantum) * quantum
+    ids = spec((n,), jnp.int32)
+    out = {"num_cores": sc.num_cores, "num_subcores": sc.num_subcores,
+           "num_lanes": sc.num_lanes, "dma_granule_bytes": sc.dma_granule_size_bytes,
+           "rows": n, "dims": []}
+    with jax.set_mesh(mesh):  # Lowering reads the chip from the mesh.
+        for dim in dims:
+            shard = SHARD_ROWS * dim * 4
+            flat, tiled = spec((SHARD_ROWS * dim,), jnp.float32), spec((SHARD_ROWS, dim),
+                                                                       jnp.float32)
+            gather = functools.partial(_sc_gather, sc=sc, dim=dim)
+            update = functools.partial(_sc_adagrad, sc=sc, dim=dim)
+            row = {"dim": dim, "row_bytes": 4 * dim}
+            row["gather_flat"] = _sc_result(*_compile_hlo(gather, (flat, ids)), shard,
+                                            n * (2 * dim * 4 + 4))
+            row["gather_2d"] = _sc_result(*_compile_hlo(gather, (tiled, ids)), shard,
+                                          n * (2 * dim * 4 + 4))
+            row["adagrad_flat"] = _sc_result(
+                *_compile_hlo(update, (flat, flat, ids, spec((n, dim), jnp.float32)),
+                              donate=(0, 1)), shard, n * (5 * dim * 4 + 4))
+            out["dims"].append(row)
+        _, sqrt_error = _compile_hlo(functools.partial(_sc_sqrt, sc=sc),
+                                     (spec((sc.num_lanes,), jnp.float32),))
+    out["sqrt_on_vector_subcore"] = sqrt_error or "compiles"
+    out["interpret_indirect_dma"] = _interpret_sc_gather(chip, sc)
+    return out
+
+
+def _interpret_sc_gather(chip: str, sc) -> str:
+    """Whether Pallas' interpreter runs the indirect-DMA gather on the CPU (it needs the
+    chip's SparseCore description, given here, as there is no TPU to ask)."""
+    from jax._src.pallas.mosaic import sc_core
+    real = sc_core.get_sparse_core_info
+    sc_core.get_sparse_core_info = lambda: sc
+    quiet = logging.getLogger("jax._src.callback")  # It logs the callback's traceback.
+    level, quiet.level = quiet.level, logging.CRITICAL
+    try:
+        rng = np.random.default_rng(0)
+        n = sc.num_cores * sc.num_subcores * WINDOW
+        table = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+        ids = jnp.asarray(rng.integers(0, 64, n), jnp.int32)
+        got = _sc_gather(table, ids, sc=sc, dim=16, interpret=pltpu.InterpretParams())
+        return "matches table[ids]" if bool(jnp.array_equal(got, table[ids])) else \
+            "runs, wrong result"
+    except Exception as e:
+        return _first_line(e)
+    finally:
+        sc_core.get_sparse_core_info = real
+        quiet.setLevel(level)
+
+
 def measure(topology: str, dims=(32, 64, 128)) -> dict:
     topo = _tpu.topology(topology)
     mesh = Mesh(np.array(topo.devices[:1]), ("d",))
@@ -125,6 +352,7 @@ def measure(topology: str, dims=(32, 64, 128)) -> dict:
                      "declared_bytes_per_row": None if full is None else full / ROWS,
                      "interpret_matches_take": bool(jnp.array_equal(got, small[some])),
                      "row_dma_32_lanes": narrow_error or "compiles"}
+    out["sparse_core"] = measure_sparse_core(topology, dims)
     return out
 
 
@@ -142,6 +370,28 @@ def report(res: dict) -> str:
               f"{p['declared_bytes_per_row']}",
               f"  interpret mode on CPU equals table[ids]: {p['interpret_matches_take']}",
               f"  DMA of a 32-lane slice (a packed D=32 row): {p['row_dma_32_lanes']}"]
+    sc = res.get("sparse_core")
+    if sc is None:
+        return "\n".join(lines + ["", "No SparseCore on this chip."])
+    mb = lambda x: f"{x / 1e6:,.1f} MB"
+    lines += ["", f"SparseCore: {sc['num_cores']} cores x {sc['num_subcores']} vector subcores "
+              f"of {sc['num_lanes']} lanes, DMA granule {sc['dma_granule_bytes']} B; "
+              f"{sc['rows']:,} rows"]
+    for r in sc["dims"]:
+        lines.append(f"  D={r['dim']} ({r['row_bytes']} B rows):")
+        for key, label in (("gather_flat", "gather, flat (S*D,) shard"),
+                           ("gather_2d", "gather, (S, D) shard"),
+                           ("adagrad_flat", "Adagrad in place, flat")):
+            x = r[key]
+            if x["compiles"] != "compiles":
+                lines.append(f"    {label:28s} {x['compiles'][:110]}")
+                continue
+            ops = ", ".join(x["table_sized_ops"]) or "none"
+            lines.append(f"    {label:28s} compiles; temp {mb(x['temp_bytes'])}; "
+                         f"table-sized ops: {ops}; bytes accessed {mb(x['bytes_accessed'])}"
+                         f" (kernel declares {mb(x['declared_bytes'])})")
+    lines += [f"  sqrt on a vector subcore: {sc['sqrt_on_vector_subcore'][:110]}",
+              f"  interpret mode, indirect DMA on CPU: {sc['interpret_indirect_dma'][:110]}"]
     return "\n".join(lines)
 
 

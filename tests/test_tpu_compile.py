@@ -277,3 +277,24 @@ def test_w1_table_bytes_accessed(dim, kernels, limit):
     essential = unique * dim * 4 * 4 + batch * ids * 4
     ratio = report.bytes_accessed * n / essential
     assert ratio <= limit, f"D={dim}: {ratio:.1f}x essential (limit {limit}x)"
+
+
+def test_sparse_core_moves_narrow_rows_without_table_copies():
+    """What benchmarks/tpu_row_access.py shows for a future SparseCore path, held here so a
+    libtpu or JAX upgrade that changes it is noticed: on v5p (DMA granule 32 bytes, where
+    TensorCore DMAs need 512) Pallas SparseCore kernels gather D=32 rows of a shard stored
+    flat, (S·D,), and run Adagrad on them in place, with no table-sized op in the program;
+    gathering from the (S, D) array instead costs a whole-table relayout copy."""
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks",
+                        "tpu_row_access.py")
+    spec = importlib.util.spec_from_file_location("tpu_row_access", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    res = probe.measure_sparse_core("v5p:2x2x1", dims=(32,))
+    assert res["dma_granule_bytes"] == 32
+    (row,) = res["dims"]
+    for kernel in ("gather_flat", "adagrad_flat"):
+        assert row[kernel]["compiles"] == "compiles", row[kernel]
+        assert row[kernel]["table_sized_ops"] == [], row[kernel]
+    assert any(op.startswith("copy") for op in row["gather_2d"]["table_sized_ops"])
+    assert probe.measure_sparse_core("v5e:2x2", dims=(32,)) is None
