@@ -17,11 +17,9 @@ U_t, the unique rows of one table per step, is the expectation under W1's id dis
 P(rank r) ∝ (r+1)^-1.05 on [0, V), B·L draws, E[U] = Σ_r 1 - (1 - p_r)^(B·L); the permutation
 of ranks to rows does not change it. (WORKLOADS.md measured ~207,000 over 8 tables.)
 
-Also compiled, to split the total: the lookup alone, `apply_gradients` alone, and a "row floor":
-a plain-XLA gather of U_t/N rows from one (S, D) shard and, as a separate program, a scatter of
-U_t/N rows into it (donated), counted for 8 tables x (table + accumulator) x N devices — what
-the cost model charges for the essential row reads and writes themselves (it charges whole
-(8, 128) tiles, 4 KiB, per f32 row touched), with the bytes it charges per row.
+Also compiled, to split the total: the lookup alone and `apply_gradients` alone. What single
+row reads and writes cost (XLA, Pallas TensorCore and SparseCore kernels) is
+benchmarks/tpu_row_access.py's subject.
 """
 
 from __future__ import annotations
@@ -80,7 +78,7 @@ def _cost(compiled) -> tuple[float, int]:
     return float(cost["bytes accessed"]), int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def _parts(emb: jte.Embedding, unique_per_table: float) -> dict[str, tuple[float, int]]:
+def _parts(emb: jte.Embedding) -> dict[str, tuple[float, int]]:
     """{part: (bytes accessed per device, temp bytes per device)}."""
     state = emb.abstract_state()
     features = _tpu.abstract_features(emb, B, L)
@@ -92,22 +90,6 @@ def _parts(emb: jte.Embedding, unique_per_table: float) -> dict[str, tuple[float
     out["apply_gradients only"] = _cost(
         jax.jit(emb.apply_gradients, donate_argnums=0).lower(state, features, grads).compile())
 
-    # The essential row work as two plain-XLA programs on one device and one (S, D) array:
-    # gather U_t/N rows, and scatter U_t/N rows back (donated). Kept apart so that nothing
-    # fuses: this is what the cost model charges per row read and per row written.
-    n = emb.num_shards
-    rows = int(round(unique_per_table / n))
-    one = NamedSharding(jax.sharding.Mesh(np.array(emb.mesh.devices.flat[:1]), ("d",)), P())
-    dim = emb.spec.flat_features[0][1].table.dim
-    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=one)
-    table = spec((-(-V // n), dim), jnp.float32)
-    idx, upd = spec((rows,), jnp.int32), spec((rows, dim), jnp.float32)
-    gather, _ = _cost(jax.jit(lambda t, i: t[i]).lower(table, idx).compile())
-    scatter, _ = _cost(jax.jit(lambda t, i, u: t.at[i].set(u), donate_argnums=0)
-                       .lower(table, idx, upd).compile())
-    # Per device: 8 tables x (table + accumulator) x (one gather + one scatter).
-    out["row floor (gather+scatter)"] = (TABLES * 2 * (gather + scatter), 0)
-    out["per row: gather, scatter"] = (gather / rows, scatter / rows)
     return out
 
 
@@ -140,13 +122,9 @@ def measure(topology: str, dims, parts: bool = True, max_unique="auto") -> list[
             "compile_seconds": round(r.compile_seconds, 1),
         }
         if parts:
-            parts = _parts(emb, unique)
-            per_gather, per_scatter = parts.pop("per row: gather, scatter")
-            # Per-device programs (the floor: one device's shards), times the device count.
+            # Per-device programs, times the device count.
             res["parts"] = {k: {"bytes_accessed_total": b * n, "temp_bytes_per_device": t}
-                            for k, (b, t) in parts.items()}
-            res["cost_model_bytes_per_row"] = {"gather": per_gather, "scatter": per_scatter,
-                                               "row": dim * 4}
+                            for k, (b, t) in _parts(emb).items()}
         results.append(res)
     return results
 
@@ -171,10 +149,6 @@ def report(results: list[dict]) -> str:
             lines.append(f"  {name:24s} bytes accessed {mb(part['bytes_accessed_total']):>12s}"
                          f" ({part['bytes_accessed_total'] / r['essential_bytes']:.1f}x "
                          f"essential), temp/device {mb(part['temp_bytes_per_device'])}")
-        if "cost_model_bytes_per_row" in r:
-            c = r["cost_model_bytes_per_row"]
-            lines.append(f"  cost model per row of {c['row']} B: gather {c['gather']:,.0f} B, "
-                         f"scatter {c['scatter']:,.0f} B")
         lines.append(f"  largest temporaries: {'; '.join(r['largest_temps']) or 'none'}")
         if r["copies"]:
             lines.append(f"  copies >= 1 MiB: {', '.join(r['copies'])}")
@@ -193,7 +167,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--topology", default="v5p:2x2x1")
     p.add_argument("--dims", default="32,64,128", help="comma-separated dims")
-    p.add_argument("--no-parts", action="store_true", help="skip the lookup/update/floor split")
+    p.add_argument("--no-parts", action="store_true", help="skip the lookup/update split")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--max-unique-ids-per-shard", default="auto",
                    help='"auto" (the expected distinct rows per shard), "none" (the '
