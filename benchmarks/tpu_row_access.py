@@ -159,8 +159,9 @@ def _sc_gather(table, ids, *, sc, dim: int, interpret=False):
 
 def _rsqrt(a, scratch):
     """1/sqrt(a) for a (lanes,) f32 vector > 0, on a vector subcore without sqrt: the
-    bit-level first guess (0x5F375A86 - bits/2), then three Newton steps (relative error
-    ~1e-7 after the third). `scratch`: a (1, lanes) int32 VMEM ref for the bit casts."""
+    bit-level first guess (0x5F375A86 - bits/2), then three Newton steps: relative error at
+    most 1.8e-3, 4.7e-6, 1.5e-7 after each (the same steps in NumPy f32 over a in
+    [1e-8, 1e8]). `scratch`: a (1, lanes) int32 VMEM ref for the bit casts."""
     scratch[0, :] = jnp.int32(0x5F375A86) - jax.lax.shift_right_logical(
         _bits(a, scratch), 1)
     y = scratch.bitcast(jnp.float32)[0, :]
@@ -308,7 +309,8 @@ def _interpret_sc_gather(chip: str, sc) -> str:
     real = sc_core.get_sparse_core_info
     sc_core.get_sparse_core_info = lambda: sc
     quiet = logging.getLogger("jax._src.callback")  # It logs the callback's traceback.
-    level, quiet.level = quiet.level, logging.CRITICAL
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         rng = np.random.default_rng(0)
         n = sc.num_cores * sc.num_subcores * WINDOW
