@@ -88,12 +88,24 @@ def _blocks(pairs: int) -> int:
     return -(-pairs // _BLOCK)
 
 
-def _pair_specs():
-    """SMEM block specs of the sorted keys, output rows and scales; blocks past the owned
-    count repeat the last owned block, which the pipeline then does not fetch again."""
+def _pair_specs(n: int):
+    """SMEM block specs of the n pair arrays (sorted keys, output rows [, scales]); blocks
+    past the owned count repeat the last owned block, which the pipeline then does not
+    fetch again."""
     def index(i, count_ref):
         return (jnp.minimum(i, jnp.maximum(count_ref[0] - 1, 0) // _BLOCK),)
-    return [pl.BlockSpec((_BLOCK,), index, memory_space=pltpu.SMEM) for _ in range(3)]
+    return [pl.BlockSpec((_BLOCK,), index, memory_space=pltpu.SMEM) for _ in range(n)]
+
+
+def _pairs(keys, out, scale) -> tuple[list, int]:
+    """The pair arrays a kernel reads ([keys, out] and `scale` unless it is None: every
+    scale 1, as for an unweighted sum) and their bytes per pair."""
+    arrays = [keys, out] if scale is None else [keys, out, scale]
+    return arrays, 4 * len(arrays)
+
+
+def _scale_of(scale_ref, p):
+    return 1.0 if scale_ref is None else scale_ref[p]
 
 
 class _BlockRows:
@@ -189,14 +201,16 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
 
     Returns (rows / k, k·w) f32: output row o in lanes [(o % k)·w, (o % k)·w + D) of row
     o // k, for the table's packing (k, w); zero lanes elsewhere. `keys` ascending with
-    `count` owned pairs first. `planned` = (pairs, distinct rows) per shard sizes the cost
-    estimate only.
+    `count` owned pairs first; `scale` None means 1 for every pair. `planned` = (pairs,
+    distinct rows) per shard sizes the cost estimate only.
     """
     k, w, width = packing.per_row, packing.padded_width, packing.width
     lanes = k * w
+    pairs, pair_bytes = _pairs(keys, out, scale)
 
-    def kernel(count_ref, keys_ref, out_ref, scale_ref, table_hbm, acc_hbm, acc_ref, buf,
-               phys, n, sem):
+    def kernel(count_ref, keys_ref, out_ref, *refs):
+        scale_ref = refs[0] if scale is not None else None
+        table_hbm, acc_hbm, acc_ref, buf, phys, n, sem = refs[len(pairs) - 2:]
         i = pl.program_id(0)
 
         @pl.when(i == 0)
@@ -215,7 +229,7 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
                 previous = jnp.where(p > 0, keys_ref[jnp.maximum(p - 1, 0)], -1)
                 j = rows_.slot_after(j, previous, key)
                 o = out_ref[p]
-                row = buf[pl.ds(j, 1), :].astype(jnp.float32) * scale_ref[p]
+                row = buf[pl.ds(j, 1), :].astype(jnp.float32) * _scale_of(scale_ref, p)
                 if k > 1:  # From key's lane group to o's.
                     row = pltpu.roll(row, (o % k - key % k) * w % lanes, 1)
                 start = o % k * w
@@ -235,7 +249,7 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(_blocks(keys.shape[0]),),
-            in_specs=_pair_specs() + [_HBM],
+            in_specs=_pair_specs(len(pairs)) + [_HBM],
             out_specs=_HBM,
             scratch_shapes=[pltpu.VMEM((rows // k, lanes), jnp.float32),
                             pltpu.VMEM((_BLOCK, lanes), table.dtype),
@@ -245,10 +259,10 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
         compiler_params=_params(vmem),
         cost_estimate=pl.CostEstimate(
             flops=2 * planned[0] * width, transcendentals=0,
-            bytes_accessed=(planned[1] * lanes * itemsize + 12 * planned[0] +
+            bytes_accessed=(planned[1] * lanes * itemsize + pair_bytes * planned[0] +
                             rows // k * lanes * 4)),
         interpret=interpret,
-    )(jnp.reshape(count, (1,)).astype(jnp.int32), keys, out, scale,
+    )(jnp.reshape(count, (1,)).astype(jnp.int32), *pairs,
       table if interpret else _in_hbm(table))
 
 
@@ -259,7 +273,8 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
     Args:
         arrays: The table's physical shard and its slots' (donated/aliased).
         packings: Their `_layout.Packing`s.
-        keys, out, scale: The sorted pairs: (P,) local row, output row, combiner scale.
+        keys, out, scale: The sorted pairs: (P,) local row, output row, combiner scale
+            (None: 1 for every pair).
         count: () owned pairs (first in `keys`).
         grads: (R / k, k·w) f32 activation gradients, lane-dense as pooled_lookup's output
             (k, w of the table's packing, packings[0]).
@@ -272,8 +287,11 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
     gk, gw, dim = packings[0].per_row, packings[0].padded_width, packings[0].width
     glanes = gk * gw
     lanes = [p.per_row * p.padded_width for p in packings]
+    pairs, pair_bytes = _pairs(keys, out, scale)
 
-    def kernel(count_ref, keys_ref, out_ref, scale_ref, scalars_ref, grads_hbm, *refs):
+    def kernel(count_ref, keys_ref, out_ref, *refs):
+        scale_ref = refs[0] if scale is not None else None
+        scalars_ref, grads_hbm, *refs = refs[len(pairs) - 2:]
         hbm = refs[n:2 * n]  # The aliased outputs; refs[:n] are the same buffers.
         bufs, tmps = refs[2 * n:3 * n], refs[3 * n:4 * n]
         grads_ref, gacc, phys, counts, state, sem = refs[4 * n:]
@@ -321,7 +339,7 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
                 g = grads_ref[pl.ds(o // gk, 1), :]
                 if gk > 1:
                     g = pltpu.roll(g, (glanes - o % gk * gw) % glanes, 1)
-                gacc[...] += scale_ref[p] * g[:, :dim]
+                gacc[...] += _scale_of(scale_ref, p) * g[:, :dim]
                 return (key, *slots)
 
             last, *slots = lax.fori_loop(0, here, pair, (carried,) + (jnp.int32(0),) * n)
@@ -344,7 +362,7 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(_blocks(keys.shape[0]),),
-            in_specs=_pair_specs() + [
+            in_specs=_pair_specs(len(pairs)) + [
                 pl.BlockSpec(memory_space=pltpu.SMEM),
                 _HBM,
             ] + [_HBM] * n,
@@ -357,12 +375,13 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
                  pltpu.SMEM((n,), jnp.int32), pltpu.SMEM((1,), jnp.int32),
                  pltpu.SemaphoreType.DMA(())])),
         out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
-        # Operand indices count the scalar-prefetch operand: arrays start at 6.
-        input_output_aliases={6 + a: a for a in range(n)},
+        # Operand indices count the scalar-prefetch operand, the pair arrays, the scalars
+        # and the gradients: the arrays follow them.
+        input_output_aliases={len(pairs) + 3 + a: a for a in range(n)},
         compiler_params=_params(vmem),
         cost_estimate=pl.CostEstimate(
             flops=4 * planned[0] * dim, transcendentals=planned[1] * dim,
-            bytes_accessed=(2 * planned[1] * row_bytes + 12 * planned[0] +
+            bytes_accessed=(2 * planned[1] * row_bytes + pair_bytes * planned[0] +
                             grads.size * 4)),
         interpret=interpret,
-    )(jnp.reshape(count, (1,)).astype(jnp.int32), keys, out, scale, scalars, grads, *arrays)
+    )(jnp.reshape(count, (1,)).astype(jnp.int32), *pairs, scalars, grads, *arrays)

@@ -210,7 +210,8 @@ class _Stream:
     """
     keys: jax.Array    # (M [+ C + 1],) local row per pair; padded with _NOT_MINE for passes
     out: jax.Array     # (M [+ C + 1],) output row per pair; padded with 0
-    scale: jax.Array   # (M [+ C + 1],) combiner-scaled weight per pair; padded with 0
+    scale: jax.Array | None  # (M [+ C + 1],) combiner-scaled weight per pair; padded with
+    #                   0. None (fused streams only): 1 for every owned pair.
     count: jax.Array   # () owned pairs
     capacity: int      # C
     pairs: int         # M
@@ -220,8 +221,10 @@ class _Stream:
     pack: int = 1      # Output rows per lane-dense row (fused: the table's k), see _streams.
 
     def sorted(self) -> _Stream:
-        keys, out, scale = lax.sort((self.keys, self.out, self.scale), num_keys=1)
-        return dataclasses.replace(self, keys=keys, out=out, scale=scale)
+        arrays = (self.keys, self.out) + (() if self.scale is None else (self.scale,))
+        keys, out, *scale = lax.sort(arrays, num_keys=1)
+        return dataclasses.replace(self, keys=keys, out=out,
+                                   scale=scale[0] if scale else None)
 
     def window(self, start):
         """(keys, out, scale), each (C,), of the pairs start ... start + C - 1."""
@@ -253,10 +256,10 @@ def _flat_pairs(f: FeaturePlan, ids, weights, axis):
     Flattened on the local shard before the all-gather: a (B, L) array with L < 128 is
     lane-padded on TPU (20 ids: 6.4x the bytes), and every op after the gather would pay
     for it. The combiner's per-example sums use the local rows; a plain sum needs no
-    weights at all (1 for an id, 0 for padding)."""
+    weights at all: its scales are None, 1 for every id (padding is never owned)."""
     ids_all = lax.all_gather(ids.reshape(-1), axis, tiled=True)
     if weights is None and (f.config.is_sequence or f.config.table.combiner == "sum"):
-        return ids_all, (ids_all >= 0).astype(jnp.float32)
+        return ids_all, None
     w = (ids >= 0).astype(jnp.float32) if weights is None else weights
     return ids_all, lax.all_gather(_scale(f, w).reshape(-1), axis, tiled=True)
 
@@ -276,13 +279,13 @@ def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePla
         pos = lax.iota(jnp.int32, b * l)
         seq = f.config.is_sequence
         by_table.setdefault(f.table, []).append(
-            (f, jnp.where(mine, local, _NOT_MINE), jnp.where(mine, scale, 0.0),
+            (f, jnp.where(mine, local, _NOT_MINE), (mine, scale),
              pos if seq else pos // l, b * l if seq else b))
     streams = {}
     n = lax.axis_size(axis)
     for name, items in by_table.items():
         plan = plans[name]
-        keys = jnp.concatenate([k for _, k, _, _, _ in items])
+        keys = jnp.concatenate([k for _, k, *_ in items])
         c = capacity(plan, keys.shape[0], n)
         k = plan.packing.per_row
         fused = runs_fused(plan, _out_rows(items, n, k) // k)
@@ -301,9 +304,14 @@ def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePla
             first += n * r
         pad = (lambda x, value=0: x) if fused else (
             lambda x, value=0: jnp.pad(x, (0, c + 1), constant_values=value))
+        # The kernels read scales only for owned pairs: all 1 needs no array at all (one
+        # payload less in the sort). The passes read every pair: 0 where not owned.
+        scales = [s for _, _, (_, s), *_ in items]
+        scale = None if fused and all(s is None for s in scales) else pad(jnp.concatenate([
+            jnp.where(mine, 1.0 if s is None else s, 0.0)
+            for _, _, (mine, s), *_ in items]))
         streams[name] = _Stream(
-            keys=pad(keys, _NOT_MINE), out=pad(jnp.concatenate(outs)),
-            scale=pad(jnp.concatenate([s for _, _, s, _, _ in items])),
+            keys=pad(keys, _NOT_MINE), out=pad(jnp.concatenate(outs)), scale=scale,
             count=jnp.sum(keys < _NOT_MINE, dtype=jnp.int32), capacity=c,
             pairs=keys.shape[0], rows=first, parts=parts, fused=fused, pack=k)
     return streams
