@@ -9,18 +9,20 @@ not packed).
 Both paths all-gather the ids of the global batch, (N-1)/N · M·4 bytes received (plus the
 combiner weights when a feature has them or combines by mean/sqrtn), and sort the M pairs
 by the local row this shard owns (others last), each pair's output row and combiner weight
-riding along in the sort (3 · M·4 bytes of keys and payloads).
+riding along in the sort (3 · M·4 bytes of keys and payloads; 2 · M·4 when the fused
+kernels take a table whose features are all unweighted sums or sequences: every scale 1).
 
 Fused kernels (TPU meshes, `TablePlan.fused`; _pallas.py), one call per table walking the
 P_p owned pairs:
-- lookup: reads 12·P_p bytes of sorted pairs and each touched physical row once, U'_p·R
-  (U'_p <= U_p: logical rows sharing a physical row share the read); sums into the
-  lane-dense (B/k, k·w) partial activations in VMEM, written once (B·w·4 bytes), then
-  reduce-scattered: (N-1)/N · B·w·4 bytes (B·L·w·4 for a sequence feature).
+- lookup: reads 12·P_p bytes of sorted pairs (8·P_p without scales) and each touched
+  physical row once, U'_p·R (U'_p <= U_p: logical rows sharing a physical row share the
+  read); sums into the lane-dense (B/k, k·w) partial activations in VMEM, written once
+  (B·w·4 bytes), then reduce-scattered: (N-1)/N · B·w·4 bytes (B·L·w·4 for a sequence
+  feature).
 - update: all-gathers the lane-dense activation gradients, (N-1)/N · B·w·4 bytes; the
-  kernel reads them once into VMEM and the pairs (12·P_p), sums each row's gradient in
-  VMEM, then reads and writes each touched physical row of the table and of every slot
-  once: 2·U'_p·R·(1 + S) bytes. Nothing else touches a row.
+  kernel reads them once into VMEM and the pairs (12·P_p or 8·P_p), sums each row's
+  gradient in VMEM, then reads and writes each touched physical row of the table and of
+  every slot once: 2·U'_p·R·(1 + S) bytes. Nothing else touches a row.
 At D = 128 that is the essential traffic; below, a 512-byte physical row is read for a
 4·D-byte logical row (Mosaic DMAs move at least 512 contiguous bytes): the rows cost
 128 / D times essential at most (4x at D=32).
@@ -203,7 +205,8 @@ class _Stream:
     key _NOT_MINE and scale 0. Built in position order; `sorted()` orders the owned pairs by
     row, first, with the payloads riding along in the sort so that each pass reads
     contiguous slices: the TPU compiler charges a 1-D gather a 4 KiB tile per element
-    (30,720 int32 of 81,920: 128 MB), a 3-operand sort of the 81,920 about 4 MB.
+    (30,720 int32 of 81,920: 128 MB), a 3-operand sort of the 81,920 about 2.6 MB per
+    device, a 2-operand one (no scales) 2.0 MB.
     `fused`: the table runs the fused kernels of _pallas, which walk all owned pairs in one
     call: no passes, no padding; its activations and their gradients travel lane-dense
     (`pack`, see _streams).

@@ -1,7 +1,5 @@
 """The C++ CPU kernels (cpu_kernels=True) against the portable XLA path (cpu_kernels=False)."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np

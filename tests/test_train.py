@@ -95,7 +95,7 @@ def ref_acts(tables, batch):
 
 def ref_step(state, batch, optimizer, pipeline):
     """One step of the documented semantics on float64 copies; returns the loss."""
-    tables, slots, params = state["tables"], state["slots"], state["params"]
+    tables, params = state["tables"], state["params"]
     x = ref_acts(tables, batch)                      # (B, 3, D)
     w = params["w"].reshape(3, D)
     pred = np.einsum("bsd,sd->b", x, w) + params["bias"]
