@@ -97,15 +97,35 @@ def _pair_specs(n: int):
     return [pl.BlockSpec((_BLOCK,), index, memory_space=pltpu.SMEM) for _ in range(n)]
 
 
-def _pairs(keys, out, scale) -> tuple[list, int]:
-    """The pair arrays a kernel reads ([keys, out] and `scale` unless it is None: every
-    scale 1, as for an unweighted sum) and their bytes per pair."""
-    arrays = [keys, out] if scale is None else [keys, out, scale]
-    return arrays, 4 * len(arrays)
+class _Pairs:
+    """The sorted pairs a kernel walks: `keys` with, unless None, `out` (output rows) and
+    `scale` (None: 1 for every pair, as for an unweighted sum). With `out_bits` > 0 there
+    is no `out` array: each key holds row << out_bits | output row (_sparse._streams packs
+    them when they fit, so that the sort and the kernels move one array, not two)."""
 
+    def __init__(self, keys, out, scale, out_bits: int):
+        self.arrays = [a for a in (keys, out, scale) if a is not None]
+        self.has_out, self.has_scale, self.bits = out is not None, scale is not None, out_bits
+        self.bytes = 4 * len(self.arrays)  # Per pair, read by the kernel.
 
-def _scale_of(scale_ref, p):
-    return 1.0 if scale_ref is None else scale_ref[p]
+    def bind(self, refs):
+        """Takes this kernel's pair refs off the front of `refs`; returns the rest."""
+        n = len(self.arrays)
+        self.refs = dict(zip(["keys"] + ["out"] * self.has_out + ["scale"] * self.has_scale,
+                             refs[:n]))
+        return refs[n:]
+
+    def key(self, p):
+        k = self.refs["keys"][p]
+        return lax.shift_right_logical(k, self.bits) if self.bits else k
+
+    def out(self, p):
+        if self.bits:
+            return self.refs["keys"][p] & ((1 << self.bits) - 1)
+        return self.refs["out"][p]
+
+    def scale(self, p):
+        return self.refs["scale"][p] if self.has_scale else 1.0
 
 
 class _BlockRows:
@@ -128,8 +148,9 @@ class _BlockRows:
         return pltpu.make_async_copy(vmem, hbm, self.sem) if to_hbm else \
             pltpu.make_async_copy(hbm, vmem, self.sem)
 
-    def gather(self, first, keys_ref, count: int | jax.Array):
-        """Lists and reads the physical rows of `first` (if >= 0) and keys_ref[:count]."""
+    def gather(self, first, key, count: int | jax.Array):
+        """Lists and reads the physical rows of `first` (if >= 0) and of key(p) for the
+        block's pairs p < count."""
         self.n[self.a] = 0
 
         def add(key):
@@ -146,7 +167,7 @@ class _BlockRows:
             add(first)
 
         def step(p, carry):
-            add(keys_ref[p])
+            add(key(p))
             return carry
 
         lax.fori_loop(0, count, step, 0)
@@ -196,21 +217,21 @@ def _row_bytes(packing: _layout.Packing, dtype) -> int:
 
 
 def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows: int,
-                  *, planned: tuple[int, int], vmem: int, interpret: bool = False):
+                  *, planned: tuple[int, int], vmem: int, out_bits: int = 0,
+                  interpret: bool = False):
     """out[o] += scale · row(key) over the owned pairs (key, o, scale), lane-dense.
 
     Returns (rows / k, k·w) f32: output row o in lanes [(o % k)·w, (o % k)·w + D) of row
     o // k, for the table's packing (k, w); zero lanes elsewhere. `keys` ascending with
-    `count` owned pairs first; `scale` None means 1 for every pair. `planned` = (pairs,
+    `count` owned pairs first; `out` and `scale` as _Pairs takes them. `planned` = (pairs,
     distinct rows) per shard sizes the cost estimate only.
     """
     k, w, width = packing.per_row, packing.padded_width, packing.width
     lanes = k * w
-    pairs, pair_bytes = _pairs(keys, out, scale)
+    pairs = _Pairs(keys, out, scale, out_bits)
 
-    def kernel(count_ref, keys_ref, out_ref, *refs):
-        scale_ref = refs[0] if scale is not None else None
-        table_hbm, acc_hbm, acc_ref, buf, phys, n, sem = refs[len(pairs) - 2:]
+    def kernel(count_ref, *refs):
+        table_hbm, acc_hbm, acc_ref, buf, phys, n, sem = pairs.bind(refs)
         i = pl.program_id(0)
 
         @pl.when(i == 0)
@@ -222,14 +243,14 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
 
         @pl.when(here > 0)
         def _():
-            rows_.gather(jnp.int32(-1), keys_ref, here)
+            rows_.gather(jnp.int32(-1), pairs.key, here)
 
             def pair(p, j):
-                key = keys_ref[p]
-                previous = jnp.where(p > 0, keys_ref[jnp.maximum(p - 1, 0)], -1)
+                key = pairs.key(p)
+                previous = jnp.where(p > 0, pairs.key(jnp.maximum(p - 1, 0)), -1)
                 j = rows_.slot_after(j, previous, key)
-                o = out_ref[p]
-                row = buf[pl.ds(j, 1), :].astype(jnp.float32) * _scale_of(scale_ref, p)
+                o = pairs.out(p)
+                row = buf[pl.ds(j, 1), :].astype(jnp.float32) * pairs.scale(p)
                 if k > 1:  # From key's lane group to o's.
                     row = pltpu.roll(row, (o % k - key % k) * w % lanes, 1)
                 start = o % k * w
@@ -249,7 +270,7 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(_blocks(keys.shape[0]),),
-            in_specs=_pair_specs(len(pairs)) + [_HBM],
+            in_specs=_pair_specs(len(pairs.arrays)) + [_HBM],
             out_specs=_HBM,
             scratch_shapes=[pltpu.VMEM((rows // k, lanes), jnp.float32),
                             pltpu.VMEM((_BLOCK, lanes), table.dtype),
@@ -259,22 +280,23 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
         compiler_params=_params(vmem),
         cost_estimate=pl.CostEstimate(
             flops=2 * planned[0] * width, transcendentals=0,
-            bytes_accessed=(planned[1] * lanes * itemsize + pair_bytes * planned[0] +
+            bytes_accessed=(planned[1] * lanes * itemsize + pairs.bytes * planned[0] +
                             rows // k * lanes * 4)),
         interpret=interpret,
-    )(jnp.reshape(count, (1,)).astype(jnp.int32), *pairs,
+    )(jnp.reshape(count, (1,)).astype(jnp.int32), *pairs.arrays,
       table if interpret else _in_hbm(table))
 
 
 def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, scalars,
-                 row_fn, *, planned: tuple[int, int], vmem: int, interpret: bool = False):
+                 row_fn, *, planned: tuple[int, int], vmem: int, out_bits: int = 0,
+                 interpret: bool = False):
     """Sums each row's gradient and applies `row_fn` to it in place; returns new arrays.
 
     Args:
         arrays: The table's physical shard and its slots' (donated/aliased).
         packings: Their `_layout.Packing`s.
         keys, out, scale: The sorted pairs: (P,) local row, output row, combiner scale
-            (None: 1 for every pair).
+            (as _Pairs takes them, with `out_bits`).
         count: () owned pairs (first in `keys`).
         grads: (R / k, k·w) f32 activation gradients, lane-dense as pooled_lookup's output
             (k, w of the table's packing, packings[0]).
@@ -287,11 +309,10 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
     gk, gw, dim = packings[0].per_row, packings[0].padded_width, packings[0].width
     glanes = gk * gw
     lanes = [p.per_row * p.padded_width for p in packings]
-    pairs, pair_bytes = _pairs(keys, out, scale)
+    pairs = _Pairs(keys, out, scale, out_bits)
 
-    def kernel(count_ref, keys_ref, out_ref, *refs):
-        scale_ref = refs[0] if scale is not None else None
-        scalars_ref, grads_hbm, *refs = refs[len(pairs) - 2:]
+    def kernel(count_ref, *refs):
+        scalars_ref, grads_hbm, *refs = pairs.bind(refs)
         hbm = refs[n:2 * n]  # The aliased outputs; refs[:n] are the same buffers.
         bufs, tmps = refs[2 * n:3 * n], refs[3 * n:4 * n]
         grads_ref, gacc, phys, counts, state, sem = refs[4 * n:]
@@ -319,11 +340,11 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
         def _():
             carried = state[0]
             for r in arrays_:
-                r.gather(carried, keys_ref, here)
+                r.gather(carried, pairs.key, here)
 
             def pair(p, carry):
                 current, *slots = carry
-                key = keys_ref[p]
+                key = pairs.key(p)
                 moved = key != current
 
                 @pl.when(moved & (current >= 0))
@@ -335,11 +356,11 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
                     gacc[...] = jnp.zeros_like(gacc)
 
                 slots = [r.slot_after(j, current, key) for r, j in zip(arrays_, slots)]
-                o = out_ref[p]
+                o = pairs.out(p)
                 g = grads_ref[pl.ds(o // gk, 1), :]
                 if gk > 1:
                     g = pltpu.roll(g, (glanes - o % gk * gw) % glanes, 1)
-                gacc[...] += _scale_of(scale_ref, p) * g[:, :dim]
+                gacc[...] += pairs.scale(p) * g[:, :dim]
                 return (key, *slots)
 
             last, *slots = lax.fori_loop(0, here, pair, (carried,) + (jnp.int32(0),) * n)
@@ -362,7 +383,7 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(_blocks(keys.shape[0]),),
-            in_specs=_pair_specs(len(pairs)) + [
+            in_specs=_pair_specs(len(pairs.arrays)) + [
                 pl.BlockSpec(memory_space=pltpu.SMEM),
                 _HBM,
             ] + [_HBM] * n,
@@ -377,11 +398,11 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
         out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
         # Operand indices count the scalar-prefetch operand, the pair arrays, the scalars
         # and the gradients: the arrays follow them.
-        input_output_aliases={len(pairs) + 3 + a: a for a in range(n)},
+        input_output_aliases={len(pairs.arrays) + 3 + a: a for a in range(n)},
         compiler_params=_params(vmem),
         cost_estimate=pl.CostEstimate(
             flops=4 * planned[0] * dim, transcendentals=planned[1] * dim,
-            bytes_accessed=(2 * planned[1] * row_bytes + pair_bytes * planned[0] +
+            bytes_accessed=(2 * planned[1] * row_bytes + pairs.bytes * planned[0] +
                             grads.size * 4)),
         interpret=interpret,
-    )(jnp.reshape(count, (1,)).astype(jnp.int32), *pairs, scalars, grads, *arrays)
+    )(jnp.reshape(count, (1,)).astype(jnp.int32), *pairs.arrays, scalars, grads, *arrays)

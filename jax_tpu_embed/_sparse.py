@@ -9,8 +9,10 @@ not packed).
 Both paths all-gather the ids of the global batch, (N-1)/N · M·4 bytes received (plus the
 combiner weights when a feature has them or combines by mean/sqrtn), and sort the M pairs
 by the local row this shard owns (others last), each pair's output row and combiner weight
-riding along in the sort (3 · M·4 bytes of keys and payloads; 2 · M·4 when the fused
-kernels take a table whose features are all unweighted sums or sequences: every scale 1).
+riding along in the sort (3 · M·4 bytes of keys and payloads). For the fused kernels
+the scales are dropped when every one is 1 (unweighted sums and sequences), and the
+output row is packed into the key when row << bits(output rows) stays below 2**30 (W1:
+250,000 rows per shard, 4,096 output rows): down to one array, M·4 bytes.
 
 Fused kernels (TPU meshes, `TablePlan.fused`; _pallas.py), one call per table walking the
 P_p owned pairs:
@@ -206,13 +208,14 @@ class _Stream:
     row, first, with the payloads riding along in the sort so that each pass reads
     contiguous slices: the TPU compiler charges a 1-D gather a 4 KiB tile per element
     (30,720 int32 of 81,920: 128 MB), a 3-operand sort of the 81,920 about 2.6 MB per
-    device, a 2-operand one (no scales) 2.0 MB.
+    device, 2.0 MB with 2 operands (no scales), 1.3 MB with one (packed keys, `out_bits`).
     `fused`: the table runs the fused kernels of _pallas, which walk all owned pairs in one
     call: no passes, no padding; its activations and their gradients travel lane-dense
     (`pack`, see _streams).
     """
     keys: jax.Array    # (M [+ C + 1],) local row per pair; padded with _NOT_MINE for passes
-    out: jax.Array     # (M [+ C + 1],) output row per pair; padded with 0
+    out: jax.Array | None  # (M [+ C + 1],) output row per pair; padded with 0. None when
+    #                   the keys hold it (`out_bits`).
     scale: jax.Array | None  # (M [+ C + 1],) combiner-scaled weight per pair; padded with
     #                   0. None (fused streams only): 1 for every owned pair.
     count: jax.Array   # () owned pairs
@@ -222,12 +225,12 @@ class _Stream:
     parts: list        # [(FeaturePlan, first output row, output rows, rows per device)]
     fused: bool
     pack: int = 1      # Output rows per lane-dense row (fused: the table's k), see _streams.
+    out_bits: int = 0  # > 0 (fused only): keys are row << out_bits | output row.
 
     def sorted(self) -> _Stream:
-        arrays = (self.keys, self.out) + (() if self.scale is None else (self.scale,))
-        keys, out, *scale = lax.sort(arrays, num_keys=1)
-        return dataclasses.replace(self, keys=keys, out=out,
-                                   scale=scale[0] if scale else None)
+        names = [n for n in ("keys", "out", "scale") if getattr(self, n) is not None]
+        arrays = lax.sort(tuple(getattr(self, n) for n in names), num_keys=1)
+        return dataclasses.replace(self, **dict(zip(names, arrays)))
 
     def window(self, start):
         """(keys, out, scale), each (C,), of the pairs start ... start + C - 1."""
@@ -313,10 +316,18 @@ def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePla
         scale = None if fused and all(s is None for s in scales) else pad(jnp.concatenate([
             jnp.where(mine, 1.0 if s is None else s, 0.0)
             for _, _, (mine, s), *_ in items]))
+        out = jnp.concatenate(outs)
+        count = jnp.sum(keys < _NOT_MINE, dtype=jnp.int32)
+        # The kernels take (row, output row) packed into one key when both fit below
+        # _NOT_MINE: the sort then moves one array, not two, and so do the kernels.
+        bits = max(first - 1, 1).bit_length()
+        bits = bits if fused and plan.layout.rows_per_shard << bits <= _PACKED_KEYS else 0
+        if bits:
+            keys, out = jnp.where(keys < _NOT_MINE, keys << bits | out, _NOT_MINE), None
         streams[name] = _Stream(
-            keys=pad(keys, _NOT_MINE), out=pad(jnp.concatenate(outs)), scale=scale,
-            count=jnp.sum(keys < _NOT_MINE, dtype=jnp.int32), capacity=c,
-            pairs=keys.shape[0], rows=first, parts=parts, fused=fused, pack=k)
+            keys=pad(keys, _NOT_MINE), out=None if out is None else pad(out), scale=scale,
+            count=count, capacity=c, pairs=keys.shape[0], rows=first, parts=parts,
+            fused=fused, pack=k, out_bits=bits)
     return streams
 
 
@@ -366,7 +377,7 @@ def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
             acc = _pallas.pooled_lookup(
                 table, packing, stream.keys, stream.out, stream.scale, stream.count, rows,
                 planned=planned(plan, stream.pairs, lax.axis_size(axis)), vmem=plan.vmem,
-                interpret=plan.tpu_kernels == "interpret")
+                out_bits=stream.out_bits, interpret=plan.tpu_kernels == "interpret")
             out.update(_scatter_parts(acc, stream, axis, packing))
             continue
         # One pass needs no order; several take the owned pairs first.
@@ -480,7 +491,7 @@ def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
                 [plan.packing] + [plan.slot_packing(sl) for sl in plan.slot_specs],
                 stream.keys, stream.out, stream.scale, stream.count, grad_rows, scalars,
                 row_fn, planned=planned(plan, stream.pairs, n), vmem=plan.vmem,
-                interpret=plan.tpu_kernels == "interpret")
+                out_bits=stream.out_bits, interpret=plan.tpu_kernels == "interpret")
             tables[name], slots[name] = new[0], dict(zip(names, new[1:]))
             continue
         grad_rows = jnp.concatenate([gathered(grads[f.path]).reshape(rows, -1)
@@ -533,6 +544,9 @@ def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
 
 # Local rows are < 2**30 (checked by Embedding); keys at or above mark "no row".
 _NOT_MINE = 1 << 30
+# Bound on packed (row, output row) keys (_streams): below _NOT_MINE. Tests lower it to
+# run the kernels on separate output-row arrays.
+_PACKED_KEYS = _NOT_MINE
 
 
 def _sum_duplicates(keys, g):

@@ -436,17 +436,23 @@ def test_update_in_passes_matches_reference(opt_key, strategy, num_shards, max_i
     _two_steps_match_reference(emb, spec, rng, jax.random.key(3))
 
 
-@pytest.mark.parametrize("opt_key,strategy,num_shards", [
-    ("adagrad", "div", 4), ("adam", "mod", 2), ("ftrl", "div", 1),
-    ("rowwise_adagrad", "mod", 8), ("sgd", "div", 2)])
-def test_fused_tpu_kernels_match_reference(opt_key, strategy, num_shards, rng, monkeypatch):
+@pytest.mark.parametrize("opt_key,strategy,num_shards,keys", [
+    ("adagrad", "div", 4, "packed"), ("adam", "mod", 2, "packed"), ("ftrl", "div", 1, "packed"),
+    ("rowwise_adagrad", "mod", 8, "packed"), ("sgd", "div", 2, "packed"),
+    ("adagrad", "mod", 4, "separate")])
+def test_fused_tpu_kernels_match_reference(opt_key, strategy, num_shards, keys, rng,
+                                           monkeypatch):
     """The fused Pallas lookup and update (_pallas, TPU meshes' default), run in Pallas'
     TPU interpreter: packed rows, shared tables, sequence features, rank-1 slots, gradient
     multiplier and clipping equal the float64 reference; untouched rows and slots keep
     their bits. (test_custom_optimizer runs a user's row function through them.) Blocks of
-    8 pairs: rows carried from block to block, packed rows re-read after a write."""
-    from jax_tpu_embed import _pallas
+    8 pairs: rows carried from block to block, packed rows re-read after a write. Keys
+    "packed" hold (row, output row) in one int32, as these small tables allow; "separate"
+    gives the kernels an output-row array, as for tables too large to pack."""
+    from jax_tpu_embed import _pallas, _sparse
     monkeypatch.setattr(_pallas, "_BLOCK", 8)
+    if keys == "separate":
+        monkeypatch.setattr(_sparse, "_PACKED_KEYS", 0)
     optimizer, _ = OPTIMIZERS[opt_key]
     spec = _features_and_spec(optimizer, strategy=strategy, wide=True, clipping_limit=0.9,
                               gradient_multiplier_fn=lambda step: 1.5)

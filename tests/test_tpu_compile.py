@@ -257,8 +257,8 @@ def test_w1_table_bytes_accessed(dim, kernels, limit):
     """One W1 table (1M rows, B = 4,096, L = 20, power-law ids, sum combiner, Adagrad) on
     v5p:2x2x1: the compiler's bytes accessed for the train step over the essential bytes
     (touched rows and accumulators read and written once, ids read once). With the fused
-    Pallas kernels (the TPU default) D=128 meets the 3x target (2.45x here, 2.4x for W1's 8
-    tables); D=32 and D=64 are held near today's 7.8x and 4.3x, where 512-byte physical
+    Pallas kernels (the TPU default) D=128 meets the 3x target (2.41x here, 2.4x for W1's 8
+    tables); D=32 and D=64 are held near today's 7.63x and 4.25x, where 512-byte physical
     rows leave them (README "Planning a TPU slice"). The XLA passes (tpu_kernels=False)
     stay near 37x.
     max_unique_ids_per_shard is the expected distinct rows per shard, as
