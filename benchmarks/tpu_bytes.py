@@ -17,8 +17,10 @@ U_t, the unique rows of one table per step, is the expectation under W1's id dis
 P(rank r) ∝ (r+1)^-1.05 on [0, V), B·L draws, E[U] = Σ_r 1 - (1 - p_r)^(B·L); the permutation
 of ranks to rows does not change it. (WORKLOADS.md measured ~207,000 over 8 tables.)
 
-Also compiled, to split the total: the lookup alone and `apply_gradients` alone. What single
-row reads and writes cost (XLA, Pallas TensorCore and SparseCore kernels) is
+The total is split into the fused kernels' row DMAs (`row_dma_bytes`: physical rows, 512
+bytes on TPU whatever D <= 128) and everything else (sort, collectives, activations, pair
+lists); and, compiled apart, the lookup alone and `apply_gradients` alone. What single row
+reads and writes cost (XLA, Pallas TensorCore and SparseCore kernels) is
 benchmarks/tpu_row_access.py's subject.
 """
 
@@ -72,6 +74,25 @@ def auto_max_unique(num_shards: int) -> int:
     return int(np.ceil(expected_unique_rows() / num_shards))
 
 
+def row_dma_bytes(emb: jte.Embedding) -> float:
+    """Per device and step: the bytes the fused kernels' row DMAs move, as their cost
+    estimates declare them (the planned distinct rows of each table: one physical row of
+    the table read by the lookup, one of the table and of each slot read and written by
+    the update). The rest of "bytes accessed" is the sort, the collectives, the
+    activations and the pair lists."""
+    from jax_tpu_embed import _pallas, _sparse
+    total = 0.0
+    for plan in emb.plans.values():
+        if not plan.fused:
+            continue
+        _, distinct = _sparse.planned(plan, B * L, emb.num_shards)
+        table = _pallas._row_bytes(plan.packing, plan.config.dtype)
+        slots = sum(_pallas._row_bytes(plan.slot_packing(s), jnp.float32)
+                    for s in plan.slot_specs)
+        total += distinct * (table + 2 * (table + slots))
+    return total
+
+
 def _cost(compiled) -> tuple[float, int]:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -114,6 +135,7 @@ def measure(topology: str, dims, parts: bool = True, max_unique="auto") -> list[
             "bytes_accessed_per_device": r.bytes_accessed,
             "bytes_accessed_total": r.bytes_accessed * n,
             "ratio": r.bytes_accessed * n / essential,
+            "row_dma_bytes_total": row_dma_bytes(emb) * n,
             "temp_bytes_per_device": r.temp_bytes,
             "largest_temps": [str(t) for t in r.largest_temps[:3]],
             "copies": r.copies(),
@@ -144,7 +166,10 @@ def report(results: list[dict]) -> str:
                      f"{mb(r['bytes_accessed_total']):>15s} {r['ratio']:>6.1f}x {'3.0x':>7s} "
                      f"{mb(r['temp_bytes_per_device']):>13s}")
     for r in results:
-        lines += ["", f"D={r['dim']}: compiled in {r['compile_seconds']} s"]
+        rows, rest = r["row_dma_bytes_total"], r["bytes_accessed_total"] - r["row_dma_bytes_total"]
+        lines += ["", f"D={r['dim']}: compiled in {r['compile_seconds']} s; the kernels' row "
+                  f"DMAs {mb(rows)} ({rows / r['essential_bytes']:.1f}x essential), everything "
+                  f"else {mb(rest)} ({rest / r['essential_bytes']:.1f}x)"]
         for name, part in r.get("parts", {}).items():
             lines.append(f"  {name:24s} bytes accessed {mb(part['bytes_accessed_total']):>12s}"
                          f" ({part['bytes_accessed_total'] / r['essential_bytes']:.1f}x "
