@@ -88,7 +88,7 @@ def row_dma_bytes(emb: jte.Embedding) -> float:
         _, distinct = _sparse.planned(plan, B * L, emb.num_shards)
         table = _pallas._row_bytes(plan.packing, plan.config.dtype)
         slots = sum(_pallas._row_bytes(plan.slot_packing(s), jnp.float32)
-                    for s in plan.slot_specs)
+                    for s in plan.stored_slots)  # Riders travel in the table's row.
         total += distinct * (table + 2 * (table + slots))
     return total
 

@@ -59,6 +59,12 @@ def _per_table(what: str, value, spec: _config.EmbeddingSpec) -> dict:
     return {name: int(v) for name, v in value.items()}
 
 
+def _slot_key(table_key, plan, slot):
+    """The key a slot's initial value is drawn from: the same whether it rides in the
+    table's array or has its own."""
+    return jax.random.fold_in(table_key, plan.slot_specs.index(slot) + 1)
+
+
 def _is_explicit(mesh) -> bool:
     types = getattr(mesh, "axis_types", None) or ()
     return any(t == jax.sharding.AxisType.Explicit for t in types)
@@ -180,7 +186,7 @@ class Embedding:
     def _packings(self, plan):
         """{None: the table's packing, slot name: the slot's}."""
         out = {None: plan.packing}
-        out.update({s.name: plan.slot_packing(s) for s in plan.slot_specs})
+        out.update({s.name: plan.slot_packing(s) for s in plan.stored_slots})
         return out
 
     def abstract_state(self) -> EmbeddingState:
@@ -191,7 +197,7 @@ class Embedding:
             tables[name] = jax.ShapeDtypeStruct(shape, plan.config.dtype,
                                                 sharding=self._rows(len(shape)))
             slots[name] = {}
-            for s in plan.slot_specs:
+            for s in plan.stored_slots:
                 shape = plan.slot_packing(s).physical_shape(plan.layout)
                 slots[name][s.name] = jax.ShapeDtypeStruct(shape, jnp.float32,
                                                            sharding=self._rows(len(shape)))
@@ -227,19 +233,26 @@ class Embedding:
 
     def _init_table(self, plan, table_key):
         table = self._make_array(plan, None, table_key)
-        slots = {s.name: self._make_array(plan, s, jax.random.fold_in(table_key, j + 1))
-                 for j, s in enumerate(plan.slot_specs)}
+        slots = {s.name: self._make_array(plan, s, _slot_key(table_key, plan, s))
+                 for s in plan.stored_slots}
         return table, slots
 
-    def _make_array(self, plan, slot: _optimizers.SlotSpec | None, key):
-        """The physical, row-sharded initial value of a table (slot None) or one slot."""
+    def _initial(self, plan, slot: _optimizers.SlotSpec | None, key):
+        """The logical initial value of a table (slot None, without riders) or one slot."""
         v, d = plan.config.vocabulary_size, plan.config.dim
         if slot is None:
             init = plan.config.initializer or _default_initializer(d)
-            logical = jnp.asarray(init(key, (v, d), jnp.float32)).astype(plan.config.dtype)
-        else:
-            shape = (v, d) if slot.rank == 2 else (v,)
-            logical = _optimizers.slot_initial_value(slot, key, shape)
+            return jnp.asarray(init(key, (v, d), jnp.float32)).astype(plan.config.dtype)
+        shape = (v, d) if slot.rank == 2 else (v,)
+        return _optimizers.slot_initial_value(slot, key, shape)
+
+    def _make_array(self, plan, slot: _optimizers.SlotSpec | None, key):
+        """The physical, row-sharded initial value of a table (slot None; with its riders,
+        each drawn as if it had an array of its own) or one stored slot."""
+        logical = self._initial(plan, slot, key)
+        if slot is None:
+            logical = _sparse.join_riders(plan, logical, {
+                s.name: self._initial(plan, s, _slot_key(key, plan, s)) for s in plan.riders})
         packing = plan.packing if slot is None else plan.slot_packing(slot)
         physical = packing.pack(plan.layout.to_physical(logical), self.num_shards)
         sharding = self._rows(physical.ndim)
@@ -274,28 +287,35 @@ class Embedding:
             if value.shape != (v, d):
                 raise ValueError(f"restore_tables: table {name!r} has shape {value.shape}; the "
                                  f"spec says (vocabulary_size, dim) = ({v}, {d}).")
-            new_tables[name] = self._put(plan, plan.packing, value.astype(plan.config.dtype))
+            table = value.astype(plan.config.dtype)
             given = dict(slots.get(name, {}))
             unknown = sorted(set(given) - {s.name for s in plan.slot_specs})
             if unknown:
                 raise ValueError(f"restore_tables: table {name!r} has no slots {unknown}; its "
                                  f"optimizer's slots are {[s.name for s in plan.slot_specs]}.")
-            new_slots[name] = {}
-            for j, s in enumerate(plan.slot_specs):
+            new_slots[name], riders = {}, {}
+            for s in plan.slot_specs:
                 shape = (v, d) if s.rank == 2 else (v,)
                 if s.name in given:
                     value = np.asarray(given[s.name], np.float32)
                     if value.shape != shape:
                         raise ValueError(f"restore_tables: slot {s.name!r} of table {name!r} "
                                          f"has shape {value.shape}, expected {shape}.")
-                    new_slots[name][s.name] = self._put(plan, plan.slot_packing(s), value)
                 else:
                     if callable(s.initializer) and key is None:
                         raise ValueError(f"restore_tables: slot {s.name!r} of table {name!r} "
                                          f"has a random initializer; pass key=.")
-                    k = (jax.random.fold_in(jax.random.fold_in(key, i), j + 1)
-                         if key is not None else None)
-                    new_slots[name][s.name] = self._init_array(plan, k, s)
+                    k = None if key is None else _slot_key(jax.random.fold_in(key, i), plan, s)
+                    if s not in plan.riders:  # Drawn on the devices, as `init` does.
+                        new_slots[name][s.name] = self._init_array(plan, k, s)
+                        continue
+                    value = np.asarray(self._initial(plan, s, k))
+                if s in plan.riders:
+                    riders[s.name] = value
+                else:
+                    new_slots[name][s.name] = self._put(plan, plan.slot_packing(s), value)
+            new_tables[name] = self._put(plan, plan.packing,
+                                         _sparse.join_riders(plan, table, riders))
         step = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
         return EmbeddingState(new_tables, new_slots, step)
 
@@ -320,7 +340,8 @@ class Embedding:
         With several processes this gathers the tables onto every process (a collective):
         call it on every process, then write from one.
         """
-        return {n: self._logical(p, p.packing, self._fetch(state.tables[n]))
+        return {n: _sparse.split_riders(p, self._logical(p, p.packing,
+                                                         self._fetch(state.tables[n])))[0]
                 for n, p in self.plans.items()}
 
     def export_slots(self, state: EmbeddingState) -> dict[str, dict[str, np.ndarray]]:
@@ -328,10 +349,16 @@ class Embedding:
 
         A collective with several processes, like `export`.
         """
-        return {n: {s.name: self._logical(p, p.slot_packing(s),
-                                          self._fetch(state.slots[n][s.name]))
-                    for s in p.slot_specs}
-                for n, p in self.plans.items()}
+        out = {}
+        for n, p in self.plans.items():
+            riders = {}
+            if p.riders:
+                riders = _sparse.split_riders(
+                    p, self._logical(p, p.packing, self._fetch(state.tables[n])))[1]
+            out[n] = {s.name: riders[s.name] if s.name in riders else
+                      self._logical(p, p.slot_packing(s), self._fetch(state.slots[n][s.name]))
+                      for s in p.slot_specs}
+        return out
 
     def shard_rows(self, state: EmbeddingState, table_name: str, shard: int) -> np.ndarray:
         """The rows shard `shard` holds, in its local order, padding excluded.
@@ -356,7 +383,8 @@ class Embedding:
             # Several processes: all gather, whichever holds the shard; one that read its
             # own copy instead would leave the others waiting in the all-gather.
             local = self._fetch(array)[start:start + per_shard]
-        return packing.unpack(local, 1, layout.rows_per_shard)[:size]
+        return _sparse.split_riders(plan, packing.unpack(local, 1, layout.rows_per_shard))[0][
+            :size]
 
     # ---------------------------------------------------------------- compute
 

@@ -16,9 +16,10 @@ into a (rows, 64) array makes the TPU compiler copy the whole array, and (rows, 
 cost whole-array passes (../shared/TPU_AOT.md). So on TPU each array of width w < 128 is stored
 with its rows padded to W (the smallest power of two >= w) and k = 128 // W logical rows side
 by side in one 128-lane physical row: shard-local row r lives in physical row r // k, lanes
-[(r % k) * W, (r % k) * W + w). Rank-1 slots (w = 1) pack 128 rows per physical row. On CPU
-and GPU k = 1 and nothing changes. Users never see this: export, shard_rows and checkpoints
-speak in logical rows.
+[(r % k) * W, (r % k) * W + w). Rank-1 slots (w = 1) pack 128 rows per physical row. A
+table's same-width slots may ride in its own rows (_sparse.TablePlan.riders): its logical
+row is then w = D·(1 + slots) wide, [row | slot 1 | ...]. On CPU and GPU k = 1 and nothing
+changes. Users never see this: export, shard_rows and checkpoints speak in logical rows.
 """
 
 from __future__ import annotations

@@ -218,16 +218,21 @@ def _row_bytes(packing: _layout.Packing, dtype) -> int:
 
 def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows: int,
                   *, planned: tuple[int, int], vmem: int, out_bits: int = 0,
-                  interpret: bool = False):
+                  rows_packing: _layout.Packing | None = None, interpret: bool = False):
     """out[o] += scale · row(key) over the owned pairs (key, o, scale), lane-dense.
 
-    Returns (rows / k, k·w) f32: output row o in lanes [(o % k)·w, (o % k)·w + D) of row
-    o // k, for the table's packing (k, w); zero lanes elsewhere. `keys` ascending with
-    `count` owned pairs first; `out` and `scale` as _Pairs takes them. `planned` = (pairs,
-    distinct rows) per shard sizes the cost estimate only.
+    Returns (rows / k, k·w) f32 for `rows_packing` (k, w; D-wide rows, default `packing`):
+    output row o in lanes [(o % k)·w, (o % k)·w + D) of row o // k, zero lanes elsewhere.
+    The table's `packing` may hold more than D lanes per logical row (riders, see
+    _sparse.TablePlan): its first D are the row. `keys` ascending with `count` owned pairs
+    first; `out` and `scale` as _Pairs takes them. `planned` = (pairs, distinct rows) per
+    shard sizes the cost estimate only.
     """
-    k, w, width = packing.per_row, packing.padded_width, packing.width
+    rows_packing = rows_packing or packing
+    k, w, width = rows_packing.per_row, rows_packing.padded_width, rows_packing.width
+    kt, wt = packing.per_row, packing.padded_width
     lanes = k * w
+    assert kt * wt == lanes, (packing, rows_packing)
     pairs = _Pairs(keys, out, scale, out_bits)
 
     def kernel(count_ref, *refs):
@@ -251,8 +256,8 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
                 j = rows_.slot_after(j, previous, key)
                 o = pairs.out(p)
                 row = buf[pl.ds(j, 1), :].astype(jnp.float32) * pairs.scale(p)
-                if k > 1:  # From key's lane group to o's.
-                    row = pltpu.roll(row, (o % k - key % k) * w % lanes, 1)
+                if k > 1 or kt > 1:  # From key's lane group to o's.
+                    row = pltpu.roll(row, (o % k * w - key % kt * wt) % lanes, 1)
                 start = o % k * w
                 lane = lax.broadcasted_iota(jnp.int32, (1, lanes), 1)
                 row = jnp.where((lane >= start) & (lane < start + width), row, 0.0)
@@ -289,7 +294,7 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
 
 def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, scalars,
                  row_fn, *, planned: tuple[int, int], vmem: int, out_bits: int = 0,
-                 interpret: bool = False):
+                 rows_packing: _layout.Packing | None = None, interpret: bool = False):
     """Sums each row's gradient and applies `row_fn` to it in place; returns new arrays.
 
     Args:
@@ -299,14 +304,15 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
             (as _Pairs takes them, with `out_bits`).
         count: () owned pairs (first in `keys`).
         grads: (R / k, k·w) f32 activation gradients, lane-dense as pooled_lookup's output
-            (k, w of the table's packing, packings[0]).
+            (k, w of `rows_packing`, by default packings[0]).
         scalars: (n,) f32 values `row_fn` reads (learning rate, hyperparameters, ...).
-        row_fn: fn(g (D,), [row (D,), *slots ((D,) or ())], scalars) -> new values, for one
-            row (vmapped over a leading axis of one inside the kernel).
+        row_fn: fn(g (D,), [one value per array: (width,) or ()], scalars) -> new values,
+            for one row (vmapped over a leading axis of one inside the kernel).
         planned: (pairs, distinct rows) per shard and step: sizes the cost estimate only.
     """
     n = len(arrays)
-    gk, gw, dim = packings[0].per_row, packings[0].padded_width, packings[0].width
+    rows_packing = rows_packing or packings[0]
+    gk, gw, dim = rows_packing.per_row, rows_packing.padded_width, rows_packing.width
     glanes = gk * gw
     lanes = [p.per_row * p.padded_width for p in packings]
     pairs = _Pairs(keys, out, scale, out_bits)

@@ -24,7 +24,8 @@ P_p owned pairs:
 - update: all-gathers the lane-dense activation gradients, (N-1)/N · B·w·4 bytes; the
   kernel reads them once into VMEM and the pairs (12·P_p or 8·P_p), sums each row's
   gradient in VMEM, then reads and writes each touched physical row of the table and of
-  every slot once: 2·U'_p·R·(1 + S) bytes. Nothing else touches a row.
+  every slot array once: 2·U'_p·R·(1 + S') bytes, S' the slots with arrays of their own
+  (`TablePlan.riders` ride in the table's rows). Nothing else touches a row.
 At D = 128 that is the essential traffic; below, a 512-byte physical row is read for a
 4·D-byte logical row (Mosaic DMAs move at least 512 contiguous bytes): the rows cost
 128 / D times essential at most (4x at D=32).
@@ -53,6 +54,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import _config, _cpu_kernels, _layout, _optimizers, _pallas
@@ -88,12 +90,56 @@ class TablePlan:
                 jnp.dtype(self.config.dtype) == jnp.float32)
 
     @property
+    def riders(self) -> tuple:
+        """The slots stored in the table's own array, right of its D lanes, in order.
+
+        With packed rows (TPU) every row a step touches costs a whole physical row of the
+        table and one of each slot array (512 bytes at least; Mosaic DMAs move no less).
+        When the table's row and its same-width slots fit one 128-lane row together —
+        f32, D·(1 + slots) <= 128, e.g. Adagrad at D <= 64 — they share it: [row | slot1
+        | ...], and an update reads and writes one physical row, not 1 + S. Rank-1 slots
+        and wider groups keep their own arrays (`stored_slots`)."""
+        if not self.lanes or jnp.dtype(self.config.dtype) != jnp.float32 or \
+                self.optimizer.dense_update:
+            return ()
+        wide = tuple(s for s in self.slot_specs if s.rank == 2)
+        return wide if wide and self.config.dim * (1 + len(wide)) <= self.lanes else ()
+
+    @property
+    def stored_slots(self) -> tuple:
+        """The slots with arrays of their own (`state.slots`): all but the riders."""
+        riders = self.riders
+        return tuple(s for s in self.slot_specs if s not in riders)
+
+    @property
     def packing(self) -> _layout.Packing:
+        """The table array's: D lanes per logical row, and the riders' after them."""
+        return _layout.Packing(self.config.dim * (1 + len(self.riders)), 2, self.lanes)
+
+    @property
+    def rows_packing(self) -> _layout.Packing:
+        """D-wide rows packed as a table without riders: the lane-dense activations."""
         return _layout.Packing(self.config.dim, 2, self.lanes)
 
     def slot_packing(self, slot: _optimizers.SlotSpec) -> _layout.Packing:
         return _layout.Packing(self.config.dim if slot.rank == 2 else 1, slot.rank,
                                self.lanes)
+
+
+def split_riders(plan: TablePlan, group):
+    """(rows (..., D), {rider name: (..., D)}) from the table array's logical rows."""
+    d = plan.config.dim
+    return group[..., :d], {s.name: group[..., d * (1 + i):d * (2 + i)]
+                            for i, s in enumerate(plan.riders)}
+
+
+def join_riders(plan: TablePlan, rows, riders: dict):
+    """The inverse of split_riders: logical rows of the table array."""
+    if not plan.riders:
+        return rows
+    xp = jnp if isinstance(rows, jax.Array) else np
+    return xp.concatenate([rows] + [riders[s.name].astype(rows.dtype) for s in plan.riders],
+                          axis=-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +219,7 @@ def runs_fused(plan: TablePlan, packed_rows: int) -> bool:
     feature, or B·L for a sequence feature, k to a lane-dense row of k·w lanes) fit the
     kernels' VMEM block (_pallas.fits_vmem); else the XLA passes."""
     return plan.fused and _pallas.fits_vmem(
-        packed_rows, plan.packing.per_row * plan.packing.padded_width, plan.vmem)
+        packed_rows, plan.rows_packing.per_row * plan.rows_packing.padded_width, plan.vmem)
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -293,7 +339,7 @@ def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePla
         plan = plans[name]
         keys = jnp.concatenate([k for _, k, *_ in items])
         c = capacity(plan, keys.shape[0], n)
-        k = plan.packing.per_row
+        k = plan.rows_packing.per_row
         fused = runs_fused(plan, _out_rows(items, n, k) // k)
         k = k if fused else 1
         parts, outs, first = [], [], 0
@@ -377,8 +423,9 @@ def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
             acc = _pallas.pooled_lookup(
                 table, packing, stream.keys, stream.out, stream.scale, stream.count, rows,
                 planned=planned(plan, stream.pairs, lax.axis_size(axis)), vmem=plan.vmem,
-                out_bits=stream.out_bits, interpret=plan.tpu_kernels == "interpret")
-            out.update(_scatter_parts(acc, stream, axis, packing))
+                out_bits=stream.out_bits, rows_packing=plan.rows_packing,
+                interpret=plan.tpu_kernels == "interpret")
+            out.update(_scatter_parts(acc, stream, axis, plan.rows_packing))
             continue
         # One pass needs no order; several take the owned pairs first.
         single = stream.capacity >= stream.pairs
@@ -396,7 +443,8 @@ def lookup_local(tables: dict, feats: dict, features: list[FeaturePlan],
 
         acc = stream.passes(one_pass, jnp.zeros((rows, k * w), jnp.float32), single=single)
         if packing.packed:  # Fold the k lane groups: each position filled only its own.
-            acc = acc.reshape(rows, k, w).sum(axis=1)[:, :packing.width]
+            acc = acc.reshape(rows, k, w).sum(axis=1)
+        acc = acc[:, :plan.config.dim]  # The row's lanes, not its riders'.
         out.update(_scatter_parts(acc, stream, axis))
     return out
 
@@ -481,17 +529,19 @@ def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
             n = lax.axis_size(axis)
             grad_rows = jnp.concatenate([
                 gathered(_packed(jnp.pad(grads[f.path].reshape(local, -1),
-                                         [(0, rows // n - local), (0, 0)]), plan.packing))
+                                         [(0, rows // n - local), (0, 0)]),
+                                 plan.rows_packing))
                 for f, _, rows, local in stream.parts])
             stream = stream.sorted()
-            names = [sl.name for sl in plan.slot_specs]
+            names = [sl.name for sl in plan.stored_slots]
             scalars, row_fn = _row_step(plan, spec, step)
             new = _pallas.fused_update(
                 [tables[name]] + [slots[name][s] for s in names],
-                [plan.packing] + [plan.slot_packing(sl) for sl in plan.slot_specs],
+                [plan.packing] + [plan.slot_packing(sl) for sl in plan.stored_slots],
                 stream.keys, stream.out, stream.scale, stream.count, grad_rows, scalars,
-                row_fn, planned=planned(plan, stream.pairs, n), vmem=plan.vmem,
-                out_bits=stream.out_bits, interpret=plan.tpu_kernels == "interpret")
+                _stored_row_fn(plan, row_fn), planned=planned(plan, stream.pairs, n),
+                vmem=plan.vmem, out_bits=stream.out_bits, rows_packing=plan.rows_packing,
+                interpret=plan.tpu_kernels == "interpret")
             tables[name], slots[name] = new[0], dict(zip(names, new[1:]))
             continue
         grad_rows = jnp.concatenate([gathered(grads[f.path]).reshape(rows, -1)
@@ -666,8 +716,8 @@ def _row_step(plan: TablePlan, spec: _config.EmbeddingSpec, step):
 
 def _apply_rows(plan: TablePlan, table, slots: dict, rows_idx, g, scalars, row_fn, axis):
     """Gathers the touched rows and slots, runs the optimizer, scatters them back."""
-    names = [s.name for s in plan.slot_specs]
-    packings = [plan.packing] + [plan.slot_packing(s) for s in plan.slot_specs]
+    names = [s.name for s in plan.stored_slots]
+    packings = [plan.packing] + [plan.slot_packing(s) for s in plan.stored_slots]
     buffers = [table] + [slots[n] for n in names]
     if plan.optimizer.dense_update:
         # Every row of the shard is updated; rows not in the batch see a zero gradient.
@@ -679,6 +729,27 @@ def _apply_rows(plan: TablePlan, table, slots: dict, rows_idx, g, scalars, row_f
     access = [_Rows(b, p, rows_idx) for b, p in zip(buffers, packings)]
     values = [a.read() for a in access]
     s = [scalars[j] for j in range(scalars.shape[0])]
+    row_fn = _stored_row_fn(plan, row_fn)
     new = jax.vmap(lambda g_r, v_r: row_fn(g_r, v_r, s))(g, values)
     table, *new_slots = [a.write(v) for a, v in zip(access, new)]
     return table, dict(zip(names, new_slots))
+
+
+def _stored_row_fn(plan: TablePlan, row_fn):
+    """row_fn over the values of the stored arrays of one row, [table array's row, *stored
+    slots], instead of [row, *slots]: the riders are split off the table array's row
+    before and joined back after."""
+    if not plan.riders:
+        return row_fn
+    names = [sl.name for sl in plan.slot_specs]
+    stored = [sl.name for sl in plan.stored_slots]
+
+    def fn(g, values, s):
+        row, riders = split_riders(plan, values[0])
+        given = {**riders, **dict(zip(stored, values[1:]))}
+        new = row_fn(g, [row] + [given[n] for n in names], s)
+        new_slots = dict(zip(names, new[1:]))
+        return ([join_riders(plan, new[0], {n: new_slots[n] for n in riders})] +
+                [new_slots[n] for n in stored])
+
+    return fn

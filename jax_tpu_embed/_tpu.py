@@ -391,15 +391,19 @@ def _topology_of(mesh_: Mesh) -> Topology:
 
 def _state_shard_bytes(emb) -> tuple[dict[str, int], dict[str, int]]:
     """Bytes of one device's shard of each table and of its slots, as stored (the physical
-    arrays of `abstract_state`, padding and packing included)."""
+    arrays of `abstract_state`, padding and packing included). Slots that ride in the
+    table's array (_sparse.TablePlan.riders) count as slots, by their share of its lanes."""
     state = emb.abstract_state()
 
     def shard(x) -> int:
         return math.prod(x.shape) // emb.num_shards * np.dtype(x.dtype).itemsize
 
-    tables = {name: shard(x) for name, x in state.tables.items()}
-    slots = {name: sum(shard(x) for x in jax.tree.leaves(state.slots[name]))
-             for name in state.tables}
+    tables, slots = {}, {}
+    for name, x in state.tables.items():
+        plan = emb.plans[name]
+        riders = shard(x) * len(plan.riders) // (1 + len(plan.riders))
+        tables[name] = shard(x) - riders
+        slots[name] = riders + sum(shard(s) for s in jax.tree.leaves(state.slots[name]))
     return tables, slots
 
 

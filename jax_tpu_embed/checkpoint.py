@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _embedding, _layout
+from . import _embedding, _layout, _sparse
 
 _FORMAT = "jax_tpu_embed.checkpoint/1"
 _ITEMS = ("embedding", "metadata", "dense")
@@ -80,11 +80,12 @@ def save(directory: str | os.PathLike, emb: _embedding.Embedding,
     step = int(jax.device_get(state.step))
     embedding = {"tables": {}, "slots": {}}
     for name, plan in emb.plans.items():
-        embedding["tables"][name] = _to_logical(emb, plan.layout, plan.packing,
-                                                state.tables[name])
+        table, riders = _sparse.split_riders(
+            plan, _to_logical(emb, plan.layout, plan.packing, state.tables[name]))
+        embedding["tables"][name] = table
         embedding["slots"][name] = {
-            s.name: _to_logical(emb, plan.layout, plan.slot_packing(s),
-                                state.slots[name][s.name])
+            s.name: riders[s.name] if s.name in riders else
+            _to_logical(emb, plan.layout, plan.slot_packing(s), state.slots[name][s.name])
             for s in plan.slot_specs}
     items = {"embedding": ocp.args.StandardSave(embedding),
              "metadata": ocp.args.JsonSave(_metadata(emb, step, dense is not None))}
@@ -162,12 +163,13 @@ def restore(directory: str | os.PathLike, emb: _embedding.Embedding, *,
     tables, slots = {}, {}
     for name, plan in emb.plans.items():
         # pop: each read copy is freed as soon as it is converted.
-        tables[name] = _to_physical(emb, plan.layout, plan.packing,
-                                    stored["tables"].pop(name))
         own = stored["slots"].pop(name)
+        riders = {s.name: own.pop(s.name) for s in plan.riders}
+        tables[name] = _to_physical(emb, plan.layout, plan.packing, _sparse.join_riders(
+            plan, stored["tables"].pop(name), riders))
         slots[name] = {s.name: _to_physical(emb, plan.layout, plan.slot_packing(s),
                                             own.pop(s.name))
-                       for s in plan.slot_specs}
+                       for s in plan.stored_slots}
     step_array = jax.device_put(jnp.asarray(meta["step"], jnp.int32),
                                 NamedSharding(emb.mesh, P()))
     state = _embedding.EmbeddingState(tables, slots, step_array)

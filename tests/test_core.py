@@ -385,7 +385,13 @@ def test_lane_packed_layout_gives_identical_results(opt_key, strategy, num_shard
     plain = jte.Embedding(spec, make_mesh(num_shards), lane_width=0)
     packed = jte.Embedding(spec, make_mesh(num_shards), lane_width=128)
     s_plain, s_packed = plain.init(jax.random.key(0)), packed.init(jax.random.key(0))
-    assert s_packed.tables["shared"].shape[1] == 128  # 16 rows of D=5 (padded to 8) per row.
+    # 8 logical rows per physical row: D=5 and its slots' 5 lanes each (riders), padded to
+    # a power of two.
+    assert s_packed.tables["shared"].shape[1] == 128
+    plan = packed.plans["shared"]
+    assert len(plan.riders) == {"adagrad": 1, "rowwise_adagrad": 0, "ftrl": 2}[opt_key]
+    own = set() if plan.riders else {s.name for s in plan.slot_specs}  # Rank 1: own array.
+    assert set(s_packed.slots["shared"]) == own
     for _ in range(2):
         features = _inputs(rng)
         a_plain, a_packed = plain.lookup(s_plain, features), packed.lookup(s_packed, features)
@@ -408,6 +414,17 @@ def test_lane_packed_layout_gives_identical_results(opt_key, strategy, num_shard
             for p in range(num_shards):
                 _close(plain.shard_rows(s_plain, name, p),
                                               packed.shard_rows(s_packed, name, p))
+    # restore_tables takes logical rows back into the packed layout, riders included;
+    # slots not given start at their initial values, as init draws them.
+    back = packed.restore_tables(plain.export(s_plain), plain.export_slots(s_plain))
+    fresh = packed.restore_tables(plain.export(s_plain), key=jax.random.key(0))
+    initial = plain.export_slots(plain.init(jax.random.key(0)))
+    for name in plain.plans:
+        np.testing.assert_array_equal(packed.export(back)[name], plain.export(s_plain)[name])
+        for k, v in plain.export_slots(s_plain)[name].items():
+            np.testing.assert_array_equal(packed.export_slots(back)[name][k], v)
+            np.testing.assert_array_equal(packed.export_slots(fresh)[name][k],
+                                          initial[name][k])
 
 
 def _close(a, b):
