@@ -254,7 +254,7 @@ class _Stream:
     row, first, with the payloads riding along in the sort so that each pass reads
     contiguous slices: the TPU compiler charges a 1-D gather a 4 KiB tile per element
     (30,720 int32 of 81,920: 128 MB), a 3-operand sort of the 81,920 about 2.6 MB per
-    device, 2.0 MB with 2 operands (no scales), 1.3 MB with one (packed keys, `out_bits`).
+    device, 0.66 MB an unstable one of packed keys alone (no scales, `out_bits`).
     `fused`: the table runs the fused kernels of _pallas, which walk all owned pairs in one
     call: no passes, no padding; its activations and their gradients travel lane-dense
     (`pack`, see _streams).
@@ -274,8 +274,13 @@ class _Stream:
     out_bits: int = 0  # > 0 (fused only): keys are row << out_bits | output row.
 
     def sorted(self) -> _Stream:
+        """Ordered by (key, output row, scale): each row's pairs in one canonical order,
+        whatever path or sort reads them, so that the kernels and the passes sum a row's
+        gradients alike. Unstable: a stable sort costs the TPU compiler an extra iota
+        operand (W1, one D=64 table: 21.90 -> 20.92 MB per device)."""
         names = [n for n in ("keys", "out", "scale") if getattr(self, n) is not None]
-        arrays = lax.sort(tuple(getattr(self, n) for n in names), num_keys=1)
+        arrays = lax.sort(tuple(getattr(self, n) for n in names), num_keys=len(names),
+                          is_stable=False)
         return dataclasses.replace(self, **dict(zip(names, arrays)))
 
     def window(self, start):
@@ -302,18 +307,31 @@ class _Stream:
                               (jnp.int32(0), carry))[1]
 
 
-def _flat_pairs(f: FeaturePlan, ids, weights, axis):
-    """The global batch's (ids, scales), each (B·L,) in position order.
+def _flat_pairs(f: FeaturePlan, ids, weights, axis, columns: bool):
+    """The global batch's (ids, scales), each (B·L,) in position order (_position).
 
     Flattened on the local shard before the all-gather: a (B, L) array with L < 128 is
     lane-padded on TPU (20 ids: 6.4x the bytes), and every op after the gather would pay
-    for it. The combiner's per-example sums use the local rows; a plain sum needs no
-    weights at all: its scales are None, 1 for every id (padding is never owned)."""
-    ids_all = lax.all_gather(ids.reshape(-1), axis, tiled=True)
+    for it. With `columns` (TPU) flattened column by column: the TPU stores a (b, L) int32
+    array with L < 128 column-major, so that order is a free reshape where row by row is a
+    transposing copy (W1: 0.33 MB per table and device); elsewhere row by row. The
+    combiner's per-example sums use the local rows; a plain sum needs no weights at all:
+    its scales are None, 1 for every id (padding is never owned)."""
+    flat = (lambda x: x.T.reshape(-1)) if columns else (lambda x: x.reshape(-1))
+    ids_all = lax.all_gather(flat(ids), axis, tiled=True)
     if weights is None and (f.config.is_sequence or f.config.table.combiner == "sum"):
         return ids_all, None
     w = (ids >= 0).astype(jnp.float32) if weights is None else weights
-    return ids_all, lax.all_gather(_scale(f, w).reshape(-1), axis, tiled=True)
+    return ids_all, lax.all_gather(flat(_scale(f, w)), axis, tiled=True)
+
+
+def _position(pos, local_batch: int, length: int, columns: bool):
+    """(example, l) of the flat positions `pos` of _flat_pairs: device blocks of
+    local_batch·length positions, each column by column or row by row."""
+    if not columns:
+        return pos // length, pos % length
+    block, within = pos // (local_batch * length), pos % (local_batch * length)
+    return block * local_batch + within % local_batch, within // local_batch
 
 
 def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePlan],
@@ -325,14 +343,15 @@ def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePla
         if plan.cpu_rows:
             continue
         ids, weights = feats[f.path]
-        ids_all, scale = _flat_pairs(f, ids, weights, axis)
+        ids_all, scale = _flat_pairs(f, ids, weights, axis, columns=plan.tpu)
         mine, local = _owned(plan.layout, ids_all, axis)
         b, l = ids.shape[0] * lax.axis_size(axis), ids.shape[1]
-        pos = lax.iota(jnp.int32, b * l)
+        example, position = _position(lax.iota(jnp.int32, b * l), ids.shape[0], l,
+                                      columns=plan.tpu)
         seq = f.config.is_sequence
         by_table.setdefault(f.table, []).append(
             (f, jnp.where(mine, local, _NOT_MINE), (mine, scale),
-             pos if seq else pos // l, b * l if seq else b))
+             example * l + position if seq else example, b * l if seq else b))
     streams = {}
     n = lax.axis_size(axis)
     for name, items in by_table.items():
@@ -363,7 +382,6 @@ def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePla
             jnp.where(mine, 1.0 if s is None else s, 0.0)
             for _, _, (mine, s), *_ in items]))
         out = jnp.concatenate(outs)
-        count = jnp.sum(keys < _NOT_MINE, dtype=jnp.int32)
         # The kernels take (row, output row) packed into one key when both fit below
         # _NOT_MINE: the sort then moves one array, not two, and so do the kernels.
         bits = max(first - 1, 1).bit_length()
@@ -372,7 +390,7 @@ def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePla
             keys, out = jnp.where(keys < _NOT_MINE, keys << bits | out, _NOT_MINE), None
         streams[name] = _Stream(
             keys=pad(keys, _NOT_MINE), out=None if out is None else pad(out), scale=scale,
-            count=count, capacity=c, pairs=keys.shape[0], rows=first, parts=parts,
+            count=jnp.sum(keys < _NOT_MINE, dtype=jnp.int32), capacity=c, pairs=keys.shape[0], rows=first, parts=parts,
             fused=fused, pack=k, out_bits=bits)
     return streams
 
@@ -572,7 +590,7 @@ def update_local(tables: dict, slots: dict, feats: dict, grads: dict, step,
                                         indices_are_sorted=True)
             g_sum = g_sum.at[0].add(held)  # The row the previous pass held, if any.
             # Segment s's row: the s-th distinct key (a sort, not a 1-D scatter; see _Stream).
-            rows = lax.sort(jnp.where(starts & take, keys, _NOT_MINE))[:cu]
+            rows = lax.sort(jnp.where(starts & take, keys, _NOT_MINE), is_stable=False)[:cu]
             # Only a pass cut by C can end inside a row: hold that row back and carry its sum.
             nxt = stream.key_at(start + c)
             runs_on = (consumed == c) & (nxt < _NOT_MINE) & (nxt == keys[c - 1])
@@ -614,7 +632,7 @@ def _sum_duplicates(keys, g):
     # A key-only sort plus a vectorised binary search for each position's first occurrence:
     # XLA:CPU sorts (key, position) pairs ~3x slower than keys alone (10,240 keys: 2.9 ms vs
     # 1.0 ms), and the pair sort dominated the update.
-    sorted_keys = lax.sort(keys)
+    sorted_keys = lax.sort(keys, is_stable=False)
     starts = jnp.concatenate([jnp.ones((1,), bool), sorted_keys[1:] != sorted_keys[:-1]])
     segment = jnp.cumsum(starts, dtype=jnp.int32) - 1
     first = jnp.searchsorted(sorted_keys, keys, side="left", method="scan")
@@ -646,7 +664,7 @@ class _Rows:
         self.starts = jnp.concatenate([jnp.ones((1,), bool), phys[1:] != phys[:-1]])
         self.segment = jnp.cumsum(self.starts, dtype=jnp.int32) - 1
         # Segment s's physical row: the s-th distinct one (a sort, not a 1-D scatter).
-        self.phys = lax.sort(jnp.where(self.starts, phys, _NOT_MINE))
+        self.phys = lax.sort(jnp.where(self.starts, phys, _NOT_MINE), is_stable=False)
         lane = lax.iota(jnp.int32, k * w)
         self.mine = ((lane // w)[None, :] == (rows % k)[:, None]) & (
             (lane % w)[None, :] < packing.width)
