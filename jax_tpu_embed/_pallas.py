@@ -11,19 +11,20 @@ sequential grid, and stop at the owned count:
   DMAs in flight together, then each pair adds scale · row into the partial activations,
   a VMEM scratch written to HBM once at the end.
 - `fused_update`: the activation gradients are copied into VMEM once. Per block, the
-  distinct physical rows of the table and of every slot are read (DMAs in flight
-  together); each row's pair gradients are summed in VMEM; when the stream moves past a
-  row, the optimizer's per-row function runs on the row's lanes; then the block's rows
+  distinct physical rows of each array (the table, with the slots that ride in its rows,
+  and every other slot) are read (DMAs in flight together); each row's pair gradients are
+  summed in VMEM; when the stream moves past a row, the optimizer's per-row function runs
+  on the row's lanes; then the block's rows
   are written back in place (the arrays are aliased to the outputs). The row still open
   at the end of a block (its pairs may go on) is carried: its gradient sum stays in VMEM
   and the next block re-reads its physical row after this block's write. Logical rows that
   share a physical row (packed, `_layout.Packing`) share its one VMEM copy, so their
   writes never overwrite each other.
 
-Activations and their gradients are lane-dense: (R/k, k·w) with the table's packing (k
-rows of width w per 128 lanes), not (R, D), which the TPU pads to 128 lanes. A logical row
-is moved between its lane group and lane 0 (or its output's lane group) by a lane
-rotation.
+Activations and their gradients are lane-dense: (R/k, k·w) with the packing of D-wide
+rows (k rows of width w per 128 lanes; `rows_packing`), not (R, D), which the TPU pads to
+128 lanes. A logical row is moved between its lane group and lane 0 (or its output's lane
+group) by a lane rotation.
 
 Cost estimates declare the bytes the DMAs and SMEM blocks move for the planned pairs and
 distinct rows per shard (`_sparse.planned`): that is what `cost_analysis` reports for the
