@@ -390,8 +390,10 @@ def _streams(feats: dict, features: list[FeaturePlan], plans: dict[str, TablePla
             keys, out = jnp.where(keys < _NOT_MINE, keys << bits | out, _NOT_MINE), None
         streams[name] = _Stream(
             keys=pad(keys, _NOT_MINE), out=None if out is None else pad(out), scale=scale,
-            count=jnp.sum(keys < _NOT_MINE, dtype=jnp.int32), capacity=c, pairs=keys.shape[0], rows=first, parts=parts,
-            fused=fused, pack=k, out_bits=bits)
+            # Counted on the final keys: one pass over them with the key computation.
+            count=jnp.sum(keys < _NOT_MINE, dtype=jnp.int32), capacity=c,
+            pairs=keys.shape[0], rows=first, parts=parts, fused=fused, pack=k,
+            out_bits=bits)
     return streams
 
 
