@@ -97,13 +97,18 @@ class TablePlan:
         table and one of each slot array (512 bytes at least; Mosaic DMAs move no less).
         When the table's row and its same-width slots fit one 128-lane row together —
         f32, D·(1 + slots) <= 128, e.g. Adagrad at D <= 64 — they share it: [row | slot1
-        | ...], and an update reads and writes one physical row, not 1 + S. Rank-1 slots
-        and wider groups keep their own arrays (`stored_slots`)."""
+        | ...], and an update reads and writes one physical row, not 1 + S. Not when the
+        shared row would pad to more lanes than the separate ones (Adam at D=32: 96 lanes
+        pad to 128, 3 x 32 do not): HBM holds the tables. Rank-1 slots and wider groups
+        keep their own arrays (`stored_slots`)."""
         if not self.lanes or jnp.dtype(self.config.dtype) != jnp.float32 or \
                 self.optimizer.dense_update:
             return ()
         wide = tuple(s for s in self.slot_specs if s.rank == 2)
-        return wide if wide and self.config.dim * (1 + len(wide)) <= self.lanes else ()
+        width = lambda w: _layout.Packing(w, 2, self.lanes).padded_width
+        d, n = self.config.dim, 1 + len(wide)
+        fits = d * n <= self.lanes and width(d * n) <= n * width(d)
+        return wide if wide and fits else ()
 
     @property
     def stored_slots(self) -> tuple:
