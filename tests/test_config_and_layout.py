@@ -199,3 +199,28 @@ def test_lane_packing_round_trip(width, rank, k, w):
     assert phys.shape == packing.physical_shape(layout)
     np.testing.assert_array_equal(packing.unpack(phys, 4, layout.rows_per_shard), x)
     assert _layout.Packing(width, rank, lanes=0).pack(x, 4) is x
+
+
+@pytest.mark.parametrize("optimizer,dim,dtype,lanes,riders,width", [
+    (jte.Adagrad(0.1), 32, jnp.float32, 128, ["accumulators"], 64),
+    (jte.Adagrad(0.1), 64, jnp.float32, 128, ["accumulators"], 128),
+    (jte.Adagrad(0.1), 65, jnp.float32, 128, [], 65),  # 130 lanes: no room.
+    (jte.Adam(0.1), 40, jnp.float32, 128, ["momenta", "velocities"], 120),
+    (jte.Adam(0.1), 32, jnp.float32, 128, [], 32),  # 96 lanes pad to 128 > 3 x 32.
+    (jte.Adam(0.1, lazy_adam=False), 40, jnp.float32, 128, [], 40),  # Dense update.
+    (jte.RowwiseAdagrad(0.1), 32, jnp.float32, 128, [], 32),  # Rank-1 slot.
+    (jte.Adagrad(0.1), 32, jnp.bfloat16, 128, [], 32),  # f32 slots, bf16 table.
+    (jte.Adagrad(0.1), 32, jnp.float32, 0, [], 32),  # Not packed (CPU).
+])
+def test_slots_ride_in_the_table_rows_only_when_free(optimizer, dim, dtype, lanes, riders,
+                                                     width):
+    """Which slots share the table's array (TablePlan.riders): f32, same width, the group
+    within 128 lanes and padding to no more lanes than separate arrays would; the others
+    keep arrays of their own (abstract_state's slots)."""
+    spec = jte.EmbeddingSpec(
+        {"f": jte.FeatureConfig(jte.TableConfig(1000, dim, name="t", dtype=dtype))}, optimizer)
+    emb = jte.Embedding(spec, make_mesh(2), lane_width=lanes)
+    plan = emb.plans["t"]
+    assert [s.name for s in plan.riders] == riders
+    assert plan.packing.width == width
+    assert set(emb.abstract_state().slots["t"]) == {s.name for s in plan.slot_specs} - set(riders)
