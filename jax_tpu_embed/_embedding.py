@@ -183,12 +183,6 @@ class Embedding:
         """Row sharding of a rank-`rank` array, spelled as jit's outputs spell it."""
         return NamedSharding(self.mesh, P(self.axis, *([None] * (rank - 1))))
 
-    def _packings(self, plan):
-        """{None: the table's packing, slot name: the slot's}."""
-        out = {None: plan.packing}
-        out.update({s.name: plan.slot_packing(s) for s in plan.stored_slots})
-        return out
-
     def abstract_state(self) -> EmbeddingState:
         """The state as jax.ShapeDtypeStruct leaves with shardings; allocates nothing."""
         tables, slots = {}, {}
