@@ -63,15 +63,25 @@ def _first_line(e: Exception) -> str:
     return (inner[-1] if inner else lines[0])[:300]
 
 
-def _compile(fn, args, in_shardings=None, donate=()):
-    """(bytes accessed, None) or (None, error line)."""
+def _compiled(fn, args, in_shardings=None, donate=()):
+    """(compiled, None) or (None, error line)."""
     try:
-        c = jax.jit(fn, in_shardings=in_shardings, donate_argnums=donate).lower(*args).compile()
+        return jax.jit(fn, in_shardings=in_shardings,
+                       donate_argnums=donate).lower(*args).compile(), None
     except Exception as e:  # The compiler's errors are the result here.
         return None, _first_line(e)
-    cost = c.cost_analysis()
+
+
+def _bytes_accessed(compiled) -> float:
+    cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float((cost or {}).get("bytes accessed", 0.0)), None
+    return float((cost or {}).get("bytes accessed", 0.0))
+
+
+def _compile(fn, args, in_shardings=None, donate=()):
+    """(bytes accessed, None) or (None, error line)."""
+    compiled, error = _compiled(fn, args, in_shardings, donate)
+    return (None, error) if compiled is None else (_bytes_accessed(compiled), None)
 
 
 def _dma_rows(ids, table, *, lanes: int, interpret: bool = False):
@@ -228,14 +238,6 @@ def _sc_sqrt(x, *, sc):
     return kernel(x)
 
 
-def _compile_hlo(fn, args, donate=()):
-    """(compiled, None) or (None, error line)."""
-    try:
-        return jax.jit(fn, donate_argnums=donate).lower(*args).compile(), None
-    except Exception as e:  # The compiler's errors are the result here.
-        return None, _first_line(e)
-
-
 _NOT_DATA_OPS = ("parameter", "bitcast", "tuple", "get-tuple-element", "call-start",
                  "call-done", "custom-call", "constant")
 
@@ -254,12 +256,10 @@ def _table_sized_ops(hlo: str, shard_bytes: int) -> list[str]:
 def _sc_result(compiled, error, shard_bytes: int, declared: float) -> dict:
     if compiled is None:
         return {"compiles": error}
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return {"compiles": "compiles",
             "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
             "table_sized_ops": _table_sized_ops(compiled.as_text(), shard_bytes),
-            "bytes_accessed": float((cost or {}).get("bytes accessed", 0.0)),
+            "bytes_accessed": _bytes_accessed(compiled),
             "declared_bytes": declared}
 
 
@@ -287,15 +287,15 @@ def measure_sparse_core(topology: str, dims) -> dict | None:
             gather = functools.partial(_sc_gather, sc=sc, dim=dim)
             update = functools.partial(_sc_adagrad, sc=sc, dim=dim)
             row = {"dim": dim, "row_bytes": 4 * dim}
-            row["gather_flat"] = _sc_result(*_compile_hlo(gather, (flat, ids)), shard,
+            row["gather_flat"] = _sc_result(*_compiled(gather, (flat, ids)), shard,
                                             n * (2 * dim * 4 + 4))
-            row["gather_2d"] = _sc_result(*_compile_hlo(gather, (tiled, ids)), shard,
+            row["gather_2d"] = _sc_result(*_compiled(gather, (tiled, ids)), shard,
                                           n * (2 * dim * 4 + 4))
             row["adagrad_flat"] = _sc_result(
-                *_compile_hlo(update, (flat, flat, ids, spec((n, dim), jnp.float32)),
-                              donate=(0, 1)), shard, n * (5 * dim * 4 + 4))
+                *_compiled(update, (flat, flat, ids, spec((n, dim), jnp.float32)),
+                           donate=(0, 1)), shard, n * (5 * dim * 4 + 4))
             out["dims"].append(row)
-        _, sqrt_error = _compile_hlo(functools.partial(_sc_sqrt, sc=sc),
+        _, sqrt_error = _compiled(functools.partial(_sc_sqrt, sc=sc),
                                      (spec((sc.num_lanes,), jnp.float32),))
     out["sqrt_on_vector_subcore"] = sqrt_error or "compiles"
     out["interpret_indirect_dma"] = _interpret_sc_gather(chip, sc)

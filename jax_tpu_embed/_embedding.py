@@ -328,15 +328,18 @@ class Embedding:
         rows = packing.unpack(physical, self.num_shards, plan.layout.rows_per_shard)
         return plan.layout.to_logical(rows)
 
+    def _table_rows(self, plan, state: EmbeddingState, name: str):
+        """(logical rows (V, D), {rider name: (V, D)}) of a table's own array."""
+        return _sparse.split_riders(plan, self._logical(plan, plan.packing,
+                                                        self._fetch(state.tables[name])))
+
     def export(self, state: EmbeddingState) -> dict[str, np.ndarray]:
         """{table name: (V, D) np.ndarray} in natural row order, whatever strategy or mesh.
 
         With several processes this gathers the tables onto every process (a collective):
         call it on every process, then write from one.
         """
-        return {n: _sparse.split_riders(p, self._logical(p, p.packing,
-                                                         self._fetch(state.tables[n])))[0]
-                for n, p in self.plans.items()}
+        return {n: self._table_rows(p, state, n)[0] for n, p in self.plans.items()}
 
     def export_slots(self, state: EmbeddingState) -> dict[str, dict[str, np.ndarray]]:
         """{table name: {slot name: (V, D) or (V,)}}; {} for a table without slots.
@@ -345,10 +348,7 @@ class Embedding:
         """
         out = {}
         for n, p in self.plans.items():
-            riders = {}
-            if p.riders:
-                riders = _sparse.split_riders(
-                    p, self._logical(p, p.packing, self._fetch(state.tables[n])))[1]
+            riders = self._table_rows(p, state, n)[1] if p.riders else {}
             out[n] = {s.name: riders[s.name] if s.name in riders else
                       self._logical(p, p.slot_packing(s), self._fetch(state.slots[n][s.name]))
                       for s in p.slot_specs}
