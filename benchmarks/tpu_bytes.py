@@ -80,15 +80,16 @@ def row_dma_bytes(emb: jte.Embedding) -> float:
     the table read by the lookup, one of the table and of each slot read and written by
     the update). The rest of "bytes accessed" is the sort, the collectives, the
     activations and the pair lists."""
-    from jax_tpu_embed import _pallas, _sparse
+    from jax_tpu_embed import _pallas, _streams
     total = 0.0
-    for plan in emb.plans.values():
-        if not plan.fused:
+    for plan in emb.table_plans.values():
+        if not plan.backend.name.startswith("pallas"):
             continue
-        _, distinct = _sparse.planned(plan, B * L, emb.num_shards)
-        table = _pallas._row_bytes(plan.packing, plan.config.dtype)
-        slots = sum(_pallas._row_bytes(plan.slot_packing(s), jnp.float32)
-                    for s in plan.stored_slots)  # Riders travel in the table's row.
+        storage = plan.storage
+        _, distinct = _streams.planned(plan, B * L, emb.num_shards)
+        table = _pallas._row_bytes(storage.packing, plan.config.dtype)
+        slots = sum(_pallas._row_bytes(storage.slot_packing(s), jnp.float32)
+                    for s in storage.stored)  # Riders travel in the table's row.
         total += distinct * (table + 2 * (table + slots))
     return total
 
@@ -105,7 +106,7 @@ def _parts(emb: jte.Embedding) -> dict[str, tuple[float, int]]:
     features = _tpu.abstract_features(emb, B, L)
     batch = NamedSharding(emb.mesh, P(emb.axis))
     grads = {f.path: jax.ShapeDtypeStruct((B, f.config.table.dim), jnp.float32, sharding=batch)
-             for f in emb.features}
+             for f in emb.feature_plans}
     out = {}
     out["lookup only"] = _cost(jax.jit(emb.lookup).lower(state, features).compile())
     out["apply_gradients only"] = _cost(

@@ -1,9 +1,9 @@
 """CPU fast path: shard-local kernels in C++ called through XLA FFI.
 
-XLA:CPU runs the gathers, scatters and sorts of the portable kernels (_sparse.py) one element
+XLA:CPU runs the gathers, scatters and sorts of the portable backend (_xla_backend) one element
 at a time on one thread. On CPU meshes these replace them, shard by shard inside shard_map:
 
-- `sum_duplicates`: `_sparse._sum_duplicates`, bit for bit (radix sort, then the gradients
+- `sum_duplicates`: `_xla_backend.sum_duplicates`, bit for bit (radix sort, then the gradients
   of each row summed in position order from +0.0, as XLA's scatter-add sums them).
 - `update`: sum duplicates, gradient multiplier and clipping, then SGD, Adagrad or
   RowwiseAdagrad and their extras (weight decay, weight clipping), in place on the donated
@@ -34,7 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _optimizers
+from jax import lax
+
+from . import _backend, _optimizers, _streams, _xla_backend
 
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "cpu_kernels.cc"
 _TARGETS = {"jte_sum_duplicates": "JteSumDuplicates", "jte_update_no_slot": "JteUpdateNoSlot",
@@ -111,7 +113,7 @@ def supports_update(optimizer: _optimizers.Optimizer) -> bool:
 
 
 def sum_duplicates(keys: jax.Array, g: jax.Array):
-    """`_sparse._sum_duplicates(keys, g)`: keys (M,) int32, g (M, D) float32."""
+    """`_xla_backend.sum_duplicates(keys, g)`: keys (M,) int32, g (M, D) float32."""
     m = keys.shape[0]
     return jax.ffi.ffi_call(
         "jte_sum_duplicates",
@@ -180,3 +182,67 @@ def pooled_lookup(table: jax.Array, keys: jax.Array, scale: jax.Array) -> jax.Ar
     return jax.ffi.ffi_call(
         "jte_pooled_lookup", jax.ShapeDtypeStruct((b, table.shape[1]), jnp.float32),
     )(keys.astype(jnp.int32), scale.astype(jnp.float32), table)
+
+
+class CpuBackend(_backend.Backend):
+    """The kernels above for unpacked float32 tables on CPU meshes. Every position of the
+    global batch in one pass; optimizers other than SGD, Adagrad and RowwiseAdagrad sum
+    their duplicates here and update their rows with the XLA form."""
+
+    name = "cpu"
+
+    def unusable(self, table, optimizer, storage, platform):
+        if platform != "cpu":
+            return f"it needs a CPU mesh and this one is on {platform!r}"
+        if jnp.dtype(table.dtype) != jnp.float32:
+            return (f"the C++ kernels take float32 tables; this one is "
+                    f"{jnp.dtype(table.dtype).name}")
+        if storage.lanes:
+            return "the C++ kernels take unpacked tables (lane_width=0)"
+        if not available():
+            return "its C++ kernels could not be built (see the warning above)"
+        return None
+
+    def single_pass(self, plan, out_rows):
+        return True
+
+    def lookup(self, plan, table, inputs, axis):
+        out = {}
+        for f, ids, weights in inputs:
+            ids_all, w_all = _streams.gathered(ids, weights, axis)
+            mine, local = _streams.owned(plan.layout, ids_all, axis)
+            scale = jnp.where(mine, _streams.feature_scale(f, w_all), 0.0)
+            if f.config.is_sequence:
+                partial = jnp.take(table, local, axis=0) * scale[..., None]
+            else:
+                partial = pooled_lookup(table, jnp.where(mine, local, _streams.NOT_MINE),
+                                        scale)
+            out[f.path] = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
+        return out
+
+    def update(self, plan, table, slots, inputs, grads, step, axis):
+        keys, g, pooled = [], [], None
+        for f, ids, weights in inputs:
+            ids_all, w_all = _streams.gathered(ids, weights, axis)
+            mine, local = _streams.owned(plan.layout, ids_all, axis)
+            scale = _streams.feature_scale(f, w_all)
+            grad_all = lax.all_gather(grads[f.path], axis, tiled=True).astype(jnp.float32)
+            if f.config.is_sequence:
+                g_f = grad_all * scale[..., None]  # (B, L, D)
+            else:
+                g_f = scale[..., None] * grad_all[:, None, :]
+                # The C++ update takes a lone pooled feature's (scale, grad_all) instead of g.
+                pooled = (scale.reshape(-1), grad_all)
+            keys.append(jnp.where(mine, local, _streams.NOT_MINE).reshape(-1))
+            g.append(g_f.reshape(-1, g_f.shape[-1]))
+        keys, g = jnp.concatenate(keys), jnp.concatenate(g)
+        if not supports_update(plan.optimizer):
+            rows, g_sum = sum_duplicates(keys, g)
+            return _xla_backend.apply_rows(plan, table, slots, rows, g_sum, step, axis)
+        names = [s.name for s in plan.storage.slot_specs]
+        scale = None
+        if len(inputs) == 1 and pooled is not None:
+            scale, g = pooled
+        table, new = update(plan.optimizer, table, tuple(slots[n] for n in names), keys, g,
+                            step.learning_rate, step.multiplier, step.clipping_limit, scale)
+        return table, dict(zip(names, new))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,8 +15,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import (_config, _cpu_kernels, _inputs, _layout, _multihost, _optimizers, _pallas,
-               _sparse)
+from . import (_backend, _config, _inputs, _layout, _multihost, _optimizers, _pallas,
+               _storage, _streams)
 
 Nested = Any
 
@@ -59,10 +60,41 @@ def _per_table(what: str, value, spec: _config.EmbeddingSpec) -> dict:
     return {name: int(v) for name, v in value.items()}
 
 
-def _slot_key(table_key, plan, slot):
+def _slot_key(table_key, storage: _storage.TableStorage, slot):
     """The key a slot's initial value is drawn from: the same whether it rides in the
     table's array or has its own."""
-    return jax.random.fold_in(table_key, plan.slot_specs.index(slot) + 1)
+    return jax.random.fold_in(table_key, storage.slot_specs.index(slot) + 1)
+
+
+def _legacy_auto_order(platform: str, cpu_kernels, tpu_kernels, backend):
+    """The backends "auto" tries first, from the deprecated cpu_kernels / tpu_kernels
+    arguments (None when neither is given: the platform's default)."""
+    if cpu_kernels is None and tpu_kernels is None:
+        return None
+    if backend != "auto":
+        raise ValueError("Embedding: pass backend= or the deprecated cpu_kernels= / "
+                         "tpu_kernels=, not both.")
+    warnings.warn("Embedding: cpu_kernels= and tpu_kernels= are deprecated; use backend= "
+                  "('auto', 'xla', 'pallas', 'pallas_interpret' or 'cpu').",
+                  DeprecationWarning, stacklevel=3)
+    if tpu_kernels not in (None, True, False, "interpret"):
+        raise ValueError(f"Embedding: tpu_kernels must be None, True, False or "
+                         f"'interpret', got {tpu_kernels!r}.")
+    if tpu_kernels is True and platform != "tpu":
+        raise ValueError(f"Embedding: tpu_kernels=True needs a TPU mesh; this one is on "
+                         f"{platform!r} (use 'interpret' to run the kernels in Pallas' "
+                         f"interpreter).")
+    if cpu_kernels and platform != "cpu":
+        raise ValueError(f"Embedding: cpu_kernels=True needs a CPU mesh; this one is on "
+                         f"{platform!r}.")
+    order = []
+    if tpu_kernels == "interpret":
+        order.append("pallas_interpret")
+    elif tpu_kernels is not False and platform == "tpu":
+        order.append("pallas")
+    if cpu_kernels is not False and platform == "cpu":
+        order.append("cpu")
+    return tuple(order)
 
 
 def _is_explicit(mesh) -> bool:
@@ -79,41 +111,38 @@ class Embedding:
             axis named "shard".
         axis: The mesh axis the tables' rows and the batch are split over. Default: the
             mesh's only axis; required for a multi-axis mesh.
-        lane_width: Physical row width that narrow rows are packed into (see _layout.Packing);
-            0 stores every array as (rows, D). Default: 128 on TPU meshes, 0 elsewhere. It
-            changes only the physical layout: every result is the same.
-        cpu_kernels: Run the shard-local sums, updates (SGD, Adagrad, RowwiseAdagrad) and
-            pooled lookups of unpacked float32 tables as C++ kernels (_cpu_kernels), compiled
-            on first use. Default: on for CPU meshes. If g++ is missing or compilation
-            fails, a warning is given once and the portable XLA path runs. Results match
-            the portable path to float32 rounding.
+        backend: Who does each table's shard-local row work: "auto" (default), "xla",
+            "pallas", "pallas_interpret" or "cpu", or {table name: one of these} (tables
+            left out are "auto"). "auto" takes the fused Pallas kernels on TPU meshes and
+            the C++ kernels on CPU meshes where a table can use them, else the portable
+            XLA passes. "pallas_interpret" runs the TPU kernels in Pallas' interpreter on
+            any mesh (slow; for tests). A backend a table cannot use is a ValueError that
+            names the table and the reason. Results agree to float32 rounding whatever the
+            backend; `backends` says what was chosen.
+        lane_width: Physical row width that narrow rows are packed into (see `_storage`);
+            0 stores every array as (rows, D). Default: 128 on TPU meshes or when a table
+            runs the Pallas kernels, 0 elsewhere. It changes only the physical layout.
         max_ids_per_shard: How many (id, position) pairs of a table one shard handles per
-            pass of the sorted, compacted lookup and update: an int for every table or
-            {table name: int}. A shard that owns more in a step runs more passes; no id is
-            ever dropped. The row work of a pass (gathers, gradient sums, optimizer,
-            scatters) is sized by it, not by the global batch. Default on TPU meshes: 1.5 x
-            the per-shard average B*L/N of each table; elsewhere all B*L, one pass (see
-            _sparse.capacity). Tables on the C++ CPU kernels ignore it.
+            pass of the XLA passes: an int for every table or {table name: int}. A shard
+            that owns more in a step runs more passes; no id is ever dropped. Default on
+            TPU meshes: 1.5 x the per-shard average B*L/N of each table; elsewhere all B*L,
+            one pass (see _streams.capacity). The Pallas kernels walk every owned pair and
+            use it only to size their cost estimates; the C++ kernels ignore it.
         max_unique_ids_per_shard: How many distinct rows of a table one shard updates per
-            pass (int or {table name: int}); a pass stops early at that many. The gathers
-            and scatters of rows and slots are sized by it. Default: max_ids_per_shard.
-            Set it from the data's duplication (e.g. 1.5 x the distinct rows per shard and
-            step) when ids repeat a lot: power-law ids have 3-5x fewer distinct rows than
-            pairs. On TPU meshes with tpu_kernels, C and Cu only size the kernels' cost
-            estimates (the compiler's "bytes accessed"): the kernels walk all owned pairs.
-        tpu_kernels: Run the lookup and update of float32 tables as the fused Pallas TPU
-            kernels of _pallas: each touched physical row moves between HBM and VMEM once
-            per step each way and each pair's gradient is read from VMEM, instead of XLA's
-            tile-charged row gathers and scatters. Default: on for TPU meshes. "interpret"
-            runs them in Pallas' TPU interpreter on any mesh (slow; for tests).
+            pass (int or {table name: int}); a pass stops early at that many. Default:
+            max_ids_per_shard. `id_counts` measures both on real batches.
+        cpu_kernels: Deprecated: backend="auto" uses the C++ kernels on CPU meshes;
+            False means backend="xla" for them.
+        tpu_kernels: Deprecated: True is backend="pallas", False leaves the Pallas kernels
+            out of "auto", "interpret" prefers "pallas_interpret" where a table can use it.
     """
 
     def __init__(self, spec: _config.EmbeddingSpec, mesh: jax.sharding.Mesh | None = None,
-                 axis: str | None = None, *, lane_width: int | None = None,
-                 cpu_kernels: bool | None = None,
+                 axis: str | None = None, *, backend: str | Mapping[str, str] = "auto",
+                 lane_width: int | None = None,
                  max_ids_per_shard: int | Mapping[str, int] | None = None,
                  max_unique_ids_per_shard: int | Mapping[str, int] | None = None,
-                 tpu_kernels: bool | str | None = None):
+                 cpu_kernels: bool | None = None, tpu_kernels: bool | str | None = None):
         if not isinstance(spec, _config.EmbeddingSpec):
             raise TypeError(f"Embedding: spec must be a jte.EmbeddingSpec, got "
                             f"{type(spec).__name__}.")
@@ -129,53 +158,53 @@ class Embedding:
                              f"{mesh.axis_names}.")
         self.spec, self.mesh, self.axis = spec, mesh, axis
         self.num_shards = int(mesh.shape[axis])
+        platform = mesh.devices.flat[0].platform
+        auto_order = _legacy_auto_order(platform, cpu_kernels, tpu_kernels, backend)
         if lane_width is None:
-            lane_width = 128 if mesh.devices.flat[0].platform == "tpu" else 0
+            wanted = set(backend.values()) if isinstance(backend, Mapping) else {backend}
+            pallas = platform == "tpu" or bool(wanted & {"pallas", "pallas_interpret"})
+            lane_width = 128 if pallas else 0
         if lane_width not in (0, 128):
             raise ValueError(f"Embedding: lane_width must be 0 or 128, got {lane_width!r}.")
         self.lane_width = lane_width
-        on_cpu = mesh.devices.flat[0].platform == "cpu"
-        if cpu_kernels and not on_cpu:
-            raise ValueError(f"Embedding: cpu_kernels=True needs a CPU mesh; this one is on "
-                             f"{mesh.devices.flat[0].platform!r}.")
-        self.cpu_kernels = bool(on_cpu and cpu_kernels is not False and
-                                _cpu_kernels.available())
-        on_tpu = mesh.devices.flat[0].platform == "tpu"
-        if tpu_kernels not in (None, True, False, "interpret"):
-            raise ValueError(f"Embedding: tpu_kernels must be None, True, False or "
-                             f"'interpret', got {tpu_kernels!r}.")
-        if tpu_kernels is True and not on_tpu:
-            raise ValueError(f"Embedding: tpu_kernels=True needs a TPU mesh; this one is on "
-                             f"{mesh.devices.flat[0].platform!r} (use 'interpret' to run "
-                             f"the kernels in Pallas' interpreter).")
-        if tpu_kernels is None:
-            tpu_kernels = on_tpu
-        kernels = {True: "pallas", False: "", "interpret": "interpret"}[tpu_kernels]
-        names = _config.table_names(spec)
         max_ids = _per_table("max_ids_per_shard", max_ids_per_shard, spec)
         max_unique = _per_table("max_unique_ids_per_shard", max_unique_ids_per_shard, spec)
-        self.plans: dict[str, _sparse.TablePlan] = {}
+        storages = {}
         for name, table in spec.tables().items():
             opt = spec.optimizer_of(table)
-            self.plans[name] = _sparse.TablePlan(
-                name=name, config=table, optimizer=opt,
+            storages[name] = _storage.TableStorage(
                 layout=_layout.TableLayout(table.vocabulary_size, self.num_shards,
                                            spec.partition_strategy),
-                slot_specs=tuple(opt.slot_specs()), lanes=lane_width,
-                cpu_kernels=self.cpu_kernels, max_ids=max_ids.get(name),
-                max_unique=max_unique.get(name),
-                tpu=on_tpu, tpu_kernels=kernels,
-                vmem=_pallas.vmem_bytes(mesh.devices.flat[0].device_kind))
-            if self.plans[name].layout.rows_per_shard >= 1 << 30:
+                dim=table.dim, dtype=jnp.dtype(table.dtype), slot_specs=tuple(opt.slot_specs()),
+                lanes=lane_width, dense_update=opt.dense_update)
+            if storages[name].layout.rows_per_shard >= _streams.NOT_MINE:
                 raise ValueError(f"Embedding: table {name!r} would hold "
-                                 f"{self.plans[name].layout.rows_per_shard} rows per shard; "
+                                 f"{storages[name].layout.rows_per_shard} rows per shard; "
                                  f"at most 2**30 are supported: use more shards.")
-        self.features = [_sparse.FeaturePlan(p, f, names[id(f.table)])
-                         for p, f in spec.flat_features]
+        backends = _backend.choose(spec, backend, storages, platform, auto_order=auto_order)
+        vmem = _pallas.vmem_bytes(mesh.devices.flat[0].device_kind)
+        self.table_plans: dict[str, _backend.TablePlan] = {
+            name: _backend.TablePlan(
+                name=name, config=table, optimizer=spec.optimizer_of(table),
+                storage=storages[name], backend=backends[name], max_ids=max_ids.get(name),
+                max_unique=max_unique.get(name), on_tpu=platform == "tpu", vmem=vmem)
+            for name, table in spec.tables().items()}
+        names = _config.table_names(spec)
+        self.feature_plans = [_backend.FeaturePlan(p, f, names[id(f.table)])
+                              for p, f in spec.flat_features]
         self._replicated = NamedSharding(mesh, P())
         self._init_fns = None
         self._lookup_jit = jax.jit(self._lookup)
         self._apply_jit = jax.jit(self._apply)
+
+    @property
+    def backends(self) -> dict[str, str]:
+        """{table name: the backend doing its row work}, fixed at construction."""
+        return {name: plan.backend.name for name, plan in self.table_plans.items()}
+
+    def storage(self, table_name: str) -> _storage.TableStorage:
+        """How a table and its slots are stored on the devices (see `_storage`)."""
+        return self.table_plans[table_name].storage
 
     # ------------------------------------------------------------------ state
 
@@ -186,15 +215,13 @@ class Embedding:
     def abstract_state(self) -> EmbeddingState:
         """The state as jax.ShapeDtypeStruct leaves with shardings; allocates nothing."""
         tables, slots = {}, {}
-        for name, plan in self.plans.items():
-            shape = plan.packing.physical_shape(plan.layout)
-            tables[name] = jax.ShapeDtypeStruct(shape, plan.config.dtype,
-                                                sharding=self._rows(len(shape)))
-            slots[name] = {}
-            for s in plan.stored_slots:
-                shape = plan.slot_packing(s).physical_shape(plan.layout)
-                slots[name][s.name] = jax.ShapeDtypeStruct(shape, jnp.float32,
-                                                           sharding=self._rows(len(shape)))
+        for name, plan in self.table_plans.items():
+            table_shape, slot_shapes = plan.storage.shapes()
+            tables[name] = jax.ShapeDtypeStruct(table_shape, plan.config.dtype,
+                                                sharding=self._rows(len(table_shape)))
+            slots[name] = {n: jax.ShapeDtypeStruct(shape, jnp.float32,
+                                                   sharding=self._rows(len(shape)))
+                           for n, shape in slot_shapes.items()}
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
         return EmbeddingState(tables, slots, step)
 
@@ -207,7 +234,7 @@ class Embedding:
         """
         programs = self.init_programs()
         tables, slots = {}, {}
-        for i, name in enumerate(self.plans):
+        for i, name in enumerate(self.table_plans):
             tables[name], slots[name] = programs[name](jax.random.fold_in(key, i))
         step = jnp.zeros((), jnp.int32)
         if not isinstance(key, jax.core.Tracer):
@@ -222,44 +249,39 @@ class Embedding:
             self._init_fns = {
                 name: jax.jit(functools.partial(self._init_table, plan),
                               out_shardings=(shardings.tables[name], shardings.slots[name]))
-                for name, plan in self.plans.items()}
+                for name, plan in self.table_plans.items()}
         return self._init_fns
 
-    def _init_table(self, plan, table_key):
-        table = self._make_array(plan, None, table_key)
-        slots = {s.name: self._make_array(plan, s, _slot_key(table_key, plan, s))
-                 for s in plan.stored_slots}
-        return table, slots
+    def _init_table(self, plan: _backend.TablePlan, table_key):
+        storage = plan.storage
+        table = self._initial(plan, None, table_key)
+        slots = {s.name: self._initial(plan, s, _slot_key(table_key, storage, s))
+                 for s in storage.slot_specs}
+        table, slots = storage.to_physical(table, slots)
+        return self._constrain(table), {n: self._constrain(x) for n, x in slots.items()}
 
-    def _initial(self, plan, slot: _optimizers.SlotSpec | None, key):
-        """The logical initial value of a table (slot None, without riders) or one slot."""
-        v, d = plan.config.vocabulary_size, plan.config.dim
+    def _initial(self, plan: _backend.TablePlan, slot: _optimizers.SlotSpec | None, key):
+        """The logical initial value of a table (slot None) or one slot."""
+        shape = plan.storage.logical_shape(slot)
         if slot is None:
-            init = plan.config.initializer or _default_initializer(d)
-            return jnp.asarray(init(key, (v, d), jnp.float32)).astype(plan.config.dtype)
-        shape = (v, d) if slot.rank == 2 else (v,)
+            init = plan.config.initializer or _default_initializer(plan.config.dim)
+            return jnp.asarray(init(key, shape, jnp.float32)).astype(plan.config.dtype)
         return _optimizers.slot_initial_value(slot, key, shape)
 
-    def _make_array(self, plan, slot: _optimizers.SlotSpec | None, key):
-        """The physical, row-sharded initial value of a table (slot None; with its riders,
-        each drawn as if it had an array of its own) or one stored slot."""
-        logical = self._initial(plan, slot, key)
-        if slot is None:
-            logical = _sparse.join_riders(plan, logical, {
-                s.name: self._initial(plan, s, _slot_key(key, plan, s)) for s in plan.riders})
-        packing = plan.packing if slot is None else plan.slot_packing(slot)
-        physical = packing.pack(plan.layout.to_physical(logical), self.num_shards)
-        sharding = self._rows(physical.ndim)
+    def _constrain(self, physical):
         # Said explicitly so that an init traced inside another jit keeps the row sharding.
+        sharding = self._rows(physical.ndim)
         if _is_explicit(self.mesh):
             return jax.sharding.reshard(physical, sharding)
         return jax.lax.with_sharding_constraint(physical, sharding)
 
-    def _init_array(self, plan, key, slot: _optimizers.SlotSpec | None):
-        packing = plan.packing if slot is None else plan.slot_packing(slot)
-        sharding = self._rows(len(packing.physical_shape(plan.layout)))
-        return jax.jit(functools.partial(self._make_array, plan, slot),
-                       out_shardings=sharding)(key)
+    def _init_slot(self, plan: _backend.TablePlan, slot: _optimizers.SlotSpec, key):
+        """One stored slot's physical initial value, drawn on the devices."""
+        storage = plan.storage
+        sharding = self._rows(len(storage.shapes()[1][slot.name]))
+        fn = lambda k: self._constrain(
+            storage.array_to_physical(slot, self._initial(plan, slot, k)))
+        return jax.jit(fn, out_shardings=sharding)(key)
 
     def restore_tables(self, tables: dict, slots: dict | None = None, step: int = 0,
                        key: jax.Array | None = None) -> EmbeddingState:
@@ -269,52 +291,52 @@ class Embedding:
         `key`, as `init(key)` would).
         """
         slots = slots or {}
-        problems = [f"table {n!r} is missing" for n in self.plans if n not in tables]
-        problems += [f"table {n!r} is not in the spec (its tables are {list(self.plans)})"
-                     for n in tables if n not in self.plans]
+        problems = [f"table {n!r} is missing" for n in self.table_plans if n not in tables]
+        problems += [f"table {n!r} is not in the spec (its tables are "
+                     f"{list(self.table_plans)})" for n in tables if n not in self.table_plans]
         if problems:
             raise ValueError("restore_tables: " + "; ".join(problems) + ".")
         new_tables, new_slots = {}, {}
-        for i, (name, plan) in enumerate(self.plans.items()):
-            v, d = plan.config.vocabulary_size, plan.config.dim
+        for i, (name, plan) in enumerate(self.table_plans.items()):
+            storage = plan.storage
             value = np.asarray(tables[name])
-            if value.shape != (v, d):
+            if value.shape != storage.logical_shape():
                 raise ValueError(f"restore_tables: table {name!r} has shape {value.shape}; the "
-                                 f"spec says (vocabulary_size, dim) = ({v}, {d}).")
+                                 f"spec says (vocabulary_size, dim) = "
+                                 f"{storage.logical_shape()}.")
             table = value.astype(plan.config.dtype)
             given = dict(slots.get(name, {}))
-            unknown = sorted(set(given) - {s.name for s in plan.slot_specs})
+            unknown = sorted(set(given) - {s.name for s in storage.slot_specs})
             if unknown:
                 raise ValueError(f"restore_tables: table {name!r} has no slots {unknown}; its "
-                                 f"optimizer's slots are {[s.name for s in plan.slot_specs]}.")
-            new_slots[name], riders = {}, {}
-            for s in plan.slot_specs:
-                shape = (v, d) if s.rank == 2 else (v,)
+                                 f"optimizer's slots are "
+                                 f"{[s.name for s in storage.slot_specs]}.")
+            logical, drawn = {}, {}
+            for s in storage.slot_specs:
+                shape = storage.logical_shape(s)
                 if s.name in given:
-                    value = np.asarray(given[s.name], np.float32)
-                    if value.shape != shape:
+                    logical[s.name] = np.asarray(given[s.name], np.float32)
+                    if logical[s.name].shape != shape:
                         raise ValueError(f"restore_tables: slot {s.name!r} of table {name!r} "
-                                         f"has shape {value.shape}, expected {shape}.")
-                else:
-                    if callable(s.initializer) and key is None:
-                        raise ValueError(f"restore_tables: slot {s.name!r} of table {name!r} "
-                                         f"has a random initializer; pass key=.")
-                    k = None if key is None else _slot_key(jax.random.fold_in(key, i), plan, s)
-                    if s not in plan.riders:  # Drawn on the devices, as `init` does.
-                        new_slots[name][s.name] = self._init_array(plan, k, s)
-                        continue
-                    value = np.asarray(self._initial(plan, s, k))
-                if s in plan.riders:
-                    riders[s.name] = value
-                else:
-                    new_slots[name][s.name] = self._put(plan, plan.slot_packing(s), value)
-            new_tables[name] = self._put(plan, plan.packing,
-                                         _sparse.join_riders(plan, table, riders))
+                                         f"has shape {logical[s.name].shape}, expected "
+                                         f"{shape}.")
+                    continue
+                if callable(s.initializer) and key is None:
+                    raise ValueError(f"restore_tables: slot {s.name!r} of table {name!r} "
+                                     f"has a random initializer; pass key=.")
+                k = None if key is None else _slot_key(jax.random.fold_in(key, i), storage, s)
+                if s in storage.riders:
+                    logical[s.name] = np.asarray(self._initial(plan, s, k))
+                else:  # Drawn on the devices, as `init` does.
+                    drawn[s.name] = self._init_slot(plan, s, k)
+            table, stored = storage.to_physical(table, logical)
+            new_tables[name] = self._put(table)
+            new_slots[name] = {s.name: drawn[s.name] if s.name in drawn else
+                               self._put(stored[s.name]) for s in storage.stored}
         step = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
         return EmbeddingState(new_tables, new_slots, step)
 
-    def _put(self, plan, packing, logical: np.ndarray) -> jax.Array:
-        physical = packing.pack(plan.layout.to_physical(logical), self.num_shards)
+    def _put(self, physical: np.ndarray) -> jax.Array:
         return jax.make_array_from_callback(physical.shape, self._rows(physical.ndim),
                                             lambda index: physical[index])
 
@@ -324,22 +346,14 @@ class Embedding:
         from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
-    def _logical(self, plan, packing, physical: np.ndarray) -> np.ndarray:
-        rows = packing.unpack(physical, self.num_shards, plan.layout.rows_per_shard)
-        return plan.layout.to_logical(rows)
-
-    def _table_rows(self, plan, state: EmbeddingState, name: str):
-        """(logical rows (V, D), {rider name: (V, D)}) of a table's own array."""
-        return _sparse.split_riders(plan, self._logical(plan, plan.packing,
-                                                        self._fetch(state.tables[name])))
-
     def export(self, state: EmbeddingState) -> dict[str, np.ndarray]:
         """{table name: (V, D) np.ndarray} in natural row order, whatever strategy or mesh.
 
         With several processes this gathers the tables onto every process (a collective):
         call it on every process, then write from one.
         """
-        return {n: self._table_rows(p, state, n)[0] for n, p in self.plans.items()}
+        return {name: plan.storage.to_logical(self._fetch(state.tables[name]))[0]
+                for name, plan in self.table_plans.items()}
 
     def export_slots(self, state: EmbeddingState) -> dict[str, dict[str, np.ndarray]]:
         """{table name: {slot name: (V, D) or (V,)}}; {} for a table without slots.
@@ -347,11 +361,12 @@ class Embedding:
         A collective with several processes, like `export`.
         """
         out = {}
-        for n, p in self.plans.items():
-            riders = self._table_rows(p, state, n)[1] if p.riders else {}
-            out[n] = {s.name: riders[s.name] if s.name in riders else
-                      self._logical(p, p.slot_packing(s), self._fetch(state.slots[n][s.name]))
-                      for s in p.slot_specs}
+        for name, plan in self.table_plans.items():
+            storage = plan.storage
+            # The table's own array only when slots ride in it.
+            table = self._fetch(state.tables[name]) if storage.riders else None
+            out[name] = storage.to_logical(table, {n: self._fetch(x) for n, x in
+                                                   state.slots[name].items()})[1]
         return out
 
     def shard_rows(self, state: EmbeddingState, table_name: str, shard: int) -> np.ndarray:
@@ -359,16 +374,15 @@ class Embedding:
 
         With several processes this is a collective, like `export`: call it on every process.
         """
-        if table_name not in self.plans:
+        if table_name not in self.table_plans:
             raise ValueError(f"shard_rows: no table {table_name!r}; tables are "
-                             f"{list(self.plans)}.")
-        plan = self.plans[table_name]
-        layout, packing = plan.layout, plan.packing
+                             f"{list(self.table_plans)}.")
+        storage = self.table_plans[table_name].storage
         if not 0 <= shard < self.num_shards:
             raise ValueError(f"shard_rows: shard must be in [0, {self.num_shards}), "
                              f"got {shard}.")
-        per_shard = packing.shard_rows(layout.rows_per_shard)
-        start, size = shard * per_shard, int(layout.shard_sizes()[shard])
+        per_shard = storage.shard_rows()
+        start = shard * per_shard
         array = state.tables[table_name]
         if array.is_fully_addressable:
             local = next(np.asarray(piece.data) for piece in array.addressable_shards
@@ -377,8 +391,7 @@ class Embedding:
             # Several processes: all gather, whichever holds the shard; one that read its
             # own copy instead would leave the others waiting in the all-gather.
             local = self._fetch(array)[start:start + per_shard]
-        return _sparse.split_riders(plan, packing.unpack(local, 1, layout.rows_per_shard))[0][
-            :size]
+        return storage.shard_table_rows(local, shard)
 
     # ---------------------------------------------------------------- compute
 
@@ -399,14 +412,14 @@ class Embedding:
         "owned_pairs": the most pairs with a valid id any one shard owns; "unique_rows": the
         most distinct rows any one shard owns; "passes": the most update passes any shard
         runs with this Embedding's settings (1 unless they are below the other two; always 1
-        on the fused TPU kernels, which size only their cost estimates by them)}}.
+        on the Pallas and C++ kernels, which walk every pair in one call)}}.
         Host-side: features are NumPy arrays or fully addressable jax.Arrays.
         """
         flat = _inputs.flatten_inputs(self.spec, features)
         _inputs.check_batch(flat, self.num_shards)
         ids_by_table: dict[str, list] = {}
         out_rows: dict[str, int] = {}
-        for f in self.features:
+        for f in self.feature_plans:
             leaf = flat[f.path]
             for x in jax.tree.leaves(leaf):
                 if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -418,21 +431,21 @@ class Embedding:
                 ids.size if f.config.is_sequence else ids.shape[0])
         out = {}
         for name, parts in ids_by_table.items():
-            plan = self.plans[name]
+            plan = self.table_plans[name]
             ids = np.concatenate(parts)
             m = ids.shape[0]
-            c = _sparse.capacity(plan, m, self.num_shards)
-            cu = _sparse.unique_capacity(plan, c)
+            c = _streams.capacity(plan, m, self.num_shards)
+            cu = _streams.unique_capacity(plan, c)
             valid = ids[(ids >= 0) & (ids < plan.config.vocabulary_size)]
             owner, _ = plan.layout.owner_and_local(valid)
             owned = unique = passes = 0
             for p in range(self.num_shards):
                 rows, counts = np.unique(valid[owner == p], return_counts=True)
                 owned, unique = max(owned, int(counts.sum())), max(unique, len(rows))
-                passes = max(passes, _sparse.passes_needed(counts, c, cu))
+                passes = max(passes, _streams.passes_needed(counts, c, cu))
+            single = plan.backend.single_pass(plan, out_rows[name])
             out[name] = {"pairs": m, "owned_pairs": owned, "unique_rows": unique,
-                         "passes": 1 if plan.cpu_rows or _sparse.runs_fused(plan, out_rows[name])
-                         else passes}
+                         "passes": 1 if single else passes}
         return out
 
     def _prepare(self, features, act_grads=None) -> dict:
@@ -481,7 +494,7 @@ class Embedding:
 
     def _normalized(self, flat):
         feats = {}
-        for f in self.features:
+        for f in self.feature_plans:
             leaf = flat[f.path]
             ids, weights = _inputs.normalize(f.config, leaf)
             if not isinstance(leaf, _inputs.Weighted):
@@ -496,7 +509,7 @@ class Embedding:
             return jax.sharding.reshard(x, sharding)
         return jax.lax.with_sharding_constraint(x, sharding)
 
-    def _out_shape(self, f: _sparse.FeaturePlan, batch: int) -> tuple:
+    def _out_shape(self, f: _backend.FeaturePlan, batch: int) -> tuple:
         d = f.config.table.dim
         natural = ((batch, f.config.max_sequence_length, d) if f.config.is_sequence
                    else (batch, d))
@@ -525,17 +538,15 @@ class Embedding:
         feats = self._normalized(flat)
         batch = next(iter(feats.values()))[0].shape[0]
         row = P(self.axis)
-        fn = functools.partial(_sparse.lookup_local, features=self.features, plans=self.plans,
-                               axis=self.axis)
-        acts = self._shard_map(lambda t, x: fn(t, x), (row, row), row)(tables, feats)
+        acts = self._shard_map(self._lookup_local, (row, row), row)(tables, feats)
         return {f.path: self._reshape(acts[f.path], self._out_shape(f, batch))
-                for f in self.features}
+                for f in self.feature_plans}
 
     def _apply(self, state, flat, grads):
         feats = self._normalized(flat)
         batch = next(iter(feats.values()))[0].shape[0]
         local_grads = {}
-        for f in self.features:
+        for f in self.feature_plans:
             want = self._out_shape(f, batch)
             g = jnp.asarray(grads[f.path])
             if g.shape != want:
@@ -545,8 +556,32 @@ class Embedding:
                        if f.config.is_sequence else (batch, f.config.table.dim))
             local_grads[f.path] = self._batch_sharded(self._reshape(g, natural))
         row, rep = P(self.axis), P()
-        fn = functools.partial(_sparse.update_local, features=self.features, plans=self.plans,
-                               axis=self.axis, spec=self.spec)
-        tables, slots = self._shard_map(fn, (row, row, row, row, rep), (row, row))(
+        tables, slots = self._shard_map(self._update_local, (row, row, row, row, rep),
+                                        (row, row))(
             state.tables, state.slots, feats, local_grads, state.step)
         return EmbeddingState(tables, slots, state.step + 1)
+
+    # Inside shard_map: each table's backend does its shard-local row work.
+
+    def _inputs(self, feats) -> dict[str, list[_backend.Input]]:
+        by_table: dict[str, list[_backend.Input]] = {}
+        for f in self.feature_plans:
+            by_table.setdefault(f.table, []).append(_backend.Input(f, *feats[f.path]))
+        return by_table
+
+    def _lookup_local(self, tables, feats):
+        out = {}
+        for name, inputs in self._inputs(feats).items():
+            plan = self.table_plans[name]
+            out.update(plan.backend.lookup(plan, tables[name], inputs, self.axis))
+        return out
+
+    def _update_local(self, tables, slots, feats, grads, step):
+        tables, slots = dict(tables), dict(slots)
+        for name, inputs in self._inputs(feats).items():
+            plan = self.table_plans[name]
+            tables[name], slots[name] = plan.backend.update(
+                plan, tables[name], slots[name], inputs,
+                {i.feature.path: grads[i.feature.path] for i in inputs},
+                _backend.row_step(plan, self.spec, step), self.axis)
+        return tables, slots

@@ -251,3 +251,15 @@ def check_batch(features_flat: dict[str, Any], num_shards: int) -> int:
             raise ValueError(f"Feature {path!r}: ids must be (B,) or (B, L), got shape "
                              f"{np.shape(ids)}.")
     return batch
+
+
+def combiner_scale(weights: jax.Array, combiner: str) -> jax.Array:
+    """Per-position factor (B, L) so that output = Σ_l scale·row; 0 where a divisor is 0."""
+    if combiner == "sum":
+        return weights
+    if combiner == "mean":
+        denom = jnp.sum(weights, axis=1, keepdims=True)
+    else:  # sqrtn
+        denom = jnp.sqrt(jnp.sum(weights * weights, axis=1, keepdims=True))
+    safe = jnp.where(denom == 0, 1.0, denom)
+    return jnp.where(denom == 0, 0.0, weights / safe)

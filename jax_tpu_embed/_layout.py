@@ -13,11 +13,11 @@ module; none of them re-derives ownership.
 
 Lane packing (`Packing`). TPU vector registers and HBM tiles are 128 lanes wide; a row scatter
 into a (rows, 64) array makes the TPU compiler copy the whole array, and (rows, 16|32) arrays
-cost whole-array passes (../shared/TPU_AOT.md). So on TPU each array of width w < 128 is stored
+cost whole-array passes. So on TPU each array of width w < 128 is stored
 with its rows padded to W (the smallest power of two >= w) and k = 128 // W logical rows side
 by side in one 128-lane physical row: shard-local row r lives in physical row r // k, lanes
 [(r % k) * W, (r % k) * W + w). Rank-1 slots (w = 1) pack 128 rows per physical row. A
-table's same-width slots may ride in its own rows (_sparse.TablePlan.riders): its logical
+table's same-width slots may ride in its own rows (_storage.TableStorage.riders): its logical
 row is then w = D·(1 + slots) wide, [row | slot 1 | ...]. On CPU and GPU k = 1 and nothing
 changes. Users never see this: export, shard_rows and checkpoints speak in logical rows.
 """

@@ -1,10 +1,10 @@
 """Fused Pallas TPU kernels for the sorted (row, position) pairs of one table shard.
 
-The XLA forms in _sparse.py gather and scatter rows with XLA ops, which the TPU compiler
+The XLA forms in _xla_backend.py gather and scatter rows with XLA ops, which the TPU compiler
 charges a whole (8, 128) tile per row touched (4.6 KB to gather a 512-byte row, 8.7 KB to
 scatter it; benchmarks/tpu_row_access.py), and gather each pair's activation gradient the
 same way (150 MB per W1 table and device). These kernels walk the owned pairs of a
-`_sparse._Stream`, sorted by row, in blocks of `_BLOCK` that arrive through SMEM on a
+`_streams.Stream`, sorted by row, in blocks of `_BLOCK` that arrive through SMEM on a
 sequential grid, and stop at the owned count:
 
 - `pooled_lookup`: per block, the distinct physical rows it touches are read with their
@@ -27,7 +27,7 @@ rows (k rows of width w per 128 lanes; `rows_packing`), not (R, D), which the TP
 group) by a lane rotation.
 
 Cost estimates declare the bytes the DMAs and SMEM blocks move for the planned pairs and
-distinct rows per shard (`_sparse.planned`): that is what `cost_analysis` reports for the
+distinct rows per shard (`_streams.planned`): that is what `cost_analysis` reports for the
 kernels. `interpret=True` runs them in Pallas' interpreter on any backend; the tests check
 them against float64 references on CPU meshes that way.
 """
@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _layout
+from . import _backend, _layout, _streams, _xla_backend
 
 _BLOCK = 1024  # Pairs per grid step (SMEM block of keys, output rows and scales).
 _SMALLEST_VMEM = 16 << 20  # v4's, per TensorCore: the default when the chip is unknown.
@@ -101,7 +101,7 @@ def _pair_specs(n: int):
 class _Pairs:
     """The sorted pairs a kernel walks: `keys` with, unless None, `out` (output rows) and
     `scale` (None: 1 for every pair, as for an unweighted sum). With `out_bits` > 0 there
-    is no `out` array: each key holds row << out_bits | output row (_sparse._streams packs
+    is no `out` array: each key holds row << out_bits | output row (_streams.build packs
     them when they fit, so that the sort and the kernels move one array, not two)."""
 
     def __init__(self, keys, out, scale, out_bits: int):
@@ -225,7 +225,7 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
     Returns (rows / k, k·w) f32 for `rows_packing` (k, w; D-wide rows, default `packing`):
     output row o in lanes [(o % k)·w, (o % k)·w + D) of row o // k, zero lanes elsewhere.
     The table's `packing` may hold more than D lanes per logical row (riders, see
-    _sparse.TablePlan): its first D are the row. `keys` ascending with `count` owned pairs
+    _storage.TableStorage): its first D are the row. `keys` ascending with `count` owned pairs
     first; `out` and `scale` as _Pairs takes them. `planned` = (pairs, distinct rows) per
     shard sizes the cost estimate only.
     """
@@ -413,3 +413,70 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
                             grads.size * 4)),
         interpret=interpret,
     )(jnp.reshape(count, (1,)).astype(jnp.int32), *pairs.arrays, scalars, grads, *arrays)
+
+
+class PallasBackend(_backend.Backend):
+    """The fused kernels above for float32 tables with a sparse optimizer. A batch whose
+    activations would fill more than half of VMEM (`fits_vmem`) runs the XLA passes."""
+
+    def __init__(self, interpret: bool = False):
+        self.interpret = interpret
+        self.name = "pallas_interpret" if interpret else "pallas"
+
+    def unusable(self, table, optimizer, storage, platform):
+        if jnp.dtype(table.dtype) != jnp.float32:
+            return (f"the Pallas kernels take float32 tables; this one is "
+                    f"{jnp.dtype(table.dtype).name}")
+        if optimizer.dense_update:
+            return (f"{type(optimizer).__name__}(lazy_adam=False) updates every row; the "
+                    f"Pallas kernels update the rows in the batch")
+        if not self.interpret and platform != "tpu":
+            return (f"it needs a TPU mesh and this one is on {platform!r} (backend="
+                    f"'pallas_interpret' runs the kernels in Pallas' interpreter anywhere)")
+        return None
+
+    def _fits(self, plan, inputs, axis) -> bool:
+        packing = plan.storage.rows_packing
+        k = packing.per_row
+        rows = lax.axis_size(axis) * _streams.output_rows(inputs, k) // k
+        return fits_vmem(rows, k * packing.padded_width, plan.vmem)
+
+    def single_pass(self, plan, out_rows):
+        packing = plan.storage.rows_packing
+        return fits_vmem(out_rows, packing.per_row * packing.padded_width, plan.vmem)
+
+    def lookup(self, plan, table, inputs, axis):
+        if not self._fits(plan, inputs, axis):
+            return _xla_backend.XlaBackend().lookup(plan, table, inputs, axis)
+        storage = plan.storage
+        stream = _streams.build(plan, inputs, axis, fused=True).sorted()
+        acc = pooled_lookup(
+            table, storage.packing, stream.keys, stream.out, stream.scale, stream.count,
+            stream.rows, planned=_streams.planned(plan, stream.pairs, lax.axis_size(axis)),
+            vmem=plan.vmem, out_bits=stream.out_bits, rows_packing=storage.rows_packing,
+            interpret=self.interpret)
+        return _streams.scatter_parts(acc, stream, axis, storage.rows_packing)
+
+    def update(self, plan, table, slots, inputs, grads, step, axis):
+        if not self._fits(plan, inputs, axis):
+            return _xla_backend.XlaBackend().update(plan, table, slots, inputs, grads, step,
+                                                    axis)
+        storage = plan.storage
+        stream = _streams.build(plan, inputs, axis, fused=True)
+        n = lax.axis_size(axis)
+        # Each device's activation gradients lane-dense (its rows padded to r, see
+        # _streams.build), then all-gathered.
+        grad_rows = jnp.concatenate([
+            lax.all_gather(_streams.packed(
+                jnp.pad(grads[f.path].reshape(local, -1), [(0, rows // n - local), (0, 0)]),
+                storage.rows_packing), axis, tiled=True).astype(jnp.float32)
+            for f, _, rows, local in stream.parts])
+        stream = stream.sorted()
+        names = [s.name for s in storage.stored]
+        new = fused_update(
+            [table] + [slots[s] for s in names], storage.packings, stream.keys, stream.out,
+            stream.scale, stream.count, grad_rows, step.scalars,
+            storage.stored_row_fn(step.row_fn), planned=_streams.planned(plan, stream.pairs, n),
+            vmem=plan.vmem, out_bits=stream.out_bits, rows_packing=storage.rows_packing,
+            interpret=self.interpret)
+        return new[0], dict(zip(names, new[1:]))

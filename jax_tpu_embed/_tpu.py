@@ -157,7 +157,7 @@ def abstract_features(emb, batch: int, ids_per_example: int | Mapping[str, int] 
                          f"{_round_up(batch, emb.num_shards)}, for instance.")
     sharding = NamedSharding(emb.mesh, P(emb.axis))
     out = {}
-    for f in emb.features:
+    for f in emb.feature_plans:
         if f.config.is_sequence:
             length = f.config.max_sequence_length
         elif isinstance(ids_per_example, Mapping):
@@ -178,7 +178,7 @@ def train_step_fn(emb, hidden: int = 16) -> tuple[Callable, dict]:
     """
     replicated = NamedSharding(emb.mesh, P())
     dense = {f.path: jax.ShapeDtypeStruct((f.config.table.dim, hidden), jnp.float32,
-                                          sharding=replicated) for f in emb.features}
+                                          sharding=replicated) for f in emb.feature_plans}
 
     def step(state, dense, features):
         acts = emb.lookup(state, features)
@@ -390,20 +390,11 @@ def _topology_of(mesh_: Mesh) -> Topology:
 
 
 def _state_shard_bytes(emb) -> tuple[dict[str, int], dict[str, int]]:
-    """Bytes of one device's shard of each table and of its slots, as stored (the physical
-    arrays of `abstract_state`, padding and packing included). Slots that ride in the
-    table's array (_sparse.TablePlan.riders) count as slots, by their share of its lanes."""
-    state = emb.abstract_state()
-
-    def shard(x) -> int:
-        return math.prod(x.shape) // emb.num_shards * np.dtype(x.dtype).itemsize
-
+    """Bytes of one device's shard of each table and of its slots, as stored (padding and
+    packing included; slots riding in the table's array count as slots)."""
     tables, slots = {}, {}
-    for name, x in state.tables.items():
-        plan = emb.plans[name]
-        riders = shard(x) * len(plan.riders) // (1 + len(plan.riders))
-        tables[name] = shard(x) - riders
-        slots[name] = riders + sum(shard(s) for s in jax.tree.leaves(state.slots[name]))
+    for name, plan in emb.table_plans.items():
+        tables[name], slots[name] = plan.storage.shard_bytes()
     return tables, slots
 
 

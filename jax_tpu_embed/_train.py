@@ -163,7 +163,7 @@ def _apply_masked(emb: _embedding.Embedding, state: _embedding.EmbeddingState, f
     """`emb.apply_gradients`, or no change at all (step counter included) unless `keep`."""
     new = emb.apply_gradients(state, _mask_features(features, keep), grads)
     tables, slots = dict(new.tables), dict(new.slots)
-    for name, plan in emb.plans.items():
+    for name, plan in emb.table_plans.items():
         if plan.optimizer.dense_update:
             # Such tables update every row even without ids; keeping them costs a table copy.
             tables[name] = jnp.where(keep, tables[name], state.tables[name])

@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _embedding, _layout, _sparse
+from . import _embedding, _optimizers, _storage
 
 _FORMAT = "jax_tpu_embed.checkpoint/1"
 _ITEMS = ("embedding", "metadata", "dense")
@@ -79,14 +79,14 @@ def save(directory: str | os.PathLike, emb: _embedding.Embedding,
     _check_state(emb, state)
     step = int(jax.device_get(state.step))
     embedding = {"tables": {}, "slots": {}}
-    for name, plan in emb.plans.items():
-        table, riders = _sparse.split_riders(
-            plan, _to_logical(emb, plan.layout, plan.packing, state.tables[name]))
+    for name, plan in emb.table_plans.items():
+        storage = plan.storage
+        table, riders = storage.split_row(_to_logical(emb, storage, None, state.tables[name]))
         embedding["tables"][name] = table
         embedding["slots"][name] = {
             s.name: riders[s.name] if s.name in riders else
-            _to_logical(emb, plan.layout, plan.slot_packing(s), state.slots[name][s.name])
-            for s in plan.slot_specs}
+            _to_logical(emb, storage, s, state.slots[name][s.name])
+            for s in storage.slot_specs}
     items = {"embedding": ocp.args.StandardSave(embedding),
              "metadata": ocp.args.JsonSave(_metadata(emb, step, dense is not None))}
     if dense is not None:
@@ -161,15 +161,15 @@ def restore(directory: str | os.PathLike, emb: _embedding.Embedding, *,
         restored = manager.restore(step, args=ocp.args.Composite(**items))
     stored = restored.embedding
     tables, slots = {}, {}
-    for name, plan in emb.plans.items():
+    for name, plan in emb.table_plans.items():
+        storage = plan.storage
         # pop: each read copy is freed as soon as it is converted.
         own = stored["slots"].pop(name)
-        riders = {s.name: own.pop(s.name) for s in plan.riders}
-        tables[name] = _to_physical(emb, plan.layout, plan.packing, _sparse.join_riders(
-            plan, stored["tables"].pop(name), riders))
-        slots[name] = {s.name: _to_physical(emb, plan.layout, plan.slot_packing(s),
-                                            own.pop(s.name))
-                       for s in plan.stored_slots}
+        riders = {s.name: own.pop(s.name) for s in storage.riders}
+        tables[name] = _to_physical(emb, storage, None, storage.join_row(
+            stored["tables"].pop(name), riders))
+        slots[name] = {s.name: _to_physical(emb, storage, s, own.pop(s.name))
+                       for s in storage.stored}
     step_array = jax.device_put(jnp.asarray(meta["step"], jnp.int32),
                                 NamedSharding(emb.mesh, P()))
     state = _embedding.EmbeddingState(tables, slots, step_array)
@@ -243,44 +243,45 @@ def _row_sharding(emb, auto: bool, ndim: int) -> NamedSharding:
 
 
 @functools.lru_cache(maxsize=None)
-def _logical_fn(layout: _layout.TableLayout, packing: _layout.Packing,
+def _logical_fn(storage: _storage.TableStorage, slot: _optimizers.SlotSpec | None,
                 sharding: NamedSharding):
+    layout = storage.layout
+
     def fn(physical):
-        rows = packing.unpack(physical, layout.num_shards, layout.rows_per_shard)
-        logical = layout.to_logical(rows)  # (V, ...)
-        pad = [(0, layout.padded_rows - layout.vocabulary_size)] + [(0, 0)] * (rows.ndim - 1)
+        logical = storage.array_to_logical(slot, physical)  # (V, ...)
+        pad = [(0, layout.padded_rows - layout.vocabulary_size)] + [(0, 0)] * (logical.ndim - 1)
         return jnp.pad(logical, pad)
     return jax.jit(fn, out_shardings=sharding)
 
 
 @functools.lru_cache(maxsize=None)
-def _physical_fn(layout: _layout.TableLayout, packing: _layout.Packing,
+def _physical_fn(storage: _storage.TableStorage, slot: _optimizers.SlotSpec | None,
                  sharding: NamedSharding):
     def fn(stored):
-        return packing.pack(layout.to_physical(stored[:layout.vocabulary_size]),
-                            layout.num_shards)
+        return storage.array_to_physical(slot, stored[:storage.layout.vocabulary_size])
     return jax.jit(fn, out_shardings=sharding)
 
 
-def _to_logical(emb, layout, packing, array: jax.Array) -> jax.Array:
-    """Physical array -> logical rows padded with zeros to N * S, row-sharded."""
-    ndim = packing.rank
+def _to_logical(emb, storage: _storage.TableStorage, slot, array: jax.Array) -> jax.Array:
+    """A stored array (the table's for slot None) -> logical rows padded with zeros to
+    N * S, row-sharded."""
+    ndim = 2 if slot is None else slot.rank
     array = jax.device_put(array, _row_sharding(emb, True, array.ndim))
-    if (layout.strategy == "div" and layout.padded_rows == layout.vocabulary_size and
-            not packing.packed):
+    if storage.is_identity(slot):
         return array  # Already logical, unpadded: no copy.
-    return _logical_fn(layout, packing, _row_sharding(emb, True, ndim))(array)
+    return _logical_fn(storage, slot, _row_sharding(emb, True, ndim))(array)
 
 
-def _to_physical(emb, layout, packing, stored: jax.Array) -> jax.Array:
+def _to_physical(emb, storage: _storage.TableStorage, slot, stored: jax.Array) -> jax.Array:
     """Stored logical rows (R', ...) on `emb`'s mesh -> the physical array, row-sharded."""
-    ndim = len(packing.physical_shape(layout))
-    physical = _physical_fn(layout, packing, _row_sharding(emb, True, ndim))(stored)
+    table_shape, slot_shapes = storage.shapes()
+    ndim = len(table_shape if slot is None else slot_shapes[slot.name])
+    physical = _physical_fn(storage, slot, _row_sharding(emb, True, ndim))(stored)
     return jax.device_put(physical, _row_sharding(emb, False, ndim))
 
 
 def _slot_info(plan) -> dict:
-    return {s.name: {"rank": s.rank} for s in plan.slot_specs}
+    return {s.name: {"rank": s.rank} for s in plan.storage.slot_specs}
 
 
 def _metadata(emb, step: int, has_dense: bool) -> dict:
@@ -295,7 +296,7 @@ def _metadata(emb, step: int, has_dense: bool) -> dict:
                           "dtype": jnp.dtype(plan.config.dtype).name,
                           "stored_rows": plan.layout.padded_rows,
                           "slots": _slot_info(plan)}
-                   for name, plan in emb.plans.items()},
+                   for name, plan in emb.table_plans.items()},
     }
 
 
@@ -328,13 +329,13 @@ def _check_compatible(emb, meta: dict, where: str) -> None:
                          f"(format {meta.get('format')!r}, expected {_FORMAT!r}).")
     saved = meta["tables"]
     problems = []
-    missing = sorted(n for n in emb.plans if n not in saved)
-    extra = sorted(n for n in saved if n not in emb.plans)
+    missing = sorted(n for n in emb.table_plans if n not in saved)
+    extra = sorted(n for n in saved if n not in emb.table_plans)
     if missing:
         problems.append(f"tables {missing} are not in the checkpoint (it has {sorted(saved)})")
     if extra:
         problems.append(f"the checkpoint's tables {extra} are not in the embedding's spec")
-    for name, plan in emb.plans.items():
+    for name, plan in emb.table_plans.items():
         if name not in saved:
             continue
         s = saved[name]
@@ -361,14 +362,14 @@ def _describe_slots(slots: dict) -> str:
 def _embedding_target(emb) -> dict:
     """Abstract logical arrays (padded to `emb`'s N * S rows) on `emb`'s mesh."""
     tables, slots = {}, {}
-    for name, plan in emb.plans.items():
+    for name, plan in emb.table_plans.items():
         rows, d = plan.layout.padded_rows, plan.config.dim
         tables[name] = jax.ShapeDtypeStruct((rows, d), plan.config.dtype,
                                             sharding=_row_sharding(emb, True, 2))
         slots[name] = {s.name: jax.ShapeDtypeStruct((rows, d) if s.rank == 2 else (rows,),
                                                     jnp.float32,
                                                     sharding=_row_sharding(emb, True, s.rank))
-                       for s in plan.slot_specs}
+                       for s in plan.storage.slot_specs}
     return {"tables": tables, "slots": slots}
 
 

@@ -129,7 +129,7 @@ def _result(path, spec, emb, topo, batch, lengths, r: _tpu.CompileReport,
     per_chip = topo.devices_per_chip
     tables = []
     for name, table in spec.tables().items():
-        plan_ = emb.plans[name]
+        plan_ = emb.table_plans[name]
         tables.append({
             "name": name, "vocabulary_size": table.vocabulary_size, "dim": table.dim,
             "optimizer": type(plan_.optimizer).__name__,
@@ -145,8 +145,8 @@ def _result(path, spec, emb, topo, batch, lengths, r: _tpu.CompileReport,
     out = {
         "config": path, "topology": topo.name, "chips": topo.chips, "devices": len(topo.devices),
         "devices_per_chip": per_chip, "batch": batch,
-        "max_ids_per_shard": {n: p_.max_ids for n, p_ in emb.plans.items()},
-        "max_unique_ids_per_shard": {n: p_.max_unique for n, p_ in emb.plans.items()},
+        "max_ids_per_shard": {n: p_.max_ids for n, p_ in emb.table_plans.items()},
+        "max_unique_ids_per_shard": {n: p_.max_unique for n, p_ in emb.table_plans.items()},
         "ids_per_example": {p: lengths.get(p, f.max_sequence_length or 1)
                             for p, f in spec.flat_features},
         "tables": tables,

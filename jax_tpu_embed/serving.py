@@ -10,7 +10,7 @@
 
 Inputs take every form `Embedding.lookup` takes (one-hot (B,), padded (B, L), `jte.Weighted`,
 sequence features, ids outside [0, V) treated as -1) and are brought to (ids, weights) by the
-same `_inputs.normalize`; combiners use the same `_sparse.combiner_scale`. Unlike TensorFlow,
+same `_inputs.normalize`; combiners use the same `_inputs.combiner_scale`. Unlike TensorFlow,
 tables trained with "mod" serve like any other: exports are always in natural row order.
 """
 
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _config, _embedding, _inputs, _sparse
+from . import _config, _embedding, _inputs
 
 Nested = Any
 
@@ -64,7 +64,7 @@ def _embed(path: str, feature: _config.FeatureConfig, table, leaf):
     if feature.is_sequence:
         acts = rows * weights[..., None]
     else:
-        scale = _sparse.combiner_scale(weights, feature.table.combiner)
+        scale = _inputs.combiner_scale(weights, feature.table.combiner)
         acts = jnp.einsum("bl,bld->bd", scale, rows, precision=lax.Precision.HIGHEST)
     if feature.output_shape is None:
         return acts

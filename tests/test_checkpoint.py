@@ -310,7 +310,7 @@ def test_lane_packed_state_round_trips_through_logical_rows(tmp_path, save_lanes
                                                             restore_lanes, items_opt):
     """TPU's packed physical layout (forced here) and the plain one share checkpoints: with
     a rank-1 slot in its own packed array, and with Adagrad's accumulator riding in the
-    table's own rows (_sparse.TablePlan.riders)."""
+    table's own rows (_storage.TableStorage.riders)."""
     rng = np.random.default_rng(3)
     opt = jte.RowwiseAdagrad(0.2) if items_opt == "rowwise_adagrad" else jte.Adagrad(0.2)
     saver = jte.Embedding(_spec("mod", items_optimizer=opt), make_mesh(4),
@@ -318,7 +318,7 @@ def test_lane_packed_state_round_trips_through_logical_rows(tmp_path, save_lanes
     loader = jte.Embedding(_spec("div", items_optimizer=opt), make_mesh(2),
                            lane_width=restore_lanes)
     packed = saver if save_lanes else loader
-    assert len(packed.plans["items"].riders) == (1 if items_opt == "adagrad" else 0)
+    assert len(packed.storage("items").riders) == (1 if items_opt == "adagrad" else 0)
     state = _train(saver, saver.init(jax.random.key(1)), [_batch(rng) for _ in range(2)])
     checkpoint.save(tmp_path, saver, state)
     restored, _ = checkpoint.restore(tmp_path, loader)

@@ -214,13 +214,14 @@ def test_lane_packing_round_trip(width, rank, k, w):
 ])
 def test_slots_ride_in_the_table_rows_only_when_free(optimizer, dim, dtype, lanes, riders,
                                                      width):
-    """Which slots share the table's array (TablePlan.riders): f32, same width, the group
+    """Which slots share the table's array (TableStorage.riders): f32, same width, the group
     within 128 lanes and padding to no more lanes than separate arrays would; the others
     keep arrays of their own (abstract_state's slots)."""
     spec = jte.EmbeddingSpec(
         {"f": jte.FeatureConfig(jte.TableConfig(1000, dim, name="t", dtype=dtype))}, optimizer)
     emb = jte.Embedding(spec, make_mesh(2), lane_width=lanes)
-    plan = emb.plans["t"]
-    assert [s.name for s in plan.riders] == riders
-    assert plan.packing.width == width
-    assert set(emb.abstract_state().slots["t"]) == {s.name for s in plan.slot_specs} - set(riders)
+    storage = emb.storage("t")
+    assert [s.name for s in storage.riders] == riders
+    assert storage.packing.width == width
+    assert set(emb.abstract_state().slots["t"]) == (
+        {s.name for s in storage.slot_specs} - set(riders))

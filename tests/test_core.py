@@ -160,7 +160,7 @@ def _run_reference(emb, spec, tables, slots, features, grads, steps_lr, extras=N
     row_grads = reference_row_grads(tables, features, grads)
     out_t, out_s = {}, {}
     for name, table in tables.items():
-        cfg = emb.plans[name]
+        cfg = emb.table_plans[name]
         opt_key = next(k for k, (o, _) in OPTIMIZERS.items() if o is cfg.optimizer)
         _, hp = OPTIMIZERS[opt_key]
         out_t[name], out_s[name] = reference.apply(
@@ -204,27 +204,7 @@ def _two_steps_match_reference(emb, spec, rng, key, *, wide=False, extras=None):
         _check_update(emb, spec, tables, slots, features, grads, state, extras)
 
 
-# Each optimizer on one (strategy, mesh) pair; test_results_identical_for_every_strategy_and_mesh
-# covers the rest.
-_MESHES = [("div", 1), ("mod", 4), ("div", 8), ("mod", 2), ("mod", 8), ("div", 4)]
-
-
-@pytest.mark.parametrize("opt_key,strategy,num_shards",
-                         [(k, *_MESHES[i % len(_MESHES)])
-                          for i, k in enumerate(sorted(OPTIMIZERS))])
-def test_update_matches_reference(opt_key, strategy, num_shards, rng):
-    optimizer, _ = OPTIMIZERS[opt_key]
-    spec = _features_and_spec(optimizer, table_optimizer=OPTIMIZERS["adam"][0],
-                              strategy=strategy)
-    emb = jte.Embedding(spec, make_mesh(num_shards))
-    state = emb.init(jax.random.key(2))
-    for _ in range(2):  # Two steps: slots written by step 1 are read by step 2.
-        features = _inputs(rng)
-        tables, slots = emb.export(state), emb.export_slots(state)
-        grads = _grads(rng, emb.lookup(state, features))
-        state = emb.apply_gradients(state, features, grads)
-        _check_update(emb, spec, tables, slots, features, grads, state)
-    assert int(state.step) == 2
+# tests/test_optimizers.py runs every optimizer on every backend, strategy and mesh size.
 
 
 def test_results_identical_for_every_strategy_and_mesh(rng):
@@ -298,9 +278,9 @@ def test_custom_optimizer(strategy, tpu_kernels, rng):
                               slot_initializers=[jax.nn.initializers.constant(0.5), 0.0],
                               hyperparameters=[lambda s: 0.9 - 0.1 * s], slot_dims=[2, 1])
     spec = _features_and_spec(opt, strategy=strategy, wide=bool(tpu_kernels))
-    kernels = dict(tpu_kernels="interpret", lane_width=128) if tpu_kernels else {}
-    emb = jte.Embedding(spec, make_mesh(8), **kernels)
-    assert emb.plans["shared"].fused == bool(tpu_kernels)
+    backend = "pallas_interpret" if tpu_kernels else "auto"
+    emb = jte.Embedding(spec, make_mesh(8), backend=backend)
+    assert (emb.backends["shared"] == "pallas_interpret") == bool(tpu_kernels)
     state = emb.init(jax.random.key(0))
     np.testing.assert_array_equal(emb.export_slots(state)["shared"]["velocity"], 0.5)
     for step in range(2):
@@ -388,9 +368,9 @@ def test_lane_packed_layout_gives_identical_results(opt_key, strategy, num_shard
     # 8 logical rows per physical row: D=5 and its slots' 5 lanes each (riders), padded to
     # a power of two.
     assert s_packed.tables["shared"].shape[1] == 128
-    plan = packed.plans["shared"]
-    assert len(plan.riders) == {"adagrad": 1, "rowwise_adagrad": 0, "ftrl": 2}[opt_key]
-    own = set() if plan.riders else {s.name for s in plan.slot_specs}  # Rank 1: own array.
+    storage = packed.storage("shared")
+    assert len(storage.riders) == {"adagrad": 1, "rowwise_adagrad": 0, "ftrl": 2}[opt_key]
+    own = set() if storage.riders else {s.name for s in storage.slot_specs}  # Rank 1: own.
     assert set(s_packed.slots["shared"]) == own
     for _ in range(2):
         features = _inputs(rng)
@@ -406,7 +386,7 @@ def test_lane_packed_layout_gives_identical_results(opt_key, strategy, num_shard
         untouched = np.setdiff1d(np.arange(37), touched)
         np.testing.assert_array_equal(packed.export(s_packed)["shared"][untouched],
                                       before[untouched])  # Neighbours keep their bits.
-        for name in plain.plans:
+        for name in plain.table_plans:
             _close(plain.export(s_plain)[name],
                                           packed.export(s_packed)[name])
             for k, v in plain.export_slots(s_plain)[name].items():
@@ -419,7 +399,7 @@ def test_lane_packed_layout_gives_identical_results(opt_key, strategy, num_shard
     back = packed.restore_tables(plain.export(s_plain), plain.export_slots(s_plain))
     fresh = packed.restore_tables(plain.export(s_plain), key=jax.random.key(0))
     initial = plain.export_slots(plain.init(jax.random.key(0)))
-    for name in plain.plans:
+    for name in plain.table_plans:
         np.testing.assert_array_equal(packed.export(back)[name], plain.export(s_plain)[name])
         for k, v in plain.export_slots(s_plain)[name].items():
             np.testing.assert_array_equal(packed.export_slots(back)[name][k], v)
@@ -444,62 +424,61 @@ def test_update_in_passes_matches_reference(opt_key, strategy, num_shards, max_i
     equal the reference; untouched rows and slots keep their bits."""
     optimizer, _ = OPTIMIZERS[opt_key]
     spec = _features_and_spec(optimizer, strategy=strategy)
-    emb = jte.Embedding(spec, make_mesh(num_shards), cpu_kernels=False,
+    emb = jte.Embedding(spec, make_mesh(num_shards), backend="xla",
                         lane_width=lane_width, max_ids_per_shard=max_ids,
                         max_unique_ids_per_shard=max_unique)
     if lane_width:  # As on a TPU mesh: packed rows, per-shard passes, payload sorts.
-        for name, plan in emb.plans.items():
-            emb.plans[name] = dataclasses.replace(plan, tpu=True)
+        for name, plan in emb.table_plans.items():
+            emb.table_plans[name] = dataclasses.replace(plan, on_tpu=True)
     _two_steps_match_reference(emb, spec, rng, jax.random.key(3))
 
 
 @pytest.mark.parametrize("opt_key,strategy,num_shards,keys", [
-    ("adagrad", "div", 4, "packed"), ("adam", "mod", 2, "packed"), ("ftrl", "div", 1, "packed"),
-    ("rowwise_adagrad", "mod", 8, "packed"), ("sgd", "div", 2, "packed"),
+    ("adagrad", "div", 4, "packed"), ("ftrl", "mod", 2, "packed"),
     ("adagrad", "mod", 4, "separate")])
 def test_fused_tpu_kernels_match_reference(opt_key, strategy, num_shards, keys, rng,
                                            monkeypatch):
     """The fused Pallas lookup and update (_pallas, TPU meshes' default), run in Pallas'
-    TPU interpreter: packed rows, shared tables, sequence features, rank-1 slots, gradient
-    multiplier and clipping equal the float64 reference; untouched rows and slots keep
-    their bits. (test_custom_optimizer runs a user's row function through them.) Blocks of
-    8 pairs: rows carried from block to block, packed rows re-read after a write. Keys
+    TPU interpreter on every input form at once, as on a TPU mesh: packed rows, shared
+    tables, sequence features, weights, rank-1 slots, gradient multiplier and clipping
+    equal the float64 reference; untouched rows and slots keep their bits. Blocks of 8
+    pairs: rows carried from block to block, packed rows re-read after a write. Keys
     "packed" hold (row, output row) in one int32, as these small tables allow; "separate"
-    gives the kernels an output-row array, as for tables too large to pack."""
-    from jax_tpu_embed import _pallas, _sparse
+    gives the kernels an output-row array, as for tables too large to pack.
+    (tests/test_optimizers.py runs every optimizer through them.)"""
+    from jax_tpu_embed import _pallas, _streams
     monkeypatch.setattr(_pallas, "_BLOCK", 8)
     if keys == "separate":
-        monkeypatch.setattr(_sparse, "_PACKED_KEYS", 0)
+        monkeypatch.setattr(_streams, "PACKED_KEYS", 0)
     optimizer, _ = OPTIMIZERS[opt_key]
     spec = _features_and_spec(optimizer, strategy=strategy, wide=True, clipping_limit=0.9,
                               gradient_multiplier_fn=lambda step: 1.5)
-    emb = jte.Embedding(spec, make_mesh(num_shards), cpu_kernels=False, lane_width=128,
-                        tpu_kernels="interpret")
-    for name, plan in emb.plans.items():
-        emb.plans[name] = dataclasses.replace(plan, tpu=True)
-        assert emb.plans[name].fused
+    emb = jte.Embedding(spec, make_mesh(num_shards), backend="pallas_interpret")
+    assert set(emb.backends.values()) == {"pallas_interpret"}
+    for name, plan in emb.table_plans.items():
+        emb.table_plans[name] = dataclasses.replace(plan, on_tpu=True)
     _two_steps_match_reference(emb, spec, rng, jax.random.key(5), wide=True,
                                extras=dict(clipping_limit=0.9, multiplier=1.5))
 
 
 def test_pass_capacity():
-    from jax_tpu_embed import _sparse
+    from jax_tpu_embed import _streams
     spec = _features_and_spec(jte.Adagrad(0.1))
-    plan = jte.Embedding(spec, make_mesh(2), max_ids_per_shard={"shared": 100}).plans
-    assert _sparse.capacity(plan["shared"], 4096, 4) == 104  # Rounded up to 8.
-    assert _sparse.capacity(plan["shared"], 64, 4) == 64  # At most M.
-    assert _sparse.capacity(plan["weighted"], 4096, 4) == 4096  # CPU mesh: all M.
-    tpu_like = dataclasses.replace(plan["weighted"], tpu=True)  # As on TPU meshes.
-    assert _sparse.capacity(tpu_like, 4096, 4) == 1536  # 1.5 x M / N.
-    assert _sparse.capacity(tpu_like, 4096, 1) == 4096
-    assert _sparse.unique_capacity(plan["shared"], 104) == 104  # Default: C.
-    plan = jte.Embedding(spec, make_mesh(2), max_unique_ids_per_shard=21).plans
-    assert _sparse.unique_capacity(plan["shared"], 104) == 24
-    assert _sparse.unique_capacity(plan["shared"], 16) == 16
+    plan = jte.Embedding(spec, make_mesh(2), max_ids_per_shard={"shared": 100}).table_plans
+    assert _streams.capacity(plan["shared"], 4096, 4) == 104  # Rounded up to 8.
+    assert _streams.capacity(plan["shared"], 64, 4) == 64  # At most M.
+    assert _streams.capacity(plan["weighted"], 4096, 4) == 4096  # CPU mesh: all M.
+    tpu_like = dataclasses.replace(plan["weighted"], on_tpu=True)  # As on TPU meshes.
+    assert _streams.capacity(tpu_like, 4096, 4) == 1536  # 1.5 x M / N.
+    assert _streams.capacity(tpu_like, 4096, 1) == 4096
+    assert _streams.unique_capacity(plan["shared"], 104) == 104  # Default: C.
+    plan = jte.Embedding(spec, make_mesh(2), max_unique_ids_per_shard=21).table_plans
+    assert _streams.unique_capacity(plan["shared"], 104) == 24
+    assert _streams.unique_capacity(plan["shared"], 16) == 16
     dense = jte.Embedding(_features_and_spec(jte.Adam(0.1, lazy_adam=False)), make_mesh(2),
-                          max_ids_per_shard=8, max_unique_ids_per_shard=8).plans
-    assert _sparse.capacity(dense["shared"], 4096, 4) == 4096  # Every row: one pass.
-    assert _sparse.unique_capacity(dense["shared"], 4096) == 4096
+                          max_ids_per_shard=8, max_unique_ids_per_shard=8).table_plans
+    assert _streams.capacity(dense["shared"], 4096, 4) == 4096  # Every row: one pass.
+    assert _streams.unique_capacity(dense["shared"], 4096) == 4096
 
 
 @pytest.mark.parametrize("value,match", [
@@ -518,10 +497,10 @@ def test_bad_max_ids_per_shard(value, match):
 def test_id_counts_and_passes(rng):
     """id_counts against a per-shard count written out here ("mod": shard = id % N), and
     the pass count it predicts against a hand-worked case."""
-    from jax_tpu_embed._sparse import passes_needed
+    from jax_tpu_embed._streams import passes_needed
     spec = _features_and_spec(jte.Adagrad(0.1), strategy="mod")
     features = _inputs(rng)
-    emb = jte.Embedding(spec, make_mesh(4), cpu_kernels=False, max_ids_per_shard=4,
+    emb = jte.Embedding(spec, make_mesh(4), backend="xla", max_ids_per_shard=4,
                         max_unique_ids_per_shard=2)
     got = emb.id_counts(features)
     shared = np.concatenate([features["multi"].ravel(), features["one"].ravel()])
@@ -539,11 +518,11 @@ def test_id_counts_and_passes(rng):
     assert passes_needed(np.array([1] * 10), 16, 3) == 4
 
 
-def test_tpu_kernels_choice_and_fallback(rng):
-    """Which tables the fused TPU kernels take: float32 tables with a sparse update whose
-    activations fit half of the chip's VMEM; the others run the XLA passes with the same
-    results. Bad values of tpu_kernels are refused, naming what is allowed."""
-    from jax_tpu_embed import _pallas, _sparse
+def test_pallas_choice_and_fallback(rng):
+    """Which tables the Pallas kernels take: float32 tables with a sparse update; a batch
+    whose activations overflow half of the chip's VMEM runs the XLA passes, with the same
+    results."""
+    from jax_tpu_embed import _pallas
     assert _pallas.vmem_bytes("TPU v5") == 64 << 20  # v5p
     assert _pallas.vmem_bytes("TPU v5 lite") == 128 << 20  # v5e
     assert _pallas.vmem_bytes("TPU v4") == 16 << 20
@@ -553,18 +532,19 @@ def test_tpu_kernels_choice_and_fallback(rng):
     assert _pallas.fits_vmem(4096, 64, 4 << 20)  # Lanes pad to 128 in VMEM.
 
     spec = _features_and_spec(jte.Adagrad(0.2), wide=True)
-    emb = jte.Embedding(spec, make_mesh(2), lane_width=128, tpu_kernels="interpret")
-    assert all(p.fused for p in emb.plans.values())
-    dense = jte.Embedding(_features_and_spec(jte.Adam(0.1, lazy_adam=False)), make_mesh(2),
-                          lane_width=128, tpu_kernels="interpret")
-    assert not any(p.fused for p in dense.plans.values())
-    assert not jte.Embedding(spec, make_mesh(2)).plans["shared"].fused  # Off TPU: XLA.
+    emb = jte.Embedding(spec, make_mesh(2), backend="pallas_interpret")
+    assert emb.lane_width == 128  # The kernels' layout by default.
+    with pytest.raises(ValueError, match=r"table 'shared' cannot use backend "
+                                         r"'pallas_interpret': Adam\(lazy_adam=False\)"):
+        jte.Embedding(_features_and_spec(jte.Adam(0.1, lazy_adam=False)), make_mesh(2),
+                      backend="pallas_interpret")
     # A chip with too little VMEM for the batch's activations: the XLA passes.
-    tiny = dataclasses.replace(emb.plans["shared"], vmem=64 << 10)
-    assert _sparse.runs_fused(emb.plans["shared"], 32) and not _sparse.runs_fused(tiny, 512)
-    small = jte.Embedding(spec, make_mesh(2), lane_width=128, tpu_kernels="interpret")
-    for name, plan in small.plans.items():
-        small.plans[name] = dataclasses.replace(plan, vmem=4 << 10)
+    plan = emb.table_plans["shared"]
+    tiny = dataclasses.replace(plan, vmem=64 << 10)
+    assert plan.backend.single_pass(plan, 32) and not plan.backend.single_pass(tiny, 512)
+    small = jte.Embedding(spec, make_mesh(2), backend="pallas_interpret")
+    for name, p in small.table_plans.items():
+        small.table_plans[name] = dataclasses.replace(p, vmem=4 << 10)
     features = _inputs(rng, wide=True)
     state = emb.init(jax.random.key(1))
     acts, acts_small = emb.lookup(state, features), small.lookup(state, features)
@@ -578,12 +558,52 @@ def test_tpu_kernels_choice_and_fallback(rng):
         np.testing.assert_allclose(b[name], a[name], rtol=1e-6, atol=1e-7)
     assert emb.id_counts(features)["shared"]["passes"] == 1
 
+
+def test_backend_choice():
+    """backend= picks each table's backend once, publicly; "auto" takes what a table can
+    use; a backend a table cannot use is refused, naming the table and the reason; the
+    deprecated cpu_kernels= / tpu_kernels= map onto the same choice."""
+    from jax_tpu_embed import _cpu_kernels
+    mixed = jte.EmbeddingSpec(
+        {"a": jte.FeatureConfig(jte.TableConfig(10, 4, name="f32")),
+         "b": jte.FeatureConfig(jte.TableConfig(10, 4, name="bf16", dtype=jnp.bfloat16))},
+        jte.Adagrad(0.1))
+    cpu = "cpu" if _cpu_kernels.available() else "xla"
+    assert jte.Embedding(mixed, make_mesh(2)).backends == {"f32": cpu, "bf16": "xla"}
+    assert jte.Embedding(mixed, make_mesh(2), backend="xla").backends == {
+        "f32": "xla", "bf16": "xla"}
+    assert jte.Embedding(mixed, make_mesh(2), backend={"f32": "pallas_interpret"}).backends \
+        == {"f32": "pallas_interpret", "bf16": "xla"}
+    with pytest.raises(ValueError, match="table 'bf16' cannot use backend 'pallas_interpret': "
+                                         "the Pallas kernels take float32 tables; this one "
+                                         "is bfloat16"):
+        jte.Embedding(mixed, make_mesh(2), backend="pallas_interpret")
+    with pytest.raises(ValueError, match="table 'f32' cannot use backend 'pallas': it needs a "
+                                         "TPU mesh and this one is on 'cpu'"):
+        jte.Embedding(mixed, make_mesh(2), backend={"f32": "pallas"})
+    with pytest.raises(ValueError, match="cannot use backend 'cpu': the C|cannot use backend "
+                                         "'cpu': its C"):
+        jte.Embedding(mixed, make_mesh(2), backend={"bf16": "cpu"})
+    with pytest.raises(ValueError, match=r"backend must be one of \['auto', 'xla', 'pallas', "
+                                         r"'pallas_interpret', 'cpu'\].*got 'gpu'"):
+        jte.Embedding(mixed, make_mesh(2), backend="gpu")
+    with pytest.raises(ValueError, match=r"backend names \['nope'\], which are not tables"):
+        jte.Embedding(mixed, make_mesh(2), backend={"nope": "xla"})
+    with pytest.warns(DeprecationWarning, match="use backend="):
+        legacy = jte.Embedding(mixed, make_mesh(2), cpu_kernels=False)
+    assert legacy.backends == {"f32": "xla", "bf16": "xla"}
+    with pytest.warns(DeprecationWarning):
+        legacy = jte.Embedding(mixed, make_mesh(2), tpu_kernels="interpret", lane_width=128)
+    assert legacy.backends == {"f32": "pallas_interpret", "bf16": "xla"}
     with pytest.raises(ValueError, match="tpu_kernels must be None, True, False or "
-                                         "'interpret', got 'yes'"):
-        jte.Embedding(spec, make_mesh(2), tpu_kernels="yes")
+                                         "'interpret', got 'yes'"), \
+            pytest.warns(DeprecationWarning):
+        jte.Embedding(mixed, make_mesh(2), tpu_kernels="yes")
     with pytest.raises(ValueError, match="tpu_kernels=True needs a TPU mesh; this one is on "
-                                         "'cpu'"):
-        jte.Embedding(spec, make_mesh(2), tpu_kernels=True)
+                                         "'cpu'"), pytest.warns(DeprecationWarning):
+        jte.Embedding(mixed, make_mesh(2), tpu_kernels=True)
+    with pytest.raises(ValueError, match="pass backend= or the deprecated"):
+        jte.Embedding(mixed, make_mesh(2), backend="xla", cpu_kernels=False)
 
 
 @pytest.mark.parametrize("opt_key", ["adagrad", "rowwise_adagrad", "adam"])
@@ -599,7 +619,7 @@ def test_packed_bfloat16_update_is_bit_identical_to_plain(opt_key, rng):
     grads = {"a": rng.normal(size=(16, 5)).astype(np.float32)}
     out = []
     for lanes in (0, 128):
-        emb = jte.Embedding(spec, make_mesh(4), lane_width=lanes, cpu_kernels=False)
+        emb = jte.Embedding(spec, make_mesh(4), lane_width=lanes, backend="xla")
         state = emb.restore_tables({"t": start.astype(jnp.bfloat16)})
         state = emb.apply_gradients(state, {"a": ids}, grads)
         out.append((emb.export(state)["t"], emb.export_slots(state)["t"]))

@@ -1,10 +1,10 @@
 // CPU kernels of jax_tpu_embed, called through XLA FFI (see ../_cpu_kernels.py).
 //
-// They run inside shard_map, on one device's shard, and mirror the portable code of
-// _sparse.py: `SumDuplicates` is `_sparse._sum_duplicates` bit for bit, `SparseUpdate` is
-// `_sum_duplicates` followed by `_apply_rows` for SGD, Adagrad and RowwiseAdagrad, in place on
+// They run inside shard_map, on one device's shard, and mirror the portable backend
+// (_xla_backend.py): `SumDuplicates` is `sum_duplicates` bit for bit, `SparseUpdate` is
+// `sum_duplicates` followed by `apply_rows` for SGD, Adagrad and RowwiseAdagrad, in place on
 // the donated table and slot (touching only the rows in the batch), and `PooledLookup` is the
-// gather + weighted sum of `lookup_local` for non-sequence features.
+// gather + weighted sum of the XLA lookup for non-sequence features.
 //
 // Keys are shard-local rows; keys >= 2**30 mark positions this shard does not own. Gradients
 // of one row are summed in position order starting from +0.0f, as XLA's scatter-add does, so

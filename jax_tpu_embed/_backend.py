@@ -1,0 +1,214 @@
+"""The backend seam: who does the shard-local row work of a table, chosen once per table.
+
+Inside `shard_map`, each device embeds its examples and updates its rows. Everything about a
+table that is not a choice of kernels is shared (ownership and storage: `_storage`; the
+sorted (id, position) pair streams: `_streams`; the optimizer's per-row step: `RowStep`). A
+`Backend` does the rest, for one table at a time:
+
+- `lookup(plan, table, inputs, axis)`: this device's activations of the table's features;
+- `update(plan, table, slots, inputs, grads, row_step, axis)`: one sparse step on this
+  device's shard of the table and its stored slots.
+
+Implementations, each in a module of its own:
+
+    "xla"               _xla_backend.XlaBackend   portable XLA passes, any mesh and table
+    "pallas"            _pallas.PallasBackend     fused Pallas TPU kernels (TPU meshes)
+    "pallas_interpret"  _pallas.PallasBackend     the same kernels in Pallas' interpreter
+    "cpu"               _cpu_kernels.CpuBackend   C++ kernels through XLA FFI (CPU meshes)
+
+`Embedding(backend=...)` names one for every table or {table: name}; "auto" takes the
+fastest one each table can use on its mesh (`choose`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from . import _config, _optimizers, _storage
+
+NAMES = ("auto", "xla", "pallas", "pallas_interpret", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class TablePlan:
+    """Static facts of one table that the backends need.
+
+    Attributes:
+        name: The table's name.
+        config: Its TableConfig.
+        optimizer: Its optimizer (the table's own or the spec's).
+        storage: Its physical form.
+        backend: Who does its row work.
+        max_ids: Pairs per shard and pass of the XLA passes (`_streams.capacity`); None:
+            automatic.
+        max_unique: Distinct rows per shard and pass; None: = the pairs per pass.
+        on_tpu: The mesh is made of TPUs: passes over each shard's share of the pairs, and ids
+            flattened as the TPU stores them (`_streams`).
+        vmem: VMEM bytes per TensorCore of the mesh's TPUs (sizes the Pallas kernels).
+    """
+
+    name: str
+    config: _config.TableConfig
+    optimizer: _optimizers.Optimizer
+    storage: _storage.TableStorage
+    backend: Backend
+    max_ids: int | None = None
+    max_unique: int | None = None
+    on_tpu: bool = False
+    vmem: int = 16 << 20
+
+    @property
+    def layout(self):
+        return self.storage.layout
+
+
+@dataclasses.dataclass(frozen=True)
+class FeaturePlan:
+    """One feature: its path ("a/b" when nested), config and table name."""
+
+    path: str
+    config: _config.FeatureConfig
+    table: str
+
+
+class Input(NamedTuple):
+    """One feature's shard of the batch: ids (b, L) int32, -1 where none; weights (b, L)
+    float32, or None when the feature has none (derived from the ids where needed)."""
+
+    feature: FeaturePlan
+    ids: jax.Array
+    weights: jax.Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class RowStep:
+    """One step's optimizer work on ONE row, for every backend.
+
+    `row_fn(g (D,), [row, *slots], scalars) -> [new row, *new slots]` applies the gradient
+    multiplier and clipping, the optimizer's update_row and its extras (weight decay, weight
+    clipping); `scalars` (n,) float32 holds the step's learning rate, hyperparameters and
+    multiplier, so a kernel can take them as one operand. The C++ kernels read the same
+    facts as fields.
+    """
+
+    scalars: jax.Array
+    row_fn: Callable
+    learning_rate: jax.Array
+    multiplier: jax.Array | None
+    clipping_limit: float | None
+
+
+def row_step(plan: TablePlan, spec: _config.EmbeddingSpec, step) -> RowStep:
+    """The RowStep of `plan`'s table at `step` (an int32 scalar)."""
+    opt = plan.optimizer
+    hps = tuple(opt.hyperparameters())
+    lr = _optimizers.evaluate(opt.learning_rate, step)
+    scalars = [lr] + [_optimizers.evaluate(h, step) for h in hps]
+    multiplier = None
+    if spec.gradient_multiplier_fn is not None:
+        multiplier = jnp.asarray(spec.gradient_multiplier_fn(step), jnp.float32)
+        scalars.append(multiplier)
+    limit = spec.clipping_limit
+
+    def row_fn(g, values, s):
+        lr, row = s[0], values[0].astype(jnp.float32)
+        if multiplier is not None:
+            g = g * s[-1]
+        if limit is not None:
+            g = jnp.clip(g, -limit, limit)
+        g = opt.clip_gradient(g)
+        out = opt.update_row(g, row, list(values[1:]), lr, tuple(s[1:1 + len(hps)]))
+        return [opt.finish_row(out[0], row, lr)] + list(out[1:])
+
+    return RowStep(jnp.stack(scalars), row_fn, lr, multiplier, limit)
+
+
+class Backend:
+    """The shard-local row work of one table; see the module docstring."""
+
+    name: str = ""
+
+    def unusable(self, table: _config.TableConfig, optimizer: _optimizers.Optimizer,
+                 storage: _storage.TableStorage, platform: str) -> str | None:
+        """Why this backend cannot serve that table on a mesh of `platform` devices, or
+        None if it can."""
+        raise NotImplementedError
+
+    def lookup(self, plan: TablePlan, table: jax.Array, inputs: list[Input],
+               axis: str) -> dict[str, jax.Array]:
+        """{feature path: (b, D), or (b·L, D) for a sequence feature} for this device's b
+        examples of every feature in `inputs` (all of them of this table)."""
+        raise NotImplementedError
+
+    def update(self, plan: TablePlan, table: jax.Array, slots: dict, inputs: list[Input],
+               grads: dict[str, jax.Array], step: RowStep, axis: str) -> tuple:
+        """(new table, new {stored slot: array}) after one sparse step from this device's
+        activation gradients {path: (b, D) or (b, L, D)}."""
+        raise NotImplementedError
+
+    def single_pass(self, plan: TablePlan, out_rows: int) -> bool:
+        """Whether every update of a batch with `out_rows` output rows takes one pass over
+        the pairs, whatever `max_ids_per_shard` says (`Embedding.id_counts`)."""
+        del plan, out_rows
+        return False
+
+    def __repr__(self):
+        return f"<backend {self.name}>"
+
+
+def _implementations() -> dict[str, Backend]:
+    # Imported here: the implementations import this module for the interface.
+    from . import _cpu_kernels, _pallas, _xla_backend
+    return {"xla": _xla_backend.XlaBackend(), "pallas": _pallas.PallasBackend(),
+            "pallas_interpret": _pallas.PallasBackend(interpret=True),
+            "cpu": _cpu_kernels.CpuBackend()}
+
+
+def choose(spec: _config.EmbeddingSpec, requested: str | Mapping[str, str],
+           storages: dict[str, _storage.TableStorage], platform: str, *,
+           auto_order: tuple[str, ...] | None = None) -> dict[str, Backend]:
+    """{table name: Backend} for `requested` ("auto", a name, or {table: name}).
+
+    "auto" takes, per table, the first of `auto_order` it can use (default by platform:
+    TPU "pallas", CPU "cpu", then "xla", which serves every table). A named backend that a
+    table cannot use is an error naming the table and the reason.
+    """
+    tables = spec.tables()
+    if isinstance(requested, Mapping):
+        unknown = sorted(set(requested) - set(tables))
+        if unknown:
+            raise ValueError(f"Embedding: backend names {unknown}, which are not tables; the "
+                             f"tables are {sorted(tables)}.")
+        per_table = {name: requested.get(name, "auto") for name in tables}
+    else:
+        per_table = dict.fromkeys(tables, requested)
+    bad = sorted({b for b in per_table.values() if b not in NAMES}, key=str)
+    if bad:
+        raise ValueError(f"Embedding: backend must be one of {list(NAMES)} (or a dict of them "
+                         f"per table), got {bad[0]!r}.")
+    if auto_order is None:
+        auto_order = {"tpu": ("pallas",), "cpu": ("cpu",)}.get(platform, ())
+    impls = _implementations()
+    chosen, problems = {}, []
+    for name, want in per_table.items():
+        table, storage = tables[name], storages[name]
+        opt = spec.optimizer_of(table)
+        if want == "auto":
+            chosen[name] = next(impls[b] for b in (*auto_order, "xla")
+                                if impls[b].unusable(table, opt, storage, platform) is None)
+            continue
+        why = impls[want].unusable(table, opt, storage, platform)
+        if why is not None:
+            problems.append(f"table {name!r} cannot use backend {want!r}: {why}")
+        chosen[name] = impls[want]
+    if problems:
+        raise ValueError("Embedding: " + "; ".join(problems) + ".")
+    return chosen
+
+
+Nested = Any

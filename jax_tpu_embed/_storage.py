@@ -1,0 +1,218 @@
+"""How one table and its optimizer slots are stored on the devices.
+
+A table's logical form is what users see: the table (V, D) and each slot (V, D) or (V,), in
+natural row order. Its physical form is what the devices hold: row-sharded arrays whose
+layout this module alone knows:
+
+- Ownership and padding (`_layout.TableLayout`): shard p holds its rows in local order,
+  padded to S = ceil(V / N) rows.
+- Lane packing (`_layout.Packing`): with `lanes` = 128 (TPU), an array of width w < 128 is
+  stored k = 128 // W logical rows to a 128-lane physical row (W: w rounded up to a power of
+  two), because the TPU pads (rows, w) arrays to 128 lanes and charges row scatters into them
+  whole-array passes.
+- Riders: a float32 table's same-width slots may ride in the table's own rows, [row | slot 1
+  | ...], when they fit one 128-lane row together and the shared row pads to no more lanes
+  than separate arrays would (Adagrad at every D <= 64). A touched row then costs one
+  physical row, not 1 + S. Rank-1 slots and the rest keep arrays of their own (`stored`).
+
+Init, export, restore, checkpoints, serving, planning and the backends all go through a
+`TableStorage`; none of them re-derives the physical form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from . import _layout, _optimizers
+
+
+@dataclasses.dataclass(frozen=True)
+class TableStorage:
+    """The physical form of one table and its slots.
+
+    Attributes:
+        layout: Row ownership and padding over the shards.
+        dim: D.
+        dtype: The table's storage dtype (slots are float32).
+        slot_specs: The optimizer's slots, in order.
+        lanes: Physical row width narrow rows are packed into (128 on TPU); 0: none.
+        dense_update: The optimizer updates every row (then nothing rides: its update is not
+            row-local in the same way, and it never runs the fused kernels).
+    """
+
+    layout: _layout.TableLayout
+    dim: int
+    dtype: jnp.dtype
+    slot_specs: tuple
+    lanes: int = 0
+    dense_update: bool = False
+
+    # ------------------------------------------------------------- what is stored where
+
+    @property
+    def riders(self) -> tuple:
+        """The slots stored in the table's own array, right of its D lanes, in order."""
+        if not self.lanes or jnp.dtype(self.dtype) != jnp.float32 or self.dense_update:
+            return ()
+        wide = tuple(s for s in self.slot_specs if s.rank == 2)
+        n = 1 + len(wide)
+
+        def width(w):
+            return _layout.Packing(w, 2, self.lanes).padded_width
+
+        fits = self.dim * n <= self.lanes and width(self.dim * n) <= n * width(self.dim)
+        return wide if wide and fits else ()
+
+    @property
+    def stored(self) -> tuple:
+        """The slots with arrays of their own (`EmbeddingState.slots`): all but the riders."""
+        riders = self.riders
+        return tuple(s for s in self.slot_specs if s not in riders)
+
+    @property
+    def packing(self) -> _layout.Packing:
+        """The table array's: D lanes per logical row, then the riders'."""
+        return _layout.Packing(self.dim * (1 + len(self.riders)), 2, self.lanes)
+
+    @property
+    def rows_packing(self) -> _layout.Packing:
+        """D-wide rows packed as a table without riders: lane-dense activations."""
+        return _layout.Packing(self.dim, 2, self.lanes)
+
+    def slot_packing(self, slot: _optimizers.SlotSpec) -> _layout.Packing:
+        return _layout.Packing(self.dim if slot.rank == 2 else 1, slot.rank, self.lanes)
+
+    @property
+    def packings(self) -> list[_layout.Packing]:
+        """The packings of the stored arrays, [table, *stored slots]."""
+        return [self.packing] + [self.slot_packing(s) for s in self.stored]
+
+    def shapes(self) -> tuple[tuple, dict[str, tuple]]:
+        """(table shape, {stored slot: shape}) of the physical, global arrays."""
+        return (self.packing.physical_shape(self.layout),
+                {s.name: self.slot_packing(s).physical_shape(self.layout) for s in self.stored})
+
+    def logical_shape(self, slot: _optimizers.SlotSpec | None = None) -> tuple:
+        """(V, D) for the table (slot None) or a rank-2 slot, (V,) for a rank-1 slot."""
+        v = self.layout.vocabulary_size
+        return (v, self.dim) if slot is None or slot.rank == 2 else (v,)
+
+    # -------------------------------------------------------------- logical <-> physical
+
+    def to_physical(self, table, slots: dict) -> tuple:
+        """Logical table (V, D) and slots {name: (V, D) or (V,)} -> (table array, {stored
+        slot: array}), global physical arrays. `slots` must hold every rider; stored slots
+        missing from it are left out. NumPy or jnp (traceable)."""
+        table = self._join(table, {s.name: slots[s.name] for s in self.riders})
+        return (self._array_to_physical(self.packing, table),
+                {s.name: self._array_to_physical(self.slot_packing(s), slots[s.name])
+                 for s in self.stored if s.name in slots})
+
+    def to_logical(self, table, slots: dict | None = None) -> tuple:
+        """The inverse of to_physical: (table (V, D), {slot: logical}) with every rider and
+        the stored slots given in `slots`. `table` may be None when no slot rides in it
+        (then so is the table returned)."""
+        riders = {}
+        if table is not None:
+            table, riders = self._split(self._array_to_logical(self.packing, table))
+        elif self.riders:
+            raise ValueError("TableStorage.to_logical: slots ride in the table's array; "
+                             "pass it.")
+        slots = slots or {}
+        stored = {s.name: self._array_to_logical(self.slot_packing(s), slots[s.name])
+                  for s in self.stored if s.name in slots}
+        return table, {s.name: riders[s.name] if s.name in riders else stored[s.name]
+                       for s in self.slot_specs if s.name in riders or s.name in stored}
+
+    def shard_table_rows(self, local, shard: int) -> np.ndarray:
+        """The logical rows (without riders) of shard `shard` from its physical rows."""
+        rows = self.packing.unpack(local, 1, self.layout.rows_per_shard)
+        return self._split(rows)[0][:int(self.layout.shard_sizes()[shard])]
+
+    def shard_rows(self) -> int:
+        """Physical rows of one shard of the table array."""
+        return self.packing.shard_rows(self.layout.rows_per_shard)
+
+    def array_to_logical(self, slot: _optimizers.SlotSpec | None, physical):
+        """One stored array (the table with its riders for slot None) -> logical rows."""
+        packing = self.packing if slot is None else self.slot_packing(slot)
+        return self._array_to_logical(packing, physical)
+
+    def array_to_physical(self, slot: _optimizers.SlotSpec | None, logical):
+        """The inverse of array_to_logical."""
+        packing = self.packing if slot is None else self.slot_packing(slot)
+        return self._array_to_physical(packing, logical)
+
+    def is_identity(self, slot: _optimizers.SlotSpec | None) -> bool:
+        """Whether the stored array is already its logical rows, unpadded: "div" with V a
+        multiple of N and no packing."""
+        packing = self.packing if slot is None else self.slot_packing(slot)
+        layout = self.layout
+        return (layout.strategy == "div" and layout.padded_rows == layout.vocabulary_size
+                and not packing.packed)
+
+    def _array_to_physical(self, packing: _layout.Packing, logical):
+        return packing.pack(self.layout.to_physical(logical), self.layout.num_shards)
+
+    def _array_to_logical(self, packing: _layout.Packing, physical):
+        rows = packing.unpack(physical, self.layout.num_shards, self.layout.rows_per_shard)
+        return self.layout.to_logical(rows)
+
+    # --------------------------------------------------------------------- one row
+
+    def split_row(self, group):
+        """(rows (..., D), {rider name: (..., D)}) from the table array's logical rows."""
+        return self._split(group)
+
+    def join_row(self, rows, riders: dict):
+        """The inverse of split_row."""
+        return self._join(rows, riders)
+
+    def _split(self, group):
+        d = self.dim
+        return group[..., :d], {s.name: group[..., d * (1 + i):d * (2 + i)]
+                                for i, s in enumerate(self.riders)}
+
+    def _join(self, rows, riders: dict):
+        if not self.riders:
+            return rows
+        xp = np if isinstance(rows, np.ndarray) else jnp
+        return xp.concatenate([rows] + [xp.asarray(riders[s.name]).astype(rows.dtype)
+                                        for s in self.riders], axis=-1)
+
+    def stored_row_fn(self, row_fn):
+        """row_fn(g, [row, *slots], scalars) -> [row, *slots] of ONE row, as a function over
+        the stored arrays' values of that row, [table array's row, *stored slots]: the
+        riders are split off before and joined back after."""
+        if not self.riders:
+            return row_fn
+        names = [s.name for s in self.slot_specs]
+        stored = [s.name for s in self.stored]
+
+        def fn(g, values, scalars):
+            row, riders = self._split(values[0])
+            given = {**riders, **dict(zip(stored, values[1:]))}
+            new = row_fn(g, [row] + [given[n] for n in names], scalars)
+            new_slots = dict(zip(names, new[1:]))
+            return ([self._join(new[0], {n: new_slots[n] for n in riders})] +
+                    [new_slots[n] for n in stored])
+
+        return fn
+
+    # ---------------------------------------------------------------------- accounting
+
+    def shard_bytes(self) -> tuple[int, int]:
+        """(table, slots) bytes of one shard as stored, padding and packing included; the
+        riders count as slots, by their share of the table array's lanes."""
+        table_shape, slot_shapes = self.shapes()
+        n = self.layout.num_shards
+
+        def size(shape, dtype):
+            return int(np.prod(shape)) // n * jnp.dtype(dtype).itemsize
+
+        table = size(table_shape, self.dtype)
+        riders = table * len(self.riders) // (1 + len(self.riders))
+        return table - riders, riders + sum(size(s, jnp.float32) for s in slot_shapes.values())
