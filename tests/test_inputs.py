@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import make_mesh
 from jax.sharding import NamedSharding
@@ -92,7 +93,9 @@ def test_ids_past_max_sequence_length_are_checked_too():
 
 
 def test_invalid_ids_under_jit_behave_like_padding(rng):
-    emb = jte.Embedding(_spec(), make_mesh(2))
+    # "mod": an unmasked id >= V has an owner there (id % N) and a local row past the
+    # shard's; with "div" its owner is past the last shard, which hides a missing mask.
+    emb = jte.Embedding(_spec(partition_strategy="mod"), make_mesh(2))
     state = emb.init(jax.random.key(0))
     bad = {"a": np.array([[1, 10], [-5, 2]], np.int32),
            "g": {"b": np.array([[0, 6, 1], [-2, 3, 99]], np.int32)}}
@@ -185,3 +188,158 @@ def test_lookup_and_update_trace_once(rng):
         state = step(state, features)
     assert len(traces) == 1
     assert int(state.step) == 3
+
+
+# ----------------------------------------------- invalid ids on the jitted training path
+
+_B = 16
+# Ids that must act as -1: at and past V, far past it, negative ones other than -1.
+_INVALID = {"t": [37, 38, 77, 37 * 8 + 5, 2**31 - 1, -5, -2**31],
+            "s": [11, 12, 25, 11 * 8 + 3, 2**31 - 1, -5, -2**31]}
+_LR = {"t": 0.4, "s": 0.3}
+
+
+def _invalid_ids_spec(strategy):
+    """Mean and sqrtn combiners, weights, a sequence feature (ids past its length are
+    dropped) and a one-hot feature; Adagrad's (D,) slot rides in the table's rows when lanes
+    are packed, RowwiseAdagrad's scalar one is packed 128 rows to a physical row."""
+    t = jte.TableConfig(37, 4, combiner="mean", name="t", optimizer=jte.Adagrad(_LR["t"]))
+    s = jte.TableConfig(11, 3, combiner="sqrtn", name="s",
+                        optimizer=jte.RowwiseAdagrad(_LR["s"], epsilon=1e-3))
+    return jte.EmbeddingSpec(
+        {"m": jte.FeatureConfig(t), "w": jte.FeatureConfig(t), "q": jte.FeatureConfig(s),
+         "seq": jte.FeatureConfig(s, max_sequence_length=3), "o": jte.FeatureConfig(s)},
+        jte.SGD(0.1), partition_strategy=strategy)
+
+
+# (table, shape, weighted, combiner, max_sequence_length) of each feature.
+_FEATURES = {"m": ("t", (_B, 3), False, "mean", 0), "w": ("t", (_B, 2), True, "mean", 0),
+             "q": ("s", (_B, 4), False, "sqrtn", 0), "seq": ("s", (_B, 4), False, "", 3),
+             "o": ("s", (_B,), False, "sqrtn", 0)}
+
+
+def _with_invalid_ids(rng):
+    """(bad, clean, planted): features with invalid ids at random places, the same with -1
+    there, and how many were planted per feature. Valid ids skip every third row, so that
+    rows no valid id touches are there to be checked."""
+    bad, clean, planted = {}, {}, {}
+    for path, (table, shape, weighted, _, _) in _FEATURES.items():
+        vocab = {"t": 37, "s": 11}[table]
+        ids = rng.choice([-1] + [r for r in range(vocab) if r % 3], shape)
+        where = rng.random(shape) < 0.3
+        where.flat[0] = True  # At least one in every feature.
+        ids = np.where(where, rng.choice(_INVALID[table], shape), ids).astype(np.int32)
+        fixed = np.where(where, -1, ids).astype(np.int32)
+        planted[path] = int(where.sum())
+        if weighted:
+            weights = rng.uniform(0.5, 2.0, shape).astype(np.float32)
+            ids, fixed = jte.Weighted(ids, weights), jte.Weighted(fixed, weights)
+        bad[path], clean[path] = ids, fixed
+    return bad, clean, planted
+
+
+def _ref_lookup(tables, clean):
+    out = {}
+    for path, (table, _, weighted, combiner, seq) in _FEATURES.items():
+        ids, weights = clean[path] if weighted else (clean[path], None)
+        out[path] = reference.lookup(tables[table], np.asarray(ids),
+                                     None if weights is None else np.asarray(weights),
+                                     combiner or "sum", seq)
+    return out
+
+
+def _on_devices(mesh, tree):
+    """Global jax.Arrays split over the batch: Embedding does not validate them on the
+    host, so invalid ids reach the devices."""
+    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("shard"))), tree)
+
+
+def _assert_lookup_matches(acts, want):
+    for path, w in want.items():
+        np.testing.assert_allclose(np.asarray(acts[path], np.float64), w, rtol=2e-6,
+                                   atol=2e-6, err_msg=path)
+
+
+def _ref_update(tables, slots, clean, grads):
+    """The float64 reference of one sparse step: (tables, slots, rows touched)."""
+    out_tables, out_slots, touched = {}, {}, {}
+    for name, opt, hp in (("t", "adagrad", {}), ("s", "rowwise_adagrad", {"epsilon": 1e-3})):
+        contributions = []
+        for path, (table, _, weighted, combiner, seq) in _FEATURES.items():
+            if table == name:
+                ids, weights = clean[path] if weighted else (clean[path], None)
+                contributions.append((ids, weights, combiner or "sum", seq, grads[path]))
+        by_row = reference.row_gradients(tables[name].shape[0], contributions)
+        out_tables[name], out_slots[name] = reference.apply(opt, hp, tables[name],
+                                                            slots[name], by_row, _LR[name])
+        touched[name] = np.isin(np.arange(tables[name].shape[0]), list(by_row))
+    return out_tables, out_slots, touched
+
+
+# Each mesh size, strategy and lane width twice, each pair of them once.
+@pytest.mark.parametrize("num_shards,strategy,lanes", [
+    (1, "div", 0), (8, "mod", 0), (1, "mod", 128), (8, "div", 128)])
+def test_invalid_ids_act_as_padding_in_the_jitted_train_step(num_shards, strategy, lanes):
+    """Ids >= V and < -1 in global jax.Arrays (not validated on the host) through the
+    jitted train step, so through emb.lookup, emb.invalid_id_counts and
+    emb.apply_gradients under jit: lookups equal the float64 reference with those ids
+    replaced by -1, and so does the update (rows no valid id touches stay bit-identical);
+    the physical state, padding rows included, is bit for bit that of the batch with -1;
+    the invalid ids are counted per feature and in the metrics."""
+    rng = np.random.default_rng(100 * num_shards + lanes + (strategy == "mod"))
+    mesh = make_mesh(num_shards)
+    emb = jte.Embedding(_invalid_ids_spec(strategy), mesh, lane_width=lanes)
+    state = emb.restore_tables(
+        {"t": rng.standard_normal((37, 4)), "s": rng.standard_normal((11, 3))},
+        {"s": {"accumulators": rng.uniform(0.0, 1.0, 11)}})
+    tables, slots = emb.export(state), emb.export_slots(state)
+    bad, clean, planted = _with_invalid_ids(rng)
+    grads = {path: rng.standard_normal(
+        (_B, seq, emb.spec.tables()[table].dim) if seq else
+        (_B, emb.spec.tables()[table].dim)).astype(np.float32)
+        for path, (table, _, _, _, seq) in _FEATURES.items()}
+
+    def loss_fn(params, acts, batch):
+        """d(loss)/d(acts) is batch["r"] exactly; the lookups and emb.invalid_id_counts
+        (jitted with the step) come back as aux."""
+        loss = params["s"] * sum(jnp.sum(acts[p] * batch["r"][p]) for p in sorted(acts))
+        return loss, {"acts": acts, "counts": emb.invalid_id_counts(batch["features"])}
+
+    step = jte.make_train_step(emb, loss_fn, optax.sgd(0.1), donate=False)
+
+    def run(train, features):
+        return step(train, {"features": _on_devices(mesh, features),
+                            "r": _on_devices(mesh, grads)})
+
+    train = step.init(None, {"s": np.float32(1.0)}, embedding_state=state)
+    got, metrics = run(train, bad)
+    assert int(metrics["skipped"]) == 0
+    _assert_lookup_matches(metrics["aux"]["acts"], _ref_lookup(tables, clean))
+    assert {k: int(v) for k, v in metrics["aux"]["counts"].items()} == planted
+    assert int(metrics["invalid_ids"]) == sum(planted.values())
+
+    want_tables, want_slots, touched = _ref_update(tables, slots, clean, grads)
+    got_tables, got_slots = emb.export(got.embedding), emb.export_slots(got.embedding)
+    for name, want in want_tables.items():
+        assert 0 < touched[name].sum() < len(touched[name])
+        np.testing.assert_allclose(got_tables[name], want, rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(got_slots[name]["accumulators"],
+                                   want_slots[name]["accumulators"], rtol=2e-5, atol=2e-6)
+        np.testing.assert_array_equal(got_tables[name][~touched[name]],
+                                      tables[name][~touched[name]])
+        np.testing.assert_array_equal(got_slots[name]["accumulators"][~touched[name]],
+                                      slots[name]["accumulators"][~touched[name]])
+
+    with_padding, clean_metrics = run(train, clean)
+    assert int(clean_metrics["invalid_ids"]) == 0
+    assert all(int(v) == 0 for v in clean_metrics["aux"]["counts"].values())
+    def same(state, m):
+        return jax.device_get((state, m["loss"], m["aux"]["acts"]))
+
+    jax.tree.map(np.testing.assert_array_equal, same(got, metrics),
+                 same(with_padding, clean_metrics))
+
+    # Reading the updated tables: nothing was written where an invalid id would read.
+    _, metrics = run(got, bad)
+    _assert_lookup_matches(metrics["aux"]["acts"], _ref_lookup(got_tables, clean))
+    assert step.trace_count == 1

@@ -8,6 +8,7 @@ share a table, and applies Adagrad/SGD row by row, plainly or one step stale (pi
 import dataclasses
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -251,6 +252,82 @@ def test_nonfinite_step_is_skipped_and_counted(pipeline):
     assert int(state.embedding.step) == 1
     state, m = step(state, later)
     assert int(m["skipped"]) == 0 and int(state.step) == 2
+    assert step.trace_count == 1
+
+
+@jax.custom_vjp
+def poisoned(x, bad):
+    """The identity, whose backward adds `bad` (0, NaN or inf) to one element of the
+    cotangent: a finite loss whose activation gradients are not finite, as a numerically
+    unstable backward gives them, while the dense gradients stay finite."""
+    return x
+
+
+def _poisoned_fwd(x, bad):
+    return x, bad
+
+
+def _poisoned_bwd(bad, g):
+    one = (jnp.arange(g.shape[0])[:, None] == 1) & (jnp.arange(g.shape[1]) == 0)
+    return g + jnp.where(one, bad, 0.0).astype(g.dtype), jnp.zeros_like(bad)
+
+
+poisoned.defvjp(_poisoned_fwd, _poisoned_bwd)
+
+
+def poisoned_loss(params, acts, batch):
+    return loss_fn(params, dict(acts, b=poisoned(acts["b"], batch["bad"])), batch)
+
+
+class PoisonedModel(nn.Module):
+    """The model of `loss_fn` as a flax module, its "b" activations through `poisoned`."""
+    embed: jte.flax.Embed
+
+    @nn.compact
+    def __call__(self, batch):
+        acts = self.embed(batch["features"])
+        x = jnp.concatenate([acts["a"], poisoned(acts["b"], batch["bad"]), acts["c"]["w"]],
+                            axis=-1)
+        return nn.Dense(1)(x)[:, 0]
+
+
+def _poisoned_step(kind, batch):
+    """(step, state) with Adagrad tables and optax.adam: every part of the state moves."""
+    if kind == "generic":
+        emb, _, tables, slots = setup("adagrad")
+        step = jte.make_train_step(emb, poisoned_loss, optax.adam(0.01))
+        return step, initial_state(emb, step, tables, slots, batch)
+    model = PoisonedModel(jte.flax.Embed(make_spec("adagrad"), make_mesh(2)))
+    step = jte.flax.make_train_step(
+        model, lambda out, b: jnp.mean((out - b["y"]) ** 2), optax.adam(0.01))
+    return step, step.init(jax.random.key(0), batch)
+
+
+@pytest.mark.parametrize("kind", ["generic", "flax"])
+def test_finite_loss_with_nonfinite_activation_gradients_is_skipped(kind):
+    """The loss and the dense gradients are finite, an activation gradient is NaN or inf:
+    the step is skipped and counted, and nothing else in the state changes, bit for bit
+    (tables, slots, embedding step, dense params, optax state, step counter)."""
+    rng = np.random.default_rng(11)
+
+    def batch(bad=0.0):
+        return dict(make_batch(rng), bad=np.float32(bad))
+
+    step, state = _poisoned_step(kind, batch())
+    state, m = step(state, batch())
+    assert int(m["skipped"]) == 0 and int(state.step) == 1
+    for k, bad in enumerate([np.nan, np.inf, -np.inf]):
+        before = jax.device_get(state)
+        state, m = step(state, batch(bad))
+        assert np.isfinite(float(m["loss"]))
+        assert int(m["skipped"]) == 1 and int(state.skipped) == k + 1
+        after = jax.device_get(state)
+        assert int(after.step) == 1 and int(before.skipped) == k
+        jax.tree.map(np.testing.assert_array_equal,
+                     dataclasses.replace(after, skipped=0),
+                     dataclasses.replace(before, skipped=0))
+    state, m = step(state, batch())  # A finite step afterwards is applied.
+    assert int(m["skipped"]) == 0 and int(state.step) == 2 and int(state.skipped) == 3
     assert step.trace_count == 1
 
 
