@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_tpu_embed as jte  # noqa: E402
-from jax_tpu_embed import _tpu  # noqa: E402
+from jax_tpu_embed import _aot  # noqa: E402
 
 # W1 of shared/WORKLOADS.md.
 TABLES, V, B, L, EXPONENT = 8, 1_000_000, 4096, 20, 1.05
@@ -59,11 +59,11 @@ def essential_bytes(dim: int, unique_per_table: float) -> float:
     return TABLES * (unique_per_table * dim * 4 * 4 + B * L * 4)
 
 
-def _embedding(topo: _tpu.Topology, dim: int, max_unique: int | None = None) -> jte.Embedding:
+def _embedding(topo: _aot.Topology, dim: int, max_unique: int | None = None) -> jte.Embedding:
     tables = [jte.TableConfig(V, dim, combiner="sum", name=f"t{i}") for i in range(TABLES)]
     spec = jte.EmbeddingSpec({f"t{i}": jte.FeatureConfig(t) for i, t in enumerate(tables)},
                              jte.Adagrad(learning_rate=0.05))
-    return jte.Embedding(spec, _tpu.mesh(topo), max_unique_ids_per_shard=max_unique)
+    return jte.Embedding(spec, _aot.mesh(topo), max_unique_ids_per_shard=max_unique)
 
 
 def auto_max_unique(num_shards: int) -> int:
@@ -103,7 +103,7 @@ def _cost(compiled) -> tuple[float, int]:
 def _parts(emb: jte.Embedding) -> dict[str, tuple[float, int]]:
     """{part: (bytes accessed per device, temp bytes per device)}."""
     state = emb.abstract_state()
-    features = _tpu.abstract_features(emb, B, L)
+    features = _aot.abstract_features(emb, B, L)
     batch = NamedSharding(emb.mesh, P(emb.axis))
     grads = {f.path: jax.ShapeDtypeStruct((B, f.config.table.dim), jnp.float32, sharding=batch)
              for f in emb.feature_plans}
@@ -117,7 +117,7 @@ def _parts(emb: jte.Embedding) -> dict[str, tuple[float, int]]:
 
 def measure(topology: str, dims, parts: bool = True, max_unique="auto") -> list[dict]:
     """max_unique: max_unique_ids_per_shard; "auto" (auto_max_unique) or None or an int."""
-    topo = _tpu.topology(topology)
+    topo = _aot.topology(topology)
     n = len(topo.devices)
     unique = expected_unique_rows()
     if max_unique == "auto":
@@ -125,7 +125,7 @@ def measure(topology: str, dims, parts: bool = True, max_unique="auto") -> list[
     results = []
     for dim in dims:
         emb = _embedding(topo, dim, max_unique)
-        r = _tpu.compile_train_step(emb, B, L, topo=topo)
+        r = _aot.compile_train_step(emb, B, L, topo=topo)
         essential = essential_bytes(dim, unique)
         res = {
             "topology": topology, "devices": n, "dim": dim, "tables": TABLES,

@@ -50,7 +50,7 @@ from jax.experimental.pallas import tpu_sc as plsc  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jax_tpu_embed import _tpu  # noqa: E402
+from jax_tpu_embed import _aot  # noqa: E402
 
 SHARD_ROWS, ROWS, BLOCK = 250_000, 6_400, 64
 
@@ -246,9 +246,9 @@ def _table_sized_ops(hlo: str, shard_bytes: int) -> list[str]:
     """Ops of the optimized HLO (besides parameters, bitcasts and the kernel call) whose
     result is at least a table shard: relayout copies of the whole table."""
     out = []
-    for name, shape, op, _ in _tpu._parse(hlo):
+    for name, shape, op, _ in _aot._parse(hlo):
         if op not in _NOT_DATA_OPS and any(b >= shard_bytes for _, b in
-                                           _tpu.array_bytes(shape)):
+                                           _aot.array_bytes(shape)):
             out.append(f"{op} {shape.split('{')[0]}")
     return out
 
@@ -269,7 +269,7 @@ def measure_sparse_core(topology: str, dims) -> dict | None:
     sc = _sparse_core(chip)
     if sc is None:
         return None
-    topo = _tpu.topology(topology)
+    topo = _aot.topology(topology)
     mesh = Mesh(np.array(topo.devices[:1]), ("d",))
     one = NamedSharding(mesh, P())
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=one)
@@ -327,7 +327,7 @@ def _interpret_sc_gather(chip: str, sc) -> str:
 
 
 def measure(topology: str, dims=(32, 64, 128)) -> dict:
-    topo = _tpu.topology(topology)
+    topo = _aot.topology(topology)
     mesh = Mesh(np.array(topo.devices[:1]), ("d",))
     one = NamedSharding(mesh, P())
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=one)

@@ -23,8 +23,9 @@ fastest one each table can use on its mesh (`choose`).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -211,4 +212,32 @@ def choose(spec: _config.EmbeddingSpec, requested: str | Mapping[str, str],
     return chosen
 
 
-Nested = Any
+def legacy_auto_order(platform: str, cpu_kernels, tpu_kernels, backend):
+    """The backends "auto" tries first, from the deprecated cpu_kernels / tpu_kernels
+    arguments (None when neither is given: the platform's default)."""
+    if cpu_kernels is None and tpu_kernels is None:
+        return None
+    if backend != "auto":
+        raise ValueError("Embedding: pass backend= or the deprecated cpu_kernels= / "
+                         "tpu_kernels=, not both.")
+    warnings.warn("Embedding: cpu_kernels= and tpu_kernels= are deprecated; use backend= "
+                  "('auto', 'xla', 'pallas', 'pallas_interpret' or 'cpu').",
+                  DeprecationWarning, stacklevel=3)
+    if tpu_kernels not in (None, True, False, "interpret"):
+        raise ValueError(f"Embedding: tpu_kernels must be None, True, False or "
+                         f"'interpret', got {tpu_kernels!r}.")
+    if tpu_kernels is True and platform != "tpu":
+        raise ValueError(f"Embedding: tpu_kernels=True needs a TPU mesh; this one is on "
+                         f"{platform!r} (use 'interpret' to run the kernels in Pallas' "
+                         f"interpreter).")
+    if cpu_kernels and platform != "cpu":
+        raise ValueError(f"Embedding: cpu_kernels=True needs a CPU mesh; this one is on "
+                         f"{platform!r}.")
+    order = []
+    if tpu_kernels == "interpret":
+        order.append("pallas_interpret")
+    elif tpu_kernels is not False and platform == "tpu":
+        order.append("pallas")
+    if cpu_kernels is not False and platform == "cpu":
+        order.append("cpu")
+    return tuple(order)

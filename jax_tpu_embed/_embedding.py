@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -64,37 +63,6 @@ def _slot_key(table_key, storage: _storage.TableStorage, slot):
     """The key a slot's initial value is drawn from: the same whether it rides in the
     table's array or has its own."""
     return jax.random.fold_in(table_key, storage.slot_specs.index(slot) + 1)
-
-
-def _legacy_auto_order(platform: str, cpu_kernels, tpu_kernels, backend):
-    """The backends "auto" tries first, from the deprecated cpu_kernels / tpu_kernels
-    arguments (None when neither is given: the platform's default)."""
-    if cpu_kernels is None and tpu_kernels is None:
-        return None
-    if backend != "auto":
-        raise ValueError("Embedding: pass backend= or the deprecated cpu_kernels= / "
-                         "tpu_kernels=, not both.")
-    warnings.warn("Embedding: cpu_kernels= and tpu_kernels= are deprecated; use backend= "
-                  "('auto', 'xla', 'pallas', 'pallas_interpret' or 'cpu').",
-                  DeprecationWarning, stacklevel=3)
-    if tpu_kernels not in (None, True, False, "interpret"):
-        raise ValueError(f"Embedding: tpu_kernels must be None, True, False or "
-                         f"'interpret', got {tpu_kernels!r}.")
-    if tpu_kernels is True and platform != "tpu":
-        raise ValueError(f"Embedding: tpu_kernels=True needs a TPU mesh; this one is on "
-                         f"{platform!r} (use 'interpret' to run the kernels in Pallas' "
-                         f"interpreter).")
-    if cpu_kernels and platform != "cpu":
-        raise ValueError(f"Embedding: cpu_kernels=True needs a CPU mesh; this one is on "
-                         f"{platform!r}.")
-    order = []
-    if tpu_kernels == "interpret":
-        order.append("pallas_interpret")
-    elif tpu_kernels is not False and platform == "tpu":
-        order.append("pallas")
-    if cpu_kernels is not False and platform == "cpu":
-        order.append("cpu")
-    return tuple(order)
 
 
 def _is_explicit(mesh) -> bool:
@@ -159,7 +127,7 @@ class Embedding:
         self.spec, self.mesh, self.axis = spec, mesh, axis
         self.num_shards = int(mesh.shape[axis])
         platform = mesh.devices.flat[0].platform
-        auto_order = _legacy_auto_order(platform, cpu_kernels, tpu_kernels, backend)
+        auto_order = _backend.legacy_auto_order(platform, cpu_kernels, tpu_kernels, backend)
         if lane_width is None:
             wanted = set(backend.values()) if isinstance(backend, Mapping) else {backend}
             pallas = platform == "tpu" or bool(wanted & {"pallas", "pallas_interpret"})
@@ -417,36 +385,7 @@ class Embedding:
         """
         flat = _inputs.flatten_inputs(self.spec, features)
         _inputs.check_batch(flat, self.num_shards)
-        ids_by_table: dict[str, list] = {}
-        out_rows: dict[str, int] = {}
-        for f in self.feature_plans:
-            leaf = flat[f.path]
-            for x in jax.tree.leaves(leaf):
-                if isinstance(x, jax.Array) and not x.is_fully_addressable:
-                    raise ValueError(f"id_counts: feature {f.path!r} is a jax.Array spanning "
-                                     f"several processes; pass the global batch as NumPy.")
-            ids, _ = _inputs.normalize(f.config, leaf)
-            ids_by_table.setdefault(f.table, []).append(np.asarray(ids).reshape(-1))
-            out_rows[f.table] = out_rows.get(f.table, 0) + (
-                ids.size if f.config.is_sequence else ids.shape[0])
-        out = {}
-        for name, parts in ids_by_table.items():
-            plan = self.table_plans[name]
-            ids = np.concatenate(parts)
-            m = ids.shape[0]
-            c = _streams.capacity(plan, m, self.num_shards)
-            cu = _streams.unique_capacity(plan, c)
-            valid = ids[(ids >= 0) & (ids < plan.config.vocabulary_size)]
-            owner, _ = plan.layout.owner_and_local(valid)
-            owned = unique = passes = 0
-            for p in range(self.num_shards):
-                rows, counts = np.unique(valid[owner == p], return_counts=True)
-                owned, unique = max(owned, int(counts.sum())), max(unique, len(rows))
-                passes = max(passes, _streams.passes_needed(counts, c, cu))
-            single = plan.backend.single_pass(plan, out_rows[name])
-            out[name] = {"pairs": m, "owned_pairs": owned, "unique_rows": unique,
-                         "passes": 1 if single else passes}
-        return out
+        return _streams.id_counts(self.table_plans, self.feature_plans, flat, self.num_shards)
 
     def _prepare(self, features, act_grads=None) -> dict:
         flat = _inputs.flatten_inputs(self.spec, features)

@@ -1,9 +1,8 @@
 """Fused Pallas TPU kernels for the sorted (row, position) pairs of one table shard.
 
 The XLA forms in _xla_backend.py gather and scatter rows with XLA ops, which the TPU compiler
-charges a whole (8, 128) tile per row touched (4.6 KB to gather a 512-byte row, 8.7 KB to
-scatter it; benchmarks/tpu_row_access.py), and gather each pair's activation gradient the
-same way (150 MB per W1 table and device). These kernels walk the owned pairs of a
+charges a whole (8, 128) tile per row touched (benchmarks/tpu_row_access.py measures it),
+and gather each pair's activation gradient the same way. These kernels walk the owned pairs of a
 `_streams.Stream`, sorted by row, in blocks of `_BLOCK` that arrive through SMEM on a
 sequential grid, and stop at the owned count:
 
@@ -80,8 +79,8 @@ _HBM = pl.BlockSpec(memory_space=pltpu.HBM)
 
 def _in_hbm(x):
     """x, pinned to HBM as a pallas_call operand: otherwise the compiler may prefetch a
-    whole small table shard into VMEM for the lookup (seen: two 8 MB W1 shards per step on
-    64 chips), traffic in proportion to the vocabulary."""
+    whole small table shard into VMEM for the lookup, traffic in proportion to the
+    vocabulary."""
     return pltpu.with_memory_space_constraint(x, pltpu.HBM)
 
 

@@ -17,6 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import _inputs, _layout
@@ -168,10 +169,9 @@ def _flat_pairs(f: FeaturePlan, ids, weights, axis, columns: bool):
     """The global batch's (ids, scales), each (B·L,) in position order (`_position`).
 
     Flattened on the local shard before the all-gather: a (B, L) array with L < 128 is
-    lane-padded on TPU (20 ids: 6.4x the bytes), and every op after the gather would pay
-    for it. With `columns` (TPU) flattened column by column: the TPU stores a (b, L) int32
+    lane-padded on TPU, and every op after the gather would pay for it. With `columns` (TPU) flattened column by column: the TPU stores a (b, L) int32
     array with L < 128 column-major, so that order is a free reshape where row by row is a
-    transposing copy (W1: 0.33 MB per table and device); elsewhere row by row. The
+    transposing copy; elsewhere row by row. The
     combiner's per-example sums use the local rows; a plain sum needs no weights at all:
     its scales are None, 1 for every id (padding is never owned)."""
     flat = (lambda x: x.T.reshape(-1)) if columns else (lambda x: x.reshape(-1))
@@ -279,4 +279,39 @@ def scatter_parts(acc, stream: Stream, axis: str, packing=None) -> dict:
         if f.config.is_sequence:
             partial = partial.reshape(-1, f.config.max_sequence_length, partial.shape[-1])
         out[f.path] = partial
+    return out
+
+
+def id_counts(table_plans: dict, feature_plans: list, flat: dict, num_shards: int) -> dict:
+    """`Embedding.id_counts` on the host: per table, the pairs M, the most owned pairs and
+    distinct rows of any shard, and the passes the XLA backend would run on them."""
+    ids_by_table: dict[str, list] = {}
+    out_rows: dict[str, int] = {}
+    for f in feature_plans:
+        leaf = flat[f.path]
+        for x in jax.tree.leaves(leaf):
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                raise ValueError(f"id_counts: feature {f.path!r} is a jax.Array spanning "
+                                 f"several processes; pass the global batch as NumPy.")
+        ids, _ = _inputs.normalize(f.config, leaf)
+        ids_by_table.setdefault(f.table, []).append(np.asarray(ids).reshape(-1))
+        out_rows[f.table] = out_rows.get(f.table, 0) + (
+            ids.size if f.config.is_sequence else ids.shape[0])
+    out = {}
+    for name, parts in ids_by_table.items():
+        plan = table_plans[name]
+        ids = np.concatenate(parts)
+        m = ids.shape[0]
+        c = capacity(plan, m, num_shards)
+        cu = unique_capacity(plan, c)
+        valid = ids[(ids >= 0) & (ids < plan.config.vocabulary_size)]
+        owner, _ = plan.layout.owner_and_local(valid)
+        owned = unique = passes = 0
+        for p in range(num_shards):
+            rows, counts = np.unique(valid[owner == p], return_counts=True)
+            owned, unique = max(owned, int(counts.sum())), max(unique, len(rows))
+            passes = max(passes, passes_needed(counts, c, cu))
+        single = plan.backend.single_pass(plan, out_rows[name])
+        out[name] = {"pairs": m, "owned_pairs": owned, "unique_rows": unique,
+                     "passes": 1 if single else passes}
     return out

@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence  # noqa: E402
 
 import jax  # noqa: E402
 
-from . import _config, _config_file, _embedding, _tpu  # noqa: E402
+from . import _aot, _config, _config_file, _embedding  # noqa: E402
 
 # Slice shapes to suggest when a config does not fit, smallest first.
 _SLICES = {
@@ -104,7 +104,7 @@ def plan(config_path: str, topology: str, batch: int | None = None, *,
     if batch <= 0:
         raise PlanError(f"--batch must be > 0, got {batch}.")
     try:
-        topo = _tpu.topology(topology)
+        topo = _aot.topology(topology)
     except ValueError as e:
         raise PlanError(str(e)) from None
     n = len(topo.devices)
@@ -114,17 +114,17 @@ def plan(config_path: str, topology: str, batch: int | None = None, *,
         raise PlanError(f"batch {batch} is not a multiple of the {n} devices of {topology} "
                         f"(the batch is split evenly over every device); use {choices}.")
     try:
-        emb = _embedding.Embedding(config.spec, _tpu.mesh(topo),
+        emb = _embedding.Embedding(config.spec, _aot.mesh(topo),
                                    max_ids_per_shard=max_ids_per_shard,
                                    max_unique_ids_per_shard=max_unique_ids_per_shard)
     except ValueError as e:
         raise PlanError(f"{config_path} on {topology}: {e}") from None
-    report = _tpu.compile_train_step(emb, batch, lengths, topo=topo, allow_oom=True)
-    init_temps = _tpu.init_temp_bytes(emb)
+    report = _aot.compile_train_step(emb, batch, lengths, topo=topo, allow_oom=True)
+    init_temps = _aot.init_temp_bytes(emb)
     return _result(config_path, config.spec, emb, topo, batch, lengths, report, init_temps)
 
 
-def _result(path, spec, emb, topo, batch, lengths, r: _tpu.CompileReport,
+def _result(path, spec, emb, topo, batch, lengths, r: _aot.CompileReport,
             init_temps: dict[str, int]) -> dict[str, Any]:
     per_chip = topo.devices_per_chip
     tables = []
@@ -180,14 +180,14 @@ def _result(path, spec, emb, topo, batch, lengths, r: _tpu.CompileReport,
     return out
 
 
-def _suggest(topo: _tpu.Topology, state: int, total: int) -> str:
+def _suggest(topo: _aot.Topology, state: int, total: int) -> str:
     """A larger slice of the same generation on which the estimate fits. Tables and slots
     shrink with the chip count; the rest (batch-sized temporaries, ids) does not."""
     rest = total - state
     hbm = topo.hbm_per_chip
     if rest >= hbm:
-        return (f"the non-table part alone ({_tpu.format_bytes(rest)} per chip: batch-sized "
-                f"temporaries and inputs) exceeds HBM ({_tpu.format_bytes(hbm)}); reduce "
+        return (f"the non-table part alone ({_aot.format_bytes(rest)} per chip: batch-sized "
+                f"temporaries and inputs) exceeds HBM ({_aot.format_bytes(hbm)}); reduce "
                 f"the batch.")
     for shape in _SLICES.get(topo.generation, ()):
         chips = math.prod(int(x) for x in shape.split("x"))
@@ -196,14 +196,14 @@ def _suggest(topo: _tpu.Topology, state: int, total: int) -> str:
         estimate = state * topo.chips / chips + rest
         if estimate <= 0.9 * hbm:  # Leave room for what the estimate misses.
             return (f"try --topology {topo.generation}:{shape} ({chips} chips; estimated "
-                    f"{_tpu.format_bytes(estimate)} per chip of {_tpu.format_bytes(hbm)}).")
+                    f"{_aot.format_bytes(estimate)} per chip of {_aot.format_bytes(hbm)}).")
     need = math.ceil(state * topo.chips / (0.9 * hbm - rest))
     return f"needs about {need} chips of {topo.generation}; use a larger slice or generation."
 
 
 def format_table(res: dict[str, Any]) -> str:
     """The human-readable report."""
-    fb = _tpu.format_bytes
+    fb = _aot.format_bytes
     c = res["per_chip"]
     lines = [
         f"{res['config']} on {res['topology']}: {res['chips']} chips, {res['devices']} "

@@ -108,6 +108,9 @@ def optimizer_step(name, hp, w, slots, g, lr):
             new = np.where(np.abs(z) <= l1, 0.0,
                            (np.sign(z) * l1 - z) / ((n2 ** p + beta) / lr + 2 * l2))
         return new, {"accumulators": n2, "linears": z}
+    if name == "momentum_custom":  # tests/test_optimizers.py's CustomOptimizer.
+        v = hp["beta"] * s["velocity"] + g
+        return w - lr * v, {"velocity": v, "count": s["count"] + 1.0}
     if name == "rowwise_adagrad":
         a = s["accumulators"] + np.mean(g * g)
         return w - lr * g / (np.sqrt(a) + hp["epsilon"]), {"accumulators": a}

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh
-from test_core import _features_and_spec, _grads, _inputs
+from test_core import _features_and_spec
 
 import jax_tpu_embed as jte
 from jax_tpu_embed import _cpu_kernels, _streams, _xla_backend

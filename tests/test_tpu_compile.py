@@ -38,7 +38,7 @@ if importlib.util.find_spec("libtpu") is None:
     pytest.skip("libtpu is not installed (pip install 'jax[tpu]' to compile for TPU "
                 "topologies without a TPU)", allow_module_level=True)
 
-from jax_tpu_embed import _tpu  # noqa: E402
+from jax_tpu_embed import _aot  # noqa: E402
 
 TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2", "v4:2x2x1")
 DIMS = (16, 32, 64, 128, 256)
@@ -119,7 +119,7 @@ def _stored_unpacked(topology: str, dim: int) -> bool:
     """Whether the engine stores a (V, dim) table on this slice as a plain (N*S, dim) array."""
     table = jte.TableConfig(1024, dim, name="t")
     spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.SGD())
-    emb = jte.Embedding(spec, _tpu.mesh(_tpu.topology(topology)))
+    emb = jte.Embedding(spec, _aot.mesh(_aot.topology(topology)))
     shape = emb.abstract_state().tables["t"].shape
     return dim < 128 and len(shape) == 2 and shape[1] == dim
 
@@ -137,13 +137,13 @@ def _cases():
                 yield pytest.param(case, id=str(case), marks=marks)
 
 
-def _compile(case: Case) -> _tpu.CompileReport:
-    topo = _tpu.topology(case.topology)
+def _compile(case: Case) -> _aot.CompileReport:
+    topo = _aot.topology(case.topology)
     table = jte.TableConfig(V, case.dim, combiner="sum", name="t")
     spec = jte.EmbeddingSpec({"multi": jte.FeatureConfig(table),
                               "one": jte.FeatureConfig(table)}, _optimizer(case.optimizer))
-    emb = jte.Embedding(spec, _tpu.mesh(topo))
-    return _tpu.compile_train_step(emb, B, {"multi": L, "one": 1}, topo=topo)
+    emb = jte.Embedding(spec, _aot.mesh(topo))
+    return _aot.compile_train_step(emb, B, {"multi": L, "one": 1}, topo=topo)
 
 
 class _Compiler:
@@ -154,7 +154,7 @@ class _Compiler:
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, threads))
         self._futures = {c: self._pool.submit(_compile, c) for c in cases}
 
-    def get(self, case: Case) -> _tpu.CompileReport:
+    def get(self, case: Case) -> _aot.CompileReport:
         if case not in self._futures:
             self._futures[case] = self._pool.submit(_compile, case)
         return self._futures[case].result()
@@ -174,7 +174,7 @@ def compiler(request):
     pool.close()
 
 
-def _describe(case: Case, r: _tpu.CompileReport) -> str:
+def _describe(case: Case, r: _aot.CompileReport) -> str:
     temps = "; ".join(str(t) for t in r.largest_temps[:3]) or "none"
     colls = ", ".join(str(c) for c in r.collectives) or "none"
     return (f"{case}: peak {r.peak_bytes:,} B of {r.hbm_bytes:,} B HBM per device; "
@@ -211,21 +211,21 @@ def test_train_step_compiles_within_limits(case, compiler):
 
 def test_unknown_topology_is_a_clear_error():
     with pytest.raises(ValueError, match="'v5p:1x1x1' is not known to libtpu"):
-        _tpu.topology("v5p:1x1x1")
+        _aot.topology("v5p:1x1x1")
     with pytest.raises(ValueError, match="generation 'v9' has no known HBM size"):
-        _tpu.topology("v9:2x2")
+        _aot.topology("v9:2x2")
     with pytest.raises(ValueError, match="not of the form"):
-        _tpu.topology("v5p-8")
+        _aot.topology("v5p-8")
 
 
 def test_topologies_and_hbm():
     # v4 exposes one device per TensorCore (two per chip); the others one per chip.
-    v4 = _tpu.topology("v4:2x2x1")
-    assert (len(v4.devices), v4.chips, v4.hbm_per_device) == (8, 4, 16 * _tpu.GiB)
-    v5e = _tpu.topology("v5e:2x2")
-    assert (len(v5e.devices), v5e.chips, v5e.hbm_per_device) == (4, 4, 16 * _tpu.GiB)
-    assert _tpu.topology("v5p:2x2x1").hbm_per_chip == 95 * _tpu.GiB
-    assert _tpu.topology("v6e:2x2").hbm_per_chip == 32 * _tpu.GiB
+    v4 = _aot.topology("v4:2x2x1")
+    assert (len(v4.devices), v4.chips, v4.hbm_per_device) == (8, 4, 16 * _aot.GiB)
+    v5e = _aot.topology("v5e:2x2")
+    assert (len(v5e.devices), v5e.chips, v5e.hbm_per_device) == (4, 4, 16 * _aot.GiB)
+    assert _aot.topology("v5p:2x2x1").hbm_per_chip == 95 * _aot.GiB
+    assert _aot.topology("v6e:2x2").hbm_per_chip == 32 * _aot.GiB
 
 
 def test_hlo_parsers():
@@ -242,11 +242,11 @@ def test_hlo_parsers():
         "  %c = f32[8,4]{0,1} copy(%p0)\n"
         "  ROOT %r = f32[8,4]{1,0} add(%c, %p1)\n"
         "}\n")
-    colls = _tpu.collectives(hlo)
+    colls = _aot.collectives(hlo)
     assert [(c.op, c.shape, c.bytes) for c in colls] == [
         ("all-gather", "f32[32,4]", 512), ("reduce-scatter", "f32[32,4]", 512),
         ("all-reduce", "2 x f32[8,4] + f32[]", 260)]
-    aliased, unaliased = _tpu._state_aliasing(hlo)
+    aliased, unaliased = _aot._state_aliasing(hlo)
     assert aliased == ["state.tables['t']"]
     assert unaliased == ["state.slots['t']['a']"]
 
@@ -266,16 +266,16 @@ def test_w1_table_bytes_accessed(dim, kernels, limit):
     vocab, batch, ids = 1_000_000, 4096, 20
     p = np.arange(1, vocab + 1, dtype=np.float64) ** -1.05
     unique = float(np.sum(-np.expm1(batch * ids * np.log1p(-p / p.sum()))))
-    topo = _tpu.topology("v5p:2x2x1")
+    topo = _aot.topology("v5p:2x2x1")
     n = len(topo.devices)
     spec = jte.EmbeddingSpec(
         {"f": jte.FeatureConfig(jte.TableConfig(vocab, dim, combiner="sum", name="t"))},
         jte.Adagrad(learning_rate=0.05))
     per_shard = int(np.ceil(unique / n))
-    emb = jte.Embedding(spec, _tpu.mesh(topo), backend="pallas" if kernels else "xla",
+    emb = jte.Embedding(spec, _aot.mesh(topo), backend="pallas" if kernels else "xla",
                         max_unique_ids_per_shard=per_shard if kernels else int(1.5 * per_shard))
     assert emb.backends == {"t": "pallas" if kernels else "xla"}
-    report = _tpu.compile_train_step(emb, batch, ids, topo=topo)
+    report = _aot.compile_train_step(emb, batch, ids, topo=topo)
     essential = unique * dim * 4 * 4 + batch * ids * 4
     ratio = report.bytes_accessed * n / essential
     assert ratio <= limit, f"D={dim}: {ratio:.1f}x essential (limit {limit}x)"

@@ -14,9 +14,9 @@ and reports what that program needs:
 Set `JAX_PLATFORMS=cpu` before jax is imported (the project's tests do) so that libtpu does not
 probe for hardware; `topology()` works whatever the local devices are.
 
-    topo = _tpu.topology("v5p:2x2x1")
-    emb = jte.Embedding(spec, _tpu.mesh(topo))
-    report = _tpu.compile_train_step(emb, batch=4096, ids_per_example=20)
+    topo = _aot.topology("v5p:2x2x1")
+    emb = jte.Embedding(spec, _aot.mesh(topo))
+    report = _aot.compile_train_step(emb, batch=4096, ids_per_example=20)
     report.peak_bytes, report.largest_temps[0], report.collectives
 """
 
@@ -383,7 +383,7 @@ def _topology_of(mesh_: Mesh) -> Topology:
                   "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e"}.get(kind)
     if generation is None:
         raise ValueError(f"mesh devices are {kind!r}, not TPU devices of a known generation "
-                         f"({sorted(HBM_PER_CHIP)}); build the mesh with _tpu.mesh(topology).")
+                         f"({sorted(HBM_PER_CHIP)}); build the mesh with _aot.mesh(topology).")
     chips = len({tuple(getattr(d, "coords", (d.id,))) for d in devices})
     return Topology(name=f"{generation}:{len(devices)} devices", generation=generation,
                     devices=devices, chips=chips, hbm_per_chip=HBM_PER_CHIP[generation])
