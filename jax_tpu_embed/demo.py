@@ -27,6 +27,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                                " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
+import importlib.resources  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import shutil  # noqa: E402
@@ -44,8 +45,8 @@ from numpy.typing import ArrayLike  # noqa: E402
 
 import jax_tpu_embed as jte  # noqa: E402
 
-_ROOT = pathlib.Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = _ROOT / "configs" / "dlrm_demo.yaml"
+# Inside the package, so that an installed wheel finds it too.
+DEFAULT_CONFIG = importlib.resources.files("jax_tpu_embed") / "configs" / "dlrm_demo.yaml"
 
 
 # ---------------------------------------------------------------------------------- data
@@ -203,7 +204,8 @@ def _optimizer(cfg: dict) -> jte.Optimizer:
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m jax_tpu_embed.demo",
                                 description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config.")
+    p.add_argument("--config", default=None,
+                   help="YAML config (default: jax_tpu_embed/configs/dlrm_demo.yaml).")
     p.add_argument("--steps", type=int, default=None, help="Training steps.")
     p.add_argument("--batch-size", type=int, default=None, help="Global batch size B.")
     p.add_argument("--small", action="store_true",
@@ -216,7 +218,8 @@ def _parse(argv):
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the demo; returns the summary it prints (and writes to summary.json)."""
     args = _parse(argv)
-    cfg = yaml.safe_load(pathlib.Path(args.config).read_text())
+    config = DEFAULT_CONFIG if args.config is None else pathlib.Path(args.config)
+    cfg = yaml.safe_load(config.read_text())
     data_cfg, model_cfg, train_cfg, eval_cfg = (cfg["data"], cfg["model"], cfg["train"],
                                                 cfg["eval"])
     vocab = list(data_cfg["vocabulary_sizes"])
