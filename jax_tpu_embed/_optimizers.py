@@ -339,8 +339,11 @@ class CustomOptimizer(Optimizer):
     hyperparameters_: Sequence[Scalar] = dataclasses.field(default=(), repr=False)
     slot_dims: Sequence[int] = ()
 
-    def __init__(self, custom_computation, learning_rate=0.01, slot_names=None,
-                 slot_initializers=None, hyperparameters=None, slot_dims=None):
+    def __init__(self, custom_computation: Callable, learning_rate: Scalar = 0.01,
+                 slot_names: Sequence[str] | None = None,
+                 slot_initializers: Sequence[Any] | None = None,
+                 hyperparameters: Sequence[Scalar] | None = None,
+                 slot_dims: Sequence[int] | None = None):
         set_ = lambda k, v: object.__setattr__(self, k, v)
         set_("custom_computation", custom_computation)
         set_("learning_rate", learning_rate)
