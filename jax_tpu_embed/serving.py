@@ -106,8 +106,12 @@ class Server:
         device: Where to keep the tables and run; default `jax.devices("cpu")[0]`.
     """
 
-    def __init__(self, spec: _config.EmbeddingSpec, tables: Mapping[str, Any],
-                 device: jax.Device | None = None):  # pyright: ignore[reportInvalidTypeForm]
+    def __init__(
+        self,
+        spec: _config.EmbeddingSpec,
+        tables: Mapping[str, Any],
+        device: jax.Device | None = None,  # pyright: ignore[reportInvalidTypeForm]
+    ):
         if not isinstance(spec, _config.EmbeddingSpec):
             raise TypeError(f"Server: spec must be a jte.EmbeddingSpec, got "
                             f"{type(spec).__name__}.")
@@ -119,9 +123,12 @@ class Server:
         self._jit = jax.jit(lambda t, f: lookup(self.spec, t, f))
 
     @classmethod
-    def from_embedding(cls, emb: _embedding.Embedding, state: _embedding.EmbeddingState,
-                       device: jax.Device | None = None  # pyright: ignore[reportInvalidTypeForm]
-                       ) -> Server:
+    def from_embedding(
+        cls,
+        emb: _embedding.Embedding,
+        state: _embedding.EmbeddingState,
+        device: jax.Device | None = None,  # pyright: ignore[reportInvalidTypeForm]
+    ) -> Server:
         """Serves `state`'s tables, exported in logical rows."""
         return cls(emb.spec, emb.export(state), device)
 
