@@ -5,12 +5,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint format bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,tpu,demo]"
+	$(PY) -m pip install -q -e ".[test,tpu,demo,dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -19,6 +19,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
+# ruff's linter and pyright (settings in pyproject.toml) over the package, tests/ and
+# benchmarks/, imports resolved in this venv. pyright runs even when ruff fails, so that one
+# run lists every finding; either failing fails the target.
+lint: $(STAMP)
+	$(PY) -m ruff check jax_tpu_embed tests benchmarks; ruff=$$?; \
+	$(PY) -m pyright --pythonpath $(PY) && exit $$ruff
+
+# Rewrites the code: ruff's formatter, then the lint fixes ruff can make by itself.
+format: $(STAMP)
+	$(PY) -m ruff format jax_tpu_embed tests benchmarks
+	$(PY) -m ruff check --fix jax_tpu_embed tests benchmarks
+
 # Benchmarks against the peers (torch, FBGEMM, flax+optax), W0 and W1 of shared/WORKLOADS.md.
 bench: $(STAMP)
 	$(PY) -m pip install -q -r benchmarks/requirements-bench.txt
@@ -26,4 +38,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/run.py --workload W1 --engines all --steps 20 --max-seconds 40 --out bench_results/
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -103,7 +103,8 @@ class DenseJax(Engine):
     name = "dense_jax"
     xla_device_count = 1
     memory_factor = 2.3   # params + accumulators + a dense gradient of every table
-    description = "flax nn.Embed + optax.adagrad over whole tables, jitted, state donated (1 device)"
+    description = (
+        "flax nn.Embed + optax.adagrad over whole tables, jitted, state donated (1 device)")
     semantics_note = ("optax.adagrad(initial_accumulator_value=0.1, eps=0.0): optax computes "
                       "g·rsqrt(a + eps) with eps inside the square root and the default "
                       "eps=1e-7; with eps=0 it is exactly TF Adagrad (a stays >= 0.1 > 0). The "
@@ -118,9 +119,9 @@ class DenseJax(Engine):
         return _missing(["jax", "flax", "optax"])
 
     def setup(self, wl, init_tables=None):
+        import flax.linen as nn
         import jax
         import jax.numpy as jnp
-        import flax.linen as nn
         import optax
 
         c = wl.config
@@ -181,7 +182,9 @@ class DenseJax(Engine):
         return int(sum(x.nbytes for x in jax.tree.leaves(self._state)))
 
     def versions(self):
-        import jax, flax, optax
+        import flax
+        import jax
+        import optax
         return {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
                 "devices": len(jax.devices())}
 
@@ -203,7 +206,7 @@ class TorchEmbeddingBag(Engine):
         return _missing(["torch"])
 
     def setup(self, wl, init_tables=None):
-        import torch
+        import torch  # pyright: ignore[reportMissingImports]  (bench extra)
         torch.set_num_threads(self.threads)
         c = wl.config
         self._torch = torch
@@ -225,7 +228,7 @@ class TorchEmbeddingBag(Engine):
         ids = self._batches[k]
         self._opt.zero_grad(set_to_none=True)
         loss = sum((bag(ids[t]) * self._R[t]).sum() for t, bag in enumerate(self._bags))
-        loss.backward()
+        loss.backward()  # pyright: ignore[reportAttributeAccessIssue]  (sum() of tensors)
         self._opt.step()
 
     def export(self):
@@ -243,7 +246,7 @@ class TorchEmbeddingBag(Engine):
         return int(n)
 
     def versions(self):
-        import torch
+        import torch  # pyright: ignore[reportMissingImports]  (bench extra)
         return {"torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
@@ -262,12 +265,16 @@ class FbgemmTBE(Engine):
         return None
 
     def setup(self, wl, init_tables=None):
-        import torch
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-            EmbeddingLocation, PoolingMode)
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+        import torch  # pyright: ignore[reportMissingImports]  (bench extra)
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType  # pyright: ignore[reportMissingImports]  (bench extra)
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (  # pyright: ignore[reportMissingImports]  (bench extra)
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # pyright: ignore[reportMissingImports]  (bench extra)
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
 
         torch.set_num_threads(self.threads)
         c = wl.config
@@ -313,7 +320,7 @@ class FbgemmTBE(Engine):
         return int(n)
 
     def versions(self):
-        import torch
+        import torch  # pyright: ignore[reportMissingImports]  (bench extra)
         try:
             from importlib.metadata import version
             fb = version("fbgemm-gpu-cpu")
@@ -390,7 +397,8 @@ class JteEngine(Engine):
     def setup(self, wl, init_tables=None):
         import jax
         import jax.numpy as jnp
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
         jte = _import_jte()
 
         c = wl.config

@@ -394,9 +394,9 @@ def format_sweep(results: list[dict], sweep: str) -> str:
         rows.append(row)
     widths = [max(len(hdr[i]), *(len(row[i]) for row in rows)) for i in range(len(hdr))]
     out = [f"\n== sweep {sweep}: median ms/step"]
-    out.append("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(hdr, widths))))
-    for row in rows:
-        out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    for row in [hdr, *rows]:
+        out.append("  ".join(c.rjust(w) if i else c.ljust(w)
+                             for i, (c, w) in enumerate(zip(row, widths))))
     return "\n".join(out)
 
 

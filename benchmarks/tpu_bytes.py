@@ -33,6 +33,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+from typing import Literal  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -105,8 +106,11 @@ def _parts(emb: jte.Embedding) -> dict[str, tuple[float, int]]:
     state = emb.abstract_state()
     features = _aot.abstract_features(emb, B, L)
     batch = NamedSharding(emb.mesh, P(emb.axis))
-    grads = {f.path: jax.ShapeDtypeStruct((B, f.config.table.dim), jnp.float32, sharding=batch)
-             for f in emb.feature_plans}
+    grads = {}
+    for f in emb.feature_plans:
+        table = f.config.table
+        assert isinstance(table, jte.TableConfig)  # So in every EmbeddingSpec.
+        grads[f.path] = jax.ShapeDtypeStruct((B, table.dim), jnp.float32, sharding=batch)
     out = {}
     out["lookup only"] = _cost(jax.jit(emb.lookup).lower(state, features).compile())
     out["apply_gradients only"] = _cost(
@@ -115,7 +119,8 @@ def _parts(emb: jte.Embedding) -> dict[str, tuple[float, int]]:
     return out
 
 
-def measure(topology: str, dims, parts: bool = True, max_unique="auto") -> list[dict]:
+def measure(topology: str, dims, parts: bool = True,
+            max_unique: int | Literal["auto"] | None = "auto") -> list[dict]:
     """max_unique: max_unique_ids_per_shard; "auto" (auto_max_unique) or None or an int."""
     topo = _aot.topology(topology)
     n = len(topo.devices)
@@ -190,7 +195,7 @@ def report(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--topology", default="v5p:2x2x1")
     p.add_argument("--dims", default="32,64,128", help="comma-separated dims")
     p.add_argument("--no-parts", action="store_true", help="skip the lookup/update split")

@@ -39,6 +39,7 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
+from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -143,7 +144,7 @@ def _worker_rows(sc, n: int):
     return worker * per, per
 
 
-def _sc_gather(table, ids, *, sc, dim: int, interpret=False):
+def _sc_gather(table, ids, *, sc, dim: int, interpret: Any = False):
     """out[j] = table[ids[j]] on the SparseCores; `table` (S·D,) flat or (S, D)."""
     n = ids.shape[0]
     rows = table.reshape(-1, dim)
@@ -164,7 +165,7 @@ def _sc_gather(table, ids, *, sc, dim: int, interpret=False):
             pltpu.sync_copy(table_hbm.at[idx], buf)
             pltpu.sync_copy(buf, out_hbm.at[pl.ds(first + j, WINDOW)])
 
-    return kernel(rows, ids)
+    return kernel(rows, ids)  # pyright: ignore[reportCallIssue]  (pl.kernel: untyped)
 
 
 def _rsqrt(a, scratch):
@@ -221,7 +222,7 @@ def _sc_adagrad(table, acc, ids, grads, *, sc, dim: int, lr: float = 0.05):
             pltpu.sync_copy(tb, t_ref.at[idx])
             pltpu.sync_copy(ab, a_ref.at[idx])
 
-    kernel(ids, grads)
+    kernel(ids, grads)  # pyright: ignore[reportCallIssue]  (pl.kernel: untyped)
     return t_ref[...].reshape(-1), a_ref[...].reshape(-1)
 
 
@@ -235,7 +236,7 @@ def _sc_sqrt(x, *, sc):
         buf[...] = jnp.sqrt(buf[...])
         pltpu.sync_copy(buf, o_hbm)
 
-    return kernel(x)
+    return kernel(x)  # pyright: ignore[reportCallIssue]  (pl.kernel: untyped)
 
 
 _NOT_DATA_OPS = ("parameter", "bitcast", "tuple", "get-tuple-element", "call-start",
@@ -246,7 +247,7 @@ def _table_sized_ops(hlo: str, shard_bytes: int) -> list[str]:
     """Ops of the optimized HLO (besides parameters, bitcasts and the kernel call) whose
     result is at least a table shard: relayout copies of the whole table."""
     out = []
-    for name, shape, op, _ in _aot._parse(hlo):
+    for _, shape, op, _ in _aot._parse(hlo):
         if op not in _NOT_DATA_OPS and any(b >= shard_bytes for _, b in
                                            _aot.array_bytes(shape)):
             out.append(f"{op} {shape.split('{')[0]}")
@@ -334,8 +335,10 @@ def measure(topology: str, dims=(32, 64, 128)) -> dict:
     ids, out = spec((ROWS,), jnp.int32), {"topology": topology, "rows": ROWS, "xla": []}
     for dim in dims:
         table, upd = spec((SHARD_ROWS, dim), jnp.float32), spec((ROWS, dim), jnp.float32)
-        gather, _ = _compile(lambda t, i: t[i], (table, ids))
-        scatter, _ = _compile(lambda t, i, u: t.at[i].set(u), (table, ids, upd), donate=(0,))
+        gather, gather_error = _compile(lambda t, i: t[i], (table, ids))
+        scatter, scatter_error = _compile(lambda t, i, u: t.at[i].set(u), (table, ids, upd),
+                                          donate=(0,))
+        assert gather is not None and scatter is not None, (gather_error, scatter_error)
         tiled = Format(Layout((0, 1), ((1, 128),)), one)
         _, tiled_error = _compile(lambda t, i: t[i], (table, ids), in_shardings=(tiled, one))
         out["xla"].append({"dim": dim, "row_bytes": 4 * dim, "gather_per_row": gather / ROWS,
@@ -398,7 +401,7 @@ def report(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--topology", default="v5p:2x2x1")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     a = p.parse_args(argv)

@@ -169,7 +169,8 @@ def generate(config: WorkloadConfig) -> Workload:
     c = config
     t0 = time.perf_counter()
     cdf = power_law_cdf(c.vocabulary_size, c.exponent)
-    ids = [[None] * c.tables for _ in range(c.num_batches)]
+    unset = np.empty((0, 0), np.int32)  # Every entry is replaced below.
+    ids = [[unset] * c.tables for _ in range(c.num_batches)]
     for t in range(c.tables):
         perm = np.random.default_rng([c.seed, _PERM, t]).permutation(c.vocabulary_size)
         for k in range(c.num_batches):
@@ -221,7 +222,7 @@ def check(names=ALL_WORKLOADS, tolerance: float = 0.05) -> bool:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("workloads", nargs="*", default=list(ALL_WORKLOADS))
     p.add_argument("--check", action="store_true",
                    help="compare unique rows and essential bytes with WORKLOADS.md")

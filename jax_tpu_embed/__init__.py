@@ -3,7 +3,7 @@
     import jax_tpu_embed as jte
 """
 
-from . import _multihost as multihost
+from . import _multihost as multihost  # noqa: F401  (public: jte.multihost)
 from . import checkpoint as checkpoint
 from . import compat as compat
 from . import flax as flax

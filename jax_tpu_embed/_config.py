@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -228,7 +229,9 @@ class EmbeddingSpec:
         return out
 
     def optimizer_of(self, table: TableConfig) -> _optimizers.Optimizer:
-        return table.optimizer if table.optimizer is not None else self.optimizer
+        optimizer = table.optimizer if table.optimizer is not None else self.optimizer
+        assert optimizer is not None  # __post_init__: no bare table without a spec optimizer.
+        return optimizer
 
 
 def table_names(spec: EmbeddingSpec) -> dict[int, str]:
@@ -237,6 +240,7 @@ def table_names(spec: EmbeddingSpec) -> dict[int, str]:
     owners: dict[str, TableConfig] = {}
     for path, f in spec.flat_features:
         t = f.table
+        assert isinstance(t, TableConfig)  # __post_init__ rejected table names (str).
         if id(t) in names:
             continue
         name = t.name if t.name is not None else path

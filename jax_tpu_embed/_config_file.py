@@ -53,7 +53,7 @@ import math
 import os
 import re
 import tomllib
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -356,7 +356,7 @@ def _schedule(w: _Where, key: str, raw: Mapping):
     import optax
     name = raw.get("schedule")
     fn = getattr(optax.schedules, name, None) if isinstance(name, str) else None
-    if fn is None or name.startswith("_") or not callable(fn):
+    if not isinstance(name, str) or name.startswith("_") or fn is None or not callable(fn):
         raise w.error(f"{key}.schedule", f"must name a function of optax.schedules (e.g. "
                       f"'cosine_decay_schedule'), got {name!r}.")
     args = {k: _number(v) for k, v in raw.items() if k != "schedule"}

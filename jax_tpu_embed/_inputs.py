@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -150,6 +151,7 @@ def validate(spec: _config.EmbeddingSpec, features, num_shards: int) -> None:
             elif not np.all(np.isfinite(weights[ids != -1])):
                 pos = np.argwhere(~np.isfinite(weights) & (ids != -1))[0].tolist()
                 problems.append(f"Feature {path!r}: weight at position {pos} is not finite.")
+        assert isinstance(f.table, _config.TableConfig)  # So in every EmbeddingSpec.
         vocab = f.table.vocabulary_size
         bad = (ids != -1) & ((ids < 0) | (ids >= vocab))
         if bad.any():
@@ -210,6 +212,7 @@ def normalize(feature: _config.FeatureConfig, leaf) -> tuple[jax.Array, jax.Arra
             pad = ((0, 0), (0, length - ids.shape[1]))
             ids = jnp.pad(ids, pad, constant_values=-1)
             weights = None if weights is None else jnp.pad(jnp.asarray(weights), pad)
+    assert isinstance(feature.table, _config.TableConfig)  # So in every EmbeddingSpec.
     vocab = feature.table.vocabulary_size
     valid = (ids >= 0) & (ids < vocab)
     ids = jnp.where(valid, ids, -1)
@@ -228,7 +231,9 @@ def invalid_counts(spec: _config.EmbeddingSpec, features) -> dict[str, jax.Array
     for path, leaf in flat.items():
         ids, _ = _split(leaf)
         ids = jnp.asarray(ids)
-        vocab = configs[path].table.vocabulary_size
+        table = configs[path].table
+        assert isinstance(table, _config.TableConfig)  # So in every EmbeddingSpec.
+        vocab = table.vocabulary_size
         out[path] = jnp.sum((ids != -1) & ((ids < 0) | (ids >= vocab)), dtype=jnp.int32)
     return out
 

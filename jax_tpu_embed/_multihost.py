@@ -20,6 +20,7 @@ import hashlib
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
@@ -51,7 +52,9 @@ def process_batch_rows(emb, global_batch: int) -> np.ndarray:
                          f"positive multiple of the mesh size {n} along axis {emb.axis!r}.")
     per_shard = global_batch // n
     index_map = batch_sharding(emb).addressable_devices_indices_map((global_batch,))
-    starts = sorted({index[0].start or 0 for index in index_map.values()})
+    # jax types the values Index | None; a NamedSharding gives every device an index.
+    starts = sorted({index[0].start or 0  # pyright: ignore[reportOptionalSubscript]
+                     for index in index_map.values()})
     return np.concatenate([np.arange(s, s + per_shard, dtype=np.int64) for s in starts]
                           + [np.zeros((0,), np.int64)])  # Empty when no device is local.
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -119,7 +120,7 @@ class _Extras(Optimizer):
         c = self.clipvalue
         if c is None:
             return gradient
-        low, high = (-c, c) if isinstance(c, numbers.Real) else c
+        low, high = c if isinstance(c, (tuple, list)) else (-c, c)  # _check: Real or pair.
         return jnp.clip(gradient, low, high)
 
     def finish_row(self, new_row, row, learning_rate):
@@ -332,13 +333,17 @@ class CustomOptimizer(Optimizer):
 
     custom_computation: Callable
     learning_rate: Scalar = 0.01
-    slot_names: Sequence[str] | None = None
-    slot_initializers: Sequence[Any] | None = None
-    hyperparameters_: Sequence[Scalar] | None = dataclasses.field(default=None, repr=False)
-    slot_dims: Sequence[int] | None = None
+    # __init__ takes None for each of these and stores a tuple.
+    slot_names: Sequence[str] = ()
+    slot_initializers: Sequence[Any] = ()
+    hyperparameters_: Sequence[Scalar] = dataclasses.field(default=(), repr=False)
+    slot_dims: Sequence[int] = ()
 
-    def __init__(self, custom_computation, learning_rate=0.01, slot_names=None,
-                 slot_initializers=None, hyperparameters=None, slot_dims=None):
+    def __init__(self, custom_computation: Callable, learning_rate: Scalar = 0.01,
+                 slot_names: Sequence[str] | None = None,
+                 slot_initializers: Sequence[Any] | None = None,
+                 hyperparameters: Sequence[Scalar] | None = None,
+                 slot_dims: Sequence[int] | None = None):
         set_ = lambda k, v: object.__setattr__(self, k, v)
         set_("custom_computation", custom_computation)
         set_("learning_rate", learning_rate)

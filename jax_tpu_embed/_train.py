@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -253,8 +254,9 @@ class TrainStep:
             features[n] = jax.tree.map(empty, abstract_features[n], is_leaf=_is_weighted)
             grads[n] = jax.tree.map(lambda s: make(s, 0), acts)
         mesh = embs[names[0]].mesh
-        valid = (jax.ShapeDtypeStruct((), jnp.bool_, sharding=NamedSharding(mesh, P()))
-                 if abstract else jax.device_put(jnp.array(False), NamedSharding(mesh, P())))
+        # Any: an abstract Pending holds a ShapeDtypeStruct where the real one holds an array.
+        valid: Any = (jax.ShapeDtypeStruct((), jnp.bool_, sharding=NamedSharding(mesh, P()))
+                      if abstract else jax.device_put(jnp.array(False), NamedSharding(mesh, P())))
         return Pending(features, grads, valid)
 
     def _make_state(self, params, embedding, example_batch, abstract: bool) -> TrainState:
@@ -286,7 +288,8 @@ class TrainStep:
                 return jax.ShapeDtypeStruct(jnp.shape(x), dtype,
                                             sharding=_dense_sharding(x, replicated))
 
-            scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+            # Any: an abstract TrainState holds ShapeDtypeStructs where the real one holds arrays.
+            scalar: Any = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
             params = jax.tree.map(abstract_of, params)
             opt_state = jax.tree.map(abstract_of, jax.eval_shape(self.tx.init, params))
             return TrainState(scalar, params, opt_state, embedding,
@@ -317,7 +320,7 @@ class TrainStep:
                              f"state holds {sorted(states)}.")
         pipelined = self._pipelined(embs)
         if (state.pending is None) != (not pipelined) or (
-                pipelined and sorted(state.pending.features) != pipelined):
+                state.pending is not None and sorted(state.pending.features) != pipelined):
             raise ValueError(f"TrainStep: the state's pending updates do not match the "
                              f"pipelined embeddings {pipelined}; create the state with "
                              f"this step's init.")
@@ -328,6 +331,7 @@ class TrainStep:
 
         def loss_of(params, acts):
             out = self._loss(params, acts, batch)
+            loss: Any
             loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
             if (not hasattr(loss, "shape") or jnp.shape(loss) != () or
                     not jnp.issubdtype(jnp.result_type(loss), jnp.floating)):
@@ -345,6 +349,7 @@ class TrainStep:
         new_states = {}
         for n, emb in embs.items():
             if n in pipelined:
+                assert state.pending is not None  # Checked above: pipelined steps have one.
                 upd_features, upd_grads = state.pending.features[n], state.pending.grads[n]
                 keep = state.pending.valid
             else:
@@ -389,13 +394,14 @@ class TrainStep:
 
         def shard(x):
             if (hasattr(x, "shape") and len(x.shape) >= 1 and x.shape[0] == batch_size and
-                    not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)):
+                    not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)):
                 return _constrain(jnp.asarray(x), sharding)
             return x
 
         return jax.tree.map(shard, batch)
 
     def _flush(self, state: TrainState) -> TrainState:
+        assert state.pending is not None  # flush() calls this only with an update pending.
         states = self._unpack(state.embedding)
         pipelined = sorted(state.pending.features)
         missing = [n for n in pipelined if n not in self.embeddings]

@@ -28,7 +28,8 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from . import _config, _optimizers
 
@@ -450,15 +451,17 @@ class EmbeddingConfigSpec:
         return self._spec
 
     def _from_columns(self):
+        columns, parameters = self.feature_columns, self.optimization_parameters
+        assert columns and parameters is not None  # __init__ requires both with columns.
         tables: dict[str, _config.TableConfig] = {}
         features: dict[str, _config.FeatureConfig] = {}
-        for c in self.feature_columns:
+        for c in columns:
             if not isinstance(c, _COLUMN_CLASSES):
                 raise TypeError(
                     f"All feature columns must be supported types in "
                     f"{[k.__name__ for k in _COLUMN_CLASSES]} (from jte.compat.embedding_column"
                     f" or shared_embedding_columns). Got {type(c)}")
-        for c in self.feature_columns:
+        for c in columns:
             feature = c.get_feature_key_name()
             if feature in features:
                 raise ValueError(f"Feature column {feature} is used with multiple embeddings "
@@ -467,7 +470,7 @@ class EmbeddingConfigSpec:
             if table_name not in tables:
                 optimizer = None
                 if c.learning_rate_fn is not None:
-                    optimizer = self.optimization_parameters.to_optimizer(c.learning_rate_fn)
+                    optimizer = parameters.to_optimizer(c.learning_rate_fn)
                 vocab, dim = c.get_embedding_table_size()
                 tables[table_name] = _config.TableConfig(
                     vocabulary_size=vocab, dim=dim, initializer=c.initializer,

@@ -27,11 +27,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                                " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
+import importlib.resources  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
-from typing import Any, Sequence  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -39,11 +41,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import yaml  # noqa: E402
+from numpy.typing import ArrayLike  # noqa: E402
 
 import jax_tpu_embed as jte  # noqa: E402
 
-_ROOT = pathlib.Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = _ROOT / "configs" / "dlrm_demo.yaml"
+# Inside the package, so that an installed wheel finds it too.
+DEFAULT_CONFIG = importlib.resources.files("jax_tpu_embed") / "configs" / "dlrm_demo.yaml"
 
 
 # ---------------------------------------------------------------------------------- data
@@ -167,7 +170,7 @@ def bce_loss(logits: jax.Array, batch: dict):
 
 # ------------------------------------------------------------------------------- metrics
 
-def auc(labels: np.ndarray, scores: np.ndarray) -> float:
+def auc(labels: ArrayLike, scores: ArrayLike) -> float:
     """Area under the ROC curve: P(score of a positive > score of a negative), ties 1/2.
 
     Mann-Whitney U from average ranks; O(n log n). NaN if one class is absent.
@@ -200,8 +203,9 @@ def _optimizer(cfg: dict) -> jte.Optimizer:
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m jax_tpu_embed.demo",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config.")
+                                description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--config", default=None,
+                   help="YAML config (default: jax_tpu_embed/configs/dlrm_demo.yaml).")
     p.add_argument("--steps", type=int, default=None, help="Training steps.")
     p.add_argument("--batch-size", type=int, default=None, help="Global batch size B.")
     p.add_argument("--small", action="store_true",
@@ -214,7 +218,8 @@ def _parse(argv):
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the demo; returns the summary it prints (and writes to summary.json)."""
     args = _parse(argv)
-    cfg = yaml.safe_load(pathlib.Path(args.config).read_text())
+    config = DEFAULT_CONFIG if args.config is None else pathlib.Path(args.config)
+    cfg = yaml.safe_load(config.read_text())
     data_cfg, model_cfg, train_cfg, eval_cfg = (cfg["data"], cfg["model"], cfg["train"],
                                                 cfg["eval"])
     vocab = list(data_cfg["vocabulary_sizes"])
@@ -268,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     pending: list[jax.Array] = []
     log_every = max(1, int(train_cfg.get("log_every", 10)))
     t_start = time.perf_counter()
-    t_after_first = None
+    t_after_first = t_start  # Set again once the first step is done.
     batch = first_batch
     for i in range(steps):
         state, metrics = step(state, batch)
@@ -353,12 +358,12 @@ def _plot(path: pathlib.Path, losses: list[float], eval_auc: float,
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    losses = np.asarray(losses)
-    window = max(1, len(losses) // 30)
-    smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
+    curve = np.asarray(losses)
+    window = max(1, len(curve) // 30)
+    smooth = np.convolve(curve, np.ones(window) / window, mode="valid")
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(np.arange(1, len(losses) + 1), losses, alpha=0.3, label="loss per step")
-    ax.plot(np.arange(window, len(losses) + 1), smooth, label=f"mean of {window} steps")
+    ax.plot(np.arange(1, len(curve) + 1), curve, alpha=0.3, label="loss per step")
+    ax.plot(np.arange(window, len(curve) + 1), smooth, label=f"mean of {window} steps")
     ax.set_xlabel("step")
     ax.set_ylabel("train log loss")
     ax.set_title(f"DLRM on planted Criteo-like data: held-out AUC {eval_auc:.3f} "

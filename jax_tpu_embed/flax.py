@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.core
 import jax.numpy as jnp
 import optax
 
@@ -75,7 +77,7 @@ class Embed(nn.Module):
         return _engine(self.spec, self.mesh, self.axis)
 
     @classmethod
-    def from_embedding(cls, emb: _embedding.Embedding, **kwargs) -> "Embed":
+    def from_embedding(cls, emb: _embedding.Embedding, **kwargs) -> Embed:
         """The layer of an existing `jte.Embedding` (its `.embedding` is `emb`)."""
         _ENGINES.setdefault(emb.spec, {})[(emb.mesh, emb.axis)] = emb
         return cls(emb.spec, mesh=emb.mesh, axis=emb.axis, **kwargs)
@@ -91,9 +93,15 @@ class Embed(nn.Module):
                     f"variables. Pass them with the params: model.apply({{'params': ..., "
                     f"{COLLECTION!r}: ...}}, ...), as model.init returned them.")
             initial = _placed(emb, emb.init(self.make_rng(COLLECTION)))
-        tables = self.variable(COLLECTION, "tables", lambda: initial.tables)
-        slots = self.variable(COLLECTION, "slots", lambda: initial.slots)
-        step = self.variable(COLLECTION, "step", lambda: initial.step)
+
+        def created() -> _embedding.EmbeddingState:
+            # Called only to create the variables: on the branch above that set `initial`.
+            assert initial is not None
+            return initial
+
+        tables = self.variable(COLLECTION, "tables", lambda: created().tables)
+        slots = self.variable(COLLECTION, "slots", lambda: created().slots)
+        step = self.variable(COLLECTION, "step", lambda: created().step)
         state = _embedding.EmbeddingState(tables.value, slots.value, step.value)
         return emb.lookup(state, features)
 

@@ -28,7 +28,8 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
-from typing import Any, Mapping, Sequence  # noqa: E402
+from collections.abc import Mapping, Sequence  # noqa: E402
+from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 
@@ -140,7 +141,7 @@ def _result(path, spec, emb, topo, batch, lengths, r: _aot.CompileReport,
     state = r.state_bytes * per_chip
     total = r.peak_bytes * per_chip
     hbm = topo.hbm_per_chip
-    init_table = max(init_temps, key=init_temps.get) if init_temps else None
+    init_table = max(init_temps, key=lambda n: init_temps[n]) if init_temps else None
     init_peak = state + (init_temps[init_table] * per_chip if init_table else 0)
     out = {
         "config": path, "topology": topo.name, "chips": topo.chips, "devices": len(topo.devices),
@@ -245,7 +246,7 @@ def format_table(res: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jax_tpu_embed.plan",
-                                description=__doc__.split("\n")[0])
+                                description=(__doc__ or "").split("\n")[0])
     p.add_argument("--config", required=True, help="YAML or TOML config (jte.load_config)")
     p.add_argument("--topology", required=True, help="TPU slice, e.g. v5p:4x4x4 or v5e:4x8")
     p.add_argument("--batch", type=int, default=None,

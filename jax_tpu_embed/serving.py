@@ -17,7 +17,8 @@ tables trained with "mod" serve like any other: exports are always in natural ro
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,7 @@ def _embed(path: str, feature: _config.FeatureConfig, table, leaf):
     if feature.is_sequence:
         acts = rows * weights[..., None]
     else:
+        assert isinstance(feature.table, _config.TableConfig)  # So in every EmbeddingSpec.
         scale = _inputs.combiner_scale(weights, feature.table.combiner)
         acts = jnp.einsum("bl,bld->bd", scale, rows, precision=lax.Precision.HIGHEST)
     if feature.output_shape is None:
@@ -104,8 +106,12 @@ class Server:
         device: Where to keep the tables and run; default `jax.devices("cpu")[0]`.
     """
 
-    def __init__(self, spec: _config.EmbeddingSpec, tables: Mapping[str, Any],
-                 device: jax.Device | None = None):
+    def __init__(
+        self,
+        spec: _config.EmbeddingSpec,
+        tables: Mapping[str, Any],
+        device: jax.Device | None = None,  # pyright: ignore[reportInvalidTypeForm]
+    ):
         if not isinstance(spec, _config.EmbeddingSpec):
             raise TypeError(f"Server: spec must be a jte.EmbeddingSpec, got "
                             f"{type(spec).__name__}.")
@@ -117,8 +123,12 @@ class Server:
         self._jit = jax.jit(lambda t, f: lookup(self.spec, t, f))
 
     @classmethod
-    def from_embedding(cls, emb: _embedding.Embedding, state: _embedding.EmbeddingState,
-                       device: jax.Device | None = None) -> "Server":
+    def from_embedding(
+        cls,
+        emb: _embedding.Embedding,
+        state: _embedding.EmbeddingState,
+        device: jax.Device | None = None,  # pyright: ignore[reportInvalidTypeForm]
+    ) -> Server:
         """Serves `state`'s tables, exported in logical rows."""
         return cls(emb.spec, emb.export(state), device)
 
@@ -185,10 +195,10 @@ def export(spec: _config.EmbeddingSpec, tables: Mapping[str, Any], features: Nes
     feature_specs = jax.tree.map(spec_of, features)
     table_specs = {n: jax.ShapeDtypeStruct(tuple(np.shape(t)), t.dtype)
                    for n, t in tables.items()}
-    kwargs = {} if platforms is None else {"platforms": tuple(platforms)}
+    platforms = None if platforms is None else tuple(platforms)
     if include_tables:
         constants = {n: np.asarray(t) for n, t in tables.items()}
         fn = jax.jit(lambda f: lookup(spec, constants, f))
-        return jax.export.export(fn, **kwargs)(feature_specs)
+        return jax.export.export(fn, platforms=platforms)(feature_specs)
     fn = jax.jit(lambda t, f: lookup(spec, t, f))
-    return jax.export.export(fn, **kwargs)(table_specs, feature_specs)
+    return jax.export.export(fn, platforms=platforms)(table_specs, feature_specs)

@@ -203,7 +203,7 @@ def _pin_gloo_to_loopback():
     """
     try:
         from jax._src import distributed, xla_bridge
-        from jax._src.lib import _jax
+        from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]
         collectives = _jax.make_gloo_tcp_collectives(
             distributed_client=distributed.global_state.client, hostname="127.0.0.1")
         xla_bridge.register_backend_factory(

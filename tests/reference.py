@@ -129,7 +129,8 @@ def apply(name, hp, table, slots, grads_by_row, lr, *, multiplier=1.0, clipping_
         if clipping_limit is not None:
             g = np.clip(g, -clipping_limit, clipping_limit)
         if clipvalue is not None:
-            lo, hi = (-clipvalue, clipvalue) if np.isscalar(clipvalue) else clipvalue
+            lo, hi = clipvalue if isinstance(clipvalue, (tuple, list)) else (-clipvalue,
+                                                                             clipvalue)
             g = np.clip(g, lo, hi)
         w = table[r]
         new, new_slots = optimizer_step(name, hp, w, {k: v[r] for k, v in slots.items()}, g,

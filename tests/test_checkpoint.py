@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_mesh
 
 import jax_tpu_embed as jte
+from conftest import make_mesh
 from jax_tpu_embed import checkpoint
 
 B = 24
@@ -39,12 +39,12 @@ def _emb(strategy, num_shards, kind="explicit"):
     return _cached_emb(strategy, num_shards, kind)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached_emb(strategy, num_shards, kind):
     return jte.Embedding(_spec(strategy), make_mesh(num_shards, kind))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _init(emb, seed=0):
     return emb.init(jax.random.key(seed))
 
@@ -271,6 +271,7 @@ def test_save_killed_part_way_leaves_previous_checkpoint_restorable(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVER, str(directory)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=env)
+    assert proc.stdout is not None
     try:
         assert proc.stdout.readline().strip() == "saved"
         assert proc.stdout.readline().strip() == "saving"

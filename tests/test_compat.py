@@ -4,14 +4,19 @@ TF's names, defaults and errors, turned into working jte specs."""
 import jax
 import numpy as np
 import pytest
-from conftest import make_mesh
 
 import jax_tpu_embed as jte
+from conftest import make_mesh
 from jax_tpu_embed import compat
-from jax_tpu_embed.compat import (AdagradParameters, AdamParameters, EmbeddingConfigSpec,
-                                  StochasticGradientDescentParameters,
-                                  categorical_column_with_identity, embedding_column,
-                                  shared_embedding_columns)
+from jax_tpu_embed.compat import (
+    AdagradParameters,
+    AdamParameters,
+    EmbeddingConfigSpec,
+    StochasticGradientDescentParameters,
+    categorical_column_with_identity,
+    embedding_column,
+    shared_embedding_columns,
+)
 
 B = 8
 
@@ -125,7 +130,7 @@ def test_column_options_map_to_tables_and_features():
     assert spec.features["s"].max_sequence_length == 5
     assert (spec.features["y"].max_sequence_length, spec.features["x"].max_sequence_length) \
         == (0, 4)
-    assert spec.optimizer.learning_rate == 0.2
+    assert spec.optimizer is not None and spec.optimizer.learning_rate == 0.2
 
 
 def test_dict_form_resolves_table_names():
@@ -202,19 +207,21 @@ def test_config_spec_errors_are_tfs(kwargs, error, match):
     elif kwargs.get("feature_columns") == "COLUMNS":
         kwargs = dict(kwargs, feature_columns=[column])
     with pytest.raises(error, match=match):
-        EmbeddingConfigSpec(**kwargs)
+        EmbeddingConfigSpec(**kwargs)  # pyright: ignore[reportArgumentType]  (deliberately wrong)
 
 
 @pytest.mark.parametrize("make,error,match", [
     (lambda: categorical_column_with_identity("a", 0), ValueError, "num_buckets 0 < 1"),
     (lambda: categorical_column_with_identity("a", 3, default_value=0), ValueError,
      "default_value=0 is not supported"),
-    (lambda: embedding_column("a", 2), TypeError, "categorical_column for tpu"),
+    (lambda: embedding_column("a", 2),  # pyright: ignore[reportArgumentType]  (deliberately wrong)
+     TypeError, "categorical_column for tpu"),
     (lambda: embedding_column(categorical_column_with_identity("a", 3), 0), ValueError,
      "Invalid dimension 0"),
     (lambda: embedding_column(categorical_column_with_identity("a", 3), 2, combiner="max"),
      ValueError, "Invalid combiner 'max'"),
-    (lambda: embedding_column(categorical_column_with_identity("a", 3), 2, initializer=1.0),
+    (lambda: embedding_column(categorical_column_with_identity("a", 3), 2,
+                              initializer=1.0),  # pyright: ignore[reportArgumentType]  (deliberately wrong)
      ValueError, "initializer must be callable if specified"),
     (lambda: embedding_column(categorical_column_with_identity("a", 3), 2,
                               max_sequence_length=-1), ValueError,
@@ -225,7 +232,7 @@ def test_config_spec_errors_are_tfs(kwargs, error, match):
     (lambda: shared_embedding_columns([categorical_column_with_identity("a", 3)], 2,
                                       max_sequence_lengths=[1, 2]),
      ValueError, "max_sequence_lengths and categorical_columns must be of the same length"),
-    (lambda: shared_embedding_columns([compat.embedding_column(
+    (lambda: shared_embedding_columns([compat.embedding_column(  # pyright: ignore[reportArgumentType]
         categorical_column_with_identity("a", 3), 2)], 2), TypeError,
      "categorical_column for tpu"),
 ])

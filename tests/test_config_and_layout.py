@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_tpu_embed as jte
+from conftest import make_mesh
 from jax_tpu_embed import _layout
 
 T = jte.TableConfig(10, 4)
@@ -21,12 +21,15 @@ T = jte.TableConfig(10, 4)
     (lambda: jte.TableConfig(10, 4, combiner="max"), ValueError,
      r"combiner must be one of \['sum', 'mean', 'sqrtn'\], got 'max'"),
     (lambda: jte.TableConfig(10, 4, dtype=jnp.int32), ValueError, "float32 or bfloat16"),
-    (lambda: jte.TableConfig(10, 4, optimizer="adagrad"), TypeError, "jte optimizer"),
-    (lambda: jte.TableConfig(10, 4, initializer=3), TypeError, "initializer must be"),
+    (lambda: jte.TableConfig(10, 4, optimizer="adagrad"),  # pyright: ignore[reportArgumentType]  (deliberately wrong)
+     TypeError, "jte optimizer"),
+    (lambda: jte.TableConfig(10, 4, initializer=3),  # pyright: ignore[reportArgumentType]  (deliberately wrong)
+     TypeError, "initializer must be"),
     (lambda: jte.FeatureConfig(T, max_sequence_length=-1), ValueError,
      "max_sequence_length must be an int >= 0, got -1"),
     (lambda: jte.FeatureConfig(T, output_shape=(2, 0)), ValueError, "output_shape"),
-    (lambda: jte.FeatureConfig(42), TypeError, "table must be a TableConfig"),
+    (lambda: jte.FeatureConfig(42),  # pyright: ignore[reportArgumentType]  (deliberately wrong)
+     TypeError, "table must be a TableConfig"),
     (lambda: jte.EmbeddingSpec({"a": jte.FeatureConfig(T)}, jte.SGD(), "cols"), ValueError,
      r"partition_strategy must be one of \['div', 'mod'\], got 'cols'"),
     (lambda: jte.EmbeddingSpec({}, jte.SGD()), ValueError, "features is empty"),
@@ -156,14 +159,15 @@ def _compiled_update(vocab, dim=128, batch=256, ids=8, mesh=None, with_step=True
 def test_compiled_update_has_no_table_sized_temporaries():
     vocab, dim = 1_000_000, 128
     emb, compiled, full = _compiled_update(vocab, dim)
+    assert full is not None
     shard_bytes = vocab // 4 * dim * 4
     for c in (compiled, full):
         mem = c.memory_analysis()
-        assert mem.temp_size_in_bytes < 0.05 * shard_bytes, mem
+        assert mem is not None and mem.temp_size_in_bytes < 0.05 * shard_bytes, mem
         # Table and accumulator are donated: their buffers are reused for the outputs.
         assert mem.alias_size_in_bytes >= 2 * shard_bytes, mem
         hlo = c.as_text()
-        assert f"f32[{vocab // 4},{dim}]" in hlo
+        assert hlo is not None and f"f32[{vocab // 4},{dim}]" in hlo
         copies = [l for l in hlo.splitlines()
                   if " copy(" in l and f"[{vocab // 4},{dim}]" in l]
         assert not copies, copies
@@ -183,7 +187,9 @@ def test_update_cost_does_not_grow_with_vocabulary():
         for vocab in [100_000, 10_000_000]:
             _, compiled, _ = _compiled_update(vocab, dim=dim, batch=1024, ids=8, mesh=mesh,
                                             with_step=False)
-            costs.append(compiled.cost_analysis()["bytes accessed"])
+            cost = compiled.cost_analysis()
+            assert cost is not None
+            costs.append(cost["bytes accessed"])
         assert costs[1] < 1.1 * costs[0], (dim, costs)
 
 

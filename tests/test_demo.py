@@ -2,9 +2,12 @@
 
 import itertools
 import json
+import pathlib
+import tomllib
 
 import numpy as np
 import pytest
+import yaml
 
 from jax_tpu_embed import demo
 
@@ -47,6 +50,18 @@ def test_planted_data_is_criteo_shaped_and_learnable():
         assert counts[0] > 10 * max(counts[v // 2], 1)  # Power law: a few hot rows.
     assert abs(batch["label"].mean() - 0.25) < 0.02
     assert demo.auc(batch["label"], logits) > 0.7
+
+
+def test_default_config_ships_inside_the_package():
+    """An installed wheel has only the package: the demo's config must live in it, and match
+    pyproject's package-data."""
+    package = pathlib.Path(demo.__file__).parent
+    path = pathlib.Path(str(demo.DEFAULT_CONFIG))
+    assert path.is_file() and path.parent.parent == package
+    data = tomllib.loads((package.parent / "pyproject.toml").read_text())
+    globs = data["tool"]["setuptools"]["package-data"]["jax_tpu_embed"]
+    assert any(path.relative_to(package).match(g) for g in globs), globs
+    assert set(yaml.safe_load(path.read_text())) >= {"data", "model", "train", "small"}
 
 
 def test_small_demo_runs_and_learns(tmp_path, capsys):

@@ -1,5 +1,7 @@
 """jte.flax: the Embed layer's variables, and the flax train step against the generic one."""
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -53,7 +55,7 @@ def test_variables_live_in_the_embedding_collection():
     emb = jte.Embedding(spec, make_mesh(2))
     model = Model(jte.flax.Embed.from_embedding(emb))
     assert model.embed.embedding is emb
-    variables = model.init(jax.random.key(0), make_batch(np.random.default_rng(0)))
+    variables: Any = model.init(jax.random.key(0), make_batch(np.random.default_rng(0)))
     assert set(variables) == {"params", "embedding"}
     assert set(variables["params"]) == {"head"}  # No table among the params.
     state = variables["embedding"]["embed"]
@@ -78,15 +80,15 @@ def test_init_is_embedding_init(monkeypatch):
 
     monkeypatch.setattr(jte.Embedding, "init", spy)
     features = make_batch(np.random.default_rng(1))["features"]
-    variables = layer.init(jax.random.key(3), features)
+    variables: Any = layer.init(jax.random.key(3), features)
     assert len(keys) == 1
     emb = layer.embedding
     got = jte.flax.embedding_states(variables["embedding"])[""]
     want = real_init(emb, keys[0])
     for name, table in emb.export(want).items():
         np.testing.assert_array_equal(emb.export(got)[name], table)
-    np.testing.assert_allclose(layer.apply(variables, features)["user"],
-                               emb.lookup(want, features)["user"], rtol=1e-6)
+    acts: Any = layer.apply(variables, features)
+    np.testing.assert_allclose(acts["user"], emb.lookup(want, features)["user"], rtol=1e-6)
 
 
 @pytest.mark.parametrize("num_shards,kind,strategy", [(8, "explicit", "mod"),
@@ -96,7 +98,7 @@ def test_same_logical_tables_for_every_mesh(num_shards, kind, strategy):
     tables = {}
     for n, k, s in [(1, "explicit", "div"), (num_shards, kind, strategy)]:
         layer = jte.flax.Embed(make_spec(s), make_mesh(n, k))
-        variables = layer.init(jax.random.key(7), batch["features"])
+        variables: Any = layer.init(jax.random.key(7), batch["features"])
         tables[n] = layer.embedding.export(
             jte.flax.embedding_states(variables["embedding"])[""])
     for name, table in tables[1].items():
@@ -113,7 +115,7 @@ def test_apply_without_embedding_variables_raises():
 
 def test_embedding_states_round_trip():
     model = Model(jte.flax.Embed(make_spec(), make_mesh(2)))
-    variables = model.init(jax.random.key(0), make_batch(np.random.default_rng(4)))
+    variables: Any = model.init(jax.random.key(0), make_batch(np.random.default_rng(4)))
     states = jte.flax.embedding_states(variables["embedding"])
     assert list(states) == ["embed"]
     fresh = model.embed.embedding.init(jax.random.key(9))
@@ -140,7 +142,8 @@ def test_flax_step_equals_generic_step():
 
     def loss_fn(params, acts, batch):
         x = jnp.concatenate([acts["history"], acts["item"], acts["user"]], axis=-1)
-        return mse(head.apply({"params": params["head"]}, jnp.tanh(x))[:, 0], batch)
+        out: Any = head.apply({"params": params["head"]}, jnp.tanh(x))
+        return mse(out[:, 0], batch)
 
     generic = jte.make_train_step(emb, loss_fn, optax.adam(0.05))
     emb_state = jte.flax.embedding_states(f_state.embedding)["embed"]
@@ -157,9 +160,8 @@ def test_flax_step_equals_generic_step():
         np.testing.assert_allclose(got[name], table, rtol=1e-5, atol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                  f_state.params, g_state.params)
-    np.testing.assert_allclose(flax_step.predict(f_state, batches[0]),
-                               model.apply(flax_step.variables(f_state), batches[0]),
-                               rtol=1e-6)
+    out: Any = model.apply(flax_step.variables(f_state), batches[0])
+    np.testing.assert_allclose(flax_step.predict(f_state, batches[0]), out, rtol=1e-6)
 
 
 def test_optax_never_sees_a_table():
@@ -220,7 +222,7 @@ def test_two_layers_one_pipelined():
                 "y": rng.normal(size=B).astype(np.float32)}
 
     state = step.init(jax.random.key(0), batch())
-    assert sorted(state.pending.features) == ["items"]
+    assert state.pending is not None and sorted(state.pending.features) == ["items"]
     for _ in range(3):
         state, m = step(state, batch())
     states = jte.flax.embedding_states(state.embedding)

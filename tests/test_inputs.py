@@ -5,12 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_tpu_embed as jte
 import reference
+from conftest import make_mesh
 
 
 def _spec(**kw):
@@ -32,7 +32,8 @@ def test_pad_ragged_lengths_splits_weights_truncation():
     assert isinstance(w, jte.Weighted)
     np.testing.assert_array_equal(w.ids, [[5, 1, -1], [-1, -1, -1], [2, 7, 7]])
     np.testing.assert_array_equal(w.weights, [[1, 2, 0], [0, 0, 0], [3, 4, 5]])
-    assert jte.pad_ragged([], row_lengths=[0, 0]).shape == (2, 1)  # At least one column.
+    empty = jte.pad_ragged([], row_lengths=[0, 0])
+    assert isinstance(empty, np.ndarray) and empty.shape == (2, 1)  # At least one column.
 
 
 @pytest.mark.parametrize("kw,match", [

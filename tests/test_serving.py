@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
 
 import jax_tpu_embed as jte
+from conftest import make_mesh
 from jax_tpu_embed import serving
 
 B = 16
@@ -118,7 +118,7 @@ def _assert_close(got, want, rtol=1e-5, atol=1e-6):
                                    atol=atol, err_msg=path)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _case(which, strategy):
     spec = (_spec_a if which == "a" else _spec_b)(strategy)
     rng = np.random.default_rng(0)
@@ -193,6 +193,6 @@ def test_export_with_polymorphic_batch_serves_any_batch_size():
     exp = serving.export(spec, tables, features, polymorphic_batch=True)
     call = jax.export.deserialize(exp.serialize()).call
     for size in (3, B):
-        small = jax.tree.map(lambda x: x[:size], features)
+        small = jax.tree.map(lambda x, size=size: x[:size], features)
         _assert_close(call(tables, small), _reference(spec, tables, small))
         _assert_close(call(tables, small), serving.Server(spec, tables)(small))

@@ -290,6 +290,7 @@ def test_sparse_core_moves_narrow_rows_without_table_copies():
     path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks",
                         "tpu_row_access.py")
     spec = importlib.util.spec_from_file_location("tpu_row_access", path)
+    assert spec is not None and spec.loader is not None
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     res = probe.measure_sparse_core("v5p:2x2x1", dims=(32,))

@@ -16,8 +16,8 @@ import optax
 import pytest
 
 import jax_tpu_embed as jte
-from jax_tpu_embed import _train
 from conftest import make_mesh
+from jax_tpu_embed import _train
 
 B, D = 16, 4
 V_SHARED, V_ONE = 97, 53
@@ -243,7 +243,7 @@ def test_nonfinite_step_is_skipped_and_counted(pipeline):
     after = emb.export(state.embedding)
     if pipeline:
         # The good batch's update, pending until now, is applied; the bad one is not queued.
-        assert not bool(state.pending.valid)
+        assert state.pending is not None and not bool(state.pending.valid)
         for name, want in run("adagrad", [good])[1].items():
             np.testing.assert_allclose(after[name], want, rtol=1e-6, atol=1e-7)
     else:
@@ -419,7 +419,7 @@ def test_bad_loss_and_batch_raise(small_step):
     with pytest.raises(ValueError, match="no 'features' entry"):
         step(state, {"sparse": batch["features"], "y": batch["y"]})
     with pytest.raises(TypeError, match="jte.Embedding"):
-        jte.make_train_step("not an embedding", loss_fn, optax.sgd(0.1))
+        jte.make_train_step("not an embedding", loss_fn, optax.sgd(0.1))  # pyright: ignore[reportArgumentType]  (deliberately wrong)
 
 
 def test_pipelined_init_needs_an_example_batch():
@@ -454,8 +454,9 @@ def test_step_has_no_table_sized_temporaries(pipeline, monkeypatch):
         step = jte.make_train_step(
             emb, lambda p, a, b: jnp.sum((a["f"] + a["g"]) * r) * p["s"], optax.sgd(0.1))
         abstract = step.abstract_state({"s": jax.ShapeDtypeStruct((), jnp.float32)}, batch)
-        compiled = step.lower(abstract, batch).compile()
-        return compiled.memory_analysis().temp_size_in_bytes
+        mem = step.lower(abstract, batch).compile().memory_analysis()
+        assert mem is not None
+        return mem.temp_size_in_bytes
 
     shard_bytes = v * dim * 4 // shards
     assert compiled_temp_bytes() < shard_bytes / 50
