@@ -31,7 +31,7 @@ format: $(STAMP)
 	$(PY) -m ruff format jax_tpu_embed tests benchmarks
 	$(PY) -m ruff check --fix jax_tpu_embed tests benchmarks
 
-# Benchmarks against the peers (torch, FBGEMM, flax+optax), W0 and W1 of shared/WORKLOADS.md.
+# Benchmarks against the peers (torch, FBGEMM, flax+optax): workloads W0 and W1 (docs/design.md).
 bench: $(STAMP)
 	$(PY) -m pip install -q -r benchmarks/requirements-bench.txt
 	$(PY) benchmarks/run.py --workload W0 --engines all --steps 20 --out bench_results/

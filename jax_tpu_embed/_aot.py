@@ -32,7 +32,7 @@ import re
 import tempfile
 import threading
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -105,7 +105,7 @@ def topology(name: str) -> Topology:
 _LOCK = threading.Lock()  # fd 2 is redirected while libtpu describes a topology.
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _topology_devices(name: str) -> tuple:
     # Only shapes are compiled: several processes (pytest workers, a concurrent CLI) may
     # load libtpu at once without the single-user lock meant for real chips.
@@ -326,7 +326,7 @@ def compile_train_step(emb, batch: int, ids_per_example: int | Mapping[str, int]
         options = {"xla_dump_to": dump}
         oom = None
         try:
-            compiled = lowered.compile(compiler_options=options)
+            compiled = lowered.compile(compiler_options=options)  # pyright: ignore[reportArgumentType]
         except Exception as e:  # JaxRuntimeError; its type moved between jax versions.
             if not allow_oom or "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -334,12 +334,13 @@ def compile_train_step(emb, batch: int, ids_per_example: int | Mapping[str, int]
             for path in glob.glob(os.path.join(dump, "*")):
                 if os.path.isfile(path):
                     os.remove(path)
-            compiled = lowered.compile(
-                compiler_options={**options, "xla_tpu_no_crash_on_oom": True})
+            compiled = lowered.compile(compiler_options={  # pyright: ignore[reportArgumentType]
+                **options, "xla_tpu_no_crash_on_oom": True})
         seconds = time.perf_counter() - start
         assignment = _read_buffer_assignment(dump)
     hlo = compiled.as_text()
     memory = compiled.memory_analysis()
+    assert hlo is not None and memory is not None, "TPU compiles report both"
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
@@ -487,7 +488,7 @@ def _state_aliasing(hlo: str) -> tuple[list[str], list[str]]:
     aliased_params = {int(p) for p in re.findall(r":\s*\((\d+),", m.group(1))} if m else set()
     entry = hlo[hlo.find("\nENTRY"):]
     aliased, unaliased = [], []
-    for name, shape, op, rest in _parse(entry):
+    for _, _, op, rest in _parse(entry):
         if op != "parameter":
             continue
         number = int(rest.split(")", 1)[0])

@@ -76,6 +76,13 @@ class FeaturePlan:
     config: _config.FeatureConfig
     table: str
 
+    @property
+    def table_config(self) -> _config.TableConfig:
+        """The feature's table (a name only in compat's dict form, never in a spec)."""
+        table = self.config.table
+        assert isinstance(table, _config.TableConfig)
+        return table
+
 
 class Input(NamedTuple):
     """One feature's shard of the batch: ids (b, L) int32, -1 where none; weights (b, L)

@@ -33,7 +33,6 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax import lax
 
 from . import _backend, _optimizers, _streams, _xla_backend
@@ -121,9 +120,10 @@ def sum_duplicates(keys: jax.Array, g: jax.Array):
     )(keys.astype(jnp.int32), g.astype(jnp.float32))
 
 
-def update(optimizer: _optimizers.Optimizer, table: jax.Array, slots: tuple, keys: jax.Array,
-           g: jax.Array, learning_rate: jax.Array, multiplier: jax.Array | None,
-           clipping_limit: float | None, scale: jax.Array | None = None):
+def update(optimizer: _optimizers.SGD | _optimizers.Adagrad | _optimizers.RowwiseAdagrad,
+           table: jax.Array, slots: tuple, keys: jax.Array, g: jax.Array,
+           learning_rate: jax.Array, multiplier: jax.Array | None, clipping_limit: float | None,
+           scale: jax.Array | None = None):
     """One sparse step, in place: (new table, new slots).
 
     Args:
@@ -145,7 +145,7 @@ def update(optimizer: _optimizers.Optimizer, table: jax.Array, slots: tuple, key
     c = optimizer.clipvalue
     if c is not None:
         flags |= _CLIP_VALUE
-        clip_lo, clip_hi = (-c, c) if np.isscalar(c) else c
+        clip_lo, clip_hi = c if isinstance(c, (tuple, list)) else (-c, c)
     if optimizer.weight_decay_factor:
         flags |= _DECAY
         if optimizer.multiply_weight_decay_factor_by_learning_rate:
@@ -243,6 +243,8 @@ class CpuBackend(_backend.Backend):
         scale = None
         if len(inputs) == 1 and pooled is not None:
             scale, g = pooled
+        assert isinstance(plan.optimizer, (_optimizers.SGD, _optimizers.Adagrad,
+                                           _optimizers.RowwiseAdagrad))
         table, new = update(plan.optimizer, table, tuple(slots[n] for n in names), keys, g,
                             step.learning_rate, step.multiplier, step.clipping_limit, scale)
         return table, dict(zip(names, new))

@@ -9,13 +9,23 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import (_backend, _config, _inputs, _layout, _multihost, _optimizers, _pallas,
-               _storage, _streams)
+from . import (
+    _backend,
+    _config,
+    _inputs,
+    _layout,
+    _multihost,
+    _optimizers,
+    _pallas,
+    _storage,
+    _streams,
+)
 
 Nested = Any
 
@@ -34,7 +44,7 @@ class EmbeddingState:
     """
     tables: dict
     slots: dict
-    step: jax.Array
+    step: Any  # jax.Array; jax.ShapeDtypeStruct in abstract_state.
 
 
 def _default_initializer(dim: int):
@@ -124,7 +134,8 @@ class Embedding:
         if axis not in mesh.axis_names:
             raise ValueError(f"Embedding: axis {axis!r} is not an axis of the mesh "
                              f"{mesh.axis_names}.")
-        self.spec, self.mesh, self.axis = spec, mesh, axis
+        self.spec, self.mesh = spec, mesh
+        self.axis = str(axis)
         self.num_shards = int(mesh.shape[axis])
         platform = mesh.devices.flat[0].platform
         auto_order = _backend.legacy_auto_order(platform, cpu_kernels, tpu_kernels, backend)
@@ -301,8 +312,8 @@ class Embedding:
             new_tables[name] = self._put(table)
             new_slots[name] = {s.name: drawn[s.name] if s.name in drawn else
                                self._put(stored[s.name]) for s in storage.stored}
-        step = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
-        return EmbeddingState(new_tables, new_slots, step)
+        step_array = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
+        return EmbeddingState(new_tables, new_slots, step_array)
 
     def _put(self, physical: np.ndarray) -> jax.Array:
         return jax.make_array_from_callback(physical.shape, self._rows(physical.ndim),
@@ -449,7 +460,7 @@ class Embedding:
         return jax.lax.with_sharding_constraint(x, sharding)
 
     def _out_shape(self, f: _backend.FeaturePlan, batch: int) -> tuple:
-        d = f.config.table.dim
+        d = f.table_config.dim
         natural = ((batch, f.config.max_sequence_length, d) if f.config.is_sequence
                    else (batch, d))
         if f.config.output_shape is None:
@@ -491,8 +502,8 @@ class Embedding:
             if g.shape != want:
                 raise ValueError(f"act_grads[{f.path!r}] has shape {g.shape}; the activation "
                                  f"is {want}.")
-            natural = ((batch, f.config.max_sequence_length, f.config.table.dim)
-                       if f.config.is_sequence else (batch, f.config.table.dim))
+            natural = ((batch, f.config.max_sequence_length, f.table_config.dim)
+                       if f.config.is_sequence else (batch, f.table_config.dim))
             local_grads[f.path] = self._batch_sharded(self._reshape(g, natural))
         row, rep = P(self.axis), P()
         tables, slots = self._shard_map(self._update_local, (row, row, row, row, rep),

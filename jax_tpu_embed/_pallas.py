@@ -33,7 +33,6 @@ them against float64 references on CPU meshes that way.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from jax import lax

@@ -48,7 +48,7 @@ def owned(layout: _layout.TableLayout, ids_all, axis):
 def feature_scale(feature: FeaturePlan, weights_all):
     if feature.config.is_sequence:
         return weights_all
-    return _inputs.combiner_scale(weights_all, feature.config.table.combiner)
+    return _inputs.combiner_scale(weights_all, feature.table_config.combiner)
 
 
 def capacity(plan: TablePlan, positions: int, num_shards: int) -> int:
@@ -143,6 +143,7 @@ class Stream:
 
     def window(self, start):
         """(keys, out, scale), each (C,), of the pairs start ... start + C - 1."""
+        assert self.out is not None and self.scale is not None, "a stream for passes"
         return tuple(lax.dynamic_slice_in_dim(a, start, self.capacity)
                      for a in (self.keys, self.out, self.scale))
 
@@ -169,14 +170,15 @@ def _flat_pairs(f: FeaturePlan, ids, weights, axis, columns: bool):
     """The global batch's (ids, scales), each (B·L,) in position order (`_position`).
 
     Flattened on the local shard before the all-gather: a (B, L) array with L < 128 is
-    lane-padded on TPU, and every op after the gather would pay for it. With `columns` (TPU) flattened column by column: the TPU stores a (b, L) int32
-    array with L < 128 column-major, so that order is a free reshape where row by row is a
-    transposing copy; elsewhere row by row. The
+    lane-padded on TPU, and every op after the gather would pay for it. With `columns`
+    (TPU) flattened column by column: the TPU stores a (b, L) int32 array with L < 128
+    column-major, so that order is a free reshape where row by row is a transposing copy;
+    elsewhere row by row. The
     combiner's per-example sums use the local rows; a plain sum needs no weights at all:
     its scales are None, 1 for every id (padding is never owned)."""
     flat = (lambda x: x.T.reshape(-1)) if columns else (lambda x: x.reshape(-1))
     ids_all = lax.all_gather(flat(ids), axis, tiled=True)
-    if weights is None and (f.config.is_sequence or f.config.table.combiner == "sum"):
+    if weights is None and (f.config.is_sequence or f.table_config.combiner == "sum"):
         return ids_all, None
     w = (ids >= 0).astype(jnp.float32) if weights is None else weights
     return ids_all, lax.all_gather(flat(feature_scale(f, w)), axis, tiled=True)

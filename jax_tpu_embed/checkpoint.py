@@ -94,7 +94,7 @@ def save(directory: str | os.PathLike, emb: _embedding.Embedding,
     with _manager(path, read_only=False) as manager:
         try:
             manager.save(step, args=ocp.args.Composite(**items), force=True)
-        except ocp.checkpoint_manager.StepAlreadyExistsError as e:
+        except ocp.checkpoint_manager.StepAlreadyExistsError as e:  # pyright: ignore[reportAttributeAccessIssue]
             raise ValueError(f"checkpoint.save: {path} already holds a checkpoint for step "
                              f"{step}; delete it or save from a state with another step.") from e
         manager.wait_until_finished()
@@ -242,7 +242,7 @@ def _row_sharding(emb, auto: bool, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P(emb.axis, *([None] * (ndim - 1))))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _logical_fn(storage: _storage.TableStorage, slot: _optimizers.SlotSpec | None,
                 sharding: NamedSharding):
     layout = storage.layout
@@ -254,7 +254,7 @@ def _logical_fn(storage: _storage.TableStorage, slot: _optimizers.SlotSpec | Non
     return jax.jit(fn, out_shardings=sharding)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _physical_fn(storage: _storage.TableStorage, slot: _optimizers.SlotSpec | None,
                  sharding: NamedSharding):
     def fn(stored):
@@ -272,7 +272,7 @@ def _to_logical(emb, storage: _storage.TableStorage, slot, array: jax.Array) -> 
     return _logical_fn(storage, slot, _row_sharding(emb, True, ndim))(array)
 
 
-def _to_physical(emb, storage: _storage.TableStorage, slot, stored: jax.Array) -> jax.Array:
+def _to_physical(emb, storage: _storage.TableStorage, slot, stored) -> jax.Array:
     """Stored logical rows (R', ...) on `emb`'s mesh -> the physical array, row-sharded."""
     table_shape, slot_shapes = storage.shapes()
     ndim = len(table_shape if slot is None else slot_shapes[slot.name])

@@ -1,15 +1,16 @@
 """Lookups and sparse updates against the float64 NumPy reference, on 1-8 shards."""
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
 
 import jax_tpu_embed as jte
 import reference
+from conftest import make_mesh
 
 B = 16
 
@@ -248,7 +249,7 @@ def test_extras_in_order_with_schedules(rng):
         grads = jax.tree.map(lambda g: 3 * g, grads)  # Large: clipping matters.
         state = step_fn(state, features, grads)
         row_grads = reference_row_grads(tables, features, grads)
-        common = dict(multiplier=2.0 + step, clipping_limit=0.5)
+        common: dict[str, Any] = dict(multiplier=2.0 + step, clipping_limit=0.5)
         want, want_s = reference.apply(
             "adagrad", {}, tables["shared"], slots["shared"], row_grads["shared"],
             sched(step), clipvalue=(-0.4, 0.3), weight_decay=0.05, decay_by_lr=True,
@@ -259,7 +260,7 @@ def test_extras_in_order_with_schedules(rng):
                                       **common)
         np.testing.assert_allclose(emb.export(state)["nested/mean"], want_sgd, rtol=1e-5,
                                    atol=1e-6)
-    assert step_fn._cache_size() == 1  # Schedules are traced: no recompiles.
+    assert step_fn._cache_size() == 1  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _momentum_sgd(gradient, row, slots, learning_rate, hyperparameters):

@@ -1,32 +1,35 @@
 """One battery: every optimizer (with and without the extras) on every backend, "div" and
 "mod", 1 and 8 devices, against the float64 reference of tests/reference.py.
 
-Each case runs two steps (slots written by the first are read by the second) over a spec
-with a shared table, every combiner, weights and a sequence feature, and checks lookups,
-updated rows and slots, and that untouched rows and slots keep their bits. So the backends'
+Each case runs two steps (slots written by the first are read by the second) over one table
+shared by a pooled and a sequence feature, with padding and duplicate ids, and checks
+lookups, updated rows and slots, and that untouched rows and slots keep their bits
+(tests/test_core.py covers every input form and combiner). So the backends'
 optimizer math (the XLA form, the Pallas kernels and the C++ kernels) cannot drift from
 `_optimizers` or from each other.
 """
+
+from typing import Any
 
 import chex
 import jax
 import numpy as np
 import pytest
-from conftest import make_mesh
-from test_core import _features_and_spec, _grads, _inputs
 
 import jax_tpu_embed as jte
 import reference
+from conftest import make_mesh
 from jax_tpu_embed import _cpu_kernels, _pallas
+from test_core import _features_and_spec, _grads, _inputs
 
 # The extras, in TF's order: multiplier -> clipping_limit -> clipvalue -> optimizer ->
 # decay -> weight clipping. Values chosen so that each one changes some rows.
-_EXTRAS = dict(clipvalue=(-0.5, 0.4), weight_decay_factor=0.05,
+_EXTRAS: dict[str, Any] = dict(clipvalue=(-0.5, 0.4), weight_decay_factor=0.05,
                multiply_weight_decay_factor_by_learning_rate=True, clip_weight_min=-0.3,
                clip_weight_max=0.25)
-_REF_EXTRAS = dict(multiplier=1.5, clipping_limit=0.7, clipvalue=(-0.5, 0.4),
+_REF_EXTRAS: dict[str, Any] = dict(multiplier=1.5, clipping_limit=0.7, clipvalue=(-0.5, 0.4),
                    weight_decay=0.05, decay_by_lr=True, clip_min=-0.3, clip_max=0.25)
-_SPEC_EXTRAS = dict(clipping_limit=0.7, gradient_multiplier_fn=lambda step: 1.5)
+_SPEC_EXTRAS: dict[str, Any] = dict(clipping_limit=0.7, gradient_multiplier_fn=lambda step: 1.5)
 
 
 def _momentum(gradient, row, slots, learning_rate, hyperparameters):
@@ -154,7 +157,7 @@ def test_pair_counts_not_a_multiple_of_the_block(backend, num_shards, rng, monke
     monkeypatch.setattr(_pallas, "_BLOCK", 16)
     table = jte.TableConfig(50, 8, combiner="sum", name="t")
     spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(0.3))
-    kw = dict(max_ids_per_shard=16) if backend == "xla" else {}
+    kw: dict[str, Any] = dict(max_ids_per_shard=16) if backend == "xla" else {}
     emb = jte.Embedding(spec, make_mesh(num_shards), backend=backend, **kw)
     state = emb.init(jax.random.key(0))
     ids = rng.integers(0, 12, (8, 3)).astype(np.int32)  # 24 pairs, many duplicates.
