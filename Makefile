@@ -19,11 +19,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
-# ruff's linter and pyright (settings in pyproject.toml) over the package, tests/ and
-# benchmarks/, imports resolved in this venv. pyright runs even when ruff fails, so that one
-# run lists every finding; either failing fails the target.
+# ruff's linter, ruff's formatter (check only) and pyright (settings in pyproject.toml) over
+# the package, tests/ and benchmarks/, imports resolved in this venv. pyright runs even when
+# ruff fails, so that one run lists every finding; any failing fails the target.
 lint: $(STAMP)
 	$(PY) -m ruff check jax_tpu_embed tests benchmarks; ruff=$$?; \
+	$(PY) -m ruff format --check jax_tpu_embed tests benchmarks || ruff=1; \
 	$(PY) -m pyright --pythonpath $(PY) && exit $$ruff
 
 # Rewrites the code: ruff's formatter, then the lint fixes ruff can make by itself.

@@ -39,7 +39,8 @@ import harness  # noqa: E402
 import workloads as workloads_mod  # noqa: E402
 
 CHECK_CONFIG = workloads_mod.WorkloadConfig(
-    name="check", tables=2, vocabulary_size=1000, dim=8, batch=16, ids_per_example=4)
+    name="check", tables=2, vocabulary_size=1000, dim=8, batch=16, ids_per_example=4
+)
 LR = 0.1
 STEPS = 3
 RTOL, ATOL = 2e-5, 2e-6
@@ -47,16 +48,31 @@ RTOL, ATOL = 2e-5, 2e-6
 
 def initial_tables(cfg) -> list[np.ndarray]:
     rng = np.random.default_rng(123)
-    return [(0.1 * rng.standard_normal((cfg.vocabulary_size, cfg.dim))).astype(np.float32)
-            for _ in range(cfg.tables)]
+    return [
+        (0.1 * rng.standard_normal((cfg.vocabulary_size, cfg.dim))).astype(np.float32)
+        for _ in range(cfg.tables)
+    ]
 
 
-def reference(wl, tables0, optimizer: str, steps: int = STEPS, lr: float = LR,
-              a0: float = engines_mod.INITIAL_ACCUMULATOR, eps: float = engines_mod.ROWWISE_EPS):
+def reference(
+    wl,
+    tables0,
+    optimizer: str,
+    steps: int = STEPS,
+    lr: float = LR,
+    a0: float = engines_mod.INITIAL_ACCUMULATOR,
+    eps: float = engines_mod.ROWWISE_EPS,
+):
     c = wl.config
     W = [t.astype(np.float64) for t in tables0]
-    A = [np.full((c.vocabulary_size, c.dim) if optimizer == "adagrad" else (c.vocabulary_size,),
-                 a0, np.float64) for _ in range(c.tables)]
+    A = [
+        np.full(
+            (c.vocabulary_size, c.dim) if optimizer == "adagrad" else (c.vocabulary_size,),
+            a0,
+            np.float64,
+        )
+        for _ in range(c.tables)
+    ]
     touched = [np.zeros(c.vocabulary_size, bool) for _ in range(c.tables)]
     for k in range(steps):
         for t in range(c.tables):
@@ -88,24 +104,40 @@ def run_one(engine_name: str, engine_kwargs: dict) -> dict:
         eng.step(k % wl.num_batches)
     tables, slots = eng.export()
     W, A, touched = reference(wl, t0, eng.optimizer)
-    out = {"engine": engine_name, "status": "ok", "optimizer": eng.optimizer,
-           "kwargs": engine_kwargs, "note": eng.semantics_note, "tables": []}
+    out = {
+        "engine": engine_name,
+        "status": "ok",
+        "optimizer": eng.optimizer,
+        "kwargs": engine_kwargs,
+        "note": eng.semantics_note,
+        "tables": [],
+    }
     ok = True
     for t in range(cfg.tables):
         w, a = np.asarray(tables[t], np.float64), np.asarray(slots[t], np.float64)
         a = a.reshape(A[t].shape)
-        untouched_same = bool(np.array_equal(np.asarray(tables[t])[~touched[t]],
-                                             t0[t][~touched[t]]))
+        untouched_same = bool(
+            np.array_equal(np.asarray(tables[t])[~touched[t]], t0[t][~touched[t]])
+        )
         w_err = float(np.max(np.abs(w - W[t])))
         a_err = float(np.max(np.abs(a - A[t]) / np.maximum(np.abs(A[t]), 1.0)))
         moved = float(np.max(np.abs(W[t] - t0[t])))
-        close = bool(np.allclose(w, W[t], rtol=RTOL, atol=ATOL)
-                     and np.allclose(a, A[t], rtol=RTOL, atol=ATOL))
+        close = bool(
+            np.allclose(w, W[t], rtol=RTOL, atol=ATOL)
+            and np.allclose(a, A[t], rtol=RTOL, atol=ATOL)
+        )
         ok &= close and untouched_same
-        out["tables"].append({"table": t, "touched_rows": int(touched[t].sum()),
-                              "max_abs_err_w": w_err, "max_rel_err_acc": a_err,
-                              "max_update": moved, "untouched_rows_unchanged": untouched_same,
-                              "allclose": close})
+        out["tables"].append(
+            {
+                "table": t,
+                "touched_rows": int(touched[t].sum()),
+                "max_abs_err_w": w_err,
+                "max_rel_err_acc": a_err,
+                "max_update": moved,
+                "untouched_rows_unchanged": untouched_same,
+                "allclose": close,
+            }
+        )
     out["match"] = ok
     return out
 
@@ -113,15 +145,25 @@ def run_one(engine_name: str, engine_kwargs: dict) -> dict:
 def run_subprocess(engine_name: str, engine_kwargs: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="jte_check_") as d:
         out = os.path.join(d, "out.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", engine_name,
-               json.dumps(engine_kwargs or {}), out]
-        p = subprocess.run(cmd, env=harness.engine_env(engine_name), capture_output=True,
-                           text=True, timeout=900)
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--one",
+            engine_name,
+            json.dumps(engine_kwargs or {}),
+            out,
+        ]
+        p = subprocess.run(
+            cmd, env=harness.engine_env(engine_name), capture_output=True, text=True, timeout=900
+        )
         if os.path.exists(out):
             with open(out) as f:
                 return json.load(f)
-        return {"engine": engine_name, "status": "error",
-                "message": f"exit {p.returncode}: {(p.stdout + p.stderr)[-2500:]}"}
+        return {
+            "engine": engine_name,
+            "status": "error",
+            "message": f"exit {p.returncode}: {(p.stdout + p.stderr)[-2500:]}",
+        }
 
 
 def main(argv) -> int:
@@ -130,8 +172,13 @@ def main(argv) -> int:
             res = run_one(argv[1], json.loads(argv[2]))
         except Exception as e:
             import traceback
-            res = {"engine": argv[1], "status": "error", "message": f"{type(e).__name__}: {e}",
-                   "traceback": traceback.format_exc()[-3000:]}
+
+            res = {
+                "engine": argv[1],
+                "status": "error",
+                "message": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-3000:],
+            }
         with open(argv[3], "w") as f:
             json.dump(res, f)
         return 0
@@ -139,14 +186,18 @@ def main(argv) -> int:
     names = engines_mod.resolve(",".join(argv) if argv else "all")
     runs = [(n, {}) for n in names]
     if "dense_jax" in names:
-        runs.append(("dense_jax", {"optax_eps": 1e-7}))   # informational: optax's default eps
+        runs.append(("dense_jax", {"optax_eps": 1e-7}))  # informational: optax's default eps
     c = CHECK_CONFIG
-    print(f"reference check: T={c.tables} V={c.vocabulary_size} D={c.dim} B={c.batch} "
-          f"L={c.ids_per_example}, {STEPS} steps, lr={LR}, a0={engines_mod.INITIAL_ACCUMULATOR}, "
-          f"row-wise eps={engines_mod.ROWWISE_EPS}; tolerance rtol={RTOL} atol={ATOL}")
+    print(
+        f"reference check: T={c.tables} V={c.vocabulary_size} D={c.dim} B={c.batch} "
+        f"L={c.ids_per_example}, {STEPS} steps, lr={LR}, a0={engines_mod.INITIAL_ACCUMULATOR}, "
+        f"row-wise eps={engines_mod.ROWWISE_EPS}; tolerance rtol={RTOL} atol={ATOL}"
+    )
     wl = workloads_mod.generate(c)
-    print(f"ids per table and batch: {c.batch * c.ids_per_example}, unique rows per table and "
-          f"batch: {wl.unique_rows.min()}..{wl.unique_rows.max()} (duplicates are summed)")
+    print(
+        f"ids per table and batch: {c.batch * c.ids_per_example}, unique rows per table and "
+        f"batch: {wl.unique_rows.min()}..{wl.unique_rows.max()} (duplicates are summed)"
+    )
     failed = False
     for name, kw in runs:
         r = run_subprocess(name, kw)
@@ -161,10 +212,15 @@ def main(argv) -> int:
         a_err = max(t["max_rel_err_acc"] for t in r["tables"])
         upd = max(t["max_update"] for t in r["tables"])
         same = all(t["untouched_rows_unchanged"] for t in r["tables"])
-        verdict = (("MATCH" if r["match"] else "MISMATCH") if not informational
-                   else ("info: within tol" if r["match"] else "info: differs"))
-        print(f"{label:40s} {verdict:18s} max|Δw|={w_err:.2e} (updates up to {upd:.2e}), "
-              f"max rel Δacc={a_err:.2e}, untouched rows unchanged: {same}")
+        verdict = (
+            ("MATCH" if r["match"] else "MISMATCH")
+            if not informational
+            else ("info: within tol" if r["match"] else "info: differs")
+        )
+        print(
+            f"{label:40s} {verdict:18s} max|Δw|={w_err:.2e} (updates up to {upd:.2e}), "
+            f"max rel Δacc={a_err:.2e}, untouched rows unchanged: {same}"
+        )
         if not r["match"] and not informational:
             failed = True
     print("\nsemantics notes:")

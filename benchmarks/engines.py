@@ -41,18 +41,21 @@ class EngineUnavailable(Exception):
 
 class Engine:
     name: str = "?"
-    kind: str = "baseline"            # "baseline" or "jte"
-    optimizer: str = "adagrad"        # "adagrad" or "rowwise"
-    xla_device_count: int | None = None   # --xla_force_host_platform_device_count, JAX engines
-    threads: int = 2                  # torch/OpenMP threads
+    kind: str = "baseline"  # "baseline" or "jte"
+    optimizer: str = "adagrad"  # "adagrad" or "rowwise"
+    xla_device_count: int | None = None  # --xla_force_host_platform_device_count, JAX engines
+    threads: int = 2  # torch/OpenMP threads
     # Rough peak memory of the engine as a multiple of tables+slots bytes (memory guard).
     memory_factor: float = 1.3
     description: str = ""
     semantics_note: str = ""
 
-    def __init__(self, learning_rate: float = LEARNING_RATE,
-                 initial_accumulator: float = INITIAL_ACCUMULATOR,
-                 rowwise_eps: float = ROWWISE_EPS):
+    def __init__(
+        self,
+        learning_rate: float = LEARNING_RATE,
+        initial_accumulator: float = INITIAL_ACCUMULATOR,
+        rowwise_eps: float = ROWWISE_EPS,
+    ):
         self.lr = float(learning_rate)
         self.a0 = float(initial_accumulator)
         self.eps = float(rowwise_eps)
@@ -80,10 +83,16 @@ class Engine:
         return {}
 
     def info(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "optimizer": self.optimizer,
-                "description": self.description, "semantics_note": self.semantics_note,
-                "learning_rate": self.lr, "initial_accumulator": self.a0,
-                "rowwise_eps": self.eps if self.optimizer == "rowwise" else None}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "optimizer": self.optimizer,
+            "description": self.description,
+            "semantics_note": self.semantics_note,
+            "learning_rate": self.lr,
+            "initial_accumulator": self.a0,
+            "rowwise_eps": self.eps if self.optimizer == "rowwise" else None,
+        }
 
 
 def _missing(modules: list[str]) -> str | None:
@@ -99,21 +108,25 @@ def _missing(modules: list[str]) -> str | None:
 # JAX: what a user writes today (flax nn.Embed + optax.adagrad, dense)
 # ==========================================================================================
 
+
 class DenseJax(Engine):
     name = "dense_jax"
     xla_device_count = 1
-    memory_factor = 2.3   # params + accumulators + a dense gradient of every table
+    memory_factor = 2.3  # params + accumulators + a dense gradient of every table
     description = (
-        "flax nn.Embed + optax.adagrad over whole tables, jitted, state donated (1 device)")
-    semantics_note = ("optax.adagrad(initial_accumulator_value=0.1, eps=0.0): optax computes "
-                      "g·rsqrt(a + eps) with eps inside the square root and the default "
-                      "eps=1e-7; with eps=0 it is exactly TF Adagrad (a stays >= 0.1 > 0). The "
-                      "update is dense: every row and accumulator is rewritten each step "
-                      "(untouched rows get g = 0, so values match the sparse update).")
+        "flax nn.Embed + optax.adagrad over whole tables, jitted, state donated (1 device)"
+    )
+    semantics_note = (
+        "optax.adagrad(initial_accumulator_value=0.1, eps=0.0): optax computes "
+        "g·rsqrt(a + eps) with eps inside the square root and the default "
+        "eps=1e-7; with eps=0 it is exactly TF Adagrad (a stays >= 0.1 > 0). The "
+        "update is dense: every row and accumulator is rewritten each step "
+        "(untouched rows get g = 0, so values match the sparse update)."
+    )
 
     def __init__(self, *args, optax_eps: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
-        self.optax_eps = float(optax_eps)   # 0: exact TF Adagrad; optax's default is 1e-7
+        self.optax_eps = float(optax_eps)  # 0: exact TF Adagrad; optax's default is 1e-7
 
     def check_available(self):
         return _missing(["jax", "flax", "optax"])
@@ -130,8 +143,10 @@ class DenseJax(Engine):
         class Model(nn.Module):
             @nn.compact
             def __call__(self, ids):
-                return [nn.Embed(c.vocabulary_size, c.dim, name=n)(ids[i]).sum(axis=1)
-                        for i, n in enumerate(names)]
+                return [
+                    nn.Embed(c.vocabulary_size, c.dim, name=n)(ids[i]).sum(axis=1)
+                    for i, n in enumerate(names)
+                ]
 
         model = Model()
         opt = optax.adagrad(self.lr, initial_accumulator_value=self.a0, eps=self.optax_eps)
@@ -140,14 +155,19 @@ class DenseJax(Engine):
         if init_tables is None:
             params = jax.jit(model.init)(jax.random.key(0), self._batches[0])
         else:
-            params = {"params": {n: {"embedding": jnp.asarray(init_tables[i], jnp.float32)}
-                                 for i, n in enumerate(names)}}
+            params = {
+                "params": {
+                    n: {"embedding": jnp.asarray(init_tables[i], jnp.float32)}
+                    for i, n in enumerate(names)
+                }
+            }
         opt_state = jax.jit(opt.init)(params)
 
         def train_step(params, opt_state, ids, R):
             def loss_fn(p):
                 pooled = model.apply(p, ids)
                 return sum(jnp.sum(pooled[i] * R[i]) for i in range(len(names)))
+
             grads = jax.grad(loss_fn)(params)
             updates, opt_state = opt.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
@@ -164,6 +184,7 @@ class DenseJax(Engine):
 
     def step(self, k):
         import jax
+
         p, o = self._state
         p, o = self._fn(p, o, self._batches[k], self._R)
         self._state = (p, o)
@@ -179,49 +200,67 @@ class DenseJax(Engine):
 
     def state_bytes(self):
         import jax
+
         return int(sum(x.nbytes for x in jax.tree.leaves(self._state)))
 
     def versions(self):
         import flax
         import jax
         import optax
-        return {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
-                "devices": len(jax.devices())}
+
+        return {
+            "jax": jax.__version__,
+            "flax": flax.__version__,
+            "optax": optax.__version__,
+            "devices": len(jax.devices()),
+        }
 
 
 # ==========================================================================================
 # PyTorch: nn.EmbeddingBag(sparse=True) + torch.optim.Adagrad
 # ==========================================================================================
 
+
 class TorchEmbeddingBag(Engine):
     name = "torch_embeddingbag"
     memory_factor = 1.4
     description = "torch nn.EmbeddingBag(mode='sum', sparse=True) per table + torch.optim.Adagrad"
-    semantics_note = ("torch.optim.Adagrad(initial_accumulator_value=0.1, eps=0.0): torch "
-                      "computes g/(sqrt(a) + eps); eps=0 is allowed, so it is exactly TF "
-                      "Adagrad. Sparse gradients are coalesced (duplicates summed) and only "
-                      "touched rows are updated.")
+    semantics_note = (
+        "torch.optim.Adagrad(initial_accumulator_value=0.1, eps=0.0): torch "
+        "computes g/(sqrt(a) + eps); eps=0 is allowed, so it is exactly TF "
+        "Adagrad. Sparse gradients are coalesced (duplicates summed) and only "
+        "touched rows are updated."
+    )
 
     def check_available(self):
         return _missing(["torch"])
 
     def setup(self, wl, init_tables=None):
         import torch  # pyright: ignore[reportMissingImports]  (bench extra)
+
         torch.set_num_threads(self.threads)
         c = wl.config
         self._torch = torch
         if init_tables is None:
-            self._bags = [torch.nn.EmbeddingBag(c.vocabulary_size, c.dim, mode="sum", sparse=True)
-                          for _ in range(c.tables)]
+            self._bags = [
+                torch.nn.EmbeddingBag(c.vocabulary_size, c.dim, mode="sum", sparse=True)
+                for _ in range(c.tables)
+            ]
         else:
-            self._bags = [torch.nn.EmbeddingBag.from_pretrained(
-                torch.tensor(np.asarray(t, np.float32)), freeze=False, mode="sum", sparse=True)
-                for t in init_tables]
+            self._bags = [
+                torch.nn.EmbeddingBag.from_pretrained(
+                    torch.tensor(np.asarray(t, np.float32)), freeze=False, mode="sum", sparse=True
+                )
+                for t in init_tables
+            ]
         params = [b.weight for b in self._bags]
-        self._opt = torch.optim.Adagrad(params, lr=self.lr, initial_accumulator_value=self.a0,
-                                        eps=0.0)
-        self._batches = [[torch.from_numpy(wl.ids[k][t].astype(np.int64))
-                          for t in range(c.tables)] for k in range(wl.num_batches)]
+        self._opt = torch.optim.Adagrad(
+            params, lr=self.lr, initial_accumulator_value=self.a0, eps=0.0
+        )
+        self._batches = [
+            [torch.from_numpy(wl.ids[k][t].astype(np.int64)) for t in range(c.tables)]
+            for k in range(wl.num_batches)
+        ]
         self._R = [torch.from_numpy(r) for r in wl.R]
 
     def step(self, k):
@@ -247,12 +286,14 @@ class TorchEmbeddingBag(Engine):
 
     def versions(self):
         import torch  # pyright: ignore[reportMissingImports]  (bench extra)
+
         return {"torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
 # ==========================================================================================
 # FBGEMM TBE on CPU: SplitTableBatchedEmbeddingBagsCodegen
 # ==========================================================================================
+
 
 class FbgemmTBE(Engine):
     memory_factor = 1.3
@@ -278,8 +319,10 @@ class FbgemmTBE(Engine):
 
         torch.set_num_threads(self.threads)
         c = wl.config
-        specs = [(c.vocabulary_size, c.dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
-                 for _ in range(c.tables)]
+        specs = [
+            (c.vocabulary_size, c.dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
+            for _ in range(c.tables)
+        ]
         rowwise = self.optimizer == "rowwise"
         self._tbe = SplitTableBatchedEmbeddingBagsCodegen(
             specs,
@@ -298,15 +341,18 @@ class FbgemmTBE(Engine):
         B, L, T = c.batch, c.ids_per_example, c.tables
         # Table-major bags: bag (t, b) holds ids_t[b, :]; offsets of T·B bags of L ids.
         self._offsets = torch.arange(0, T * B * L + 1, L, dtype=torch.int64)
-        self._batches = [torch.from_numpy(np.concatenate([wl.ids[k][t].reshape(-1)
-                                                          for t in range(T)]).astype(np.int64))
-                         for k in range(wl.num_batches)]
-        self._R = torch.from_numpy(np.concatenate(wl.R, axis=1))   # (B, T·D)
+        self._batches = [
+            torch.from_numpy(
+                np.concatenate([wl.ids[k][t].reshape(-1) for t in range(T)]).astype(np.int64)
+            )
+            for k in range(wl.num_batches)
+        ]
+        self._R = torch.from_numpy(np.concatenate(wl.R, axis=1))  # (B, T·D)
 
     def step(self, k):
-        out = self._tbe(self._batches[k], self._offsets)            # (B, T·D)
+        out = self._tbe(self._batches[k], self._offsets)  # (B, T·D)
         loss = (out * self._R).sum()
-        loss.backward()        # TBE applies the optimizer inside its backward
+        loss.backward()  # TBE applies the optimizer inside its backward
 
     def export(self):
         tables = [w.detach().numpy().copy() for w in self._tbe.split_embedding_weights()]
@@ -315,28 +361,36 @@ class FbgemmTBE(Engine):
 
     def state_bytes(self):
         n = sum(w.numel() * w.element_size() for w in self._tbe.split_embedding_weights())
-        n += sum(s.numel() * s.element_size()
-                 for st in self._tbe.split_optimizer_states() for s in st)
+        n += sum(
+            s.numel() * s.element_size() for st in self._tbe.split_optimizer_states() for s in st
+        )
         return int(n)
 
     def versions(self):
         import torch  # pyright: ignore[reportMissingImports]  (bench extra)
+
         try:
             from importlib.metadata import version
+
             fb = version("fbgemm-gpu-cpu")
         except Exception:
             fb = "?"
-        return {"torch": torch.__version__, "fbgemm_gpu_cpu": fb,
-                "threads": torch.get_num_threads()}
+        return {
+            "torch": torch.__version__,
+            "fbgemm_gpu_cpu": fb,
+            "threads": torch.get_num_threads(),
+        }
 
 
 class FbgemmExactAdagrad(FbgemmTBE):
     name = "fbgemm_exact_adagrad"
     optim_type = "EXACT_ADAGRAD"
     description = "FBGEMM TBE (CPU, HOST) EXACT_ADAGRAD, sum pooling"
-    semantics_note = ("FBGEMM computes w -= lr·g/(sqrt(a) + eps); created with eps=0 and its "
-                      "momentum1 state filled with 0.1 after construction (FBGEMM starts it at "
-                      "0), so it is exactly TF Adagrad.")
+    semantics_note = (
+        "FBGEMM computes w -= lr·g/(sqrt(a) + eps); created with eps=0 and its "
+        "momentum1 state filled with 0.1 after construction (FBGEMM starts it at "
+        "0), so it is exactly TF Adagrad."
+    )
 
 
 class FbgemmRowwiseAdagrad(FbgemmTBE):
@@ -344,13 +398,16 @@ class FbgemmRowwiseAdagrad(FbgemmTBE):
     optimizer = "rowwise"
     optim_type = "EXACT_ROWWISE_ADAGRAD"
     description = "FBGEMM TBE (CPU, HOST) EXACT_ROWWISE_ADAGRAD, sum pooling"
-    semantics_note = ("Row-wise Adagrad: a += mean(g²); w -= lr·g/(sqrt(a) + eps), eps=1e-8; "
-                      "the per-row accumulator is filled with 0.1 after construction.")
+    semantics_note = (
+        "Row-wise Adagrad: a += mean(g²); w -= lr·g/(sqrt(a) + eps), eps=1e-8; "
+        "the per-row accumulator is filled with 0.1 after construction."
+    )
 
 
 # ==========================================================================================
 # jax_tpu_embed (the library under test), via its public API only
 # ==========================================================================================
+
 
 def _import_jte():
     """Imports jax_tpu_embed: the installed one, else the checkout this file belongs to."""
@@ -367,7 +424,7 @@ def _import_jte():
 
 class JteEngine(Engine):
     kind = "jte"
-    xla_device_count = 2      # one XLA host device per core; the mesh is all local devices
+    xla_device_count = 2  # one XLA host device per core; the mesh is all local devices
     memory_factor = 1.6
 
     def check_available(self):
@@ -377,10 +434,21 @@ class JteEngine(Engine):
         try:
             jte = _import_jte()
         except Exception as e:
-            return (f"jax_tpu_embed does not import yet ({type(e).__name__}: {e}); "
-                    f"engine {self.name} skipped")
-        missing = [a for a in ("TableConfig", "FeatureConfig", "EmbeddingSpec", "Embedding",
-                               self._opt_name()) if not hasattr(jte, a)]
+            return (
+                f"jax_tpu_embed does not import yet ({type(e).__name__}: {e}); "
+                f"engine {self.name} skipped"
+            )
+        missing = [
+            a
+            for a in (
+                "TableConfig",
+                "FeatureConfig",
+                "EmbeddingSpec",
+                "Embedding",
+                self._opt_name(),
+            )
+            if not hasattr(jte, a)
+        ]
         if missing:
             return f"jax_tpu_embed lacks {missing}; engine {self.name} skipped"
         return None
@@ -390,8 +458,9 @@ class JteEngine(Engine):
 
     def _make_optimizer(self, jte):
         if self.optimizer == "rowwise":
-            return jte.RowwiseAdagrad(learning_rate=self.lr, initial_accumulator_value=self.a0,
-                                      epsilon=self.eps)
+            return jte.RowwiseAdagrad(
+                learning_rate=self.lr, initial_accumulator_value=self.a0, epsilon=self.eps
+            )
         return jte.Adagrad(learning_rate=self.lr, initial_accumulator_value=self.a0)
 
     def setup(self, wl, init_tables=None):
@@ -399,27 +468,33 @@ class JteEngine(Engine):
         import jax.numpy as jnp
         from jax.sharding import Mesh, NamedSharding
         from jax.sharding import PartitionSpec as P
+
         jte = _import_jte()
 
         c = wl.config
         self._names = wl.table_names
         self._feat = [f"f{i}" for i in range(c.tables)]
         mesh = Mesh(np.array(jax.devices()), ("shard",))
-        tables = [jte.TableConfig(vocabulary_size=c.vocabulary_size, dim=c.dim, combiner="sum",
-                                  name=n) for n in self._names]
+        tables = [
+            jte.TableConfig(vocabulary_size=c.vocabulary_size, dim=c.dim, combiner="sum", name=n)
+            for n in self._names
+        ]
         features = {f: jte.FeatureConfig(table=t, name=f) for f, t in zip(self._feat, tables)}
         spec = jte.EmbeddingSpec(features=features, optimizer=self._make_optimizer(jte))
         emb = jte.Embedding(spec, mesh=mesh, axis="shard")
         self._emb = emb
         batch_sharding = NamedSharding(mesh, P("shard"))
-        self._batches = [{f: jax.device_put(wl.ids[k][i], batch_sharding)
-                          for i, f in enumerate(self._feat)} for k in range(wl.num_batches)]
+        self._batches = [
+            {f: jax.device_put(wl.ids[k][i], batch_sharding) for i, f in enumerate(self._feat)}
+            for k in range(wl.num_batches)
+        ]
         self._R = {f: jax.device_put(wl.R[i], batch_sharding) for i, f in enumerate(self._feat)}
         if init_tables is None:
             state = emb.init(jax.random.key(0))
         else:
-            state = emb.restore_tables({n: np.asarray(init_tables[i], np.float32)
-                                        for i, n in enumerate(self._names)})
+            state = emb.restore_tables(
+                {n: np.asarray(init_tables[i], np.float32) for i, n in enumerate(self._names)}
+            )
 
         def train_step(state, features, R):
             acts = emb.lookup(state, features)
@@ -437,23 +512,29 @@ class JteEngine(Engine):
 
     def step(self, k):
         import jax
+
         self._state = self._fn(self._state, self._batches[k], self._R)
         jax.block_until_ready(self._state)
 
     def export(self):
         tables = self._emb.export(self._state)
         slots = self._emb.export_slots(self._state)
-        return ([np.asarray(tables[n]) for n in self._names],
-                [np.asarray(slots[n]["accumulators"]) for n in self._names])
+        return (
+            [np.asarray(tables[n]) for n in self._names],
+            [np.asarray(slots[n]["accumulators"]) for n in self._names],
+        )
 
     def state_bytes(self):
         import jax
+
         return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(self._state)))
 
     def versions(self):
         import jax
+
         try:
             from importlib.metadata import version
+
             v = version("jax_tpu_embed")
         except Exception:
             v = "?"
@@ -478,8 +559,15 @@ class JteRowwiseAdagrad(JteEngine):
 # ==========================================================================================
 
 ENGINES: dict[str, Callable[..., Engine]] = {
-    cls.name: cls for cls in (DenseJax, TorchEmbeddingBag, FbgemmExactAdagrad,
-                              FbgemmRowwiseAdagrad, JteAdagrad, JteRowwiseAdagrad)
+    cls.name: cls
+    for cls in (
+        DenseJax,
+        TorchEmbeddingBag,
+        FbgemmExactAdagrad,
+        FbgemmRowwiseAdagrad,
+        JteAdagrad,
+        JteRowwiseAdagrad,
+    )
 }
 BASELINES = [n for n, c in ENGINES.items() if c.kind == "baseline"]
 JTE_ENGINES = [n for n, c in ENGINES.items() if c.kind == "jte"]
@@ -501,8 +589,9 @@ def resolve(spec: str) -> list[str]:
         elif part in ENGINES:
             out.append(part)
         else:
-            raise ValueError(f"unknown engine {part!r}; known: {list(ENGINES)} "
-                             f"or all/baselines/jte")
+            raise ValueError(
+                f"unknown engine {part!r}; known: {list(ENGINES)} or all/baselines/jte"
+            )
     return list(dict.fromkeys(out))
 
 
@@ -512,8 +601,11 @@ def make(name: str, **kwargs) -> Engine:
 
 def xla_flags_for(engine_cls, base: str | None = None) -> str:
     """XLA_FLAGS for an engine's subprocess: the user's flags with the device count replaced."""
-    flags = [f for f in (base if base is not None else os.environ.get("XLA_FLAGS", "")).split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags = [
+        f
+        for f in (base if base is not None else os.environ.get("XLA_FLAGS", "")).split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
     if engine_cls.xla_device_count:
         flags.append(f"--xla_force_host_platform_device_count={engine_cls.xla_device_count}")
     return " ".join(flags)

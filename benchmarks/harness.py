@@ -46,6 +46,7 @@ GB = 1e9
 def _rss_now() -> int:
     try:
         import psutil
+
         return int(psutil.Process().memory_info().rss)
     except Exception:
         with open("/proc/self/statm") as f:
@@ -58,6 +59,7 @@ class _ForeignLoad:
     def __enter__(self):
         try:
             import psutil
+
             self._ps = psutil
             self._sys0 = psutil.cpu_times()
             self._own0 = psutil.Process().cpu_times()
@@ -87,15 +89,29 @@ def _peak_rss() -> int:
 # in-process measurement (runs inside the worker subprocess)
 # ==========================================================================================
 
-def measure(engine_name: str, cfg: workloads_mod.WorkloadConfig, *, steps: int = 20,
-            warmup: int = 3, max_seconds: float | None = None, min_steps: int = 5,
-            engine_kwargs: dict | None = None) -> dict:
+
+def measure(
+    engine_name: str,
+    cfg: workloads_mod.WorkloadConfig,
+    *,
+    steps: int = 20,
+    warmup: int = 3,
+    max_seconds: float | None = None,
+    min_steps: int = 5,
+    engine_kwargs: dict | None = None,
+) -> dict:
     cls = engines_mod.ENGINES[engine_name]
     engine = cls(**(engine_kwargs or {}))
-    res = {"engine": engine_name, "workload": cfg.to_dict(), "status": "ok", "message": "",
-           "engine_info": engine.info(), "pid": os.getpid(),
-           "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           "state_bytes_expected": cfg.state_bytes(engine.optimizer)}
+    res = {
+        "engine": engine_name,
+        "workload": cfg.to_dict(),
+        "status": "ok",
+        "message": "",
+        "engine_info": engine.info(),
+        "pid": os.getpid(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "state_bytes_expected": cfg.state_bytes(engine.optimizer),
+    }
     res["rss_start_bytes"] = _rss_now()
     res["loadavg_start"] = os.getloadavg()[0]
     wl = workloads_mod.generate(cfg)
@@ -137,21 +153,33 @@ def measure(engine_name: str, cfg: workloads_mod.WorkloadConfig, *, steps: int =
         engine.step(i % nb)
         times.append(time.perf_counter() - t)
         i += 1
-        if (max_seconds is not None and n + 1 >= min_steps
-                and time.perf_counter() - t_loop > max_seconds):
-            res["message"] = (f"time budget {max_seconds:g} s reached: {n + 1} of {steps} "
-                              f"steps timed")
+        if (
+            max_seconds is not None
+            and n + 1 >= min_steps
+            and time.perf_counter() - t_loop > max_seconds
+        ):
+            res["message"] = (
+                f"time budget {max_seconds:g} s reached: {n + 1} of {steps} steps timed"
+            )
             break
     foreign.__exit__(None, None, None)
     res["other_processes_cores"] = foreign.cores
     ms = np.array(times) * 1e3
     med = float(np.median(ms))
     res.update(
-        steps_requested=steps, steps_timed=len(times), warmup=warmup, times_ms=ms.tolist(),
-        median_ms=med, min_ms=float(ms.min()), max_ms=float(ms.max()), mean_ms=float(ms.mean()),
-        steps_per_s=1e3 / med, examples_per_s=cfg.batch * 1e3 / med,
+        steps_requested=steps,
+        steps_timed=len(times),
+        warmup=warmup,
+        times_ms=ms.tolist(),
+        median_ms=med,
+        min_ms=float(ms.min()),
+        max_ms=float(ms.max()),
+        mean_ms=float(ms.mean()),
+        steps_per_s=1e3 / med,
+        examples_per_s=cfg.batch * 1e3 / med,
         essential_gb_per_s=wl.mean_essential_bytes() / (med / 1e3) / GB,
-        peak_rss_bytes=_peak_rss(), rss_end_bytes=_rss_now(),
+        peak_rss_bytes=_peak_rss(),
+        rss_end_bytes=_rss_now(),
         loadavg_end=os.getloadavg()[0],
     )
     res["peak_rss_over_state"] = res["peak_rss_bytes"] / max(res["state_bytes"], 1)
@@ -165,10 +193,14 @@ def worker_main(spec_path: str, out_path: str) -> int:
     try:
         res = measure(spec["engine"], cfg, **spec.get("options", {}))
     except Exception as e:
-        res = {"engine": spec["engine"], "workload": cfg.to_dict(), "status": "error",
-               "message": f"{type(e).__name__}: {e}",
-               "traceback": traceback.format_exc()[-4000:],
-               "peak_rss_bytes": _peak_rss()}
+        res = {
+            "engine": spec["engine"],
+            "workload": cfg.to_dict(),
+            "status": "error",
+            "message": f"{type(e).__name__}: {e}",
+            "traceback": traceback.format_exc()[-4000:],
+            "peak_rss_bytes": _peak_rss(),
+        }
     with open(out_path, "w") as f:
         json.dump(res, f)
     return 0
@@ -187,7 +219,7 @@ def engine_env(engine_name: str, overrides: dict | None = None) -> dict:
     cls = engines_mod.ENGINES[engine_name]
     env = dict(os.environ)
     env["XLA_FLAGS"] = engines_mod.xla_flags_for(cls)
-    env.setdefault("JAX_PLATFORMS", "cpu")        # never probe for TPU/GPU plugins
+    env.setdefault("JAX_PLATFORMS", "cpu")  # never probe for TPU/GPU plugins
     env["OMP_NUM_THREADS"] = str(cls.threads)
     env["PYTHONUNBUFFERED"] = "1"
     for k, v in (overrides or {}).items():
@@ -204,28 +236,43 @@ def memory_guard(engine_name: str, cfg, fraction: float = 0.85) -> str | None:
     need = cfg.state_bytes(cls.optimizer) * cls.memory_factor
     try:
         import psutil
+
         avail = psutil.virtual_memory().available
     except Exception:
         return None
     if need > fraction * avail:
-        return (f"estimated peak {need / GB:.1f} GB (tables+slots "
-                f"{cfg.state_bytes(cls.optimizer) / GB:.1f} GB × {cls.memory_factor}) exceeds "
-                f"{fraction:.0%} of available memory {avail / GB:.1f} GB; skipped")
+        return (
+            f"estimated peak {need / GB:.1f} GB (tables+slots "
+            f"{cfg.state_bytes(cls.optimizer) / GB:.1f} GB × {cls.memory_factor}) exceeds "
+            f"{fraction:.0%} of available memory {avail / GB:.1f} GB; skipped"
+        )
     return None
 
 
-def run_engine(engine_name: str, cfg, *, options: dict | None = None, timeout: float = 1800,
-               verbose: bool = True, env_overrides: dict | None = None) -> dict:
+def run_engine(
+    engine_name: str,
+    cfg,
+    *,
+    options: dict | None = None,
+    timeout: float = 1800,
+    verbose: bool = True,
+    env_overrides: dict | None = None,
+) -> dict:
     """Runs one engine on one workload in a fresh subprocess and returns its result dict."""
     msg = memory_guard(engine_name, cfg)
     if msg:
-        return {"engine": engine_name, "workload": cfg.to_dict(), "status": "skipped",
-                "message": msg}
+        return {
+            "engine": engine_name,
+            "workload": cfg.to_dict(),
+            "status": "skipped",
+            "message": msg,
+        }
     with tempfile.TemporaryDirectory(prefix="jte_bench_") as d:
         spec_path, out_path = os.path.join(d, "spec.json"), os.path.join(d, "result.json")
         with open(spec_path, "w") as f:
-            json.dump({"engine": engine_name, "workload": cfg.to_dict(),
-                       "options": options or {}}, f)
+            json.dump(
+                {"engine": engine_name, "workload": cfg.to_dict(), "options": options or {}}, f
+            )
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", spec_path, out_path]
         t = time.perf_counter()
         if verbose:
@@ -243,18 +290,24 @@ def run_engine(engine_name: str, cfg, *, options: dict | None = None, timeout: f
             with open(out_path) as f:
                 res = json.load(f)
         else:
-            res = {"engine": engine_name, "workload": cfg.to_dict(), "status": "error",
-                   "message": (f"worker exited with {rc}" if rc is not None else log.split("\n")[0])
-                   + (" (killed: out of memory?)" if rc in (-9, 137) else "")}
+            res = {
+                "engine": engine_name,
+                "workload": cfg.to_dict(),
+                "status": "error",
+                "message": (f"worker exited with {rc}" if rc is not None else log.split("\n")[0])
+                + (" (killed: out of memory?)" if rc in (-9, 137) else ""),
+            }
         res["wall_s"] = wall
         res["env"] = {k: env.get(k) for k in ENV_KEYS}
         if res["status"] != "ok":
             res["log_tail"] = log[-3000:]
     if verbose:
         if res["status"] == "ok":
-            print(f" {res['median_ms']:.2f} ms/step (min {res['min_ms']:.2f}, "
-                  f"{res['steps_timed']} steps), peak RSS {res['peak_rss_bytes'] / GB:.2f} GB, "
-                  f"{wall:.0f} s")
+            print(
+                f" {res['median_ms']:.2f} ms/step (min {res['min_ms']:.2f}, "
+                f"{res['steps_timed']} steps), peak RSS {res['peak_rss_bytes'] / GB:.2f} GB, "
+                f"{wall:.0f} s"
+            )
         else:
             print(f" {res['status'].upper()}: {res['message']}")
     return res
@@ -275,8 +328,17 @@ def wait_quiet(max_wait: float, threshold_cores: float = 0.3, window: float = 1.
             return load
 
 
-def run_suite(cfgs, engine_names, *, options=None, timeout=1800, verbose=True, repeat=1,
-              quiet_wait=0.0, env_overrides=None) -> list[dict]:
+def run_suite(
+    cfgs,
+    engine_names,
+    *,
+    options=None,
+    timeout=1800,
+    verbose=True,
+    repeat=1,
+    quiet_wait=0.0,
+    env_overrides=None,
+) -> list[dict]:
     """Runs every engine on every config, ``repeat`` rounds (engines interleaved, so a burst
     of foreign load hits one round, not one engine); keeps per engine and config the round with
     the lowest median and records all rounds' medians."""
@@ -292,13 +354,19 @@ def run_suite(cfgs, engine_names, *, options=None, timeout=1800, verbose=True, r
                     order.append(key)
                 prev = best.get(key)
                 if prev is not None and prev["status"] != "ok":
-                    continue          # skipped / failed: no point in repeating
+                    continue  # skipped / failed: no point in repeating
                 if quiet_wait > 0:
                     load = wait_quiet(quiet_wait)
                     if verbose and load is not None and load >= 0.3:
                         print(f"  (machine busy: other processes use {load:.1f} cores)")
-                r = run_engine(name, cfg, options=options, timeout=timeout, verbose=verbose,
-                               env_overrides=env_overrides)
+                r = run_engine(
+                    name,
+                    cfg,
+                    options=options,
+                    timeout=timeout,
+                    verbose=verbose,
+                    env_overrides=env_overrides,
+                )
                 medians = (prev or {}).get("round_medians_ms", [])
                 if r["status"] == "ok":
                     medians = medians + [r["median_ms"]]
@@ -316,6 +384,7 @@ def run_suite(cfgs, engine_names, *, options=None, timeout=1800, verbose=True, r
 # reporting
 # ==========================================================================================
 
+
 def _fmt(x, f="{:.2f}"):
     return "-" if x is None else f.format(x)
 
@@ -328,50 +397,94 @@ def format_table(results: list[dict]) -> str:
         by_wl.setdefault(r["workload"]["name"], []).append(r)
     for wl_name, rs in by_wl.items():
         w = rs[0]["workload"]
-        base = [r for r in rs if r["status"] == "ok"
-                and engines_mod.ENGINES.get(r["engine"]) is not None
-                and engines_mod.ENGINES[r["engine"]].kind == "baseline"]
-        ess = next((r.get("essential_bytes_per_step") for r in rs
-                    if r.get("essential_bytes_per_step")), None)
-        uniq = next((r.get("unique_rows_per_step") for r in rs
-                     if r.get("unique_rows_per_step")), None)
-        lines.append(f"\n== {wl_name}: T={w['tables']} V={w['vocabulary_size']:,} D={w['dim']} "
-                     f"B={w['batch']} L={w['ids_per_example']}; unique rows/step "
-                     f"{_fmt(uniq, '{:,.0f}')}, essential {_fmt(ess and ess / 1e6, '{:.1f}')} "
-                     f"MB/step")
-        hdr = ["engine", "median ms", "min", "max", "steps/s", "ex/s", "ess GB/s", "compile s",
-               "1st ms", "peak RSS GB", "state GB", "RSS/state", "others"]
+        base = [
+            r
+            for r in rs
+            if r["status"] == "ok"
+            and engines_mod.ENGINES.get(r["engine"]) is not None
+            and engines_mod.ENGINES[r["engine"]].kind == "baseline"
+        ]
+        ess = next(
+            (r.get("essential_bytes_per_step") for r in rs if r.get("essential_bytes_per_step")),
+            None,
+        )
+        uniq = next(
+            (r.get("unique_rows_per_step") for r in rs if r.get("unique_rows_per_step")), None
+        )
+        lines.append(
+            f"\n== {wl_name}: T={w['tables']} V={w['vocabulary_size']:,} D={w['dim']} "
+            f"B={w['batch']} L={w['ids_per_example']}; unique rows/step "
+            f"{_fmt(uniq, '{:,.0f}')}, essential {_fmt(ess and ess / 1e6, '{:.1f}')} "
+            f"MB/step"
+        )
+        hdr = [
+            "engine",
+            "median ms",
+            "min",
+            "max",
+            "steps/s",
+            "ex/s",
+            "ess GB/s",
+            "compile s",
+            "1st ms",
+            "peak RSS GB",
+            "state GB",
+            "RSS/state",
+            "others",
+        ]
         hdr += [f"x vs {b['engine']}" for b in base]
         rows = []
         for r in rs:
             if r["status"] != "ok":
                 rows.append([r["engine"], r["status"].upper() + ": " + r.get("message", "")])
                 continue
-            row = [r["engine"], _fmt(r["median_ms"]), _fmt(r["min_ms"]), _fmt(r["max_ms"]),
-                   _fmt(r["steps_per_s"], "{:.1f}"), _fmt(r["examples_per_s"], "{:,.0f}"),
-                   _fmt(r["essential_gb_per_s"]), _fmt(r.get("compile_s")),
-                   _fmt(r.get("first_step_ms"), "{:.1f}"),
-                   _fmt(r["peak_rss_bytes"] / GB), _fmt(r["state_bytes"] / GB, "{:.3f}"),
-                   _fmt(r["peak_rss_over_state"], "{:.1f}"),
-                   _fmt(r.get("other_processes_cores"), "{:.2f}")]
+            row = [
+                r["engine"],
+                _fmt(r["median_ms"]),
+                _fmt(r["min_ms"]),
+                _fmt(r["max_ms"]),
+                _fmt(r["steps_per_s"], "{:.1f}"),
+                _fmt(r["examples_per_s"], "{:,.0f}"),
+                _fmt(r["essential_gb_per_s"]),
+                _fmt(r.get("compile_s")),
+                _fmt(r.get("first_step_ms"), "{:.1f}"),
+                _fmt(r["peak_rss_bytes"] / GB),
+                _fmt(r["state_bytes"] / GB, "{:.3f}"),
+                _fmt(r["peak_rss_over_state"], "{:.1f}"),
+                _fmt(r.get("other_processes_cores"), "{:.2f}"),
+            ]
             row += [_fmt(b["median_ms"] / r["median_ms"], "{:.2f}x") for b in base]
             rows.append(row)
-        widths = [max(len(hdr[i]), *(len(row[i]) for row in rows if len(row) > 2))
-                  if any(len(row) > 2 for row in rows) else len(hdr[i])
-                  for i in range(len(hdr))]
-        lines.append("  ".join(h.rjust(wd) if i else h.ljust(wd)
-                               for i, (h, wd) in enumerate(zip(hdr, widths))))
+        widths = [
+            max(len(hdr[i]), *(len(row[i]) for row in rows if len(row) > 2))
+            if any(len(row) > 2 for row in rows)
+            else len(hdr[i])
+            for i in range(len(hdr))
+        ]
+        lines.append(
+            "  ".join(
+                h.rjust(wd) if i else h.ljust(wd) for i, (h, wd) in enumerate(zip(hdr, widths))
+            )
+        )
         for row in rows:
             if len(row) == 2:
                 lines.append(row[0].ljust(widths[0]) + "  " + row[1])
             else:
-                lines.append("  ".join(c.rjust(wd) if i else c.ljust(wd)
-                                       for i, (c, wd) in enumerate(zip(row, widths))))
+                lines.append(
+                    "  ".join(
+                        c.rjust(wd) if i else c.ljust(wd)
+                        for i, (c, wd) in enumerate(zip(row, widths))
+                    )
+                )
         if base:
-            lines.append("(x vs B = median ms of baseline B / median ms of the engine, same run; "
-                         "> 1 means faster than B)")
-        lines.append("(others = CPU cores used by other processes during the timed steps; "
-                     "> ~0.2 means the numbers are disturbed)")
+            lines.append(
+                "(x vs B = median ms of baseline B / median ms of the engine, same run; "
+                "> 1 means faster than B)"
+            )
+        lines.append(
+            "(others = CPU cores used by other processes during the timed steps; "
+            "> ~0.2 means the numbers are disturbed)"
+        )
         for r in rs:
             if r["status"] == "ok" and r.get("message"):
                 lines.append(f"note {r['engine']}: {r['message']}")
@@ -389,23 +502,32 @@ def format_sweep(results: list[dict], sweep: str) -> str:
         row = [n]
         for v in values:
             r = cell.get((n, v))
-            row.append("-" if r is None else (f"{r['median_ms']:.2f}" if r["status"] == "ok"
-                                              else r["status"]))
+            row.append(
+                "-"
+                if r is None
+                else (f"{r['median_ms']:.2f}" if r["status"] == "ok" else r["status"])
+            )
         rows.append(row)
     widths = [max(len(hdr[i]), *(len(row[i]) for row in rows)) for i in range(len(hdr))]
     out = [f"\n== sweep {sweep}: median ms/step"]
     for row in [hdr, *rows]:
-        out.append("  ".join(c.rjust(w) if i else c.ljust(w)
-                             for i, (c, w) in enumerate(zip(row, widths))))
+        out.append(
+            "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        )
     return "\n".join(out)
 
 
 def host_info() -> dict:
-    info = {"python": platform.python_version(), "platform": platform.platform(),
-            "machine": platform.machine(), "cpu_count": os.cpu_count(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    info = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     try:
         import psutil
+
         info["memory_total_bytes"] = psutil.virtual_memory().total
     except Exception:
         pass
@@ -431,6 +553,7 @@ def plot(results: list[dict], path: str, title: str = "", sweep: str | None = No
     """Bar chart of median ms/step (whiskers: min..max); grouped by sweep value for sweeps."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception as e:
@@ -463,8 +586,15 @@ def plot(results: list[dict], path: str, title: str = "", sweep: str | None = No
         if xs:
             bars = ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=n, color=colors[n])
             for b, y in zip(bars, ys):
-                ax.annotate(f"{y:.3g}", (b.get_x() + b.get_width() / 2, y), ha="center",
-                            va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
+                ax.annotate(
+                    f"{y:.3g}",
+                    (b.get_x() + b.get_width() / 2, y),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                    xytext=(0, 2),
+                    textcoords="offset points",
+                )
     ax.set_xticks(range(len(groups)), glabel)
     ax.set_ylabel("ms / step (median; whiskers min..max)")
     vals = [r["median_ms"] for r in ok]

@@ -48,8 +48,9 @@ from jax_tpu_embed import _aot  # noqa: E402
 TABLES, V, B, L, EXPONENT = 8, 1_000_000, 4096, 20, 1.05
 
 
-def expected_unique_rows(vocabulary_size: int = V, draws: int = B * L,
-                         exponent: float = EXPONENT) -> float:
+def expected_unique_rows(
+    vocabulary_size: int = V, draws: int = B * L, exponent: float = EXPONENT
+) -> float:
     """E[distinct ranks] among `draws` i.i.d. draws with P(r) ∝ (r+1)^-exponent on [0, V)."""
     p = np.arange(1, vocabulary_size + 1, dtype=np.float64) ** -exponent
     p /= p.sum()
@@ -62,8 +63,10 @@ def essential_bytes(dim: int, unique_per_table: float) -> float:
 
 def _embedding(topo: _aot.Topology, dim: int, max_unique: int | None = None) -> jte.Embedding:
     tables = [jte.TableConfig(V, dim, combiner="sum", name=f"t{i}") for i in range(TABLES)]
-    spec = jte.EmbeddingSpec({f"t{i}": jte.FeatureConfig(t) for i, t in enumerate(tables)},
-                             jte.Adagrad(learning_rate=0.05))
+    spec = jte.EmbeddingSpec(
+        {f"t{i}": jte.FeatureConfig(t) for i, t in enumerate(tables)},
+        jte.Adagrad(learning_rate=0.05),
+    )
     return jte.Embedding(spec, _aot.mesh(topo), max_unique_ids_per_shard=max_unique)
 
 
@@ -82,6 +85,7 @@ def row_dma_bytes(emb: jte.Embedding) -> float:
     the update). The rest of "bytes accessed" is the sort, the collectives, the
     activations and the pair lists."""
     from jax_tpu_embed import _pallas, _streams
+
     total = 0.0
     for plan in emb.table_plans.values():
         if not plan.backend.name.startswith("pallas"):
@@ -89,8 +93,9 @@ def row_dma_bytes(emb: jte.Embedding) -> float:
         storage = plan.storage
         _, distinct = _streams.planned(plan, B * L, emb.num_shards)
         table = _pallas._row_bytes(storage.packing, plan.config.dtype)
-        slots = sum(_pallas._row_bytes(storage.slot_packing(s), jnp.float32)
-                    for s in storage.stored)  # Riders travel in the table's row.
+        slots = sum(
+            _pallas._row_bytes(storage.slot_packing(s), jnp.float32) for s in storage.stored
+        )  # Riders travel in the table's row.
         total += distinct * (table + 2 * (table + slots))
     return total
 
@@ -114,13 +119,15 @@ def _parts(emb: jte.Embedding) -> dict[str, tuple[float, int]]:
     out = {}
     out["lookup only"] = _cost(jax.jit(emb.lookup).lower(state, features).compile())
     out["apply_gradients only"] = _cost(
-        jax.jit(emb.apply_gradients, donate_argnums=0).lower(state, features, grads).compile())
+        jax.jit(emb.apply_gradients, donate_argnums=0).lower(state, features, grads).compile()
+    )
 
     return out
 
 
-def measure(topology: str, dims, parts: bool = True,
-            max_unique: int | Literal["auto"] | None = "auto") -> list[dict]:
+def measure(
+    topology: str, dims, parts: bool = True, max_unique: int | Literal["auto"] | None = "auto"
+) -> list[dict]:
     """max_unique: max_unique_ids_per_shard; "auto" (auto_max_unique) or None or an int."""
     topo = _aot.topology(topology)
     n = len(topo.devices)
@@ -133,8 +140,13 @@ def measure(topology: str, dims, parts: bool = True,
         r = _aot.compile_train_step(emb, B, L, topo=topo)
         essential = essential_bytes(dim, unique)
         res = {
-            "topology": topology, "devices": n, "dim": dim, "tables": TABLES,
-            "vocabulary_size": V, "batch": B, "ids_per_example": L,
+            "topology": topology,
+            "devices": n,
+            "dim": dim,
+            "tables": TABLES,
+            "vocabulary_size": V,
+            "batch": B,
+            "ids_per_example": L,
             "unique_rows_per_table": round(unique),
             "max_unique_ids_per_shard": max_unique,
             "essential_bytes": essential,
@@ -145,14 +157,17 @@ def measure(topology: str, dims, parts: bool = True,
             "temp_bytes_per_device": r.temp_bytes,
             "largest_temps": [str(t) for t in r.largest_temps[:3]],
             "copies": r.copies(),
-            "collectives": [{"op": c.op, "shape": c.shape, "bytes": c.bytes}
-                            for c in r.collectives],
+            "collectives": [
+                {"op": c.op, "shape": c.shape, "bytes": c.bytes} for c in r.collectives
+            ],
             "compile_seconds": round(r.compile_seconds, 1),
         }
         if parts:
             # Per-device programs, times the device count.
-            res["parts"] = {k: {"bytes_accessed_total": b * n, "temp_bytes_per_device": t}
-                            for k, (b, t) in _parts(emb).items()}
+            res["parts"] = {
+                k: {"bytes_accessed_total": b * n, "temp_bytes_per_device": t}
+                for k, (b, t) in _parts(emb).items()
+            }
         results.append(res)
     return results
 
@@ -160,26 +175,38 @@ def measure(topology: str, dims, parts: bool = True,
 def report(results: list[dict]) -> str:
     mb = lambda x: f"{x / 1e6:,.1f} MB"
     first = results[0]
-    lines = [f"W1 ({first['tables']} tables x {first['vocabulary_size']:,} rows, B={B}, L={L}, "
-             f"Adagrad) on {first['topology']} ({first['devices']} devices); expected unique "
-             f"rows per table and step U_t = {first['unique_rows_per_table']:,} "
-             f"({first['tables'] * first['unique_rows_per_table']:,} in all); "
-             f"max_unique_ids_per_shard={first['max_unique_ids_per_shard']}", ""]
-    lines.append(f"{'D':>4s} {'essential':>12s} {'bytes accessed':>15s} {'ratio':>7s} "
-                 f"{'target':>7s} {'temp/device':>13s}")
+    lines = [
+        f"W1 ({first['tables']} tables x {first['vocabulary_size']:,} rows, B={B}, L={L}, "
+        f"Adagrad) on {first['topology']} ({first['devices']} devices); expected unique "
+        f"rows per table and step U_t = {first['unique_rows_per_table']:,} "
+        f"({first['tables'] * first['unique_rows_per_table']:,} in all); "
+        f"max_unique_ids_per_shard={first['max_unique_ids_per_shard']}",
+        "",
+    ]
+    lines.append(
+        f"{'D':>4s} {'essential':>12s} {'bytes accessed':>15s} {'ratio':>7s} "
+        f"{'target':>7s} {'temp/device':>13s}"
+    )
     for r in results:
-        lines.append(f"{r['dim']:>4d} {mb(r['essential_bytes']):>12s} "
-                     f"{mb(r['bytes_accessed_total']):>15s} {r['ratio']:>6.1f}x {'3.0x':>7s} "
-                     f"{mb(r['temp_bytes_per_device']):>13s}")
+        lines.append(
+            f"{r['dim']:>4d} {mb(r['essential_bytes']):>12s} "
+            f"{mb(r['bytes_accessed_total']):>15s} {r['ratio']:>6.1f}x {'3.0x':>7s} "
+            f"{mb(r['temp_bytes_per_device']):>13s}"
+        )
     for r in results:
         rows, rest = r["row_dma_bytes_total"], r["bytes_accessed_total"] - r["row_dma_bytes_total"]
-        lines += ["", f"D={r['dim']}: compiled in {r['compile_seconds']} s; the kernels' row "
-                  f"DMAs {mb(rows)} ({rows / r['essential_bytes']:.1f}x essential), everything "
-                  f"else {mb(rest)} ({rest / r['essential_bytes']:.1f}x)"]
+        lines += [
+            "",
+            f"D={r['dim']}: compiled in {r['compile_seconds']} s; the kernels' row "
+            f"DMAs {mb(rows)} ({rows / r['essential_bytes']:.1f}x essential), everything "
+            f"else {mb(rest)} ({rest / r['essential_bytes']:.1f}x)",
+        ]
         for name, part in r.get("parts", {}).items():
-            lines.append(f"  {name:24s} bytes accessed {mb(part['bytes_accessed_total']):>12s}"
-                         f" ({part['bytes_accessed_total'] / r['essential_bytes']:.1f}x "
-                         f"essential), temp/device {mb(part['temp_bytes_per_device'])}")
+            lines.append(
+                f"  {name:24s} bytes accessed {mb(part['bytes_accessed_total']):>12s}"
+                f" ({part['bytes_accessed_total'] / r['essential_bytes']:.1f}x "
+                f"essential), temp/device {mb(part['temp_bytes_per_device'])}"
+            )
         lines.append(f"  largest temporaries: {'; '.join(r['largest_temps']) or 'none'}")
         if r["copies"]:
             lines.append(f"  copies >= 1 MiB: {', '.join(r['copies'])}")
@@ -187,8 +214,10 @@ def report(results: list[dict]) -> str:
         for c in r["collectives"]:
             key = (c["op"], c["shape"], c["bytes"])
             counts[key] = counts.get(key, 0) + 1
-        lines.append(f"  collectives per device ({len(r['collectives'])}, "
-                     f"{mb(sum(c['bytes'] for c in r['collectives']))} in all):")
+        lines.append(
+            f"  collectives per device ({len(r['collectives'])}, "
+            f"{mb(sum(c['bytes'] for c in r['collectives']))} in all):"
+        )
         for (op, shape, nbytes), k in sorted(counts.items(), key=lambda kv: -kv[0][2]):
             lines.append(f"    {k:3d} x {op:15s} {shape:18s} {nbytes:>12,} B")
     return "\n".join(lines)
@@ -200,9 +229,12 @@ def main(argv=None) -> int:
     p.add_argument("--dims", default="32,64,128", help="comma-separated dims")
     p.add_argument("--no-parts", action="store_true", help="skip the lookup/update split")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    p.add_argument("--max-unique-ids-per-shard", default="auto",
-                   help='"auto" (the expected distinct rows per shard), "none" (the '
-                        'default of Embedding: max_ids_per_shard) or an int')
+    p.add_argument(
+        "--max-unique-ids-per-shard",
+        default="auto",
+        help='"auto" (the expected distinct rows per shard), "none" (the '
+        "default of Embedding: max_ids_per_shard) or an int",
+    )
     a = p.parse_args(argv)
     mu = a.max_unique_ids_per_shard
     mu = None if mu == "none" else mu if mu == "auto" else int(mu)

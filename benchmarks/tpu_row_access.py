@@ -67,8 +67,9 @@ def _first_line(e: Exception) -> str:
 def _compiled(fn, args, in_shardings=None, donate=()):
     """(compiled, None) or (None, error line)."""
     try:
-        return jax.jit(fn, in_shardings=in_shardings,
-                       donate_argnums=donate).lower(*args).compile(), None
+        return jax.jit(fn, in_shardings=in_shardings, donate_argnums=donate).lower(
+            *args
+        ).compile(), None
     except Exception as e:  # The compiler's errors are the result here.
         return None, _first_line(e)
 
@@ -93,8 +94,11 @@ def _dma_rows(ids, table, *, lanes: int, interpret: bool = False):
         base = pl.program_id(0) * BLOCK
 
         def copy(j, row):
-            return pltpu.make_async_copy(table_hbm.at[pl.ds(row, 1), pl.ds(0, lanes)],
-                                         out_ref.at[pl.ds(j, 1), pl.ds(0, lanes)], sem)
+            return pltpu.make_async_copy(
+                table_hbm.at[pl.ds(row, 1), pl.ds(0, lanes)],
+                out_ref.at[pl.ds(j, 1), pl.ds(0, lanes)],
+                sem,
+            )
 
         def start(j, carry):
             copy(j, ids_ref[base + j]).start()
@@ -111,14 +115,17 @@ def _dma_rows(ids, table, *, lanes: int, interpret: bool = False):
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(n // BLOCK,),
+            num_scalar_prefetch=1,
+            grid=(n // BLOCK,),
             in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=pl.BlockSpec((BLOCK, width), lambda i, ids: (i, 0)),
-            scratch_shapes=[pltpu.SemaphoreType.DMA(())]),
+            scratch_shapes=[pltpu.SemaphoreType.DMA(())],
+        ),
         out_shape=jax.ShapeDtypeStruct((n, width), table.dtype),
         # Bytes the DMAs read plus the output written: what the kernel moves.
-        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
-                                      bytes_accessed=n * (lanes + width) * 4),
+        cost_estimate=pl.CostEstimate(
+            flops=0, transcendentals=0, bytes_accessed=n * (lanes + width) * 4
+        ),
         interpret=pltpu.InterpretParams() if interpret else False,
     )(ids, table)
 
@@ -133,8 +140,12 @@ def _sparse_core(chip: str):
 
 
 def _sc_mesh(sc):
-    return plsc.VectorSubcoreMesh(core_axis_name="core", subcore_axis_name="subcore",
-                                  num_cores=sc.num_cores, num_subcores=sc.num_subcores)
+    return plsc.VectorSubcoreMesh(
+        core_axis_name="core",
+        subcore_axis_name="subcore",
+        num_cores=sc.num_cores,
+        num_subcores=sc.num_subcores,
+    )
 
 
 def _worker_rows(sc, n: int):
@@ -149,13 +160,16 @@ def _sc_gather(table, ids, *, sc, dim: int, interpret: Any = False):
     n = ids.shape[0]
     rows = table.reshape(-1, dim)
 
-    @pl.kernel(out_type=jax.ShapeDtypeStruct((n, dim), table.dtype), mesh=_sc_mesh(sc),
-               compiler_params=pltpu.CompilerParams(use_tc_tiling_on_sc=False),
-               scratch_types=[pltpu.VMEM((WINDOW,), jnp.int32),
-                              pltpu.VMEM((WINDOW, dim), table.dtype)],
-               cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
-                                             bytes_accessed=n * (2 * dim * 4 + 4)),
-               interpret=interpret)
+    @pl.kernel(
+        out_type=jax.ShapeDtypeStruct((n, dim), table.dtype),
+        mesh=_sc_mesh(sc),
+        compiler_params=pltpu.CompilerParams(use_tc_tiling_on_sc=False),
+        scratch_types=[pltpu.VMEM((WINDOW,), jnp.int32), pltpu.VMEM((WINDOW, dim), table.dtype)],
+        cost_estimate=pl.CostEstimate(
+            flops=0, transcendentals=0, bytes_accessed=n * (2 * dim * 4 + 4)
+        ),
+        interpret=interpret,
+    )
     def kernel(table_hbm, ids_hbm, out_hbm, idx, buf):
         first, per = _worker_rows(sc, n)
 
@@ -173,8 +187,7 @@ def _rsqrt(a, scratch):
     bit-level first guess (0x5F375A86 - bits/2), then three Newton steps: relative error at
     most 1.8e-3, 4.7e-6, 1.5e-7 after each (the same steps in NumPy f32 over a in
     [1e-8, 1e8]). `scratch`: a (1, lanes) int32 VMEM ref for the bit casts."""
-    scratch[0, :] = jnp.int32(0x5F375A86) - jax.lax.shift_right_logical(
-        _bits(a, scratch), 1)
+    scratch[0, :] = jnp.int32(0x5F375A86) - jax.lax.shift_right_logical(_bits(a, scratch), 1)
     y = scratch.bitcast(jnp.float32)[0, :]
     for _ in range(3):
         y = y * (1.5 - 0.5 * a * y * y)
@@ -192,13 +205,17 @@ def _sc_adagrad(table, acc, ids, grads, *, sc, dim: int, lr: float = 0.05):
     n, lanes = ids.shape[0], sc.num_lanes
     t_ref, a_ref = jax.new_ref(table.reshape(-1, dim)), jax.new_ref(acc.reshape(-1, dim))
 
-    @pl.kernel(out_type=(), mesh=_sc_mesh(sc),
-               compiler_params=pltpu.CompilerParams(use_tc_tiling_on_sc=False),
-               scratch_types=[pltpu.VMEM((WINDOW,), jnp.int32)] +
-                             [pltpu.VMEM((WINDOW, dim), jnp.float32)] * 3 +
-                             [pltpu.VMEM((1, lanes), jnp.int32)],
-               cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
-                                             bytes_accessed=n * (5 * dim * 4 + 4)))
+    @pl.kernel(
+        out_type=(),
+        mesh=_sc_mesh(sc),
+        compiler_params=pltpu.CompilerParams(use_tc_tiling_on_sc=False),
+        scratch_types=[pltpu.VMEM((WINDOW,), jnp.int32)]
+        + [pltpu.VMEM((WINDOW, dim), jnp.float32)] * 3
+        + [pltpu.VMEM((1, lanes), jnp.int32)],
+        cost_estimate=pl.CostEstimate(
+            flops=0, transcendentals=0, bytes_accessed=n * (5 * dim * 4 + 4)
+        ),
+    )
     def kernel(ids_hbm, g_hbm, idx, tb, ab, gb, scratch):
         first, per = _worker_rows(sc, n)
 
@@ -229,8 +246,11 @@ def _sc_adagrad(table, acc, ids, grads, *, sc, dim: int, lr: float = 0.05):
 def _sc_sqrt(x, *, sc):
     lanes = sc.num_lanes
 
-    @pl.kernel(out_type=jax.ShapeDtypeStruct((lanes,), jnp.float32), mesh=_sc_mesh(sc),
-               scratch_types=[pltpu.VMEM((lanes,), jnp.float32)])
+    @pl.kernel(
+        out_type=jax.ShapeDtypeStruct((lanes,), jnp.float32),
+        mesh=_sc_mesh(sc),
+        scratch_types=[pltpu.VMEM((lanes,), jnp.float32)],
+    )
     def kernel(x_hbm, o_hbm, buf):
         pltpu.sync_copy(x_hbm, buf)
         buf[...] = jnp.sqrt(buf[...])
@@ -239,8 +259,16 @@ def _sc_sqrt(x, *, sc):
     return kernel(x)  # pyright: ignore[reportCallIssue]  (pl.kernel: untyped)
 
 
-_NOT_DATA_OPS = ("parameter", "bitcast", "tuple", "get-tuple-element", "call-start",
-                 "call-done", "custom-call", "constant")
+_NOT_DATA_OPS = (
+    "parameter",
+    "bitcast",
+    "tuple",
+    "get-tuple-element",
+    "call-start",
+    "call-done",
+    "custom-call",
+    "constant",
+)
 
 
 def _table_sized_ops(hlo: str, shard_bytes: int) -> list[str]:
@@ -248,8 +276,7 @@ def _table_sized_ops(hlo: str, shard_bytes: int) -> list[str]:
     result is at least a table shard: relayout copies of the whole table."""
     out = []
     for _, shape, op, _ in _aot._parse(hlo):
-        if op not in _NOT_DATA_OPS and any(b >= shard_bytes for _, b in
-                                           _aot.array_bytes(shape)):
+        if op not in _NOT_DATA_OPS and any(b >= shard_bytes for _, b in _aot.array_bytes(shape)):
             out.append(f"{op} {shape.split('{')[0]}")
     return out
 
@@ -257,11 +284,13 @@ def _table_sized_ops(hlo: str, shard_bytes: int) -> list[str]:
 def _sc_result(compiled, error, shard_bytes: int, declared: float) -> dict:
     if compiled is None:
         return {"compiles": error}
-    return {"compiles": "compiles",
-            "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-            "table_sized_ops": _table_sized_ops(compiled.as_text(), shard_bytes),
-            "bytes_accessed": _bytes_accessed(compiled),
-            "declared_bytes": declared}
+    return {
+        "compiles": "compiles",
+        "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+        "table_sized_ops": _table_sized_ops(compiled.as_text(), shard_bytes),
+        "bytes_accessed": _bytes_accessed(compiled),
+        "declared_bytes": declared,
+    }
 
 
 def measure_sparse_core(topology: str, dims) -> dict | None:
@@ -277,27 +306,39 @@ def measure_sparse_core(topology: str, dims) -> dict | None:
     quantum = sc.num_cores * sc.num_subcores * WINDOW
     n = -(-ROWS // quantum) * quantum
     ids = spec((n,), jnp.int32)
-    out = {"num_cores": sc.num_cores, "num_subcores": sc.num_subcores,
-           "num_lanes": sc.num_lanes, "dma_granule_bytes": sc.dma_granule_size_bytes,
-           "rows": n, "dims": []}
+    out = {
+        "num_cores": sc.num_cores,
+        "num_subcores": sc.num_subcores,
+        "num_lanes": sc.num_lanes,
+        "dma_granule_bytes": sc.dma_granule_size_bytes,
+        "rows": n,
+        "dims": [],
+    }
     with jax.set_mesh(mesh):  # Lowering reads the chip from the mesh.
         for dim in dims:
             shard = SHARD_ROWS * dim * 4
-            flat, tiled = spec((SHARD_ROWS * dim,), jnp.float32), spec((SHARD_ROWS, dim),
-                                                                       jnp.float32)
+            flat, tiled = (
+                spec((SHARD_ROWS * dim,), jnp.float32),
+                spec((SHARD_ROWS, dim), jnp.float32),
+            )
             gather = functools.partial(_sc_gather, sc=sc, dim=dim)
             update = functools.partial(_sc_adagrad, sc=sc, dim=dim)
             row = {"dim": dim, "row_bytes": 4 * dim}
-            row["gather_flat"] = _sc_result(*_compiled(gather, (flat, ids)), shard,
-                                            n * (2 * dim * 4 + 4))
-            row["gather_2d"] = _sc_result(*_compiled(gather, (tiled, ids)), shard,
-                                          n * (2 * dim * 4 + 4))
+            row["gather_flat"] = _sc_result(
+                *_compiled(gather, (flat, ids)), shard, n * (2 * dim * 4 + 4)
+            )
+            row["gather_2d"] = _sc_result(
+                *_compiled(gather, (tiled, ids)), shard, n * (2 * dim * 4 + 4)
+            )
             row["adagrad_flat"] = _sc_result(
-                *_compiled(update, (flat, flat, ids, spec((n, dim), jnp.float32)),
-                           donate=(0, 1)), shard, n * (5 * dim * 4 + 4))
+                *_compiled(update, (flat, flat, ids, spec((n, dim), jnp.float32)), donate=(0, 1)),
+                shard,
+                n * (5 * dim * 4 + 4),
+            )
             out["dims"].append(row)
-        _, sqrt_error = _compiled(functools.partial(_sc_sqrt, sc=sc),
-                                     (spec((sc.num_lanes,), jnp.float32),))
+        _, sqrt_error = _compiled(
+            functools.partial(_sc_sqrt, sc=sc), (spec((sc.num_lanes,), jnp.float32),)
+        )
     out["sqrt_on_vector_subcore"] = sqrt_error or "compiles"
     out["interpret_indirect_dma"] = _interpret_sc_gather(chip, sc)
     return out
@@ -307,6 +348,7 @@ def _interpret_sc_gather(chip: str, sc) -> str:
     """Whether Pallas' interpreter runs the indirect-DMA gather on the CPU (it needs the
     chip's SparseCore description, given here, as there is no TPU to ask)."""
     from jax._src.pallas.mosaic import sc_core
+
     real = sc_core.get_sparse_core_info
     sc_core.get_sparse_core_info = lambda: sc
     quiet = logging.getLogger("jax._src.callback")  # It logs the callback's traceback.
@@ -318,8 +360,9 @@ def _interpret_sc_gather(chip: str, sc) -> str:
         table = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
         ids = jnp.asarray(rng.integers(0, 64, n), jnp.int32)
         got = _sc_gather(table, ids, sc=sc, dim=16, interpret=pltpu.InterpretParams())
-        return "matches table[ids]" if bool(jnp.array_equal(got, table[ids])) else \
-            "runs, wrong result"
+        return (
+            "matches table[ids]" if bool(jnp.array_equal(got, table[ids])) else "runs, wrong result"
+        )
     except Exception as e:
         return _first_line(e)
     finally:
@@ -336,14 +379,21 @@ def measure(topology: str, dims=(32, 64, 128)) -> dict:
     for dim in dims:
         table, upd = spec((SHARD_ROWS, dim), jnp.float32), spec((ROWS, dim), jnp.float32)
         gather, gather_error = _compile(lambda t, i: t[i], (table, ids))
-        scatter, scatter_error = _compile(lambda t, i, u: t.at[i].set(u), (table, ids, upd),
-                                          donate=(0,))
+        scatter, scatter_error = _compile(
+            lambda t, i, u: t.at[i].set(u), (table, ids, upd), donate=(0,)
+        )
         assert gather is not None and scatter is not None, (gather_error, scatter_error)
         tiled = Format(Layout((0, 1), ((1, 128),)), one)
         _, tiled_error = _compile(lambda t, i: t[i], (table, ids), in_shardings=(tiled, one))
-        out["xla"].append({"dim": dim, "row_bytes": 4 * dim, "gather_per_row": gather / ROWS,
-                           "scatter_per_row": scatter / ROWS,
-                           "one_row_tiles": tiled_error or "compiles"})
+        out["xla"].append(
+            {
+                "dim": dim,
+                "row_bytes": 4 * dim,
+                "gather_per_row": gather / ROWS,
+                "scatter_per_row": scatter / ROWS,
+                "one_row_tiles": tiled_error or "compiles",
+            }
+        )
     # Pallas: lowering needs the target chip, which the abstract mesh names.
     with jax.set_mesh(mesh):
         table = spec((SHARD_ROWS, 128), jnp.float32)
@@ -353,50 +403,68 @@ def measure(topology: str, dims=(32, 64, 128)) -> dict:
     small = jnp.asarray(rng.standard_normal((1_000, 128)), jnp.float32)
     some = jnp.asarray(rng.integers(0, 1_000, 4 * BLOCK), jnp.int32)
     got = jax.jit(functools.partial(_dma_rows, lanes=128, interpret=True))(some, small)
-    out["pallas"] = {"row_dma_128_lanes": full_error or "compiles",
-                     "declared_bytes_per_row": None if full is None else full / ROWS,
-                     "interpret_matches_take": bool(jnp.array_equal(got, small[some])),
-                     "row_dma_32_lanes": narrow_error or "compiles"}
+    out["pallas"] = {
+        "row_dma_128_lanes": full_error or "compiles",
+        "declared_bytes_per_row": None if full is None else full / ROWS,
+        "interpret_matches_take": bool(jnp.array_equal(got, small[some])),
+        "row_dma_32_lanes": narrow_error or "compiles",
+    }
     out["sparse_core"] = measure_sparse_core(topology, dims)
     return out
 
 
 def report(res: dict) -> str:
-    lines = [f"{res['topology']}, one device: {res['rows']:,} random rows of a "
-             f"({SHARD_ROWS:,}, D) f32 shard", "",
-             f"{'D':>4s} {'row':>6s} {'XLA gather/row':>15s} {'XLA scatter/row':>16s}  "
-             f"(1, 128) tiles"]
+    lines = [
+        f"{res['topology']}, one device: {res['rows']:,} random rows of a "
+        f"({SHARD_ROWS:,}, D) f32 shard",
+        "",
+        f"{'D':>4s} {'row':>6s} {'XLA gather/row':>15s} {'XLA scatter/row':>16s}  (1, 128) tiles",
+    ]
     for r in res["xla"]:
-        lines.append(f"{r['dim']:>4d} {r['row_bytes']:>5d}B {r['gather_per_row']:>14,.0f}B "
-                     f"{r['scatter_per_row']:>15,.0f}B  {r['one_row_tiles'][:72]}")
+        lines.append(
+            f"{r['dim']:>4d} {r['row_bytes']:>5d}B {r['gather_per_row']:>14,.0f}B "
+            f"{r['scatter_per_row']:>15,.0f}B  {r['one_row_tiles'][:72]}"
+        )
     p = res["pallas"]
-    lines += ["", "Pallas row-DMA kernel (D = 128):",
-              f"  compile for TPU: {p['row_dma_128_lanes']}; bytes per row as declared: "
-              f"{p['declared_bytes_per_row']}",
-              f"  interpret mode on CPU equals table[ids]: {p['interpret_matches_take']}",
-              f"  DMA of a 32-lane slice (a packed D=32 row): {p['row_dma_32_lanes']}"]
+    lines += [
+        "",
+        "Pallas row-DMA kernel (D = 128):",
+        f"  compile for TPU: {p['row_dma_128_lanes']}; bytes per row as declared: "
+        f"{p['declared_bytes_per_row']}",
+        f"  interpret mode on CPU equals table[ids]: {p['interpret_matches_take']}",
+        f"  DMA of a 32-lane slice (a packed D=32 row): {p['row_dma_32_lanes']}",
+    ]
     sc = res.get("sparse_core")
     if sc is None:
         return "\n".join(lines + ["", "No SparseCore on this chip."])
     mb = lambda x: f"{x / 1e6:,.1f} MB"
-    lines += ["", f"SparseCore: {sc['num_cores']} cores x {sc['num_subcores']} vector subcores "
-              f"of {sc['num_lanes']} lanes, DMA granule {sc['dma_granule_bytes']} B; "
-              f"{sc['rows']:,} rows"]
+    lines += [
+        "",
+        f"SparseCore: {sc['num_cores']} cores x {sc['num_subcores']} vector subcores "
+        f"of {sc['num_lanes']} lanes, DMA granule {sc['dma_granule_bytes']} B; "
+        f"{sc['rows']:,} rows",
+    ]
     for r in sc["dims"]:
         lines.append(f"  D={r['dim']} ({r['row_bytes']} B rows):")
-        for key, label in (("gather_flat", "gather, flat (S*D,) shard"),
-                           ("gather_2d", "gather, (S, D) shard"),
-                           ("adagrad_flat", "Adagrad in place, flat")):
+        for key, label in (
+            ("gather_flat", "gather, flat (S*D,) shard"),
+            ("gather_2d", "gather, (S, D) shard"),
+            ("adagrad_flat", "Adagrad in place, flat"),
+        ):
             x = r[key]
             if x["compiles"] != "compiles":
                 lines.append(f"    {label:28s} {x['compiles'][:110]}")
                 continue
             ops = ", ".join(x["table_sized_ops"]) or "none"
-            lines.append(f"    {label:28s} compiles; temp {mb(x['temp_bytes'])}; "
-                         f"table-sized ops: {ops}; bytes accessed {mb(x['bytes_accessed'])}"
-                         f" (kernel declares {mb(x['declared_bytes'])})")
-    lines += [f"  sqrt on a vector subcore: {sc['sqrt_on_vector_subcore'][:110]}",
-              f"  interpret mode, indirect DMA on CPU: {sc['interpret_indirect_dma'][:110]}"]
+            lines.append(
+                f"    {label:28s} compiles; temp {mb(x['temp_bytes'])}; "
+                f"table-sized ops: {ops}; bytes accessed {mb(x['bytes_accessed'])}"
+                f" (kernel declares {mb(x['declared_bytes'])})"
+            )
+    lines += [
+        f"  sqrt on a vector subcore: {sc['sqrt_on_vector_subcore'][:110]}",
+        f"  interpret mode, indirect DMA on CPU: {sc['interpret_indirect_dma'][:110]}",
+    ]
     return "\n".join(lines)
 
 

@@ -82,8 +82,9 @@ def config_path(name: str) -> str:
     return os.path.join(CONFIG_DIR, f"bench_{name.lower()}.yaml")
 
 
-def load_config(name_or_path: str, *, vocabulary_size: int | None = None,
-                dim: int | None = None, **overrides) -> WorkloadConfig:
+def load_config(
+    name_or_path: str, *, vocabulary_size: int | None = None, dim: int | None = None, **overrides
+) -> WorkloadConfig:
     """Loads a workload from ``configs/bench_<name>.yaml`` (or a YAML path) and applies overrides.
 
     ``vocabulary_size`` / ``dim`` override V and D (vocabulary and dim sweeps); the name gets a
@@ -94,8 +95,11 @@ def load_config(name_or_path: str, *, vocabulary_size: int | None = None,
 
     path = name_or_path if os.path.exists(name_or_path) else config_path(name_or_path)
     if not os.path.exists(path):
-        known = sorted(f[6:-5] for f in os.listdir(CONFIG_DIR)
-                       if f.startswith("bench_") and f.endswith(".yaml"))
+        known = sorted(
+            f[6:-5]
+            for f in os.listdir(CONFIG_DIR)
+            if f.startswith("bench_") and f.endswith(".yaml")
+        )
         raise FileNotFoundError(f"no workload {name_or_path!r} ({path}); known: {known}")
     with open(path) as f:
         raw = yaml.safe_load(f)
@@ -113,8 +117,9 @@ def load_config(name_or_path: str, *, vocabulary_size: int | None = None,
     if changes:
         suffix = ",".join(f"{_short(k)}={v}" for k, v in sorted(changes.items()))
         drop = {}
-        if {"vocabulary_size", "batch", "ids_per_example", "tables", "exponent",
-                "seed"} & set(changes):
+        if {"vocabulary_size", "batch", "ids_per_example", "tables", "exponent", "seed"} & set(
+            changes
+        ):
             drop["expected_unique_rows"] = None
         drop["expected_essential_mb"] = None
         cfg = dataclasses.replace(cfg, name=f"{cfg.name}@{suffix}", **changes, **drop)
@@ -122,11 +127,17 @@ def load_config(name_or_path: str, *, vocabulary_size: int | None = None,
 
 
 def _short(key: str) -> str:
-    return {"vocabulary_size": "V", "dim": "D", "batch": "B", "ids_per_example": "L",
-            "tables": "T"}.get(key, key)
+    return {
+        "vocabulary_size": "V",
+        "dim": "D",
+        "batch": "B",
+        "ids_per_example": "L",
+        "tables": "T",
+    }.get(key, key)
 
 
 # -- generator -----------------------------------------------------------------------------
+
 
 def power_law_cdf(vocabulary_size: int, exponent: float = 1.05) -> np.ndarray:
     """Exact CDF (float64, length V) of P(r) ∝ (r+1)^-exponent on r in [0, V)."""
@@ -146,10 +157,10 @@ def sample_ranks(cdf: np.ndarray, shape, rng: np.random.Generator) -> np.ndarray
 @dataclass
 class Workload:
     config: WorkloadConfig
-    ids: list[list[np.ndarray]]          # [batch k][table t] -> (B, L) int32 row ids
-    R: list[np.ndarray]                  # [table t] -> (B, D) float32, fixed over steps
-    unique_rows: np.ndarray              # (num_batches, tables) int64: U_t of each batch
-    essential_bytes: np.ndarray          # (num_batches,) int64
+    ids: list[list[np.ndarray]]  # [batch k][table t] -> (B, L) int32 row ids
+    R: list[np.ndarray]  # [table t] -> (B, D) float32, fixed over steps
+    unique_rows: np.ndarray  # (num_batches, tables) int64: U_t of each batch
+    essential_bytes: np.ndarray  # (num_batches,) int64
     gen_seconds: float = 0.0
     table_names: list[str] = field(default_factory=list)
 
@@ -179,13 +190,24 @@ def generate(config: WorkloadConfig) -> Workload:
             ids[k][t] = perm[ranks].astype(np.int32)
         del perm
     del cdf
-    R = [np.random.default_rng([c.seed, _R, t]).standard_normal((c.batch, c.dim), np.float32)
-         for t in range(c.tables)]
-    unique = np.array([[np.unique(ids[k][t]).size for t in range(c.tables)]
-                       for k in range(c.num_batches)], dtype=np.int64)
+    R = [
+        np.random.default_rng([c.seed, _R, t]).standard_normal((c.batch, c.dim), np.float32)
+        for t in range(c.tables)
+    ]
+    unique = np.array(
+        [[np.unique(ids[k][t]).size for t in range(c.tables)] for k in range(c.num_batches)],
+        dtype=np.int64,
+    )
     essential = unique.sum(axis=1) * c.dim * 4 * 4 + c.tables * c.batch * c.ids_per_example * 4
-    return Workload(config=c, ids=ids, R=R, unique_rows=unique, essential_bytes=essential,
-                    gen_seconds=time.perf_counter() - t0, table_names=c.table_names())
+    return Workload(
+        config=c,
+        ids=ids,
+        R=R,
+        unique_rows=unique,
+        essential_bytes=essential,
+        gen_seconds=time.perf_counter() - t0,
+        table_names=c.table_names(),
+    )
 
 
 def sweep_configs(base: str, sweep: str, values=None) -> list[WorkloadConfig]:
@@ -202,8 +224,10 @@ def sweep_configs(base: str, sweep: str, values=None) -> list[WorkloadConfig]:
 def check(names=ALL_WORKLOADS, tolerance: float = 0.05) -> bool:
     """Prints measured vs expected unique rows / essential MB; True if all within tolerance."""
     ok = True
-    print(f"{'workload':10s} {'U/step':>10s} {'expected':>10s} {'MB/step':>8s} {'expected':>9s} "
-          f"{'gen s':>6s}  status")
+    print(
+        f"{'workload':10s} {'U/step':>10s} {'expected':>10s} {'MB/step':>8s} {'expected':>9s} "
+        f"{'gen s':>6s}  status"
+    )
     for name in names:
         cfg = load_config(name)
         wl = generate(cfg)
@@ -215,17 +239,22 @@ def check(names=ALL_WORKLOADS, tolerance: float = 0.05) -> bool:
         if emb:
             good &= abs(mb / emb - 1) <= tolerance
         ok &= good
-        print(f"{cfg.name:10s} {u:10.0f} {eu or float('nan'):10.0f} {mb:8.2f} "
-              f"{emb or float('nan'):9.1f} {wl.gen_seconds:6.2f}  "
-              f"{'ok' if good else 'MISMATCH (> %.0f%%)' % (tolerance * 100)}")
+        print(
+            f"{cfg.name:10s} {u:10.0f} {eu or float('nan'):10.0f} {mb:8.2f} "
+            f"{emb or float('nan'):9.1f} {wl.gen_seconds:6.2f}  "
+            f"{'ok' if good else 'MISMATCH (> %.0f%%)' % (tolerance * 100)}"
+        )
     return ok
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("workloads", nargs="*", default=list(ALL_WORKLOADS))
-    p.add_argument("--check", action="store_true",
-                   help="compare unique rows and essential bytes with WORKLOADS.md")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="compare unique rows and essential bytes with WORKLOADS.md",
+    )
     p.add_argument("--tolerance", type=float, default=0.05)
     a = p.parse_args(argv)
     if a.check:

@@ -1,6 +1,6 @@
 """jax_tpu_embed: large row-sharded embedding tables with sparse optimizers for JAX.
 
-    import jax_tpu_embed as jte
+import jax_tpu_embed as jte
 """
 
 from . import _multihost as multihost  # noqa: F401  (public: jte.multihost)

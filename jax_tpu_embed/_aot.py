@@ -49,13 +49,21 @@ HBM_PER_CHIP = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * Gi
 
 # Ops whose shapes tell how much data crosses the interconnect. Their async forms
 # ("all-gather-start" ... "-done") are counted once, at the start.
-COLLECTIVE_OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
-                  "collective-permute", "collective-broadcast", "ragged-all-to-all")
+COLLECTIVE_OPS = (
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+    "ragged-all-to-all",
+)
 
 _TOPOLOGY_RE = re.compile(r"^(v\d+[a-z]*):(\d+(?:x\d+){1,2})$")
 
 
 # --------------------------------------------------------------------------------- topology
+
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
@@ -69,6 +77,7 @@ class Topology:
         chips: Number of chips.
         hbm_per_chip: Bytes of HBM per chip.
     """
+
     name: str
     generation: str
     devices: tuple
@@ -89,17 +98,26 @@ def topology(name: str) -> Topology:
     """The slice `name` ("v5e:2x2", "v5p:4x4x4", ...), from libtpu; ValueError if unknown."""
     match = _TOPOLOGY_RE.match(name or "")
     if not match:
-        raise ValueError(f"topology {name!r} is not of the form GENERATION:AxB[xC], e.g. "
-                         f"'v5p:2x2x1' or 'v5e:2x2'; generations with a known HBM size: "
-                         f"{sorted(HBM_PER_CHIP)}.")
+        raise ValueError(
+            f"topology {name!r} is not of the form GENERATION:AxB[xC], e.g. "
+            f"'v5p:2x2x1' or 'v5e:2x2'; generations with a known HBM size: "
+            f"{sorted(HBM_PER_CHIP)}."
+        )
     generation = match.group(1)
     if generation not in HBM_PER_CHIP:
-        raise ValueError(f"topology {name!r}: generation {generation!r} has no known HBM "
-                         f"size; known: {sorted(HBM_PER_CHIP)}.")
+        raise ValueError(
+            f"topology {name!r}: generation {generation!r} has no known HBM "
+            f"size; known: {sorted(HBM_PER_CHIP)}."
+        )
     devices = _topology_devices(name)
     chips = len({tuple(getattr(d, "coords", (d.id,))) for d in devices}) or len(devices)
-    return Topology(name=name, generation=generation, devices=devices, chips=chips,
-                    hbm_per_chip=HBM_PER_CHIP[generation])
+    return Topology(
+        name=name,
+        generation=generation,
+        devices=devices,
+        chips=chips,
+        hbm_per_chip=HBM_PER_CHIP[generation],
+    )
 
 
 _LOCK = threading.Lock()  # fd 2 is redirected while libtpu describes a topology.
@@ -111,6 +129,7 @@ def _topology_devices(name: str) -> tuple:
     # load libtpu at once without the single-user lock meant for real chips.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
+
     with _LOCK:
         try:
             with _quiet_stderr():
@@ -121,7 +140,8 @@ def _topology_devices(name: str) -> tuple:
             raise ValueError(
                 f"topology {name!r} is not known to libtpu: {detail}. Shapes must be "
                 f"multiples of the per-host chip bounds (e.g. v5p:2x2x1, v5p:4x4x4, v5e:2x2, "
-                f"v6e:4x4, v4:2x2x1).") from None
+                f"v6e:4x4, v4:2x2x1)."
+            ) from None
     return tuple(desc.devices)
 
 
@@ -145,6 +165,7 @@ def _quiet_stderr():
 
 # ------------------------------------------------------------------------------ train step
 
+
 def abstract_features(emb, batch: int, ids_per_example: int | Mapping[str, int] = 1) -> dict:
     """int32 ids per feature path as jax.ShapeDtypeStruct, batch-sharded over `emb`'s axis.
 
@@ -152,9 +173,11 @@ def abstract_features(emb, batch: int, ids_per_example: int | Mapping[str, int] 
     {feature path: L}, default 1); a sequence feature (B, max_sequence_length).
     """
     if batch % emb.num_shards:
-        raise ValueError(f"batch {batch} is not a multiple of the mesh size "
-                         f"{emb.num_shards} (axis {emb.axis!r}); use a batch of "
-                         f"{_round_up(batch, emb.num_shards)}, for instance.")
+        raise ValueError(
+            f"batch {batch} is not a multiple of the mesh size "
+            f"{emb.num_shards} (axis {emb.axis!r}); use a batch of "
+            f"{_round_up(batch, emb.num_shards)}, for instance."
+        )
     sharding = NamedSharding(emb.mesh, P(emb.axis))
     out = {}
     for f in emb.feature_plans:
@@ -177,8 +200,10 @@ def train_step_fn(emb, hidden: int = 16) -> tuple[Callable, dict]:
     ShapeDtypeStructs.
     """
     replicated = NamedSharding(emb.mesh, P())
-    dense = {f.path: jax.ShapeDtypeStruct((f.config.table.dim, hidden), jnp.float32,
-                                          sharding=replicated) for f in emb.feature_plans}
+    dense = {
+        f.path: jax.ShapeDtypeStruct((f.config.table.dim, hidden), jnp.float32, sharding=replicated)
+        for f in emb.feature_plans
+    }
 
     def step(state, dense, features):
         acts = emb.lookup(state, features)
@@ -196,10 +221,12 @@ def train_step_fn(emb, hidden: int = 16) -> tuple[Callable, dict]:
 
 # -------------------------------------------------------------------------------- reports
 
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective of the optimized HLO: `shape` lists the arrays it moves ("4 x
     f32[1024,128]" when the compiler combined several), `bytes` their total, per device."""
+
     op: str
     shape: str
     bytes: int
@@ -212,6 +239,7 @@ class Collective:
 @dataclasses.dataclass(frozen=True)
 class Temp:
     """One temporary value of the buffer assignment, per device."""
+
     bytes: int
     shape: str
     name: str  # The HLO instruction defining it, e.g. "copy.24".
@@ -232,6 +260,7 @@ class CompileReport:
     `table_bytes` / `slot_bytes`: {table name: bytes of this device's shard as stored}.
     `oom`: the compiler's out-of-memory message when compiled with `allow_oom`, else None.
     """
+
     topology: Topology
     argument_bytes: int
     output_bytes: int
@@ -273,8 +302,10 @@ class CompileReport:
         for _, shape, nbytes in _instructions(self.hlo, "copy"):
             if nbytes >= 1 << 20:
                 counts[shape, nbytes] = counts.get((shape, nbytes), 0) + 1
-        return [f"{k} x {shape} ({nbytes:,} B)" for (shape, nbytes), k in
-                sorted(counts.items(), key=lambda kv: -kv[0][1] * kv[1])]
+        return [
+            f"{k} x {shape} ({nbytes:,} B)"
+            for (shape, nbytes), k in sorted(counts.items(), key=lambda kv: -kv[0][1] * kv[1])
+        ]
 
 
 def init_temp_bytes(emb) -> dict[str, int]:
@@ -297,9 +328,16 @@ def init_temp_bytes(emb) -> dict[str, int]:
     return out
 
 
-def compile_train_step(emb, batch: int, ids_per_example: int | Mapping[str, int] = 1, *,
-                       hidden: int = 16, topo: Topology | None = None,
-                       step: Callable | None = None, allow_oom: bool = False) -> CompileReport:
+def compile_train_step(
+    emb,
+    batch: int,
+    ids_per_example: int | Mapping[str, int] = 1,
+    *,
+    hidden: int = 16,
+    topo: Topology | None = None,
+    step: Callable | None = None,
+    allow_oom: bool = False,
+) -> CompileReport:
     """Compiles `step` (default: `train_step_fn(emb, hidden)`) with the state donated.
 
     Args:
@@ -334,8 +372,12 @@ def compile_train_step(emb, batch: int, ids_per_example: int | Mapping[str, int]
             for path in glob.glob(os.path.join(dump, "*")):
                 if os.path.isfile(path):
                     os.remove(path)
-            compiled = lowered.compile(compiler_options={  # pyright: ignore[reportArgumentType]
-                **options, "xla_tpu_no_crash_on_oom": True})
+            compiled = lowered.compile(
+                compiler_options={  # pyright: ignore[reportArgumentType]
+                    **options,
+                    "xla_tpu_no_crash_on_oom": True,
+                }
+            )
         seconds = time.perf_counter() - start
         assignment = _read_buffer_assignment(dump)
     hlo = compiled.as_text()
@@ -348,11 +390,15 @@ def compile_train_step(emb, batch: int, ids_per_example: int | Mapping[str, int]
     metadata = _op_names(hlo)
     if assignment is None:
         # No dump: the total bounds every temporary.
-        temps = ([Temp(int(memory.temp_size_in_bytes), "?", "all temporaries", "")]
-                 if memory.temp_size_in_bytes else [])
+        temps = (
+            [Temp(int(memory.temp_size_in_bytes), "?", "all temporaries", "")]
+            if memory.temp_size_in_bytes
+            else []
+        )
     else:
-        temps = [Temp(b, s, n, metadata.get(n.split("{")[0], ""), space)
-                 for b, s, n, space in assignment]
+        temps = [
+            Temp(b, s, n, metadata.get(n.split("{")[0], ""), space) for b, s, n, space in assignment
+        ]
     temps.sort(key=lambda t: -t.bytes)
     aliased, unaliased = _state_aliasing(hlo)
     tables, slots = _state_shard_bytes(emb)
@@ -380,14 +426,28 @@ def compile_train_step(emb, batch: int, ids_per_example: int | Mapping[str, int]
 def _topology_of(mesh_: Mesh) -> Topology:
     devices = tuple(mesh_.devices.flat)
     kind = devices[0].device_kind  # "TPU v5 lite", "TPU v5", "TPU v6 lite", "TPU v4"
-    generation = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p",
-                  "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e"}.get(kind)
+    generation = {
+        "TPU v4": "v4",
+        "TPU v5 lite": "v5e",
+        "TPU v5e": "v5e",
+        "TPU v5": "v5p",
+        "TPU v5p": "v5p",
+        "TPU v6 lite": "v6e",
+        "TPU v6e": "v6e",
+    }.get(kind)
     if generation is None:
-        raise ValueError(f"mesh devices are {kind!r}, not TPU devices of a known generation "
-                         f"({sorted(HBM_PER_CHIP)}); build the mesh with _aot.mesh(topology).")
+        raise ValueError(
+            f"mesh devices are {kind!r}, not TPU devices of a known generation "
+            f"({sorted(HBM_PER_CHIP)}); build the mesh with _aot.mesh(topology)."
+        )
     chips = len({tuple(getattr(d, "coords", (d.id,))) for d in devices})
-    return Topology(name=f"{generation}:{len(devices)} devices", generation=generation,
-                    devices=devices, chips=chips, hbm_per_chip=HBM_PER_CHIP[generation])
+    return Topology(
+        name=f"{generation}:{len(devices)} devices",
+        generation=generation,
+        devices=devices,
+        chips=chips,
+        hbm_per_chip=HBM_PER_CHIP[generation],
+    )
 
 
 def _state_shard_bytes(emb) -> tuple[dict[str, int], dict[str, int]]:
@@ -401,9 +461,28 @@ def _state_shard_bytes(emb) -> tuple[dict[str, int], dict[str, int]]:
 
 # ------------------------------------------------------------------------------ HLO text
 
-_DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
-                "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-                "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "token": 0}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s4": 1,
+    "u4": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "token": 0,
+}
 _ARRAY_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+[a-z]*)?)\[([\d,]*)\]")
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
 
@@ -449,8 +528,8 @@ def collectives(hlo: str) -> list[Collective]:
 
     out = []
     for name, shape, op, rest in _parse(hlo):
-        if op.endswith("-done") and op[:-len("-done")] in COLLECTIVE_OPS:
-            base = op[:-len("-done")]
+        if op.endswith("-done") and op[: -len("-done")] in COLLECTIVE_OPS:
+            base = op[: -len("-done")]
             start = (operands(rest) or [""])[0]
             sources = arrays_of(operands(instrs.get(start, ("", ""))[1]))
         elif op in COLLECTIVE_OPS:
@@ -483,10 +562,13 @@ def _state_aliasing(hlo: str) -> tuple[list[str], list[str]]:
     """(aliased, not aliased): entry parameters from `state.tables` / `state.slots` (by their
     jax metadata), by whether the module's input_output_alias reuses them for an output."""
     header = hlo.split("\n", 1)[0]
-    m = re.search(r"input_output_alias=\{(.*?)\}\s*,\s*(?:entry_computation_layout|"
-                  r"allow_spmd|num_partitions|replica_count|frontend)", header)
+    m = re.search(
+        r"input_output_alias=\{(.*?)\}\s*,\s*(?:entry_computation_layout|"
+        r"allow_spmd|num_partitions|replica_count|frontend)",
+        header,
+    )
     aliased_params = {int(p) for p in re.findall(r":\s*\((\d+),", m.group(1))} if m else set()
-    entry = hlo[hlo.find("\nENTRY"):]
+    entry = hlo[hlo.find("\nENTRY") :]
     aliased, unaliased = [], []
     for _, _, op, rest in _parse(entry):
         if op != "parameter":
@@ -514,14 +596,18 @@ def _read_buffer_assignment(dump: str) -> list[tuple[int, str, str, str]] | None
         for block in re.split(r"\n(?=allocation \d+:)", text):
             head = block.split("\n", 1)[0]
             if not head.startswith("allocation") or any(
-                    k in head for k in ("parameter", "thread-local", "constant",
-                                        "output shape", "maybe-live-out")):
+                k in head
+                for k in ("parameter", "thread-local", "constant", "output shape", "maybe-live-out")
+            ):
                 continue
             color = re.search(r"color (\d+)", head)
             color = int(color.group(1)) if color else 0
             space = {0: "hbm", 1: "vmem", 2: "smem"}.get(color, f"color {color}")
-            for v in re.finditer(r"value: <\d+ ([^ >]+)(?: @[^>]*)?> \(size=(\d+),"
-                                 r"offset=\d+\): (.*)", block):
+            for v in re.finditer(
+                r"value: <\d+ ([^ >]+)(?: @[^>]*)?> \(size=(\d+),"
+                r"offset=\d+\): (.*)",
+                block,
+            ):
                 out.append((int(v.group(2)), v.group(3).strip(), v.group(1), space))
     return out
 
@@ -538,4 +624,3 @@ def format_bytes(n: float) -> str:
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
-

@@ -130,7 +130,7 @@ def row_step(plan: TablePlan, spec: _config.EmbeddingSpec, step) -> RowStep:
         if limit is not None:
             g = jnp.clip(g, -limit, limit)
         g = opt.clip_gradient(g)
-        out = opt.update_row(g, row, list(values[1:]), lr, tuple(s[1:1 + len(hps)]))
+        out = opt.update_row(g, row, list(values[1:]), lr, tuple(s[1 : 1 + len(hps)]))
         return [opt.finish_row(out[0], row, lr)] + list(out[1:])
 
     return RowStep(jnp.stack(scalars), row_fn, lr, multiplier, limit)
@@ -141,20 +141,34 @@ class Backend:
 
     name: str = ""
 
-    def unusable(self, table: _config.TableConfig, optimizer: _optimizers.Optimizer,
-                 storage: _storage.TableStorage, platform: str) -> str | None:
+    def unusable(
+        self,
+        table: _config.TableConfig,
+        optimizer: _optimizers.Optimizer,
+        storage: _storage.TableStorage,
+        platform: str,
+    ) -> str | None:
         """Why this backend cannot serve that table on a mesh of `platform` devices, or
         None if it can."""
         raise NotImplementedError
 
-    def lookup(self, plan: TablePlan, table: jax.Array, inputs: list[Input],
-               axis: str) -> dict[str, jax.Array]:
+    def lookup(
+        self, plan: TablePlan, table: jax.Array, inputs: list[Input], axis: str
+    ) -> dict[str, jax.Array]:
         """{feature path: (b, D), or (b·L, D) for a sequence feature} for this device's b
         examples of every feature in `inputs` (all of them of this table)."""
         raise NotImplementedError
 
-    def update(self, plan: TablePlan, table: jax.Array, slots: dict, inputs: list[Input],
-               grads: dict[str, jax.Array], step: RowStep, axis: str) -> tuple:
+    def update(
+        self,
+        plan: TablePlan,
+        table: jax.Array,
+        slots: dict,
+        inputs: list[Input],
+        grads: dict[str, jax.Array],
+        step: RowStep,
+        axis: str,
+    ) -> tuple:
         """(new table, new {stored slot: array}) after one sparse step from this device's
         activation gradients {path: (b, D) or (b, L, D)}."""
         raise NotImplementedError
@@ -172,14 +186,23 @@ class Backend:
 def _implementations() -> dict[str, Backend]:
     # Imported here: the implementations import this module for the interface.
     from . import _cpu_kernels, _pallas, _xla_backend
-    return {"xla": _xla_backend.XlaBackend(), "pallas": _pallas.PallasBackend(),
-            "pallas_interpret": _pallas.PallasBackend(interpret=True),
-            "cpu": _cpu_kernels.CpuBackend()}
+
+    return {
+        "xla": _xla_backend.XlaBackend(),
+        "pallas": _pallas.PallasBackend(),
+        "pallas_interpret": _pallas.PallasBackend(interpret=True),
+        "cpu": _cpu_kernels.CpuBackend(),
+    }
 
 
-def choose(spec: _config.EmbeddingSpec, requested: str | Mapping[str, str],
-           storages: dict[str, _storage.TableStorage], platform: str, *,
-           auto_order: tuple[str, ...] | None = None) -> dict[str, Backend]:
+def choose(
+    spec: _config.EmbeddingSpec,
+    requested: str | Mapping[str, str],
+    storages: dict[str, _storage.TableStorage],
+    platform: str,
+    *,
+    auto_order: tuple[str, ...] | None = None,
+) -> dict[str, Backend]:
     """{table name: Backend} for `requested` ("auto", a name, or {table: name}).
 
     "auto" takes, per table, the first of `auto_order` it can use (default by platform:
@@ -190,15 +213,19 @@ def choose(spec: _config.EmbeddingSpec, requested: str | Mapping[str, str],
     if isinstance(requested, Mapping):
         unknown = sorted(set(requested) - set(tables))
         if unknown:
-            raise ValueError(f"Embedding: backend names {unknown}, which are not tables; the "
-                             f"tables are {sorted(tables)}.")
+            raise ValueError(
+                f"Embedding: backend names {unknown}, which are not tables; the "
+                f"tables are {sorted(tables)}."
+            )
         per_table = {name: requested.get(name, "auto") for name in tables}
     else:
         per_table = dict.fromkeys(tables, requested)
     bad = sorted({b for b in per_table.values() if b not in NAMES}, key=str)
     if bad:
-        raise ValueError(f"Embedding: backend must be one of {list(NAMES)} (or a dict of them "
-                         f"per table), got {bad[0]!r}.")
+        raise ValueError(
+            f"Embedding: backend must be one of {list(NAMES)} (or a dict of them "
+            f"per table), got {bad[0]!r}."
+        )
     if auto_order is None:
         auto_order = {"tpu": ("pallas",), "cpu": ("cpu",)}.get(platform, ())
     impls = _implementations()
@@ -207,8 +234,11 @@ def choose(spec: _config.EmbeddingSpec, requested: str | Mapping[str, str],
         table, storage = tables[name], storages[name]
         opt = spec.optimizer_of(table)
         if want == "auto":
-            chosen[name] = next(impls[b] for b in (*auto_order, "xla")
-                                if impls[b].unusable(table, opt, storage, platform) is None)
+            chosen[name] = next(
+                impls[b]
+                for b in (*auto_order, "xla")
+                if impls[b].unusable(table, opt, storage, platform) is None
+            )
             continue
         why = impls[want].unusable(table, opt, storage, platform)
         if why is not None:
@@ -225,21 +255,29 @@ def legacy_auto_order(platform: str, cpu_kernels, tpu_kernels, backend):
     if cpu_kernels is None and tpu_kernels is None:
         return None
     if backend != "auto":
-        raise ValueError("Embedding: pass backend= or the deprecated cpu_kernels= / "
-                         "tpu_kernels=, not both.")
-    warnings.warn("Embedding: cpu_kernels= and tpu_kernels= are deprecated; use backend= "
-                  "('auto', 'xla', 'pallas', 'pallas_interpret' or 'cpu').",
-                  DeprecationWarning, stacklevel=3)
+        raise ValueError(
+            "Embedding: pass backend= or the deprecated cpu_kernels= / tpu_kernels=, not both."
+        )
+    warnings.warn(
+        "Embedding: cpu_kernels= and tpu_kernels= are deprecated; use backend= "
+        "('auto', 'xla', 'pallas', 'pallas_interpret' or 'cpu').",
+        DeprecationWarning,
+        stacklevel=3,
+    )
     if tpu_kernels not in (None, True, False, "interpret"):
-        raise ValueError(f"Embedding: tpu_kernels must be None, True, False or "
-                         f"'interpret', got {tpu_kernels!r}.")
+        raise ValueError(
+            f"Embedding: tpu_kernels must be None, True, False or 'interpret', got {tpu_kernels!r}."
+        )
     if tpu_kernels is True and platform != "tpu":
-        raise ValueError(f"Embedding: tpu_kernels=True needs a TPU mesh; this one is on "
-                         f"{platform!r} (use 'interpret' to run the kernels in Pallas' "
-                         f"interpreter).")
+        raise ValueError(
+            f"Embedding: tpu_kernels=True needs a TPU mesh; this one is on "
+            f"{platform!r} (use 'interpret' to run the kernels in Pallas' "
+            f"interpreter)."
+        )
     if cpu_kernels and platform != "cpu":
-        raise ValueError(f"Embedding: cpu_kernels=True needs a CPU mesh; this one is on "
-                         f"{platform!r}.")
+        raise ValueError(
+            f"Embedding: cpu_kernels=True needs a CPU mesh; this one is on {platform!r}."
+        )
     order = []
     if tpu_kernels == "interpret":
         order.append("pallas_interpret")

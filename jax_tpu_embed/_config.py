@@ -57,28 +57,35 @@ class TableConfig:
     def __post_init__(self):
         where = f"TableConfig(name={self.name!r})"
         if not _is_int(self.vocabulary_size) or self.vocabulary_size <= 0:
-            raise ValueError(f"{where}: vocabulary_size must be an int > 0, "
-                             f"got {self.vocabulary_size!r}.")
+            raise ValueError(
+                f"{where}: vocabulary_size must be an int > 0, got {self.vocabulary_size!r}."
+            )
         if not _is_int(self.dim) or self.dim <= 0:
             raise ValueError(f"{where}: dim must be an int > 0, got {self.dim!r}.")
         if self.combiner not in COMBINERS:
-            raise ValueError(f"{where}: combiner must be one of {list(COMBINERS)}, "
-                             f"got {self.combiner!r}.")
+            raise ValueError(
+                f"{where}: combiner must be one of {list(COMBINERS)}, got {self.combiner!r}."
+            )
         if self.initializer is not None and not callable(self.initializer):
-            raise TypeError(f"{where}: initializer must be a callable fn(key, shape, dtype) "
-                            f"or None, got {self.initializer!r}.")
-        if self.optimizer is not None and not isinstance(self.optimizer,
-                                                         _optimizers.Optimizer):
-            raise TypeError(f"{where}: optimizer must be a jte optimizer (e.g. "
-                            f"jte.Adagrad(...)) or None, got {self.optimizer!r}.")
+            raise TypeError(
+                f"{where}: initializer must be a callable fn(key, shape, dtype) "
+                f"or None, got {self.initializer!r}."
+            )
+        if self.optimizer is not None and not isinstance(self.optimizer, _optimizers.Optimizer):
+            raise TypeError(
+                f"{where}: optimizer must be a jte optimizer (e.g. "
+                f"jte.Adagrad(...)) or None, got {self.optimizer!r}."
+            )
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
-            raise ValueError(f"TableConfig: name must be a non-empty str or None, "
-                             f"got {self.name!r}.")
+            raise ValueError(
+                f"TableConfig: name must be a non-empty str or None, got {self.name!r}."
+            )
         try:
             dtype = jnp.dtype(self.dtype)
         except TypeError as e:
-            raise TypeError(f"{where}: dtype must be float32 or bfloat16, "
-                            f"got {self.dtype!r}.") from e
+            raise TypeError(
+                f"{where}: dtype must be float32 or bfloat16, got {self.dtype!r}."
+            ) from e
         if dtype not in [jnp.dtype(d) for d in _DTYPES]:
             raise ValueError(f"{where}: dtype must be float32 or bfloat16, got {dtype}.")
         object.__setattr__(self, "dtype", dtype)
@@ -106,17 +113,24 @@ class FeatureConfig:
     def __post_init__(self):
         where = f"FeatureConfig(name={self.name!r})"
         if not isinstance(self.table, (TableConfig, str)):
-            raise TypeError(f"{where}: table must be a TableConfig (or a table name inside "
-                            f"jte.compat), got {type(self.table).__name__}.")
+            raise TypeError(
+                f"{where}: table must be a TableConfig (or a table name inside "
+                f"jte.compat), got {type(self.table).__name__}."
+            )
         if not _is_int(self.max_sequence_length) or self.max_sequence_length < 0:
-            raise ValueError(f"{where}: max_sequence_length must be an int >= 0, "
-                             f"got {self.max_sequence_length!r}.")
+            raise ValueError(
+                f"{where}: max_sequence_length must be an int >= 0, "
+                f"got {self.max_sequence_length!r}."
+            )
         if self.output_shape is not None:
-            shape = tuple(self.output_shape) if isinstance(
-                self.output_shape, (tuple, list)) else None
+            shape = (
+                tuple(self.output_shape) if isinstance(self.output_shape, (tuple, list)) else None
+            )
             if not shape or not all(_is_int(d) and d > 0 for d in shape):
-                raise ValueError(f"{where}: output_shape must be a non-empty tuple of ints "
-                                 f"> 0, got {self.output_shape!r}.")
+                raise ValueError(
+                    f"{where}: output_shape must be a non-empty tuple of ints "
+                    f"> 0, got {self.output_shape!r}."
+                )
             object.__setattr__(self, "output_shape", tuple(int(d) for d in shape))
 
     @property
@@ -127,8 +141,9 @@ class FeatureConfig:
 def flatten_features(features: Mapping, prefix: str = "") -> list[tuple[str, Any]]:
     """(path, leaf) pairs of a nested dict in sorted order; paths are "a/b"."""
     if not isinstance(features, Mapping):
-        raise TypeError(f"features must be a dict (nesting allowed), got "
-                        f"{type(features).__name__}.")
+        raise TypeError(
+            f"features must be a dict (nesting allowed), got {type(features).__name__}."
+        )
     out = []
     for key in sorted(features):
         if not isinstance(key, str):
@@ -179,41 +194,54 @@ class EmbeddingSpec:
     def __post_init__(self):
         flat = flatten_features(self.features)
         if not flat:
-            raise ValueError("EmbeddingSpec: features is empty; give at least one "
-                             "FeatureConfig.")
+            raise ValueError("EmbeddingSpec: features is empty; give at least one FeatureConfig.")
         for path, f in flat:
             if not isinstance(f, FeatureConfig):
-                raise TypeError(f"EmbeddingSpec: feature {path!r} must be a FeatureConfig, "
-                                f"got {type(f).__name__}.")
+                raise TypeError(
+                    f"EmbeddingSpec: feature {path!r} must be a FeatureConfig, "
+                    f"got {type(f).__name__}."
+                )
             if isinstance(f.table, str):
                 raise TypeError(
                     f"EmbeddingSpec: feature {path!r} names its table by the string "
                     f"{f.table!r}; give the TableConfig object (table names are resolved "
-                    f"only by jte.compat.EmbeddingConfigSpec).")
-        if self.optimizer is not None and not isinstance(self.optimizer,
-                                                         _optimizers.Optimizer):
-            raise TypeError(f"EmbeddingSpec: optimizer must be a jte optimizer, "
-                            f"got {self.optimizer!r}.")
+                    f"only by jte.compat.EmbeddingConfigSpec)."
+                )
+        if self.optimizer is not None and not isinstance(self.optimizer, _optimizers.Optimizer):
+            raise TypeError(
+                f"EmbeddingSpec: optimizer must be a jte optimizer, got {self.optimizer!r}."
+            )
         if self.optimizer is None:
             bare = sorted({p for p, f in flat if f.table.optimizer is None})
             if bare:
-                raise ValueError(f"EmbeddingSpec: optimizer is None but the tables of "
-                                 f"features {bare} have no optimizer of their own.")
+                raise ValueError(
+                    f"EmbeddingSpec: optimizer is None but the tables of "
+                    f"features {bare} have no optimizer of their own."
+                )
         if self.partition_strategy not in PARTITION_STRATEGIES:
-            raise ValueError(f"EmbeddingSpec: partition_strategy must be one of "
-                             f"{list(PARTITION_STRATEGIES)}, got {self.partition_strategy!r}.")
+            raise ValueError(
+                f"EmbeddingSpec: partition_strategy must be one of "
+                f"{list(PARTITION_STRATEGIES)}, got {self.partition_strategy!r}."
+            )
         if self.clipping_limit is not None and not (
-                isinstance(self.clipping_limit, (int, float)) and
-                math.isfinite(self.clipping_limit) and self.clipping_limit > 0):
-            raise ValueError(f"EmbeddingSpec: clipping_limit must be a float > 0 or None, "
-                             f"got {self.clipping_limit!r}.")
-        if self.gradient_multiplier_fn is not None and not callable(
-                self.gradient_multiplier_fn):
-            raise TypeError(f"EmbeddingSpec: gradient_multiplier_fn must be fn(step) -> "
-                            f"scalar or None, got {self.gradient_multiplier_fn!r}.")
+            isinstance(self.clipping_limit, (int, float))
+            and math.isfinite(self.clipping_limit)
+            and self.clipping_limit > 0
+        ):
+            raise ValueError(
+                f"EmbeddingSpec: clipping_limit must be a float > 0 or None, "
+                f"got {self.clipping_limit!r}."
+            )
+        if self.gradient_multiplier_fn is not None and not callable(self.gradient_multiplier_fn):
+            raise TypeError(
+                f"EmbeddingSpec: gradient_multiplier_fn must be fn(step) -> "
+                f"scalar or None, got {self.gradient_multiplier_fn!r}."
+            )
         if not isinstance(self.pipeline_execution, bool):
-            raise TypeError(f"EmbeddingSpec: pipeline_execution must be a bool, "
-                            f"got {self.pipeline_execution!r}.")
+            raise TypeError(
+                f"EmbeddingSpec: pipeline_execution must be a bool, "
+                f"got {self.pipeline_execution!r}."
+            )
         table_names(self)  # Raises on name clashes.
 
     @property
@@ -246,8 +274,10 @@ def table_names(spec: EmbeddingSpec) -> dict[int, str]:
         name = t.name if t.name is not None else path
         if name in owners and owners[name] is not t:
             how = "explicit" if t.name is not None else f"derived from feature {path!r}"
-            raise ValueError(f"EmbeddingSpec: two different tables are named {name!r} "
-                             f"(the second name is {how}); table names must be unique.")
+            raise ValueError(
+                f"EmbeddingSpec: two different tables are named {name!r} "
+                f"(the second name is {how}); table names must be unique."
+            )
         owners[name] = t
         names[id(t)] = name
     return names

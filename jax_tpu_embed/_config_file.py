@@ -60,10 +60,15 @@ import jax.numpy as jnp
 
 from . import _config, _optimizers
 
-_TOP_KEYS = ("tables", "features", "optimizer", "partition_strategy", "clipping_limit",
-             "pipeline_execution")
-_TABLE_KEYS = ("vocabulary_size", "dim", "combiner", "name", "dtype", "initializer",
-               "optimizer")
+_TOP_KEYS = (
+    "tables",
+    "features",
+    "optimizer",
+    "partition_strategy",
+    "clipping_limit",
+    "pipeline_execution",
+)
+_TABLE_KEYS = ("vocabulary_size", "dim", "combiner", "name", "dtype", "initializer", "optimizer")
 _FEATURE_KEYS = ("table", "max_sequence_length", "output_shape", "name")
 
 _OPTIMIZERS = {
@@ -87,6 +92,7 @@ class ConfigFile:
         extra: {key: value} of the other top-level keys, as parsed (e.g. "model").
         path: The file read.
     """
+
     spec: _config.EmbeddingSpec
     extra: dict
     path: str
@@ -114,8 +120,7 @@ def load_config(path: str | os.PathLike) -> ConfigFile:
 def _read(path: str) -> dict:
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".yaml", ".yml", ".toml"):
-        raise ValueError(f"{path}: unknown config file type {ext!r}; use .yaml, .yml or "
-                         f".toml.")
+        raise ValueError(f"{path}: unknown config file type {ext!r}; use .yaml, .yml or .toml.")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such config file.")
     try:
@@ -124,13 +129,16 @@ def _read(path: str) -> dict:
                 data = tomllib.load(f)
         else:
             import yaml
+
             with open(path, encoding="utf-8") as f:
                 data = yaml.safe_load(f)
     except Exception as e:  # Parser errors carry the line and column.
         raise ValueError(f"{path}: cannot parse the file: {e}") from e
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: the top level must be a mapping with `tables:` and "
-                         f"`features:`, got {type(data).__name__} {data!r}.")
+        raise ValueError(
+            f"{path}: the top level must be a mapping with `tables:` and "
+            f"`features:`, got {type(data).__name__} {data!r}."
+        )
     return data
 
 
@@ -164,29 +172,43 @@ def spec_from_dict(data: Mapping, source: str = "<dict>") -> _config.EmbeddingSp
     used = {id(f.table) for _, f in _config.flatten_features(features)}
     unused = [n for n, t in tables.items() if id(t) not in used]
     if unused:
-        raise w.error(f"tables.{unused[0]}", f"table {unused[0]!r} is used by no feature "
-                      f"(unused tables: {unused}); remove it or add a feature.")
-    optimizer = (None if data.get("optimizer") is None
-                 else _optimizer(w, "optimizer", data["optimizer"]))
+        raise w.error(
+            f"tables.{unused[0]}",
+            f"table {unused[0]!r} is used by no feature "
+            f"(unused tables: {unused}); remove it or add a feature.",
+        )
+    optimizer = (
+        None if data.get("optimizer") is None else _optimizer(w, "optimizer", data["optimizer"])
+    )
     strategy = data.get("partition_strategy", "div")
     if strategy not in _config.PARTITION_STRATEGIES:
-        raise w.error("partition_strategy", f"must be one of "
-                      f"{list(_config.PARTITION_STRATEGIES)}, got {strategy!r}.")
+        raise w.error(
+            "partition_strategy",
+            f"must be one of {list(_config.PARTITION_STRATEGIES)}, got {strategy!r}.",
+        )
     clipping = data.get("clipping_limit")
     if clipping is not None:
         clipping = _number(clipping)
-        if not isinstance(clipping, (int, float)) or isinstance(clipping, bool) or not (
-                math.isfinite(clipping) and clipping > 0):
-            raise w.error("clipping_limit", f"must be a number > 0, got "
-                          f"{data['clipping_limit']!r}.")
+        if (
+            not isinstance(clipping, (int, float))
+            or isinstance(clipping, bool)
+            or not (math.isfinite(clipping) and clipping > 0)
+        ):
+            raise w.error(
+                "clipping_limit", f"must be a number > 0, got {data['clipping_limit']!r}."
+            )
         clipping = float(clipping)
     pipeline = data.get("pipeline_execution", False)
     if not isinstance(pipeline, bool):
         raise w.error("pipeline_execution", f"must be true or false, got {pipeline!r}.")
     try:
-        return _config.EmbeddingSpec(features=features, optimizer=optimizer,
-                                     partition_strategy=strategy, clipping_limit=clipping,
-                                     pipeline_execution=pipeline)
+        return _config.EmbeddingSpec(
+            features=features,
+            optimizer=optimizer,
+            partition_strategy=strategy,
+            clipping_limit=clipping,
+            pipeline_execution=pipeline,
+        )
     except (ValueError, TypeError) as e:
         key = "optimizer" if optimizer is None and "optimizer is None" in str(e) else "features"
         raise w.error(key, str(e)) from e
@@ -202,8 +224,11 @@ def _number(value):
 def _check_keys(w: _Where, key: str, value: Mapping, allowed) -> None:
     unknown = [k for k in value if k not in allowed]
     if unknown:
-        raise w.error(f"{key}.{unknown[0]}", f"unknown key {unknown[0]!r} (value "
-                      f"{value[unknown[0]]!r}); allowed keys are {list(allowed)}.")
+        raise w.error(
+            f"{key}.{unknown[0]}",
+            f"unknown key {unknown[0]!r} (value "
+            f"{value[unknown[0]]!r}); allowed keys are {list(allowed)}.",
+        )
 
 
 def _int(w: _Where, key: str, value, low: int) -> int:
@@ -217,14 +242,16 @@ def _tables(w: _Where, raw) -> dict[str, _config.TableConfig]:
         entries = []
         for i, t in enumerate(raw):
             if not isinstance(t, Mapping) or not isinstance(t.get("name"), str):
-                raise w.error(f"tables[{i}]", f"a table in a list must be a mapping with a "
-                              f"`name`, got {t!r}.")
+                raise w.error(
+                    f"tables[{i}]", f"a table in a list must be a mapping with a `name`, got {t!r}."
+                )
             entries.append((t["name"], f"tables[{i}]", t))
     elif isinstance(raw, Mapping):
         entries = [(str(n), f"tables.{n}", t) for n, t in raw.items()]
     else:
-        raise w.error("tables", f"must be a mapping {{name: table}} or a list of tables, got "
-                      f"{raw!r}.")
+        raise w.error(
+            "tables", f"must be a mapping {{name: table}} or a list of tables, got {raw!r}."
+        )
     if not entries:
         raise w.error("tables", "no tables given.")
     tables = {}
@@ -237,8 +264,7 @@ def _tables(w: _Where, raw) -> dict[str, _config.TableConfig]:
 
 def _table(w: _Where, key: str, name: str, t) -> _config.TableConfig:
     if not isinstance(t, Mapping):
-        raise w.error(key, f"a table must be a mapping with vocabulary_size and dim, got "
-                      f"{t!r}.")
+        raise w.error(key, f"a table must be a mapping with vocabulary_size and dim, got {t!r}.")
     _check_keys(w, key, t, _TABLE_KEYS)
     if t.get("name", name) != name:
         raise w.error(f"{key}.name", f"{t['name']!r} differs from the table's key {name!r}.")
@@ -249,8 +275,9 @@ def _table(w: _Where, key: str, name: str, t) -> _config.TableConfig:
     dim = _int(w, f"{key}.dim", t["dim"], 1)
     combiner = t.get("combiner", "mean")
     if combiner not in _config.COMBINERS:
-        raise w.error(f"{key}.combiner", f"must be one of {list(_config.COMBINERS)}, got "
-                      f"{combiner!r}.")
+        raise w.error(
+            f"{key}.combiner", f"must be one of {list(_config.COMBINERS)}, got {combiner!r}."
+        )
     dtype = t.get("dtype", "float32")
     if dtype not in _DTYPES:
         raise w.error(f"{key}.dtype", f"must be one of {list(_DTYPES)}, got {dtype!r}.")
@@ -261,28 +288,40 @@ def _table(w: _Where, key: str, name: str, t) -> _config.TableConfig:
     if t.get("optimizer") is not None:
         optimizer = _optimizer(w, f"{key}.optimizer", t["optimizer"])
     try:
-        return _config.TableConfig(vocabulary_size=vocab, dim=dim, initializer=initializer,
-                                   optimizer=optimizer, combiner=combiner, name=name,
-                                   dtype=_DTYPES[dtype])
+        return _config.TableConfig(
+            vocabulary_size=vocab,
+            dim=dim,
+            initializer=initializer,
+            optimizer=optimizer,
+            combiner=combiner,
+            name=name,
+            dtype=_DTYPES[dtype],
+        )
     except (ValueError, TypeError) as e:
         raise w.error(key, str(e)) from e
 
 
 def _features(w: _Where, raw, tables: dict, key: str) -> dict:
     if not isinstance(raw, Mapping) or not raw:
-        raise w.error(key, f"must be a non-empty mapping of features (or groups of them), "
-                      f"got {raw!r}.")
+        raise w.error(
+            key, f"must be a non-empty mapping of features (or groups of them), got {raw!r}."
+        )
     out = {}
     for name, value in raw.items():
         if not isinstance(name, str) or not name or "/" in name:
-            raise w.error(f"{key}.{name}", f"feature and group names must be non-empty "
-                          f"strings without '/', got {name!r}.")
+            raise w.error(
+                f"{key}.{name}",
+                f"feature and group names must be non-empty strings without '/', got {name!r}.",
+            )
         sub = f"{key}.{name}"
         if isinstance(value, str):
             value = {"table": value}
         if not isinstance(value, Mapping):
-            raise w.error(sub, f"must be a feature (a table name, or a mapping with `table`) "
-                          f"or a group of features (a mapping), got {value!r}.")
+            raise w.error(
+                sub,
+                f"must be a feature (a table name, or a mapping with `table`) "
+                f"or a group of features (a mapping), got {value!r}.",
+            )
         if "table" in value:
             out[name] = _feature(w, sub, value, tables)
         else:
@@ -294,22 +333,26 @@ def _feature(w: _Where, key: str, f: Mapping, tables: dict) -> _config.FeatureCo
     _check_keys(w, key, f, _FEATURE_KEYS)
     table = f["table"]
     if not isinstance(table, str) or table not in tables:
-        raise w.error(f"{key}.table", f"no table named {table!r}; the tables are "
-                      f"{list(tables)}.")
+        raise w.error(f"{key}.table", f"no table named {table!r}; the tables are {list(tables)}.")
     length = _int(w, f"{key}.max_sequence_length", f.get("max_sequence_length", 0), 0)
     shape = f.get("output_shape")
     if shape is not None:
-        if not isinstance(shape, list) or not shape or not all(
-                _config._is_int(d) and d > 0 for d in shape):
-            raise w.error(f"{key}.output_shape", f"must be a non-empty list of ints > 0, got "
-                          f"{shape!r}.")
+        if (
+            not isinstance(shape, list)
+            or not shape
+            or not all(_config._is_int(d) and d > 0 for d in shape)
+        ):
+            raise w.error(
+                f"{key}.output_shape", f"must be a non-empty list of ints > 0, got {shape!r}."
+            )
         shape = tuple(shape)
     name = f.get("name")
     if name is not None and not isinstance(name, str):
         raise w.error(f"{key}.name", f"must be a string, got {name!r}.")
     try:
-        return _config.FeatureConfig(tables[table], max_sequence_length=length,
-                                     output_shape=shape, name=name)
+        return _config.FeatureConfig(
+            tables[table], max_sequence_length=length, output_shape=shape, name=name
+        )
     except (ValueError, TypeError) as e:
         raise w.error(key, str(e)) from e
 
@@ -319,8 +362,7 @@ def _name_and_args(w: _Where, key: str, raw, kind: str) -> tuple[str, dict]:
         return raw, {}
     if isinstance(raw, Mapping) and isinstance(raw.get("name"), str):
         return raw["name"], {k: v for k, v in raw.items() if k != "name"}
-    raise w.error(key, f"an {kind} is a name or a mapping with `name` and arguments, got "
-                  f"{raw!r}.")
+    raise w.error(key, f"an {kind} is a name or a mapping with `name` and arguments, got {raw!r}.")
 
 
 def _optimizer(w: _Where, key: str, raw) -> _optimizers.Optimizer:
@@ -329,16 +371,19 @@ def _optimizer(w: _Where, key: str, raw) -> _optimizers.Optimizer:
     lookup.update({cls.__name__.lower(): cls for cls in _OPTIMIZERS.values()})
     cls = lookup.get(name.lower())
     if cls is None:
-        raise w.error(f"{key}.name", f"unknown optimizer {name!r}; use one of "
-                      f"{list(_OPTIMIZERS)}.")
+        raise w.error(f"{key}.name", f"unknown optimizer {name!r}; use one of {list(_OPTIMIZERS)}.")
     extras = [f.name for f in dataclasses.fields(_optimizers._Extras)]
-    fields = sorted((f.name for f in dataclasses.fields(cls) if f.init),
-                    key=lambda n: n in extras)  # The optimizer's own arguments first.
+    fields = sorted(
+        (f.name for f in dataclasses.fields(cls) if f.init), key=lambda n: n in extras
+    )  # The optimizer's own arguments first.
     kwargs = {}
     for arg, value in args.items():
         if arg not in fields:
-            raise w.error(f"{key}.{arg}", f"{cls.__name__} has no argument {arg!r} (value "
-                          f"{value!r}); its arguments are {fields}.")
+            raise w.error(
+                f"{key}.{arg}",
+                f"{cls.__name__} has no argument {arg!r} (value "
+                f"{value!r}); its arguments are {fields}.",
+            )
         if arg == "learning_rate" and isinstance(value, Mapping):
             value = _schedule(w, f"{key}.learning_rate", value)
         elif arg == "clipvalue" and isinstance(value, list):
@@ -354,11 +399,15 @@ def _optimizer(w: _Where, key: str, raw) -> _optimizers.Optimizer:
 
 def _schedule(w: _Where, key: str, raw: Mapping):
     import optax
+
     name = raw.get("schedule")
     fn = getattr(optax.schedules, name, None) if isinstance(name, str) else None
     if not isinstance(name, str) or name.startswith("_") or fn is None or not callable(fn):
-        raise w.error(f"{key}.schedule", f"must name a function of optax.schedules (e.g. "
-                      f"'cosine_decay_schedule'), got {name!r}.")
+        raise w.error(
+            f"{key}.schedule",
+            f"must name a function of optax.schedules (e.g. "
+            f"'cosine_decay_schedule'), got {name!r}.",
+        )
     args = {k: _number(v) for k, v in raw.items() if k != "schedule"}
     try:
         return fn(**args)
@@ -367,6 +416,7 @@ def _schedule(w: _Where, key: str, raw: Mapping):
 
 
 # Initializers: (key, shape, dtype) -> array, called with the logical shape.
+
 
 def _truncated_normal(key, shape, dtype=jnp.float32, *, mean, stddev):
     return mean + stddev * jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype)
@@ -397,17 +447,22 @@ def _initializer(w: _Where, key: str, raw, dim: int):
         "constant": (_constant, {"value": 0.0}),
     }
     if name not in defaults:
-        raise w.error(f"{key}.name", f"unknown initializer {name!r}; use one of "
-                      f"{list(defaults)}.")
+        raise w.error(f"{key}.name", f"unknown initializer {name!r}; use one of {list(defaults)}.")
     fn, params = defaults[name]
     params = dict(params)
     for arg, value in args.items():
         if arg not in params:
-            raise w.error(f"{key}.{arg}", f"initializer {name!r} has no argument {arg!r} "
-                          f"(value {value!r}); its arguments are {list(params)}.")
+            raise w.error(
+                f"{key}.{arg}",
+                f"initializer {name!r} has no argument {arg!r} "
+                f"(value {value!r}); its arguments are {list(params)}.",
+            )
         value = _number(value)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(
-                value):
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+        ):
             raise w.error(f"{key}.{arg}", f"must be a finite number, got {args[arg]!r}.")
         params[arg] = float(value)
     if name in ("zeros", "ones"):
@@ -415,6 +470,7 @@ def _initializer(w: _Where, key: str, raw, dim: int):
     if params.get("stddev", 1.0) <= 0:
         raise w.error(f"{key}.stddev", f"must be > 0, got {params['stddev']!r}.")
     if name == "uniform" and not params["minval"] < params["maxval"]:
-        raise w.error(key, f"minval must be < maxval, got {params['minval']!r} and "
-                      f"{params['maxval']!r}.")
+        raise w.error(
+            key, f"minval must be < maxval, got {params['minval']!r} and {params['maxval']!r}."
+        )
     return functools.partial(fn, **params)

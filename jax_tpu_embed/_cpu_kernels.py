@@ -38,12 +38,23 @@ from jax import lax
 from . import _backend, _optimizers, _streams, _xla_backend
 
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "cpu_kernels.cc"
-_TARGETS = {"jte_sum_duplicates": "JteSumDuplicates", "jte_update_no_slot": "JteUpdateNoSlot",
-            "jte_update_one_slot": "JteUpdateOneSlot", "jte_pooled_lookup": "JtePooledLookup"}
+_TARGETS = {
+    "jte_sum_duplicates": "JteSumDuplicates",
+    "jte_update_no_slot": "JteUpdateNoSlot",
+    "jte_update_one_slot": "JteUpdateOneSlot",
+    "jte_pooled_lookup": "JtePooledLookup",
+}
 _KINDS = {_optimizers.SGD: 0, _optimizers.Adagrad: 1, _optimizers.RowwiseAdagrad: 2}
 # Must match `Flags` in the C++ source.
 _MULTIPLIER, _CLIP_LIMIT, _CLIP_VALUE, _DECAY, _DECAY_BY_LR, _W_MIN, _W_MAX = (
-    1, 2, 4, 8, 16, 32, 64)
+    1,
+    2,
+    4,
+    8,
+    16,
+    32,
+    64,
+)
 
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool once tried; "lib": the loaded library.
@@ -55,21 +66,31 @@ def _cpu_flags() -> list[str]:
     except OSError:
         flags = ""
     # AVX2 only when this machine has it; never FMA, so that roundings match XLA's.
-    return ["-mavx2"] if " avx2" in flags else ["-march=x86-64-v2"] if " sse4_2" in flags \
-        else []
+    return ["-mavx2"] if " avx2" in flags else ["-march=x86-64-v2"] if " sse4_2" in flags else []
 
 
 def _build() -> pathlib.Path:
     cxx = shutil.which(os.environ.get("CXX", "g++"))
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
-    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off",
-             "-fno-math-errno", *_cpu_flags(), "-I", jax.ffi.include_dir()]
+    flags = [
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-ffp-contract=off",
+        "-fno-math-errno",
+        *_cpu_flags(),
+        "-I",
+        jax.ffi.include_dir(),
+    ]
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([cxx] + flags).encode() +
-                         jax.__version__.encode()).hexdigest()[:16]
-    cache = pathlib.Path(os.environ.get("JTE_CACHE_DIR") or
-                         pathlib.Path.home() / ".cache" / "jax_tpu_embed")
+    key = hashlib.sha256(
+        source + " ".join([cxx] + flags).encode() + jax.__version__.encode()
+    ).hexdigest()[:16]
+    cache = pathlib.Path(
+        os.environ.get("JTE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "jax_tpu_embed"
+    )
     lib = cache / f"cpu_kernels-{key}.so"
     if lib.exists():
         return lib
@@ -78,8 +99,9 @@ def _build() -> pathlib.Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        result = subprocess.run([cxx, *flags, str(_SOURCE), "-o", tmp], capture_output=True,
-                                text=True)
+        result = subprocess.run(
+            [cxx, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True
+        )
         if result.returncode != 0:
             raise RuntimeError(f"g++ failed:\n{result.stderr[-2000:]}")
         os.replace(tmp, lib)
@@ -96,12 +118,16 @@ def available() -> bool:
             try:
                 lib = ctypes.cdll.LoadLibrary(str(_build()))
                 for name, symbol in _TARGETS.items():
-                    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
-                                                platform="cpu")
+                    jax.ffi.register_ffi_target(
+                        name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
+                    )
                 _state.update(ok=True, lib=lib)
             except Exception as e:  # noqa: BLE001 - any failure means: use the portable path.
-                warnings.warn(f"jax_tpu_embed: CPU kernels unavailable ({e}); using the "
-                              f"portable XLA path.", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"jax_tpu_embed: CPU kernels unavailable ({e}); using the portable XLA path.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 _state["ok"] = False
         return _state["ok"]
 
@@ -120,10 +146,17 @@ def sum_duplicates(keys: jax.Array, g: jax.Array):
     )(keys.astype(jnp.int32), g.astype(jnp.float32))
 
 
-def update(optimizer: _optimizers.SGD | _optimizers.Adagrad | _optimizers.RowwiseAdagrad,
-           table: jax.Array, slots: tuple, keys: jax.Array, g: jax.Array,
-           learning_rate: jax.Array, multiplier: jax.Array | None, clipping_limit: float | None,
-           scale: jax.Array | None = None):
+def update(
+    optimizer: _optimizers.SGD | _optimizers.Adagrad | _optimizers.RowwiseAdagrad,
+    table: jax.Array,
+    slots: tuple,
+    keys: jax.Array,
+    g: jax.Array,
+    learning_rate: jax.Array,
+    multiplier: jax.Array | None,
+    clipping_limit: float | None,
+    scale: jax.Array | None = None,
+):
     """One sparse step, in place: (new table, new slots).
 
     Args:
@@ -155,14 +188,22 @@ def update(optimizer: _optimizers.SGD | _optimizers.Adagrad | _optimizers.Rowwis
     if optimizer.clip_weight_max is not None:
         flags |= _W_MAX
     attrs = dict(
-        kind=np.int32(_KINDS[type(optimizer)]), flags=np.int32(flags),
+        kind=np.int32(_KINDS[type(optimizer)]),
+        flags=np.int32(flags),
         eps=np.float32(getattr(optimizer, "epsilon", 0.0)),
-        clip_limit=np.float32(clipping_limit or 0.0), clip_lo=np.float32(clip_lo),
-        clip_hi=np.float32(clip_hi), decay=np.float32(optimizer.weight_decay_factor or 0.0),
+        clip_limit=np.float32(clipping_limit or 0.0),
+        clip_lo=np.float32(clip_lo),
+        clip_hi=np.float32(clip_hi),
+        decay=np.float32(optimizer.weight_decay_factor or 0.0),
         w_min=np.float32(optimizer.clip_weight_min or 0.0),
-        w_max=np.float32(optimizer.clip_weight_max or 0.0))
-    scalars = jnp.stack([jnp.asarray(learning_rate, jnp.float32),
-                         jnp.asarray(1.0 if multiplier is None else multiplier, jnp.float32)])
+        w_max=np.float32(optimizer.clip_weight_max or 0.0),
+    )
+    scalars = jnp.stack(
+        [
+            jnp.asarray(learning_rate, jnp.float32),
+            jnp.asarray(1.0 if multiplier is None else multiplier, jnp.float32),
+        ]
+    )
     if scale is None:
         scale = jnp.ones(keys.shape, jnp.float32)  # 1 * g is exactly g.
     buffers = (table,) + tuple(slots)
@@ -171,8 +212,14 @@ def update(optimizer: _optimizers.SGD | _optimizers.Adagrad | _optimizers.Rowwis
         "jte_update_no_slot" if n == 1 else "jte_update_one_slot",
         tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers),
         input_output_aliases={4 + i: i for i in range(n)},
-    )(keys.astype(jnp.int32), scale.astype(jnp.float32), g.astype(jnp.float32), scalars,
-      *buffers, **attrs)
+    )(
+        keys.astype(jnp.int32),
+        scale.astype(jnp.float32),
+        g.astype(jnp.float32),
+        scalars,
+        *buffers,
+        **attrs,
+    )
     return out[0], tuple(out[1:])
 
 
@@ -180,7 +227,8 @@ def pooled_lookup(table: jax.Array, keys: jax.Array, scale: jax.Array) -> jax.Ar
     """(B, D) = Σ_l scale[b, l] · table[keys[b, l]] over keys in [0, S); others skipped."""
     b = keys.shape[0]
     return jax.ffi.ffi_call(
-        "jte_pooled_lookup", jax.ShapeDtypeStruct((b, table.shape[1]), jnp.float32),
+        "jte_pooled_lookup",
+        jax.ShapeDtypeStruct((b, table.shape[1]), jnp.float32),
     )(keys.astype(jnp.int32), scale.astype(jnp.float32), table)
 
 
@@ -195,8 +243,7 @@ class CpuBackend(_backend.Backend):
         if platform != "cpu":
             return f"it needs a CPU mesh and this one is on {platform!r}"
         if jnp.dtype(table.dtype) != jnp.float32:
-            return (f"the C++ kernels take float32 tables; this one is "
-                    f"{jnp.dtype(table.dtype).name}")
+            return f"the C++ kernels take float32 tables; this one is {jnp.dtype(table.dtype).name}"
         if storage.lanes:
             return "the C++ kernels take unpacked tables (lane_width=0)"
         if not available():
@@ -215,8 +262,7 @@ class CpuBackend(_backend.Backend):
             if f.config.is_sequence:
                 partial = jnp.take(table, local, axis=0) * scale[..., None]
             else:
-                partial = pooled_lookup(table, jnp.where(mine, local, _streams.NOT_MINE),
-                                        scale)
+                partial = pooled_lookup(table, jnp.where(mine, local, _streams.NOT_MINE), scale)
             out[f.path] = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
         return out
 
@@ -243,8 +289,18 @@ class CpuBackend(_backend.Backend):
         scale = None
         if len(inputs) == 1 and pooled is not None:
             scale, g = pooled
-        assert isinstance(plan.optimizer, (_optimizers.SGD, _optimizers.Adagrad,
-                                           _optimizers.RowwiseAdagrad))
-        table, new = update(plan.optimizer, table, tuple(slots[n] for n in names), keys, g,
-                            step.learning_rate, step.multiplier, step.clipping_limit, scale)
+        assert isinstance(
+            plan.optimizer, (_optimizers.SGD, _optimizers.Adagrad, _optimizers.RowwiseAdagrad)
+        )
+        table, new = update(
+            plan.optimizer,
+            table,
+            tuple(slots[n] for n in names),
+            keys,
+            g,
+            step.learning_rate,
+            step.multiplier,
+            step.clipping_limit,
+            scale,
+        )
         return table, dict(zip(names, new))

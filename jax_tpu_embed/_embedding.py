@@ -30,8 +30,9 @@ from . import (
 Nested = Any
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tables", "slots", "step"], meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["tables", "slots", "step"], meta_fields=[]
+)
 @dataclasses.dataclass
 class EmbeddingState:
     """All trainable embedding state.
@@ -42,6 +43,7 @@ class EmbeddingState:
         slots: {table name: {slot name: (N * S, D) or (N * S,) float32 array}}.
         step: int32 scalar, the number of updates applied so far.
     """
+
     tables: dict
     slots: dict
     step: Any  # jax.Array; jax.ShapeDtypeStruct in abstract_state.
@@ -60,12 +62,15 @@ def _per_table(what: str, value, spec: _config.EmbeddingSpec) -> dict:
         value = {name: value for name in tables}
     unknown = sorted(set(value) - set(tables))
     if unknown:
-        raise ValueError(f"Embedding: {what} names {unknown}, which are not tables; "
-                         f"the tables are {sorted(tables)}.")
+        raise ValueError(
+            f"Embedding: {what} names {unknown}, which are not tables; "
+            f"the tables are {sorted(tables)}."
+        )
     for name, v in value.items():
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"Embedding: {what} for table {name!r} must be a "
-                             f"positive int, got {v!r}.")
+            raise ValueError(
+                f"Embedding: {what} for table {name!r} must be a positive int, got {v!r}."
+            )
     return {name: int(v) for name, v in value.items()}
 
 
@@ -115,25 +120,36 @@ class Embedding:
             out of "auto", "interpret" prefers "pallas_interpret" where a table can use it.
     """
 
-    def __init__(self, spec: _config.EmbeddingSpec, mesh: jax.sharding.Mesh | None = None,
-                 axis: str | None = None, *, backend: str | Mapping[str, str] = "auto",
-                 lane_width: int | None = None,
-                 max_ids_per_shard: int | Mapping[str, int] | None = None,
-                 max_unique_ids_per_shard: int | Mapping[str, int] | None = None,
-                 cpu_kernels: bool | None = None, tpu_kernels: bool | str | None = None):
+    def __init__(
+        self,
+        spec: _config.EmbeddingSpec,
+        mesh: jax.sharding.Mesh | None = None,
+        axis: str | None = None,
+        *,
+        backend: str | Mapping[str, str] = "auto",
+        lane_width: int | None = None,
+        max_ids_per_shard: int | Mapping[str, int] | None = None,
+        max_unique_ids_per_shard: int | Mapping[str, int] | None = None,
+        cpu_kernels: bool | None = None,
+        tpu_kernels: bool | str | None = None,
+    ):
         if not isinstance(spec, _config.EmbeddingSpec):
-            raise TypeError(f"Embedding: spec must be a jte.EmbeddingSpec, got "
-                            f"{type(spec).__name__}.")
+            raise TypeError(
+                f"Embedding: spec must be a jte.EmbeddingSpec, got {type(spec).__name__}."
+            )
         if mesh is None:
             mesh = jax.make_mesh((jax.device_count(),), ("shard",))
         if axis is None:
             if len(mesh.axis_names) != 1:
-                raise ValueError(f"Embedding: the mesh has axes {mesh.axis_names}; pass axis= "
-                                 f"to say which one the tables and the batch are split over.")
+                raise ValueError(
+                    f"Embedding: the mesh has axes {mesh.axis_names}; pass axis= "
+                    f"to say which one the tables and the batch are split over."
+                )
             axis = mesh.axis_names[0]
         if axis not in mesh.axis_names:
-            raise ValueError(f"Embedding: axis {axis!r} is not an axis of the mesh "
-                             f"{mesh.axis_names}.")
+            raise ValueError(
+                f"Embedding: axis {axis!r} is not an axis of the mesh {mesh.axis_names}."
+            )
         self.spec, self.mesh = spec, mesh
         self.axis = str(axis)
         self.num_shards = int(mesh.shape[axis])
@@ -152,25 +168,41 @@ class Embedding:
         for name, table in spec.tables().items():
             opt = spec.optimizer_of(table)
             storages[name] = _storage.TableStorage(
-                layout=_layout.TableLayout(table.vocabulary_size, self.num_shards,
-                                           spec.partition_strategy),
-                dim=table.dim, dtype=jnp.dtype(table.dtype), slot_specs=tuple(opt.slot_specs()),
-                lanes=lane_width, dense_update=opt.dense_update)
+                layout=_layout.TableLayout(
+                    table.vocabulary_size, self.num_shards, spec.partition_strategy
+                ),
+                dim=table.dim,
+                dtype=jnp.dtype(table.dtype),
+                slot_specs=tuple(opt.slot_specs()),
+                lanes=lane_width,
+                dense_update=opt.dense_update,
+            )
             if storages[name].layout.rows_per_shard >= _streams.NOT_MINE:
-                raise ValueError(f"Embedding: table {name!r} would hold "
-                                 f"{storages[name].layout.rows_per_shard} rows per shard; "
-                                 f"at most 2**30 are supported: use more shards.")
+                raise ValueError(
+                    f"Embedding: table {name!r} would hold "
+                    f"{storages[name].layout.rows_per_shard} rows per shard; "
+                    f"at most 2**30 are supported: use more shards."
+                )
         backends = _backend.choose(spec, backend, storages, platform, auto_order=auto_order)
         vmem = _pallas.vmem_bytes(mesh.devices.flat[0].device_kind)
         self.table_plans: dict[str, _backend.TablePlan] = {
             name: _backend.TablePlan(
-                name=name, config=table, optimizer=spec.optimizer_of(table),
-                storage=storages[name], backend=backends[name], max_ids=max_ids.get(name),
-                max_unique=max_unique.get(name), on_tpu=platform == "tpu", vmem=vmem)
-            for name, table in spec.tables().items()}
+                name=name,
+                config=table,
+                optimizer=spec.optimizer_of(table),
+                storage=storages[name],
+                backend=backends[name],
+                max_ids=max_ids.get(name),
+                max_unique=max_unique.get(name),
+                on_tpu=platform == "tpu",
+                vmem=vmem,
+            )
+            for name, table in spec.tables().items()
+        }
         names = _config.table_names(spec)
-        self.feature_plans = [_backend.FeaturePlan(p, f, names[id(f.table)])
-                              for p, f in spec.flat_features]
+        self.feature_plans = [
+            _backend.FeaturePlan(p, f, names[id(f.table)]) for p, f in spec.flat_features
+        ]
         self._replicated = NamedSharding(mesh, P())
         self._init_fns = None
         self._lookup_jit = jax.jit(self._lookup)
@@ -196,11 +228,13 @@ class Embedding:
         tables, slots = {}, {}
         for name, plan in self.table_plans.items():
             table_shape, slot_shapes = plan.storage.shapes()
-            tables[name] = jax.ShapeDtypeStruct(table_shape, plan.config.dtype,
-                                                sharding=self._rows(len(table_shape)))
-            slots[name] = {n: jax.ShapeDtypeStruct(shape, jnp.float32,
-                                                   sharding=self._rows(len(shape)))
-                           for n, shape in slot_shapes.items()}
+            tables[name] = jax.ShapeDtypeStruct(
+                table_shape, plan.config.dtype, sharding=self._rows(len(table_shape))
+            )
+            slots[name] = {
+                n: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self._rows(len(shape)))
+                for n, shape in slot_shapes.items()
+            }
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
         return EmbeddingState(tables, slots, step)
 
@@ -226,16 +260,21 @@ class Embedding:
         if self._init_fns is None:
             shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state())
             self._init_fns = {
-                name: jax.jit(functools.partial(self._init_table, plan),
-                              out_shardings=(shardings.tables[name], shardings.slots[name]))
-                for name, plan in self.table_plans.items()}
+                name: jax.jit(
+                    functools.partial(self._init_table, plan),
+                    out_shardings=(shardings.tables[name], shardings.slots[name]),
+                )
+                for name, plan in self.table_plans.items()
+            }
         return self._init_fns
 
     def _init_table(self, plan: _backend.TablePlan, table_key):
         storage = plan.storage
         table = self._initial(plan, None, table_key)
-        slots = {s.name: self._initial(plan, s, _slot_key(table_key, storage, s))
-                 for s in storage.slot_specs}
+        slots = {
+            s.name: self._initial(plan, s, _slot_key(table_key, storage, s))
+            for s in storage.slot_specs
+        }
         table, slots = storage.to_physical(table, slots)
         return self._constrain(table), {n: self._constrain(x) for n, x in slots.items()}
 
@@ -259,11 +298,13 @@ class Embedding:
         storage = plan.storage
         sharding = self._rows(len(storage.shapes()[1][slot.name]))
         fn = lambda k: self._constrain(
-            storage.array_to_physical(slot, self._initial(plan, slot, k)))
+            storage.array_to_physical(slot, self._initial(plan, slot, k))
+        )
         return jax.jit(fn, out_shardings=sharding)(key)
 
-    def restore_tables(self, tables: dict, slots: dict | None = None, step: int = 0,
-                       key: jax.Array | None = None) -> EmbeddingState:
+    def restore_tables(
+        self, tables: dict, slots: dict | None = None, step: int = 0, key: jax.Array | None = None
+    ) -> EmbeddingState:
         """State from logical tables {name: (V, D)} and slots {name: {slot: (V, D) or (V,)}}.
 
         Slots missing from `slots` start at their initial values (random ones drawn from
@@ -271,8 +312,11 @@ class Embedding:
         """
         slots = slots or {}
         problems = [f"table {n!r} is missing" for n in self.table_plans if n not in tables]
-        problems += [f"table {n!r} is not in the spec (its tables are "
-                     f"{list(self.table_plans)})" for n in tables if n not in self.table_plans]
+        problems += [
+            f"table {n!r} is not in the spec (its tables are {list(self.table_plans)})"
+            for n in tables
+            if n not in self.table_plans
+        ]
         if problems:
             raise ValueError("restore_tables: " + "; ".join(problems) + ".")
         new_tables, new_slots = {}, {}
@@ -280,29 +324,37 @@ class Embedding:
             storage = plan.storage
             value = np.asarray(tables[name])
             if value.shape != storage.logical_shape():
-                raise ValueError(f"restore_tables: table {name!r} has shape {value.shape}; the "
-                                 f"spec says (vocabulary_size, dim) = "
-                                 f"{storage.logical_shape()}.")
+                raise ValueError(
+                    f"restore_tables: table {name!r} has shape {value.shape}; the "
+                    f"spec says (vocabulary_size, dim) = "
+                    f"{storage.logical_shape()}."
+                )
             table = value.astype(plan.config.dtype)
             given = dict(slots.get(name, {}))
             unknown = sorted(set(given) - {s.name for s in storage.slot_specs})
             if unknown:
-                raise ValueError(f"restore_tables: table {name!r} has no slots {unknown}; its "
-                                 f"optimizer's slots are "
-                                 f"{[s.name for s in storage.slot_specs]}.")
+                raise ValueError(
+                    f"restore_tables: table {name!r} has no slots {unknown}; its "
+                    f"optimizer's slots are "
+                    f"{[s.name for s in storage.slot_specs]}."
+                )
             logical, drawn = {}, {}
             for s in storage.slot_specs:
                 shape = storage.logical_shape(s)
                 if s.name in given:
                     logical[s.name] = np.asarray(given[s.name], np.float32)
                     if logical[s.name].shape != shape:
-                        raise ValueError(f"restore_tables: slot {s.name!r} of table {name!r} "
-                                         f"has shape {logical[s.name].shape}, expected "
-                                         f"{shape}.")
+                        raise ValueError(
+                            f"restore_tables: slot {s.name!r} of table {name!r} "
+                            f"has shape {logical[s.name].shape}, expected "
+                            f"{shape}."
+                        )
                     continue
                 if callable(s.initializer) and key is None:
-                    raise ValueError(f"restore_tables: slot {s.name!r} of table {name!r} "
-                                     f"has a random initializer; pass key=.")
+                    raise ValueError(
+                        f"restore_tables: slot {s.name!r} of table {name!r} "
+                        f"has a random initializer; pass key=."
+                    )
                 k = None if key is None else _slot_key(jax.random.fold_in(key, i), storage, s)
                 if s in storage.riders:
                     logical[s.name] = np.asarray(self._initial(plan, s, k))
@@ -310,19 +362,23 @@ class Embedding:
                     drawn[s.name] = self._init_slot(plan, s, k)
             table, stored = storage.to_physical(table, logical)
             new_tables[name] = self._put(table)
-            new_slots[name] = {s.name: drawn[s.name] if s.name in drawn else
-                               self._put(stored[s.name]) for s in storage.stored}
+            new_slots[name] = {
+                s.name: drawn[s.name] if s.name in drawn else self._put(stored[s.name])
+                for s in storage.stored
+            }
         step_array = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
         return EmbeddingState(new_tables, new_slots, step_array)
 
     def _put(self, physical: np.ndarray) -> jax.Array:
-        return jax.make_array_from_callback(physical.shape, self._rows(physical.ndim),
-                                            lambda index: physical[index])
+        return jax.make_array_from_callback(
+            physical.shape, self._rows(physical.ndim), lambda index: physical[index]
+        )
 
     def _fetch(self, x: jax.Array) -> np.ndarray:
         if x.is_fully_addressable:
             return np.asarray(jax.device_get(x))
         from jax.experimental import multihost_utils
+
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     def export(self, state: EmbeddingState) -> dict[str, np.ndarray]:
@@ -331,8 +387,10 @@ class Embedding:
         With several processes this gathers the tables onto every process (a collective):
         call it on every process, then write from one.
         """
-        return {name: plan.storage.to_logical(self._fetch(state.tables[name]))[0]
-                for name, plan in self.table_plans.items()}
+        return {
+            name: plan.storage.to_logical(self._fetch(state.tables[name]))[0]
+            for name, plan in self.table_plans.items()
+        }
 
     def export_slots(self, state: EmbeddingState) -> dict[str, dict[str, np.ndarray]]:
         """{table name: {slot name: (V, D) or (V,)}}; {} for a table without slots.
@@ -344,8 +402,9 @@ class Embedding:
             storage = plan.storage
             # The table's own array only when slots ride in it.
             table = self._fetch(state.tables[name]) if storage.riders else None
-            out[name] = storage.to_logical(table, {n: self._fetch(x) for n, x in
-                                                   state.slots[name].items()})[1]
+            out[name] = storage.to_logical(
+                table, {n: self._fetch(x) for n, x in state.slots[name].items()}
+            )[1]
         return out
 
     def shard_rows(self, state: EmbeddingState, table_name: str, shard: int) -> np.ndarray:
@@ -354,22 +413,25 @@ class Embedding:
         With several processes this is a collective, like `export`: call it on every process.
         """
         if table_name not in self.table_plans:
-            raise ValueError(f"shard_rows: no table {table_name!r}; tables are "
-                             f"{list(self.table_plans)}.")
+            raise ValueError(
+                f"shard_rows: no table {table_name!r}; tables are {list(self.table_plans)}."
+            )
         storage = self.table_plans[table_name].storage
         if not 0 <= shard < self.num_shards:
-            raise ValueError(f"shard_rows: shard must be in [0, {self.num_shards}), "
-                             f"got {shard}.")
+            raise ValueError(f"shard_rows: shard must be in [0, {self.num_shards}), got {shard}.")
         per_shard = storage.shard_rows()
         start = shard * per_shard
         array = state.tables[table_name]
         if array.is_fully_addressable:
-            local = next(np.asarray(piece.data) for piece in array.addressable_shards
-                         if (piece.index[0].start or 0) == start)
+            local = next(
+                np.asarray(piece.data)
+                for piece in array.addressable_shards
+                if (piece.index[0].start or 0) == start
+            )
         else:
             # Several processes: all gather, whichever holds the shard; one that read its
             # own copy instead would leave the others waiting in the all-gather.
-            local = self._fetch(array)[start:start + per_shard]
+            local = self._fetch(array)[start : start + per_shard]
         return storage.shard_table_rows(local, shard)
 
     # ---------------------------------------------------------------- compute
@@ -425,19 +487,21 @@ class Embedding:
         flat = self._prepare(features)
         return _config.unflatten(self._lookup_jit(state.tables, flat))
 
-    def apply_gradients(self, state: EmbeddingState, features: Nested,
-                        act_grads: Nested) -> EmbeddingState:
+    def apply_gradients(
+        self, state: EmbeddingState, features: Nested, act_grads: Nested
+    ) -> EmbeddingState:
         """One sparse optimizer step from d(loss)/d(activations) of the global batch.
 
         Each row in the batch gets exactly one update from the sum of its gradients (across
         examples and across features sharing its table); other rows and slots are untouched.
         """
         flat = self._prepare(features, act_grads)
-        grads = dict(_config.flatten_features(act_grads)) if isinstance(act_grads, dict) \
-            else None
+        grads = dict(_config.flatten_features(act_grads)) if isinstance(act_grads, dict) else None
         if grads is None or set(grads) != set(flat):
-            raise ValueError(f"act_grads must mirror the features {sorted(flat)}, got "
-                             f"{sorted(grads) if grads is not None else type(act_grads)}.")
+            raise ValueError(
+                f"act_grads must mirror the features {sorted(flat)}, got "
+                f"{sorted(grads) if grads is not None else type(act_grads)}."
+            )
         return self._apply_jit(state, flat, grads)
 
     # Both below are traced once per input structure; they hold no Python state.
@@ -449,8 +513,10 @@ class Embedding:
             ids, weights = _inputs.normalize(f.config, leaf)
             if not isinstance(leaf, _inputs.Weighted):
                 weights = None  # Derived from the ids on each device: nothing to send.
-            feats[f.path] = (self._batch_sharded(ids),
-                             None if weights is None else self._batch_sharded(weights))
+            feats[f.path] = (
+                self._batch_sharded(ids),
+                None if weights is None else self._batch_sharded(weights),
+            )
         return feats
 
     def _batch_sharded(self, x):
@@ -461,15 +527,15 @@ class Embedding:
 
     def _out_shape(self, f: _backend.FeaturePlan, batch: int) -> tuple:
         d = f.table_config.dim
-        natural = ((batch, f.config.max_sequence_length, d) if f.config.is_sequence
-                   else (batch, d))
+        natural = (batch, f.config.max_sequence_length, d) if f.config.is_sequence else (batch, d)
         if f.config.output_shape is None:
             return natural
         if math.prod(f.config.output_shape) != math.prod(natural[:-1]):
             raise ValueError(
                 f"Feature {f.path!r}: output_shape {f.config.output_shape} has "
                 f"{math.prod(f.config.output_shape)} outputs, but the batch gives "
-                f"{math.prod(natural[:-1])} (shape {natural[:-1]}).")
+                f"{math.prod(natural[:-1])} (shape {natural[:-1]})."
+            )
         return tuple(f.config.output_shape) + (d,)
 
     def _reshape(self, x, shape):
@@ -481,16 +547,19 @@ class Embedding:
         return jax.lax.reshape(x, shape, out_sharding=NamedSharding(self.mesh, spec))
 
     def _shard_map(self, fn, in_specs, out_specs):
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)
+        return jax.shard_map(
+            fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )
 
     def _lookup(self, tables, flat):
         feats = self._normalized(flat)
         batch = next(iter(feats.values()))[0].shape[0]
         row = P(self.axis)
         acts = self._shard_map(self._lookup_local, (row, row), row)(tables, feats)
-        return {f.path: self._reshape(acts[f.path], self._out_shape(f, batch))
-                for f in self.feature_plans}
+        return {
+            f.path: self._reshape(acts[f.path], self._out_shape(f, batch))
+            for f in self.feature_plans
+        }
 
     def _apply(self, state, flat, grads):
         feats = self._normalized(flat)
@@ -500,15 +569,19 @@ class Embedding:
             want = self._out_shape(f, batch)
             g = jnp.asarray(grads[f.path])
             if g.shape != want:
-                raise ValueError(f"act_grads[{f.path!r}] has shape {g.shape}; the activation "
-                                 f"is {want}.")
-            natural = ((batch, f.config.max_sequence_length, f.table_config.dim)
-                       if f.config.is_sequence else (batch, f.table_config.dim))
+                raise ValueError(
+                    f"act_grads[{f.path!r}] has shape {g.shape}; the activation is {want}."
+                )
+            natural = (
+                (batch, f.config.max_sequence_length, f.table_config.dim)
+                if f.config.is_sequence
+                else (batch, f.table_config.dim)
+            )
             local_grads[f.path] = self._batch_sharded(self._reshape(g, natural))
         row, rep = P(self.axis), P()
-        tables, slots = self._shard_map(self._update_local, (row, row, row, row, rep),
-                                        (row, row))(
-            state.tables, state.slots, feats, local_grads, state.step)
+        tables, slots = self._shard_map(self._update_local, (row, row, row, row, rep), (row, row))(
+            state.tables, state.slots, feats, local_grads, state.step
+        )
         return EmbeddingState(tables, slots, state.step + 1)
 
     # Inside shard_map: each table's backend does its shard-local row work.
@@ -531,7 +604,12 @@ class Embedding:
         for name, inputs in self._inputs(feats).items():
             plan = self.table_plans[name]
             tables[name], slots[name] = plan.backend.update(
-                plan, tables[name], slots[name], inputs,
+                plan,
+                tables[name],
+                slots[name],
+                inputs,
                 {i.feature.path: grads[i.feature.path] for i in inputs},
-                _backend.row_step(plan, self.spec, step), self.axis)
+                _backend.row_step(plan, self.spec, step),
+                self.axis,
+            )
         return tables, slots

@@ -19,12 +19,12 @@ from . import _config
 
 class Weighted(NamedTuple):
     """Ids with one float weight each: ids (B,) or (B, L) padded with -1, weights alike."""
+
     ids: Any
     weights: Any
 
 
-def pad_ragged(values, *, row_lengths=None, row_splits=None, weights=None,
-               max_length=None):
+def pad_ragged(values, *, row_lengths=None, row_splits=None, weights=None, max_length=None):
     """Ragged ids (flat values + row lengths or splits) to (B, L) padded with -1, on the host.
 
     Args:
@@ -44,16 +44,25 @@ def pad_ragged(values, *, row_lengths=None, row_splits=None, weights=None,
         raise ValueError("pad_ragged: give exactly one of row_lengths and row_splits.")
     if row_splits is not None:
         splits = np.asarray(row_splits, np.int64)
-        if (splits.ndim != 1 or splits.size == 0 or splits[0] != 0 or
-                np.any(np.diff(splits) < 0) or splits[-1] != values.size):
-            raise ValueError(f"pad_ragged: row_splits must be non-decreasing, start at 0 and "
-                             f"end at len(values)={values.size}, got {splits.tolist()}.")
+        if (
+            splits.ndim != 1
+            or splits.size == 0
+            or splits[0] != 0
+            or np.any(np.diff(splits) < 0)
+            or splits[-1] != values.size
+        ):
+            raise ValueError(
+                f"pad_ragged: row_splits must be non-decreasing, start at 0 and "
+                f"end at len(values)={values.size}, got {splits.tolist()}."
+            )
         lengths = np.diff(splits)
     else:
         lengths = np.asarray(row_lengths, np.int64)
         if lengths.ndim != 1 or np.any(lengths < 0) or lengths.sum() != values.size:
-            raise ValueError(f"pad_ragged: row_lengths must be >= 0 and sum to "
-                             f"len(values)={values.size}, got {lengths.tolist()}.")
+            raise ValueError(
+                f"pad_ragged: row_lengths must be >= 0 and sum to "
+                f"len(values)={values.size}, got {lengths.tolist()}."
+            )
         splits = np.concatenate([[0], np.cumsum(lengths)])
     if max_length is not None and (not _config._is_int(max_length) or max_length < 1):
         raise ValueError(f"pad_ragged: max_length must be an int >= 1, got {max_length!r}.")
@@ -68,8 +77,9 @@ def pad_ragged(values, *, row_lengths=None, row_splits=None, weights=None,
         return ids
     weights = np.asarray(weights, np.float32)
     if weights.shape != values.shape:
-        raise ValueError(f"pad_ragged: weights must match values' shape {values.shape}, "
-                         f"got {weights.shape}.")
+        raise ValueError(
+            f"pad_ragged: weights must match values' shape {values.shape}, got {weights.shape}."
+        )
     w = np.zeros((batch, width), np.float32)
     w[rows[keep], cols[keep]] = weights[keep]
     return Weighted(ids, w)
@@ -88,8 +98,9 @@ def _split(leaf):
 def flatten_inputs(spec: _config.EmbeddingSpec, features) -> dict[str, Any]:
     """{path: leaf} following the spec's structure; raises on missing/extra features."""
     if not isinstance(features, dict):
-        raise TypeError(f"features must be a dict mirroring the spec, got "
-                        f"{type(features).__name__}.")
+        raise TypeError(
+            f"features must be a dict mirroring the spec, got {type(features).__name__}."
+        )
     given = dict(_flatten_leaves(features))
     want = [p for p, _ in spec.flat_features]
     missing = [p for p in want if p not in given]
@@ -100,8 +111,9 @@ def flatten_inputs(spec: _config.EmbeddingSpec, features) -> dict[str, Any]:
             parts.append(f"missing features {missing}")
         if extra:
             parts.append(f"unknown features {extra}")
-        raise ValueError(f"features do not match the spec: {'; '.join(parts)}. "
-                         f"The spec's features are {want}.")
+        raise ValueError(
+            f"features do not match the spec: {'; '.join(parts)}. The spec's features are {want}."
+        )
     return given
 
 
@@ -125,29 +137,30 @@ def validate(spec: _config.EmbeddingSpec, features, num_shards: int) -> None:
         f = configs[path]
         ids, weights = _split(leaf)
         if ids is None or not hasattr(ids, "shape") and not isinstance(ids, (list, tuple)):
-            problems.append(f"Feature {path!r}: expected an int array (B,) or (B, L) or "
-                            f"jte.Weighted, got {type(leaf).__name__}.")
+            problems.append(
+                f"Feature {path!r}: expected an int array (B,) or (B, L) or "
+                f"jte.Weighted, got {type(leaf).__name__}."
+            )
             continue
         if not _is_concrete(ids):
             continue
         ids = _host_value(ids)
         if not np.issubdtype(ids.dtype, np.integer):
-            problems.append(f"Feature {path!r}: ids must have an integer dtype, got "
-                            f"{ids.dtype}.")
+            problems.append(f"Feature {path!r}: ids must have an integer dtype, got {ids.dtype}.")
             continue
         if ids.ndim not in (1, 2):
-            problems.append(f"Feature {path!r}: ids must be (B,) or (B, L), got shape "
-                            f"{ids.shape}.")
+            problems.append(f"Feature {path!r}: ids must be (B,) or (B, L), got shape {ids.shape}.")
             continue
         batch_sizes[path] = ids.shape[0]
         if weights is not None and _is_concrete(weights):
             weights = _host_value(weights)
             if not np.issubdtype(weights.dtype, np.floating):
-                problems.append(f"Feature {path!r}: weights must be floats, got "
-                                f"{weights.dtype}.")
+                problems.append(f"Feature {path!r}: weights must be floats, got {weights.dtype}.")
             elif weights.shape != ids.shape:
-                problems.append(f"Feature {path!r}: weights shape {weights.shape} differs "
-                                f"from ids shape {ids.shape}.")
+                problems.append(
+                    f"Feature {path!r}: weights shape {weights.shape} differs "
+                    f"from ids shape {ids.shape}."
+                )
             elif not np.all(np.isfinite(weights[ids != -1])):
                 pos = np.argwhere(~np.isfinite(weights) & (ids != -1))[0].tolist()
                 problems.append(f"Feature {path!r}: weight at position {pos} is not finite.")
@@ -161,14 +174,17 @@ def validate(spec: _config.EmbeddingSpec, features, num_shards: int) -> None:
                 f"Feature {path!r}: id {ids[tuple(first)]} at position {first} is outside "
                 f"[0, {vocab}) of table {spec_table_name(spec, f)!r}"
                 + (f" ({len(where)} invalid ids in all)" if len(where) > 1 else "")
-                + ". Use -1 for padding.")
+                + ". Use -1 for padding."
+            )
     if len(set(batch_sizes.values())) > 1:
         problems.append(f"all features must have the same batch size B, got {batch_sizes}.")
     elif batch_sizes:
         batch = next(iter(batch_sizes.values()))
         if batch % num_shards:
-            problems.append(f"batch size B={batch} must be a multiple of the mesh size "
-                            f"{num_shards} along the sharding axis.")
+            problems.append(
+                f"batch size B={batch} must be a multiple of the mesh size "
+                f"{num_shards} along the sharding axis."
+            )
     if problems:
         raise ValueError("Invalid features:\n  " + "\n  ".join(problems))
 
@@ -245,16 +261,21 @@ def check_batch(features_flat: dict[str, Any], num_shards: int) -> int:
         raise ValueError(f"all features must have the same batch size B, got {sizes}.")
     batch = next(iter(sizes.values()))
     if batch % num_shards:
-        raise ValueError(f"batch size B={batch} must be a multiple of the mesh size "
-                         f"{num_shards} along the sharding axis.")
+        raise ValueError(
+            f"batch size B={batch} must be a multiple of the mesh size "
+            f"{num_shards} along the sharding axis."
+        )
     for path, leaf in features_flat.items():
         ids, weights = _split(leaf)
         if weights is not None and np.shape(weights) != np.shape(ids):
-            raise ValueError(f"Feature {path!r}: weights shape {np.shape(weights)} differs "
-                             f"from ids shape {np.shape(ids)}.")
+            raise ValueError(
+                f"Feature {path!r}: weights shape {np.shape(weights)} differs "
+                f"from ids shape {np.shape(ids)}."
+            )
         if len(np.shape(ids)) not in (1, 2):
-            raise ValueError(f"Feature {path!r}: ids must be (B,) or (B, L), got shape "
-                             f"{np.shape(ids)}.")
+            raise ValueError(
+                f"Feature {path!r}: ids must be (B,) or (B, L), got shape {np.shape(ids)}."
+            )
     return batch
 
 

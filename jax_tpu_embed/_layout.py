@@ -88,8 +88,8 @@ class TableLayout:
         q, r = divmod(v, n)
         if r == 0:
             return x
-        big = x[:r * s].reshape((r, s) + tail)
-        small = x[r * s:].reshape((n - r, q) + tail)
+        big = x[: r * s].reshape((r, s) + tail)
+        small = x[r * s :].reshape((n - r, q) + tail)
         small = xp.pad(small, [(0, 0), (0, 1)] + [(0, 0)] * len(tail))
         return xp.concatenate([big, small]).reshape((n * s,) + tail)
 
@@ -104,8 +104,9 @@ class TableLayout:
         q, r = divmod(v, n)
         if r == 0:
             return x.reshape((v,) + tail)
-        return xp.concatenate([x[:r].reshape((r * s,) + tail),
-                               x[r:, :q].reshape(((n - r) * q,) + tail)])
+        return xp.concatenate(
+            [x[:r].reshape((r * s,) + tail), x[r:, :q].reshape(((n - r) * q,) + tail)]
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +167,7 @@ class Packing:
         """The inverse of pack: physical -> (N * S, width) or (N * S,)."""
         if not self.packed:
             return x
-        x = x.reshape((num_shards, -1, self.padded_width))[:, :rows_per_shard, :self.width]
+        x = x.reshape((num_shards, -1, self.padded_width))[:, :rows_per_shard, : self.width]
         return x.reshape((-1, self.width) if self.rank == 2 else (-1,))
 
 

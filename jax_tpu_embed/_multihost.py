@@ -48,15 +48,22 @@ def process_batch_rows(emb, global_batch: int) -> np.ndarray:
     """
     n = emb.num_shards
     if global_batch <= 0 or global_batch % n:
-        raise ValueError(f"process_batch_rows: global_batch={global_batch} must be a "
-                         f"positive multiple of the mesh size {n} along axis {emb.axis!r}.")
+        raise ValueError(
+            f"process_batch_rows: global_batch={global_batch} must be a "
+            f"positive multiple of the mesh size {n} along axis {emb.axis!r}."
+        )
     per_shard = global_batch // n
     index_map = batch_sharding(emb).addressable_devices_indices_map((global_batch,))
     # jax types the values Index | None; a NamedSharding gives every device an index.
-    starts = sorted({index[0].start or 0  # pyright: ignore[reportOptionalSubscript]
-                     for index in index_map.values()})
-    return np.concatenate([np.arange(s, s + per_shard, dtype=np.int64) for s in starts]
-                          + [np.zeros((0,), np.int64)])  # Empty when no device is local.
+    starts = sorted(
+        {
+            index[0].start or 0  # pyright: ignore[reportOptionalSubscript]
+            for index in index_map.values()
+        }
+    )
+    return np.concatenate(
+        [np.arange(s, s + per_shard, dtype=np.int64) for s in starts] + [np.zeros((0,), np.int64)]
+    )  # Empty when no device is local.
 
 
 def global_batch(emb, local: Nested) -> Nested:
@@ -78,8 +85,9 @@ def global_batch(emb, local: Nested) -> Nested:
     def one(x):
         x = np.asarray(x)
         if x.ndim == 0:
-            raise ValueError(f"global_batch: every leaf needs a batch dimension, got a "
-                             f"scalar {x!r}.")
+            raise ValueError(
+                f"global_batch: every leaf needs a batch dimension, got a scalar {x!r}."
+            )
         return jax.make_array_from_process_local_data(sharding, x)
 
     return jax.tree.map(one, local)
@@ -94,8 +102,7 @@ def check_same_on_every_process(tree: Nested, what: str = "NumPy inputs") -> Non
     hash per process (a small all-gather, so every process must call it); jax.Arrays and
     tracers are skipped. Does nothing in one process or without NumPy leaves.
     """
-    leaves = [x for x in jax.tree.leaves(tree)
-              if not isinstance(x, (jax.Array, jax.core.Tracer))]
+    leaves = [x for x in jax.tree.leaves(tree) if not isinstance(x, (jax.Array, jax.core.Tracer))]
     if jax.process_count() == 1 or not leaves:
         return
     digest = hashlib.sha256()
@@ -111,4 +118,5 @@ def check_same_on_every_process(tree: Nested, what: str = "NumPy inputs") -> Non
             f"{what} differ between processes (processes {differ} differ from process 0). "
             f"With several processes a NumPy input is the global batch and must be the same "
             f"on every process. To feed each process its own rows, make global jax.Arrays of "
-            f"them: multihost.global_batch(emb, local_rows).")
+            f"them: multihost.global_batch(emb, local_rows)."
+        )

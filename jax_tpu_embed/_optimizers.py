@@ -27,25 +27,36 @@ Scalar = Any  # float or fn(step) -> scalar
 @dataclasses.dataclass(frozen=True)
 class SlotSpec:
     """One slot variable: `rank` 2 is a (D,) vector per row, rank 1 a scalar per row."""
+
     name: str
     rank: int
     initializer: Any  # float, or fn(key, shape, dtype) called with the logical shape.
 
 
-def _check_scalar(owner: str, field: str, value, *, low=None, low_open=False, high=None,
-                  high_open=False, allow_callable=False):
+def _check_scalar(
+    owner: str,
+    field: str,
+    value,
+    *,
+    low=None,
+    low_open=False,
+    high=None,
+    high_open=False,
+    allow_callable=False,
+):
     if allow_callable and callable(value):
         return
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(
-            value):
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
         kind = "a finite float or fn(step)" if allow_callable else "a finite float"
         raise ValueError(f"{owner}: {field} must be {kind}, got {value!r}.")
     if low is not None and (value < low or (low_open and value == low)):
-        raise ValueError(f"{owner}: {field} must be {'>' if low_open else '>='} {low}, "
-                         f"got {value!r}.")
+        raise ValueError(
+            f"{owner}: {field} must be {'>' if low_open else '>='} {low}, got {value!r}."
+        )
     if high is not None and (value > high or (high_open and value == high)):
-        raise ValueError(f"{owner}: {field} must be {'<' if high_open else '<='} {high}, "
-                         f"got {value!r}.")
+        raise ValueError(
+            f"{owner}: {field} must be {'<' if high_open else '<='} {high}, got {value!r}."
+        )
 
 
 def evaluate(value: Scalar, step: jax.Array) -> jax.Array:
@@ -95,26 +106,38 @@ class _Extras(Optimizer):
 
     def _check(self):
         name = type(self).__name__
-        _check_scalar(name, "learning_rate", self.learning_rate, low=0, low_open=True,
-                      allow_callable=True)
+        _check_scalar(
+            name, "learning_rate", self.learning_rate, low=0, low_open=True, allow_callable=True
+        )
         for field in ("clip_weight_min", "clip_weight_max", "weight_decay_factor"):
             v = getattr(self, field)
             if v is not None:
                 _check_scalar(name, field, v, low=0 if field == "weight_decay_factor" else None)
-        if (self.clip_weight_min is not None and self.clip_weight_max is not None and
-                self.clip_weight_min > self.clip_weight_max):
-            raise ValueError(f"{name}: clip_weight_min ({self.clip_weight_min}) must be <= "
-                             f"clip_weight_max ({self.clip_weight_max}).")
+        if (
+            self.clip_weight_min is not None
+            and self.clip_weight_max is not None
+            and self.clip_weight_min > self.clip_weight_max
+        ):
+            raise ValueError(
+                f"{name}: clip_weight_min ({self.clip_weight_min}) must be <= "
+                f"clip_weight_max ({self.clip_weight_max})."
+            )
         c = self.clipvalue
         if c is not None:
             if isinstance(c, numbers.Real) and not isinstance(c, bool):
                 _check_scalar(name, "clipvalue", c, low=0, low_open=True)
-            elif (isinstance(c, (tuple, list)) and len(c) == 2 and
-                  all(isinstance(x, numbers.Real) for x in c) and c[0] <= c[1]):
+            elif (
+                isinstance(c, (tuple, list))
+                and len(c) == 2
+                and all(isinstance(x, numbers.Real) for x in c)
+                and c[0] <= c[1]
+            ):
                 pass
             else:
-                raise ValueError(f"{name}: clipvalue must be a float c > 0 (meaning (-c, c)) "
-                                 f"or a (min, max) pair with min <= max, got {c!r}.")
+                raise ValueError(
+                    f"{name}: clipvalue must be a float c > 0 (meaning (-c, c)) "
+                    f"or a (min, max) pair with min <= max, got {c!r}."
+                )
 
     def clip_gradient(self, gradient):
         c = self.clipvalue
@@ -137,6 +160,7 @@ class _Extras(Optimizer):
 @dataclasses.dataclass(frozen=True, eq=False)
 class SGD(_Extras):
     """w -= lr * g."""
+
     learning_rate: Scalar = 0.01
 
     def __post_init__(self):
@@ -149,13 +173,19 @@ class SGD(_Extras):
 @dataclasses.dataclass(frozen=True, eq=False)
 class Adagrad(_Extras):
     """a += g²; w -= lr * g / √a (no epsilon, as TF)."""
+
     learning_rate: Scalar = 0.001
     initial_accumulator_value: float = 0.1
 
     def __post_init__(self):
         self._check()
-        _check_scalar("Adagrad", "initial_accumulator_value", self.initial_accumulator_value,
-                      low=0, low_open=True)
+        _check_scalar(
+            "Adagrad",
+            "initial_accumulator_value",
+            self.initial_accumulator_value,
+            low=0,
+            low_open=True,
+        )
 
     def slot_specs(self):
         return (SlotSpec("accumulators", 2, self.initial_accumulator_value),)
@@ -169,6 +199,7 @@ class Adagrad(_Extras):
 @dataclasses.dataclass(frozen=True, eq=False)
 class AdagradMomentum(_Extras):
     """Adagrad scaled step fed into (Nesterov) momentum; TF's AdagradMomentumParameters."""
+
     learning_rate: Scalar = 0.001
     momentum: float = 0.0
     use_nesterov: bool = False
@@ -202,6 +233,7 @@ class AdagradMomentum(_Extras):
 @dataclasses.dataclass(frozen=True, eq=False)
 class Adam(_Extras):
     """Adam without bias correction (TPU semantics). lazy_adam=False decays every row."""
+
     learning_rate: Scalar = 0.001
     beta_1: float = 0.9
     beta_2: float = 0.999
@@ -236,6 +268,7 @@ class Adam(_Extras):
 @dataclasses.dataclass(frozen=True, eq=False)
 class FTRL(_Extras):
     """Follow-the-regularized-leader with TF's parametrisation (p = -learning_rate_power)."""
+
     learning_rate: Scalar = 0.001
     learning_rate_power: float = -0.5
     l1_regularization_strength: float = 0.0
@@ -248,17 +281,22 @@ class FTRL(_Extras):
     def __post_init__(self):
         self._check()
         _check_scalar("FTRL", "learning_rate_power", self.learning_rate_power, high=0)
-        _check_scalar("FTRL", "l1_regularization_strength", self.l1_regularization_strength,
-                      low=0)
-        _check_scalar("FTRL", "l2_regularization_strength", self.l2_regularization_strength,
-                      low=0)
+        _check_scalar("FTRL", "l1_regularization_strength", self.l1_regularization_strength, low=0)
+        _check_scalar("FTRL", "l2_regularization_strength", self.l2_regularization_strength, low=0)
         _check_scalar("FTRL", "beta", self.beta, low=0)
-        _check_scalar("FTRL", "initial_accumulator_value", self.initial_accumulator_value,
-                      low=0, low_open=not self.allow_zero_accumulator)
+        _check_scalar(
+            "FTRL",
+            "initial_accumulator_value",
+            self.initial_accumulator_value,
+            low=0,
+            low_open=not self.allow_zero_accumulator,
+        )
 
     def slot_specs(self):
-        return (SlotSpec("accumulators", 2, self.initial_accumulator_value),
-                SlotSpec("linears", 2, 0.0))
+        return (
+            SlotSpec("accumulators", 2, self.initial_accumulator_value),
+            SlotSpec("linears", 2, 0.0),
+        )
 
     def update_row(self, gradient, row, slots, learning_rate, hyperparameters):
         n, z = slots
@@ -276,8 +314,7 @@ class FTRL(_Extras):
             z = z + gradient - (n_new_p - n_p) / lr * row
             denom = (n_new_p + self.beta) / lr + 2.0 * l2
             threshold = l1
-        new_row = jnp.where(jnp.abs(z) <= threshold, 0.0,
-                            (jnp.sign(z) * threshold - z) / denom)
+        new_row = jnp.where(jnp.abs(z) <= threshold, 0.0, (jnp.sign(z) * threshold - z) / denom)
         return new_row, n_new, z
 
     def _power(self, x, p):
@@ -293,14 +330,16 @@ class FTRL(_Extras):
 class RowwiseAdagrad(_Extras):
     """One accumulator per row: a += mean(g²); w -= lr * g / (√a + ε) (FBGEMM's
     EXACT_ROWWISE_ADAGRAD)."""
+
     learning_rate: Scalar = 0.001
     initial_accumulator_value: float = 0.0
     epsilon: float = 1e-8
 
     def __post_init__(self):
         self._check()
-        _check_scalar("RowwiseAdagrad", "initial_accumulator_value",
-                      self.initial_accumulator_value, low=0)
+        _check_scalar(
+            "RowwiseAdagrad", "initial_accumulator_value", self.initial_accumulator_value, low=0
+        )
         _check_scalar("RowwiseAdagrad", "epsilon", self.epsilon, low=0, low_open=True)
 
     def slot_specs(self):
@@ -309,8 +348,7 @@ class RowwiseAdagrad(_Extras):
     def update_row(self, gradient, row, slots, learning_rate, hyperparameters):
         (accumulator,) = slots
         accumulator = accumulator + jnp.mean(gradient * gradient)
-        return row - learning_rate * gradient / (jnp.sqrt(accumulator) + self.epsilon), \
-            accumulator
+        return row - learning_rate * gradient / (jnp.sqrt(accumulator) + self.epsilon), accumulator
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -339,39 +377,51 @@ class CustomOptimizer(Optimizer):
     hyperparameters_: Sequence[Scalar] = dataclasses.field(default=(), repr=False)
     slot_dims: Sequence[int] = ()
 
-    def __init__(self, custom_computation: Callable, learning_rate: Scalar = 0.01,
-                 slot_names: Sequence[str] | None = None,
-                 slot_initializers: Sequence[Any] | None = None,
-                 hyperparameters: Sequence[Scalar] | None = None,
-                 slot_dims: Sequence[int] | None = None):
+    def __init__(
+        self,
+        custom_computation: Callable,
+        learning_rate: Scalar = 0.01,
+        slot_names: Sequence[str] | None = None,
+        slot_initializers: Sequence[Any] | None = None,
+        hyperparameters: Sequence[Scalar] | None = None,
+        slot_dims: Sequence[int] | None = None,
+    ):
         set_ = lambda k, v: object.__setattr__(self, k, v)
         set_("custom_computation", custom_computation)
         set_("learning_rate", learning_rate)
         set_("slot_names", tuple(slot_names) if slot_names is not None else ())
-        set_("slot_initializers",
-             tuple(slot_initializers) if slot_initializers is not None else ())
+        set_("slot_initializers", tuple(slot_initializers) if slot_initializers is not None else ())
         set_("hyperparameters_", tuple(hyperparameters) if hyperparameters is not None else ())
-        set_("slot_dims", tuple(slot_dims) if slot_dims is not None else
-             (2,) * len(self.slot_names))
+        set_(
+            "slot_dims", tuple(slot_dims) if slot_dims is not None else (2,) * len(self.slot_names)
+        )
         self._check()
 
     def _check(self):
         if not callable(self.custom_computation):
-            raise TypeError(f"CustomOptimizer: custom_computation must be callable, "
-                            f"got {self.custom_computation!r}.")
-        _check_scalar("CustomOptimizer", "learning_rate", self.learning_rate,
-                      allow_callable=True)
+            raise TypeError(
+                f"CustomOptimizer: custom_computation must be callable, "
+                f"got {self.custom_computation!r}."
+            )
+        _check_scalar("CustomOptimizer", "learning_rate", self.learning_rate, allow_callable=True)
         n = len(self.slot_names)
         if len(set(self.slot_names)) != n or not all(
-                isinstance(s, str) and s for s in self.slot_names):
-            raise ValueError(f"CustomOptimizer: slot_names must be distinct non-empty "
-                             f"strings, got {list(self.slot_names)}.")
+            isinstance(s, str) and s for s in self.slot_names
+        ):
+            raise ValueError(
+                f"CustomOptimizer: slot_names must be distinct non-empty "
+                f"strings, got {list(self.slot_names)}."
+            )
         if len(self.slot_initializers) != n:
-            raise ValueError(f"CustomOptimizer: slot_initializers must have one entry per "
-                             f"slot name ({n}), got {len(self.slot_initializers)}.")
+            raise ValueError(
+                f"CustomOptimizer: slot_initializers must have one entry per "
+                f"slot name ({n}), got {len(self.slot_initializers)}."
+            )
         if len(self.slot_dims) != n or any(d not in (1, 2) for d in self.slot_dims):
-            raise ValueError(f"CustomOptimizer: slot_dims must list 1 or 2 for each of the "
-                             f"{n} slots, got {list(self.slot_dims)}.")
+            raise ValueError(
+                f"CustomOptimizer: slot_dims must list 1 or 2 for each of the "
+                f"{n} slots, got {list(self.slot_dims)}."
+            )
         for name, init in zip(self.slot_names, self.slot_initializers):
             if not callable(init):
                 _check_scalar("CustomOptimizer", f"slot_initializers[{name!r}]", init)
@@ -379,21 +429,25 @@ class CustomOptimizer(Optimizer):
             _check_scalar("CustomOptimizer", f"hyperparameters[{i}]", h, allow_callable=True)
 
     def slot_specs(self):
-        return tuple(SlotSpec(n, r, i) for n, r, i in
-                     zip(self.slot_names, self.slot_dims, self.slot_initializers))
+        return tuple(
+            SlotSpec(n, r, i)
+            for n, r, i in zip(self.slot_names, self.slot_dims, self.slot_initializers)
+        )
 
     def hyperparameters(self):
         return self.hyperparameters_
 
     def update_row(self, gradient, row, slots, learning_rate, hyperparameters):
-        out = self.custom_computation(gradient, row, list(slots), learning_rate,
-                                      list(hyperparameters))
+        out = self.custom_computation(
+            gradient, row, list(slots), learning_rate, list(hyperparameters)
+        )
         if not isinstance(out, (tuple, list)):
             out = (out,)
         if len(out) != 1 + len(slots):
             raise ValueError(
                 f"CustomOptimizer: custom_computation returned {len(out)} values; expected "
-                f"the new row plus one new value per slot ({1 + len(slots)}).")
+                f"the new row plus one new value per slot ({1 + len(slots)})."
+            )
         return tuple(out)
 
 

@@ -48,8 +48,15 @@ _SMALLEST_VMEM = 16 << 20  # v4's, per TensorCore: the default when the chip is 
 def vmem_bytes(device_kind: str) -> int:
     """VMEM per TensorCore of a TPU by its device kind (pltpu.get_tpu_info_for_chip): 16 MiB
     on v4, 64 MiB on v5p, 128 MiB on v5e and v6e; 16 MiB if unknown."""
-    chip = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p",
-            "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e"}.get(device_kind)
+    chip = {
+        "TPU v4": "v4",
+        "TPU v5 lite": "v5e",
+        "TPU v5e": "v5e",
+        "TPU v5": "v5p",
+        "TPU v5p": "v5p",
+        "TPU v6 lite": "v6e",
+        "TPU v6e": "v6e",
+    }.get(device_kind)
     if chip is None:
         return _SMALLEST_VMEM
     return int(pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(chip), 1).vmem_capacity_bytes)
@@ -68,8 +75,7 @@ def fits_vmem(rows: int, lanes: int, vmem: int) -> bool:
 
 
 def _params(vmem: int):
-    return pltpu.CompilerParams(dimension_semantics=("arbitrary",),
-                                vmem_limit_bytes=vmem * 7 // 8)
+    return pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem * 7 // 8)
 
 
 # Tables, slots and the activation blocks stay in HBM, moved only by the kernels' own DMAs.
@@ -91,8 +97,10 @@ def _pair_specs(n: int):
     """SMEM block specs of the n pair arrays (sorted keys, output rows [, scales]); blocks
     past the owned count repeat the last owned block, which the pipeline then does not
     fetch again."""
+
     def index(i, count_ref):
         return (jnp.minimum(i, jnp.maximum(count_ref[0] - 1, 0) // _BLOCK),)
+
     return [pl.BlockSpec((_BLOCK,), index, memory_space=pltpu.SMEM) for _ in range(n)]
 
 
@@ -110,8 +118,9 @@ class _Pairs:
     def bind(self, refs):
         """Takes this kernel's pair refs off the front of `refs`; returns the rest."""
         n = len(self.arrays)
-        self.refs = dict(zip(["keys"] + ["out"] * self.has_out + ["scale"] * self.has_scale,
-                             refs[:n]))
+        self.refs = dict(
+            zip(["keys"] + ["out"] * self.has_out + ["scale"] * self.has_scale, refs[:n])
+        )
         return refs[n:]
 
     def key(self, p):
@@ -144,8 +153,11 @@ class _BlockRows:
 
     def _copy(self, j, to_hbm: bool):
         hbm, vmem = self.hbm.at[pl.ds(self.phys[self.a, j], 1)], self.buf.at[pl.ds(j, 1)]
-        return pltpu.make_async_copy(vmem, hbm, self.sem) if to_hbm else \
-            pltpu.make_async_copy(hbm, vmem, self.sem)
+        return (
+            pltpu.make_async_copy(vmem, hbm, self.sem)
+            if to_hbm
+            else pltpu.make_async_copy(hbm, vmem, self.sem)
+        )
 
     def gather(self, first, key, count: int | jax.Array):
         """Lists and reads the physical rows of `first` (if >= 0) and of key(p) for the
@@ -196,14 +208,14 @@ class _BlockRows:
         x = self.buf[pl.ds(j, 1), :]
         if self.k > 1:
             x = pltpu.roll(x, (self.lanes - (row % self.k) * self.w) % self.lanes, 1)
-        return x[:, :self.width]
+        return x[:, : self.width]
 
     def write(self, j, row, value):
         value = value.astype(self.buf.dtype)
         if self.k == 1:
-            self.buf[pl.ds(j, 1), :self.width] = value
+            self.buf[pl.ds(j, 1), : self.width] = value
             return
-        self.tmp[:, :self.width] = value
+        self.tmp[:, : self.width] = value
         shift = (row % self.k) * self.w
         moved = pltpu.roll(self.tmp[...], shift, 1)
         lane = lax.broadcasted_iota(jnp.int32, (1, self.lanes), 1)
@@ -215,9 +227,21 @@ def _row_bytes(packing: _layout.Packing, dtype) -> int:
     return packing.per_row * packing.padded_width * jnp.dtype(dtype).itemsize
 
 
-def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows: int,
-                  *, planned: tuple[int, int], vmem: int, out_bits: int = 0,
-                  rows_packing: _layout.Packing | None = None, interpret: bool = False):
+def pooled_lookup(
+    table,
+    packing: _layout.Packing,
+    keys,
+    out,
+    scale,
+    count,
+    rows: int,
+    *,
+    planned: tuple[int, int],
+    vmem: int,
+    out_bits: int = 0,
+    rows_packing: _layout.Packing | None = None,
+    interpret: bool = False,
+):
     """out[o] += scale · row(key) over the owned pairs (key, o, scale), lane-dense.
 
     Returns (rows / k, k·w) f32 for `rows_packing` (k, w; D-wide rows, default `packing`):
@@ -273,27 +297,52 @@ def pooled_lookup(table, packing: _layout.Packing, keys, out, scale, count, rows
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(_blocks(keys.shape[0]),),
+            num_scalar_prefetch=1,
+            grid=(_blocks(keys.shape[0]),),
             in_specs=_pair_specs(len(pairs.arrays)) + [_HBM],
             out_specs=_HBM,
-            scratch_shapes=[pltpu.VMEM((rows // k, lanes), jnp.float32),
-                            pltpu.VMEM((_BLOCK, lanes), table.dtype),
-                            pltpu.SMEM((1, _BLOCK), jnp.int32), pltpu.SMEM((1,), jnp.int32),
-                            pltpu.SemaphoreType.DMA(())]),
+            scratch_shapes=[
+                pltpu.VMEM((rows // k, lanes), jnp.float32),
+                pltpu.VMEM((_BLOCK, lanes), table.dtype),
+                pltpu.SMEM((1, _BLOCK), jnp.int32),
+                pltpu.SMEM((1,), jnp.int32),
+                pltpu.SemaphoreType.DMA(()),
+            ],
+        ),
         out_shape=jax.ShapeDtypeStruct((rows // k, lanes), jnp.float32),
         compiler_params=_params(vmem),
         cost_estimate=pl.CostEstimate(
-            flops=2 * planned[0] * width, transcendentals=0,
-            bytes_accessed=(planned[1] * lanes * itemsize + pairs.bytes * planned[0] +
-                            rows // k * lanes * 4)),
+            flops=2 * planned[0] * width,
+            transcendentals=0,
+            bytes_accessed=(
+                planned[1] * lanes * itemsize + pairs.bytes * planned[0] + rows // k * lanes * 4
+            ),
+        ),
         interpret=interpret,
-    )(jnp.reshape(count, (1,)).astype(jnp.int32), *pairs.arrays,
-      table if interpret else _in_hbm(table))
+    )(
+        jnp.reshape(count, (1,)).astype(jnp.int32),
+        *pairs.arrays,
+        table if interpret else _in_hbm(table),
+    )
 
 
-def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, scalars,
-                 row_fn, *, planned: tuple[int, int], vmem: int, out_bits: int = 0,
-                 rows_packing: _layout.Packing | None = None, interpret: bool = False):
+def fused_update(
+    arrays: list,
+    packings: list,
+    keys,
+    out,
+    scale,
+    count,
+    grads,
+    scalars,
+    row_fn,
+    *,
+    planned: tuple[int, int],
+    vmem: int,
+    out_bits: int = 0,
+    rows_packing: _layout.Packing | None = None,
+    interpret: bool = False,
+):
     """Sums each row's gradient and applies `row_fn` to it in place; returns new arrays.
 
     Args:
@@ -318,11 +367,13 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
 
     def kernel(count_ref, *refs):
         scalars_ref, grads_hbm, *refs = pairs.bind(refs)
-        hbm = refs[n:2 * n]  # The aliased outputs; refs[:n] are the same buffers.
-        bufs, tmps = refs[2 * n:3 * n], refs[3 * n:4 * n]
-        grads_ref, gacc, phys, counts, state, sem = refs[4 * n:]
-        arrays_ = [_BlockRows(h, b, t, phys, counts, a, p, sem)
-                   for a, (h, b, t, p) in enumerate(zip(hbm, bufs, tmps, packings))]
+        hbm = refs[n : 2 * n]  # The aliased outputs; refs[:n] are the same buffers.
+        bufs, tmps = refs[2 * n : 3 * n], refs[3 * n : 4 * n]
+        grads_ref, gacc, phys, counts, state, sem = refs[4 * n :]
+        arrays_ = [
+            _BlockRows(h, b, t, phys, counts, a, p, sem)
+            for a, (h, b, t, p) in enumerate(zip(hbm, bufs, tmps, packings))
+        ]
         i = pl.program_id(0)
         count = count_ref[0]
         here = jnp.clip(count - i * _BLOCK, 0, _BLOCK)
@@ -387,28 +438,38 @@ def fused_update(arrays: list, packings: list, keys, out, scale, count, grads, s
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(_blocks(keys.shape[0]),),
-            in_specs=_pair_specs(len(pairs.arrays)) + [
+            num_scalar_prefetch=1,
+            grid=(_blocks(keys.shape[0]),),
+            in_specs=_pair_specs(len(pairs.arrays))
+            + [
                 pl.BlockSpec(memory_space=pltpu.SMEM),
                 _HBM,
-            ] + [_HBM] * n,
+            ]
+            + [_HBM] * n,
             out_specs=[_HBM] * n,
             scratch_shapes=(
-                [pltpu.VMEM((_BLOCK + 1, l), a.dtype) for l, a in zip(lanes, arrays)] +
-                [pltpu.VMEM((1, l), a.dtype) for l, a in zip(lanes, arrays)] +
-                [pltpu.VMEM(grads.shape, jnp.float32),
-                 pltpu.VMEM((1, dim), jnp.float32), pltpu.SMEM((n, _BLOCK + 1), jnp.int32),
-                 pltpu.SMEM((n,), jnp.int32), pltpu.SMEM((1,), jnp.int32),
-                 pltpu.SemaphoreType.DMA(())])),
+                [pltpu.VMEM((_BLOCK + 1, l), a.dtype) for l, a in zip(lanes, arrays)]
+                + [pltpu.VMEM((1, l), a.dtype) for l, a in zip(lanes, arrays)]
+                + [
+                    pltpu.VMEM(grads.shape, jnp.float32),
+                    pltpu.VMEM((1, dim), jnp.float32),
+                    pltpu.SMEM((n, _BLOCK + 1), jnp.int32),
+                    pltpu.SMEM((n,), jnp.int32),
+                    pltpu.SMEM((1,), jnp.int32),
+                    pltpu.SemaphoreType.DMA(()),
+                ]
+            ),
+        ),
         out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
         # Operand indices count the scalar-prefetch operand, the pair arrays, the scalars
         # and the gradients: the arrays follow them.
         input_output_aliases={len(pairs.arrays) + 3 + a: a for a in range(n)},
         compiler_params=_params(vmem),
         cost_estimate=pl.CostEstimate(
-            flops=4 * planned[0] * dim, transcendentals=planned[1] * dim,
-            bytes_accessed=(2 * planned[1] * row_bytes + pairs.bytes * planned[0] +
-                            grads.size * 4)),
+            flops=4 * planned[0] * dim,
+            transcendentals=planned[1] * dim,
+            bytes_accessed=(2 * planned[1] * row_bytes + pairs.bytes * planned[0] + grads.size * 4),
+        ),
         interpret=interpret,
     )(jnp.reshape(count, (1,)).astype(jnp.int32), *pairs.arrays, scalars, grads, *arrays)
 
@@ -423,14 +484,19 @@ class PallasBackend(_backend.Backend):
 
     def unusable(self, table, optimizer, storage, platform):
         if jnp.dtype(table.dtype) != jnp.float32:
-            return (f"the Pallas kernels take float32 tables; this one is "
-                    f"{jnp.dtype(table.dtype).name}")
+            return (
+                f"the Pallas kernels take float32 tables; this one is {jnp.dtype(table.dtype).name}"
+            )
         if optimizer.dense_update:
-            return (f"{type(optimizer).__name__}(lazy_adam=False) updates every row; the "
-                    f"Pallas kernels update the rows in the batch")
+            return (
+                f"{type(optimizer).__name__}(lazy_adam=False) updates every row; the "
+                f"Pallas kernels update the rows in the batch"
+            )
         if not self.interpret and platform != "tpu":
-            return (f"it needs a TPU mesh and this one is on {platform!r} (backend="
-                    f"'pallas_interpret' runs the kernels in Pallas' interpreter anywhere)")
+            return (
+                f"it needs a TPU mesh and this one is on {platform!r} (backend="
+                f"'pallas_interpret' runs the kernels in Pallas' interpreter anywhere)"
+            )
         return None
 
     def _fits(self, plan, inputs, axis) -> bool:
@@ -449,32 +515,58 @@ class PallasBackend(_backend.Backend):
         storage = plan.storage
         stream = _streams.build(plan, inputs, axis, fused=True).sorted()
         acc = pooled_lookup(
-            table, storage.packing, stream.keys, stream.out, stream.scale, stream.count,
-            stream.rows, planned=_streams.planned(plan, stream.pairs, lax.axis_size(axis)),
-            vmem=plan.vmem, out_bits=stream.out_bits, rows_packing=storage.rows_packing,
-            interpret=self.interpret)
+            table,
+            storage.packing,
+            stream.keys,
+            stream.out,
+            stream.scale,
+            stream.count,
+            stream.rows,
+            planned=_streams.planned(plan, stream.pairs, lax.axis_size(axis)),
+            vmem=plan.vmem,
+            out_bits=stream.out_bits,
+            rows_packing=storage.rows_packing,
+            interpret=self.interpret,
+        )
         return _streams.scatter_parts(acc, stream, axis, storage.rows_packing)
 
     def update(self, plan, table, slots, inputs, grads, step, axis):
         if not self._fits(plan, inputs, axis):
-            return _xla_backend.XlaBackend().update(plan, table, slots, inputs, grads, step,
-                                                    axis)
+            return _xla_backend.XlaBackend().update(plan, table, slots, inputs, grads, step, axis)
         storage = plan.storage
         stream = _streams.build(plan, inputs, axis, fused=True)
         n = lax.axis_size(axis)
         # Each device's activation gradients lane-dense (its rows padded to r, see
         # _streams.build), then all-gathered.
-        grad_rows = jnp.concatenate([
-            lax.all_gather(_streams.packed(
-                jnp.pad(grads[f.path].reshape(local, -1), [(0, rows // n - local), (0, 0)]),
-                storage.rows_packing), axis, tiled=True).astype(jnp.float32)
-            for f, _, rows, local in stream.parts])
+        grad_rows = jnp.concatenate(
+            [
+                lax.all_gather(
+                    _streams.packed(
+                        jnp.pad(grads[f.path].reshape(local, -1), [(0, rows // n - local), (0, 0)]),
+                        storage.rows_packing,
+                    ),
+                    axis,
+                    tiled=True,
+                ).astype(jnp.float32)
+                for f, _, rows, local in stream.parts
+            ]
+        )
         stream = stream.sorted()
         names = [s.name for s in storage.stored]
         new = fused_update(
-            [table] + [slots[s] for s in names], storage.packings, stream.keys, stream.out,
-            stream.scale, stream.count, grad_rows, step.scalars,
-            storage.stored_row_fn(step.row_fn), planned=_streams.planned(plan, stream.pairs, n),
-            vmem=plan.vmem, out_bits=stream.out_bits, rows_packing=storage.rows_packing,
-            interpret=self.interpret)
+            [table] + [slots[s] for s in names],
+            storage.packings,
+            stream.keys,
+            stream.out,
+            stream.scale,
+            stream.count,
+            grad_rows,
+            step.scalars,
+            storage.stored_row_fn(step.row_fn),
+            planned=_streams.planned(plan, stream.pairs, n),
+            vmem=plan.vmem,
+            out_bits=stream.out_bits,
+            rows_packing=storage.rows_packing,
+            interpret=self.interpret,
+        )
         return new[0], dict(zip(names, new[1:]))

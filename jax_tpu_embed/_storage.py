@@ -92,8 +92,10 @@ class TableStorage:
 
     def shapes(self) -> tuple[tuple, dict[str, tuple]]:
         """(table shape, {stored slot: shape}) of the physical, global arrays."""
-        return (self.packing.physical_shape(self.layout),
-                {s.name: self.slot_packing(s).physical_shape(self.layout) for s in self.stored})
+        return (
+            self.packing.physical_shape(self.layout),
+            {s.name: self.slot_packing(s).physical_shape(self.layout) for s in self.stored},
+        )
 
     def logical_shape(self, slot: _optimizers.SlotSpec | None = None) -> tuple:
         """(V, D) for the table (slot None) or a rank-2 slot, (V,) for a rank-1 slot."""
@@ -107,9 +109,14 @@ class TableStorage:
         slot: array}), global physical arrays. `slots` must hold every rider; stored slots
         missing from it are left out. NumPy or jnp (traceable)."""
         table = self._join(table, {s.name: slots[s.name] for s in self.riders})
-        return (self._array_to_physical(self.packing, table),
-                {s.name: self._array_to_physical(self.slot_packing(s), slots[s.name])
-                 for s in self.stored if s.name in slots})
+        return (
+            self._array_to_physical(self.packing, table),
+            {
+                s.name: self._array_to_physical(self.slot_packing(s), slots[s.name])
+                for s in self.stored
+                if s.name in slots
+            },
+        )
 
     def to_logical(self, table, slots: dict | None = None) -> tuple:
         """The inverse of to_physical: (table (V, D), {slot: logical}) with every rider and
@@ -119,18 +126,23 @@ class TableStorage:
         if table is not None:
             table, riders = self._split(self._array_to_logical(self.packing, table))
         elif self.riders:
-            raise ValueError("TableStorage.to_logical: slots ride in the table's array; "
-                             "pass it.")
+            raise ValueError("TableStorage.to_logical: slots ride in the table's array; pass it.")
         slots = slots or {}
-        stored = {s.name: self._array_to_logical(self.slot_packing(s), slots[s.name])
-                  for s in self.stored if s.name in slots}
-        return table, {s.name: riders[s.name] if s.name in riders else stored[s.name]
-                       for s in self.slot_specs if s.name in riders or s.name in stored}
+        stored = {
+            s.name: self._array_to_logical(self.slot_packing(s), slots[s.name])
+            for s in self.stored
+            if s.name in slots
+        }
+        return table, {
+            s.name: riders[s.name] if s.name in riders else stored[s.name]
+            for s in self.slot_specs
+            if s.name in riders or s.name in stored
+        }
 
     def shard_table_rows(self, local, shard: int) -> np.ndarray:
         """The logical rows (without riders) of shard `shard` from its physical rows."""
         rows = self.packing.unpack(local, 1, self.layout.rows_per_shard)
-        return self._split(rows)[0][:int(self.layout.shard_sizes()[shard])]
+        return self._split(rows)[0][: int(self.layout.shard_sizes()[shard])]
 
     def shard_rows(self) -> int:
         """Physical rows of one shard of the table array."""
@@ -151,8 +163,11 @@ class TableStorage:
         multiple of N and no packing."""
         packing = self.packing if slot is None else self.slot_packing(slot)
         layout = self.layout
-        return (layout.strategy == "div" and layout.padded_rows == layout.vocabulary_size
-                and not packing.packed)
+        return (
+            layout.strategy == "div"
+            and layout.padded_rows == layout.vocabulary_size
+            and not packing.packed
+        )
 
     def _array_to_physical(self, packing: _layout.Packing, logical):
         return packing.pack(self.layout.to_physical(logical), self.layout.num_shards)
@@ -173,15 +188,17 @@ class TableStorage:
 
     def _split(self, group):
         d = self.dim
-        return group[..., :d], {s.name: group[..., d * (1 + i):d * (2 + i)]
-                                for i, s in enumerate(self.riders)}
+        return group[..., :d], {
+            s.name: group[..., d * (1 + i) : d * (2 + i)] for i, s in enumerate(self.riders)
+        }
 
     def _join(self, rows, riders: dict):
         if not self.riders:
             return rows
         xp = np if isinstance(rows, np.ndarray) else jnp
-        return xp.concatenate([rows] + [xp.asarray(riders[s.name]).astype(rows.dtype)
-                                        for s in self.riders], axis=-1)
+        return xp.concatenate(
+            [rows] + [xp.asarray(riders[s.name]).astype(rows.dtype) for s in self.riders], axis=-1
+        )
 
     def stored_row_fn(self, row_fn):
         """row_fn(g, [row, *slots], scalars) -> [row, *slots] of ONE row, as a function over
@@ -197,8 +214,9 @@ class TableStorage:
             given = {**riders, **dict(zip(stored, values[1:]))}
             new = row_fn(g, [row] + [given[n] for n in names], scalars)
             new_slots = dict(zip(names, new[1:]))
-            return ([self._join(new[0], {n: new_slots[n] for n in riders})] +
-                    [new_slots[n] for n in stored])
+            return [self._join(new[0], {n: new_slots[n] for n in riders})] + [
+                new_slots[n] for n in stored
+            ]
 
         return fn
 

@@ -117,18 +117,19 @@ class Stream:
     pairs in one call: no passes, no padding; activations and their gradients travel
     lane-dense (`pack`, see `build`).
     """
-    keys: jax.Array    # (M [+ C + 1],) local row per pair; padded with NOT_MINE for passes
+
+    keys: jax.Array  # (M [+ C + 1],) local row per pair; padded with NOT_MINE for passes
     out: jax.Array | None  # (M [+ C + 1],) output row per pair; padded with 0. None when
     #                   the keys hold it (`out_bits`).
     scale: jax.Array | None  # (M [+ C + 1],) combiner-scaled weight per pair; padded with
     #                   0. None (fused streams only): 1 for every owned pair.
-    count: jax.Array   # () owned pairs
-    capacity: int      # C
-    pairs: int         # M
-    rows: int          # Output rows of all the table's features together.
-    parts: list        # [(FeaturePlan, first output row, output rows, rows per device)]
+    count: jax.Array  # () owned pairs
+    capacity: int  # C
+    pairs: int  # M
+    rows: int  # Output rows of all the table's features together.
+    parts: list  # [(FeaturePlan, first output row, output rows, rows per device)]
     fused: bool
-    pack: int = 1      # Output rows per lane-dense row (fused: the table's k), see _streams.
+    pack: int = 1  # Output rows per lane-dense row (fused: the table's k), see _streams.
     out_bits: int = 0  # > 0 (fused only): keys are row << out_bits | output row.
 
     def sorted(self) -> Stream:
@@ -137,15 +138,18 @@ class Stream:
         gradients alike. Unstable: a stable sort costs the TPU compiler an extra iota
         operand."""
         names = [n for n in ("keys", "out", "scale") if getattr(self, n) is not None]
-        arrays = lax.sort(tuple(getattr(self, n) for n in names), num_keys=len(names),
-                          is_stable=False)
+        arrays = lax.sort(
+            tuple(getattr(self, n) for n in names), num_keys=len(names), is_stable=False
+        )
         return dataclasses.replace(self, **dict(zip(names, arrays)))
 
     def window(self, start):
         """(keys, out, scale), each (C,), of the pairs start ... start + C - 1."""
         assert self.out is not None and self.scale is not None, "a stream for passes"
-        return tuple(lax.dynamic_slice_in_dim(a, start, self.capacity)
-                     for a in (self.keys, self.out, self.scale))
+        return tuple(
+            lax.dynamic_slice_in_dim(a, start, self.capacity)
+            for a in (self.keys, self.out, self.scale)
+        )
 
     def key_at(self, i):
         """The key of pair i (sorted: NOT_MINE past the owned pairs)."""
@@ -162,8 +166,7 @@ class Stream:
             consumed, carry = body(start, carry)
             return start + consumed, carry
 
-        return lax.while_loop(lambda state: state[0] < self.count, step,
-                              (jnp.int32(0), carry))[1]
+        return lax.while_loop(lambda state: state[0] < self.count, step, (jnp.int32(0), carry))[1]
 
 
 def _flat_pairs(f: FeaturePlan, ids, weights, axis, columns: bool):
@@ -205,11 +208,19 @@ def build(plan: TablePlan, inputs: list, axis: str, *, fused: bool) -> Stream:
         ids_all, scale = _flat_pairs(f, ids, weights, axis, columns=plan.on_tpu)
         mine, local = owned(plan.layout, ids_all, axis)
         b, l = ids.shape[0] * n, ids.shape[1]
-        example, position = _position(lax.iota(jnp.int32, b * l), ids.shape[0], l,
-                                      columns=plan.on_tpu)
+        example, position = _position(
+            lax.iota(jnp.int32, b * l), ids.shape[0], l, columns=plan.on_tpu
+        )
         seq = f.config.is_sequence
-        items.append((f, jnp.where(mine, local, NOT_MINE), (mine, scale),
-                      example * l + position if seq else example, b * l if seq else b))
+        items.append(
+            (
+                f,
+                jnp.where(mine, local, NOT_MINE),
+                (mine, scale),
+                example * l + position if seq else example,
+                b * l if seq else b,
+            )
+        )
     keys = jnp.concatenate([k for _, k, *_ in items])
     c = capacity(plan, keys.shape[0], n)
     k = plan.storage.rows_packing.per_row if fused else 1
@@ -225,14 +236,23 @@ def build(plan: TablePlan, inputs: list, axis: str, *, fused: bool) -> Stream:
         parts.append((f, first, n * r, local))
         outs.append(out // local * r + out % local + first)
         first += n * r
-    pad = (lambda x, value=0: x) if fused else (
-        lambda x, value=0: jnp.pad(x, (0, c + 1), constant_values=value))
+    pad = (
+        (lambda x, value=0: x)
+        if fused
+        else (lambda x, value=0: jnp.pad(x, (0, c + 1), constant_values=value))
+    )
     # The kernels read scales only for owned pairs: all 1 needs no array at all (one
     # payload less in the sort). The passes read every pair: 0 where not owned.
     scales = [s for _, _, (_, s), *_ in items]
-    scale = None if fused and all(s is None for s in scales) else pad(jnp.concatenate([
-        jnp.where(mine, 1.0 if s is None else s, 0.0)
-        for _, _, (mine, s), *_ in items]))
+    scale = (
+        None
+        if fused and all(s is None for s in scales)
+        else pad(
+            jnp.concatenate(
+                [jnp.where(mine, 1.0 if s is None else s, 0.0) for _, _, (mine, s), *_ in items]
+            )
+        )
+    )
     out = jnp.concatenate(outs)
     # The kernels take (row, output row) packed into one key when both fit below
     # NOT_MINE: the sort then moves one array, not two, and so do the kernels.
@@ -241,18 +261,28 @@ def build(plan: TablePlan, inputs: list, axis: str, *, fused: bool) -> Stream:
     if bits:
         keys, out = jnp.where(keys < NOT_MINE, keys << bits | out, NOT_MINE), None
     return Stream(
-        keys=pad(keys, NOT_MINE), out=None if out is None else pad(out), scale=scale,
+        keys=pad(keys, NOT_MINE),
+        out=None if out is None else pad(out),
+        scale=scale,
         # Counted on the final keys: one pass over them with the key computation.
-        count=jnp.sum(keys < NOT_MINE, dtype=jnp.int32), capacity=c,
-        pairs=keys.shape[0], rows=first, parts=parts, fused=fused, pack=k,
-        out_bits=bits)
+        count=jnp.sum(keys < NOT_MINE, dtype=jnp.int32),
+        capacity=c,
+        pairs=keys.shape[0],
+        rows=first,
+        parts=parts,
+        fused=fused,
+        pack=k,
+        out_bits=bits,
+    )
 
 
 def output_rows(inputs: list, k: int) -> int:
     """Rows of a table's activations per device, each feature's share rounded up to k:
     b per pooled feature, b·L per sequence feature (see `build`)."""
-    return sum(round_up(ids.shape[0] * (ids.shape[1] if f.config.is_sequence else 1), k)
-               for f, ids, _ in inputs)
+    return sum(
+        round_up(ids.shape[0] * (ids.shape[1] if f.config.is_sequence else 1), k)
+        for f, ids, _ in inputs
+    )
 
 
 def packed(x, packing: _layout.Packing):
@@ -264,8 +294,7 @@ def packed(x, packing: _layout.Packing):
 
 def unpacked(x, packing: _layout.Packing, rows: int):
     """The inverse of _packed, then the first `rows` rows."""
-    return x.reshape(-1, packing.padded_width)[:rows, :packing.width]
-
+    return x.reshape(-1, packing.padded_width)[:rows, : packing.width]
 
 
 def scatter_parts(acc, stream: Stream, axis: str, packing=None) -> dict:
@@ -274,8 +303,9 @@ def scatter_parts(acc, stream: Stream, axis: str, packing=None) -> dict:
     k = stream.pack (_streams), unpacked after the reduce-scatter."""
     out, k = {}, stream.pack
     for f, first, rows, local in stream.parts:
-        partial = lax.psum_scatter(acc[first // k:(first + rows) // k], axis,
-                                   scatter_dimension=0, tiled=True)
+        partial = lax.psum_scatter(
+            acc[first // k : (first + rows) // k], axis, scatter_dimension=0, tiled=True
+        )
         if packing is not None:
             partial = unpacked(partial, packing, local)
         if f.config.is_sequence:
@@ -293,12 +323,15 @@ def id_counts(table_plans: dict, feature_plans: list, flat: dict, num_shards: in
         leaf = flat[f.path]
         for x in jax.tree.leaves(leaf):
             if isinstance(x, jax.Array) and not x.is_fully_addressable:
-                raise ValueError(f"id_counts: feature {f.path!r} is a jax.Array spanning "
-                                 f"several processes; pass the global batch as NumPy.")
+                raise ValueError(
+                    f"id_counts: feature {f.path!r} is a jax.Array spanning "
+                    f"several processes; pass the global batch as NumPy."
+                )
         ids, _ = _inputs.normalize(f.config, leaf)
         ids_by_table.setdefault(f.table, []).append(np.asarray(ids).reshape(-1))
         out_rows[f.table] = out_rows.get(f.table, 0) + (
-            ids.size if f.config.is_sequence else ids.shape[0])
+            ids.size if f.config.is_sequence else ids.shape[0]
+        )
     out = {}
     for name, parts in ids_by_table.items():
         plan = table_plans[name]
@@ -314,6 +347,10 @@ def id_counts(table_plans: dict, feature_plans: list, flat: dict, num_shards: in
             owned, unique = max(owned, int(counts.sum())), max(unique, len(rows))
             passes = max(passes, passes_needed(counts, c, cu))
         single = plan.backend.single_pass(plan, out_rows[name])
-        out[name] = {"pairs": m, "owned_pairs": owned, "unique_rows": unique,
-                     "passes": 1 if single else passes}
+        out[name] = {
+            "pairs": m,
+            "owned_pairs": owned,
+            "unique_rows": unique,
+            "passes": 1 if single else passes,
+        }
     return out

@@ -42,8 +42,9 @@ Discover = Callable[[Any, Any], dict]
 Loss = Callable[[Any, dict, Any], Any]
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["features", "grads", "valid"], meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["features", "grads", "valid"], meta_fields=[]
+)
 @dataclasses.dataclass
 class Pending:
     """The sparse update a pipelined step leaves for the next one.
@@ -54,14 +55,17 @@ class Pending:
         valid: bool scalar; False when there is nothing to apply (before the first step,
             after `flush`, after a skipped step).
     """
+
     features: dict
     grads: dict
     valid: jax.Array
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["step", "params", "opt_state", "embedding", "pending",
-                                "skipped"], meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["step", "params", "opt_state", "embedding", "pending", "skipped"],
+    meta_fields=[],
+)
 @dataclasses.dataclass
 class TrainState:
     """Everything a train step reads and donates.
@@ -77,6 +81,7 @@ class TrainState:
         pending: `Pending` with `spec.pipeline_execution=True`, else None.
         skipped: int32 scalar, steps skipped because of non-finite values.
     """
+
     step: jax.Array
     params: Any
     opt_state: Any
@@ -106,10 +111,12 @@ def _is_weighted(x) -> bool:
 
 def _mask_features(features: Nested, keep: jax.Array) -> Nested:
     """Features whose ids all become -1 (never read or written) unless `keep`."""
+
     def mask(leaf):
         if _is_weighted(leaf):
             return _inputs.Weighted(jnp.where(keep, jnp.asarray(leaf.ids), -1), leaf.weights)
         return jnp.where(keep, jnp.asarray(leaf), -1)
+
     return jax.tree.map(mask, features, is_leaf=_is_weighted)
 
 
@@ -159,8 +166,9 @@ def _unaliased(tree):
     return jax.tree.map(once, tree)
 
 
-def _apply_masked(emb: _embedding.Embedding, state: _embedding.EmbeddingState, features,
-                  grads, keep: jax.Array) -> _embedding.EmbeddingState:
+def _apply_masked(
+    emb: _embedding.Embedding, state: _embedding.EmbeddingState, features, grads, keep: jax.Array
+) -> _embedding.EmbeddingState:
     """`emb.apply_gradients`, or no change at all (step counter included) unless `keep`."""
     new = emb.apply_gradients(state, _mask_features(features, keep), grads)
     tables, slots = dict(new.tables), dict(new.slots)
@@ -168,8 +176,9 @@ def _apply_masked(emb: _embedding.Embedding, state: _embedding.EmbeddingState, f
         if plan.optimizer.dense_update:
             # Such tables update every row even without ids; keeping them costs a table copy.
             tables[name] = jnp.where(keep, tables[name], state.tables[name])
-            slots[name] = jax.tree.map(lambda n, o: jnp.where(keep, n, o), slots[name],
-                                       state.slots[name])
+            slots[name] = jax.tree.map(
+                lambda n, o: jnp.where(keep, n, o), slots[name], state.slots[name]
+            )
     return _embedding.EmbeddingState(tables, slots, jnp.where(keep, new.step, state.step))
 
 
@@ -189,9 +198,16 @@ class TrainStep:
             keep batch shapes fixed (drop the remainder) so it stays 1.
     """
 
-    def __init__(self, *, discover: Discover, loss: Loss, tx: optax.GradientTransformation,
-                 unpack: Callable[[Any], dict], pack: Callable[[Any, dict], Any],
-                 donate: bool = True):
+    def __init__(
+        self,
+        *,
+        discover: Discover,
+        loss: Loss,
+        tx: optax.GradientTransformation,
+        unpack: Callable[[Any], dict],
+        pack: Callable[[Any, dict], Any],
+        donate: bool = True,
+    ):
         self._discover, self._loss, self.tx = discover, loss, tx
         self._unpack, self._pack = unpack, pack
         self.embeddings: dict[str, _embedding.Embedding] = {}
@@ -255,8 +271,11 @@ class TrainStep:
             grads[n] = jax.tree.map(lambda s: make(s, 0), acts)
         mesh = embs[names[0]].mesh
         # Any: an abstract Pending holds a ShapeDtypeStruct where the real one holds an array.
-        valid: Any = (jax.ShapeDtypeStruct((), jnp.bool_, sharding=NamedSharding(mesh, P()))
-                      if abstract else jax.device_put(jnp.array(False), NamedSharding(mesh, P())))
+        valid: Any = (
+            jax.ShapeDtypeStruct((), jnp.bool_, sharding=NamedSharding(mesh, P()))
+            if abstract
+            else jax.device_put(jnp.array(False), NamedSharding(mesh, P()))
+        )
         return Pending(features, grads, valid)
 
     def _make_state(self, params, embedding, example_batch, abstract: bool) -> TrainState:
@@ -271,43 +290,59 @@ class TrainStep:
         if example_batch is None:
             embs = dict(self.embeddings)
             if self._pipelined(embs) or not embs:
-                raise ValueError("TrainStep: pass an example batch to create the state (a "
-                                 "pipelined step keeps one batch's update pending).")
+                raise ValueError(
+                    "TrainStep: pass an example batch to create the state (a "
+                    "pipelined step keeps one batch's update pending)."
+                )
         else:
             features = jax.eval_shape(probe, params, example_batch)
         missing = sorted(set(embs) - set(states))
         if missing:
-            raise ValueError(f"TrainStep: the embedding state has no entry for {missing}; "
-                             f"it has {sorted(states)}.")
+            raise ValueError(
+                f"TrainStep: the embedding state has no entry for {missing}; "
+                f"it has {sorted(states)}."
+            )
         mesh = next(iter(embs.values())).mesh
         replicated = NamedSharding(mesh, P())
         first = states[sorted(embs)[0]]
         if abstract:
+
             def abstract_of(x):
                 dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
-                return jax.ShapeDtypeStruct(jnp.shape(x), dtype,
-                                            sharding=_dense_sharding(x, replicated))
+                return jax.ShapeDtypeStruct(
+                    jnp.shape(x), dtype, sharding=_dense_sharding(x, replicated)
+                )
 
             # Any: an abstract TrainState holds ShapeDtypeStructs where the real one holds arrays.
             scalar: Any = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
             params = jax.tree.map(abstract_of, params)
             opt_state = jax.tree.map(abstract_of, jax.eval_shape(self.tx.init, params))
-            return TrainState(scalar, params, opt_state, embedding,
-                              self._pending_like(embs, features, True), scalar)
+            return TrainState(
+                scalar,
+                params,
+                opt_state,
+                embedding,
+                self._pending_like(embs, features, True),
+                scalar,
+            )
 
         # A copy, so that donating the state never deletes the caller's arrays (device_put
         # alone may alias the caller's buffer on one device, even with may_alias=False).
         params = jax.tree.map(
-            lambda x: jax.device_put(jnp.copy(x) if isinstance(x, jax.Array) else x,
-                                     _dense_sharding(x, replicated)),
-            params)
+            lambda x: jax.device_put(
+                jnp.copy(x) if isinstance(x, jax.Array) else x, _dense_sharding(x, replicated)
+            ),
+            params,
+        )
         step = jax.device_put(jnp.array(first.step, jnp.int32, copy=True), replicated)
         skipped = jax.device_put(jnp.zeros((), jnp.int32), replicated)
         # On the mesh like the step's outputs, so the second step does not retrace.
-        opt_state = jax.tree.map(lambda x: jax.device_put(x, _dense_sharding(x, replicated)),
-                                 self.tx.init(params))
-        state = TrainState(step, params, opt_state, embedding,
-                           self._pending_like(embs, features, False), skipped)
+        opt_state = jax.tree.map(
+            lambda x: jax.device_put(x, _dense_sharding(x, replicated)), self.tx.init(params)
+        )
+        state = TrainState(
+            step, params, opt_state, embedding, self._pending_like(embs, features, False), skipped
+        )
         return _unaliased(state)
 
     # ------------------------------------------------------------------- step
@@ -316,14 +351,19 @@ class TrainStep:
         embs, features = self._found(state.params, batch)
         states = self._unpack(state.embedding)
         if set(states) != set(embs):
-            raise ValueError(f"TrainStep: the batch feeds embeddings {sorted(embs)} but the "
-                             f"state holds {sorted(states)}.")
+            raise ValueError(
+                f"TrainStep: the batch feeds embeddings {sorted(embs)} but the "
+                f"state holds {sorted(states)}."
+            )
         pipelined = self._pipelined(embs)
         if (state.pending is None) != (not pipelined) or (
-                state.pending is not None and sorted(state.pending.features) != pipelined):
-            raise ValueError(f"TrainStep: the state's pending updates do not match the "
-                             f"pipelined embeddings {pipelined}; create the state with "
-                             f"this step's init.")
+            state.pending is not None and sorted(state.pending.features) != pipelined
+        ):
+            raise ValueError(
+                f"TrainStep: the state's pending updates do not match the "
+                f"pipelined embeddings {pipelined}; create the state with "
+                f"this step's init."
+            )
         first = embs[sorted(embs)[0]]
         batch = self._shard_batch(batch, first, _batch_size(features))
 
@@ -333,12 +373,16 @@ class TrainStep:
             out = self._loss(params, acts, batch)
             loss: Any
             loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
-            if (not hasattr(loss, "shape") or jnp.shape(loss) != () or
-                    not jnp.issubdtype(jnp.result_type(loss), jnp.floating)):
+            if (
+                not hasattr(loss, "shape")
+                or jnp.shape(loss) != ()
+                or not jnp.issubdtype(jnp.result_type(loss), jnp.floating)
+            ):
                 raise ValueError(
                     f"loss_fn must return a float scalar loss, or (loss, aux); got "
                     f"{type(loss).__name__} with shape {jnp.shape(loss)} and dtype "
-                    f"{jnp.result_type(loss)}. Reduce over the batch (e.g. jnp.mean).")
+                    f"{jnp.result_type(loss)}. Reduce over the batch (e.g. jnp.mean)."
+                )
             return loss.astype(jnp.float32), aux
 
         loss, vjp_fn, aux = jax.vjp(loss_of, state.params, acts, has_aux=True)
@@ -360,12 +404,18 @@ class TrainStep:
         if pipelined:
             sharding = {n: NamedSharding(embs[n].mesh, P(embs[n].axis)) for n in pipelined}
             pending = Pending(
-                {n: jax.tree.map(lambda x, s=sharding[n]: _constrain(jnp.asarray(x), s),
-                                 features[n])
-                 for n in pipelined},
-                {n: jax.tree.map(lambda x, s=sharding[n]: _constrain(x, s), dacts[n])
-                 for n in pipelined},
-                ok)
+                {
+                    n: jax.tree.map(
+                        lambda x, s=sharding[n]: _constrain(jnp.asarray(x), s), features[n]
+                    )
+                    for n in pipelined
+                },
+                {
+                    n: jax.tree.map(lambda x, s=sharding[n]: _constrain(x, s), dacts[n])
+                    for n in pipelined
+                },
+                ok,
+            )
 
         updates, opt_state = self.tx.update(dparams, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -375,14 +425,20 @@ class TrainStep:
 
         new_state = TrainState(
             step=state.step + ok.astype(jnp.int32),
-            params=params, opt_state=opt_state,
+            params=params,
+            opt_state=opt_state,
             embedding=self._pack(state.embedding, new_states),
             pending=pending,
-            skipped=state.skipped + (~ok).astype(jnp.int32))
-        invalid = sum(jnp.sum(jnp.stack(list(embs[n].invalid_id_counts(features[n]).values())))
-                      for n in embs)
-        metrics = {"loss": loss, "skipped": (~ok).astype(jnp.int32),
-                   "invalid_ids": jnp.asarray(invalid, jnp.int32)}
+            skipped=state.skipped + (~ok).astype(jnp.int32),
+        )
+        invalid = sum(
+            jnp.sum(jnp.stack(list(embs[n].invalid_id_counts(features[n]).values()))) for n in embs
+        )
+        metrics = {
+            "loss": loss,
+            "skipped": (~ok).astype(jnp.int32),
+            "invalid_ids": jnp.asarray(invalid, jnp.int32),
+        }
         if aux is not None:
             metrics["aux"] = aux
         self.trace_count += 1  # Counted once the trace succeeded.
@@ -393,8 +449,12 @@ class TrainStep:
         sharding = NamedSharding(emb.mesh, P(emb.axis))
 
         def shard(x):
-            if (hasattr(x, "shape") and len(x.shape) >= 1 and x.shape[0] == batch_size and
-                    not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)):
+            if (
+                hasattr(x, "shape")
+                and len(x.shape) >= 1
+                and x.shape[0] == batch_size
+                and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+            ):
                 return _constrain(jnp.asarray(x), sharding)
             return x
 
@@ -406,17 +466,25 @@ class TrainStep:
         pipelined = sorted(state.pending.features)
         missing = [n for n in pipelined if n not in self.embeddings]
         if missing:
-            raise ValueError(f"flush: embeddings {missing} are unknown to this step yet; "
-                             f"create the state with its init or run a step first.")
+            raise ValueError(
+                f"flush: embeddings {missing} are unknown to this step yet; "
+                f"create the state with its init or run a step first."
+            )
         new_states = dict(states)
         for n in pipelined:
-            new_states[n] = _apply_masked(self.embeddings[n], states[n],
-                                          state.pending.features[n],
-                                          state.pending.grads[n], state.pending.valid)
-        pending = Pending(state.pending.features, state.pending.grads,
-                          jnp.zeros_like(state.pending.valid))
-        return dataclasses.replace(state, embedding=self._pack(state.embedding, new_states),
-                                   pending=pending)
+            new_states[n] = _apply_masked(
+                self.embeddings[n],
+                states[n],
+                state.pending.features[n],
+                state.pending.grads[n],
+                state.pending.valid,
+            )
+        pending = Pending(
+            state.pending.features, state.pending.grads, jnp.zeros_like(state.pending.valid)
+        )
+        return dataclasses.replace(
+            state, embedding=self._pack(state.embedding, new_states), pending=pending
+        )
 
 
 class EmbeddingTrainStep(TrainStep):
@@ -425,15 +493,23 @@ class EmbeddingTrainStep(TrainStep):
 
     _NAME = "embedding"
 
-    def __init__(self, emb: _embedding.Embedding, loss_fn: Callable,
-                 tx: optax.GradientTransformation, features_fn: Callable | None = None,
-                 donate: bool = True):
+    def __init__(
+        self,
+        emb: _embedding.Embedding,
+        loss_fn: Callable,
+        tx: optax.GradientTransformation,
+        features_fn: Callable | None = None,
+        donate: bool = True,
+    ):
         if not isinstance(emb, _embedding.Embedding):
-            raise TypeError(f"make_train_step: emb must be a jte.Embedding, got "
-                            f"{type(emb).__name__}.")
+            raise TypeError(
+                f"make_train_step: emb must be a jte.Embedding, got {type(emb).__name__}."
+            )
         if not callable(loss_fn):
-            raise TypeError(f"make_train_step: loss_fn must be callable "
-                            f"fn(params, activations, batch), got {loss_fn!r}.")
+            raise TypeError(
+                f"make_train_step: loss_fn must be callable "
+                f"fn(params, activations, batch), got {loss_fn!r}."
+            )
         self.embedding = emb
         name = self._NAME
 
@@ -444,18 +520,28 @@ class EmbeddingTrainStep(TrainStep):
             if not isinstance(batch, dict) or "features" not in batch:
                 raise ValueError(
                     "make_train_step: the batch has no 'features' entry; pass "
-                    "features_fn=lambda batch: ... to say where the embedding features are.")
+                    "features_fn=lambda batch: ... to say where the embedding features are."
+                )
             return {name: (emb, batch["features"])}
 
         super().__init__(
             discover=discover,
             loss=lambda params, acts, batch: loss_fn(params, acts[name], batch),
-            tx=tx, unpack=lambda e: {name: e}, pack=lambda e, states: states[name],
-            donate=donate)
+            tx=tx,
+            unpack=lambda e: {name: e},
+            pack=lambda e, states: states[name],
+            donate=donate,
+        )
         self.embeddings = {name: emb}
 
-    def init(self, key: jax.Array | None, params: Any, example_batch: Any = None, *,
-             embedding_state: _embedding.EmbeddingState | None = None) -> TrainState:
+    def init(
+        self,
+        key: jax.Array | None,
+        params: Any,
+        example_batch: Any = None,
+        *,
+        embedding_state: _embedding.EmbeddingState | None = None,
+    ) -> TrainState:
         """The initial TrainState.
 
         Args:
@@ -478,13 +564,19 @@ class EmbeddingTrainStep(TrainStep):
 
         Use it to AOT-compile the step: `step.lower(step.abstract_state(p, b), b).compile()`.
         """
-        return self._make_state(params, self.embedding.abstract_state(), example_batch,
-                                abstract=True)
+        return self._make_state(
+            params, self.embedding.abstract_state(), example_batch, abstract=True
+        )
 
 
-def make_train_step(emb: _embedding.Embedding, loss_fn: Callable,
-                    tx: optax.GradientTransformation, *, features_fn: Callable | None = None,
-                    donate: bool = True) -> EmbeddingTrainStep:
+def make_train_step(
+    emb: _embedding.Embedding,
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    *,
+    features_fn: Callable | None = None,
+    donate: bool = True,
+) -> EmbeddingTrainStep:
     """Builds one jitted, state-donating train step.
 
     Args:

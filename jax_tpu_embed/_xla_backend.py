@@ -54,16 +54,20 @@ class XlaBackend(_backend.Backend):
         acc = stream.passes(one_pass, jnp.zeros((rows, k * w), jnp.float32), single=single)
         if packing.packed:  # Fold the k lane groups: each position filled only its own.
             acc = acc.reshape(rows, k, w).sum(axis=1)
-        acc = acc[:, :plan.config.dim]  # The row's lanes, not its riders'.
+        acc = acc[:, : plan.config.dim]  # The row's lanes, not its riders'.
         return _streams.scatter_parts(acc, stream, axis)
 
     def update(self, plan, table, slots, inputs, grads, step, axis):
         stream = _streams.build(plan, inputs, axis, fused=False)
         c = stream.capacity
-        grad_rows = jnp.concatenate([
-            lax.all_gather(grads[f.path], axis, tiled=True).astype(jnp.float32).reshape(
-                rows, -1)
-            for f, _, rows, _ in stream.parts])
+        grad_rows = jnp.concatenate(
+            [
+                lax.all_gather(grads[f.path], axis, tiled=True)
+                .astype(jnp.float32)
+                .reshape(rows, -1)
+                for f, _, rows, _ in stream.parts
+            ]
+        )
         if not plan.on_tpu and c >= stream.pairs:
             # One pass, off TPU: a key-only sort and a binary search beat XLA:CPU's payload
             # sort; on TPU they would be 1-D gathers and scatters.
@@ -83,8 +87,9 @@ class XlaBackend(_backend.Backend):
             take = (keys < NOT_MINE) & (segment < cu)
             consumed = jnp.sum(take, dtype=jnp.int32)
             g = jnp.where(take[:, None], scale[:, None] * grad_rows[out], 0.0)
-            g_sum = jax.ops.segment_sum(g, jnp.where(take, segment, cu), num_segments=cu,
-                                        indices_are_sorted=True)
+            g_sum = jax.ops.segment_sum(
+                g, jnp.where(take, segment, cu), num_segments=cu, indices_are_sorted=True
+            )
             g_sum = g_sum.at[0].add(held)  # The row the previous pass held, if any.
             # Segment s's row: the s-th distinct key (a sort, not a 1-D scatter).
             rows = lax.sort(jnp.where(starts & take, keys, NOT_MINE), is_stable=False)[:cu]
@@ -101,8 +106,9 @@ class XlaBackend(_backend.Backend):
             return consumed, (table, table_slots, held)
 
         held = jnp.zeros((grad_rows.shape[1],), jnp.float32)
-        table, slots, _ = stream.passes(one_pass, (table, slots, held),
-                                        single=c >= stream.pairs and cu >= c)
+        table, slots, _ = stream.passes(
+            one_pass, (table, slots, held), single=c >= stream.pairs and cu >= c
+        )
         return table, slots
 
 
@@ -155,7 +161,8 @@ class _Rows:
         self.phys = lax.sort(jnp.where(self.starts, phys, NOT_MINE), is_stable=False)
         lane = lax.iota(jnp.int32, k * w)
         self.mine = ((lane // w)[None, :] == (rows % k)[:, None]) & (
-            (lane % w)[None, :] < packing.width)
+            (lane % w)[None, :] < packing.width
+        )
         self.bits = _bits(buf.at[phys].get(mode="fill", fill_value=0))
 
     def read(self):
@@ -164,7 +171,7 @@ class _Rows:
         k, w = self.packing.per_row, self.packing.padded_width
         picked = jnp.where(self.mine, self.bits, 0).reshape(-1, k, w)
         picked = picked.sum(axis=1, dtype=self.bits.dtype)  # One nonzero term: exact bits.
-        out = lax.bitcast_convert_type(picked[:, :self.packing.width], self.buf.dtype)
+        out = lax.bitcast_convert_type(picked[:, : self.packing.width], self.buf.dtype)
         return out if self.packing.rank == 2 else out[:, 0]
 
     def write(self, values):
@@ -179,8 +186,9 @@ class _Rows:
         lanes = jnp.pad(_bits(values), [(0, 0), (0, w - self.packing.width)])
         lanes = jnp.tile(lanes, (1, k))  # Every lane group; the mask keeps this row's.
         n = self.rows.shape[0]
-        total = lambda x: jax.ops.segment_sum(x, self.segment, num_segments=n,
-                                              indices_are_sorted=True)
+        total = lambda x: jax.ops.segment_sum(
+            x, self.segment, num_segments=n, indices_are_sorted=True
+        )
         new = total(jnp.where(self.mine, lanes, 0))
         touched = total(self.mine.astype(jnp.int32)) > 0
         old = total(jnp.where(self.starts[:, None], self.bits, 0))
@@ -193,8 +201,9 @@ def _bits(x):
     return lax.bitcast_convert_type(x, {2: jnp.int16, 4: jnp.int32}[x.dtype.itemsize])
 
 
-def apply_rows(plan: _backend.TablePlan, table, slots: dict, rows_idx, g,
-               step: _backend.RowStep, axis):
+def apply_rows(
+    plan: _backend.TablePlan, table, slots: dict, rows_idx, g, step: _backend.RowStep, axis
+):
     """Reads the distinct rows `rows_idx` (sorted; >= NOT_MINE: none) of the table and its
     stored slots, applies the optimizer's row function to each with its summed gradient
     `g`, and writes them back in place: (table, slots)."""

@@ -48,6 +48,7 @@ _ITEMS = ("embedding", "metadata", "dense")
 def _orbax():
     """orbax.checkpoint, imported on first use: it takes about a second to import."""
     import orbax.checkpoint
+
     return orbax.checkpoint
 
 
@@ -56,8 +57,13 @@ class CheckpointNotFoundError(FileNotFoundError, ValueError):
     that is not there. Both a FileNotFoundError and a ValueError."""
 
 
-def save(directory: str | os.PathLike, emb: _embedding.Embedding,
-         state: _embedding.EmbeddingState, *, dense: Any = None) -> int:
+def save(
+    directory: str | os.PathLike,
+    emb: _embedding.Embedding,
+    state: _embedding.EmbeddingState,
+    *,
+    dense: Any = None,
+) -> int:
     """Writes `state` (and `dense`) as the checkpoint of step `state.step` under `directory`.
 
     Args:
@@ -84,26 +90,36 @@ def save(directory: str | os.PathLike, emb: _embedding.Embedding,
         table, riders = storage.split_row(_to_logical(emb, storage, None, state.tables[name]))
         embedding["tables"][name] = table
         embedding["slots"][name] = {
-            s.name: riders[s.name] if s.name in riders else
-            _to_logical(emb, storage, s, state.slots[name][s.name])
-            for s in storage.slot_specs}
-    items = {"embedding": ocp.args.StandardSave(embedding),
-             "metadata": ocp.args.JsonSave(_metadata(emb, step, dense is not None))}
+            s.name: riders[s.name]
+            if s.name in riders
+            else _to_logical(emb, storage, s, state.slots[name][s.name])
+            for s in storage.slot_specs
+        }
+    items = {
+        "embedding": ocp.args.StandardSave(embedding),
+        "metadata": ocp.args.JsonSave(_metadata(emb, step, dense is not None)),
+    }
     if dense is not None:
         items["dense"] = ocp.args.StandardSave(dense)
     with _manager(path, read_only=False) as manager:
         try:
             manager.save(step, args=ocp.args.Composite(**items), force=True)
         except ocp.checkpoint_manager.StepAlreadyExistsError as e:  # pyright: ignore[reportAttributeAccessIssue]
-            raise ValueError(f"checkpoint.save: {path} already holds a checkpoint for step "
-                             f"{step}; delete it or save from a state with another step.") from e
+            raise ValueError(
+                f"checkpoint.save: {path} already holds a checkpoint for step "
+                f"{step}; delete it or save from a state with another step."
+            ) from e
         manager.wait_until_finished()
     return step
 
 
-def restore(directory: str | os.PathLike, emb: _embedding.Embedding, *,
-            step: int | None = None, dense_target: Any = None
-            ) -> tuple[_embedding.EmbeddingState, Any]:
+def restore(
+    directory: str | os.PathLike,
+    emb: _embedding.Embedding,
+    *,
+    step: int | None = None,
+    dense_target: Any = None,
+) -> tuple[_embedding.EmbeddingState, Any]:
     """Reads a checkpoint onto `emb`'s mesh and partition strategy.
 
     Args:
@@ -131,21 +147,25 @@ def restore(directory: str | os.PathLike, emb: _embedding.Embedding, *,
     path = _path(directory)
     if not _exists(path):
         raise CheckpointNotFoundError(
-            f"checkpoint.restore: checkpoint directory {path} does not exist.")
+            f"checkpoint.restore: checkpoint directory {path} does not exist."
+        )
     with _manager(path, read_only=True) as manager:
         steps = sorted(manager.all_steps())
         if not steps:
             raise CheckpointNotFoundError(
                 f"checkpoint.restore: {path} holds no complete checkpoint (no finished step "
-                f"directory; saves cut short are ignored).")
+                f"directory; saves cut short are ignored)."
+            )
         if step is None:
             step = steps[-1]
         elif step not in steps:
             raise CheckpointNotFoundError(
                 f"checkpoint.restore: {path} has no checkpoint for step {step}; its steps "
-                f"are {steps}.")
-        meta = manager.restore(step, args=ocp.args.Composite(
-            metadata=ocp.args.JsonRestore())).metadata
+                f"are {steps}."
+            )
+        meta = manager.restore(
+            step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
+        ).metadata
         _check_compatible(emb, meta, f"{path}/{step}")
         items = {"embedding": ocp.args.StandardRestore(_embedding_target(emb), strict=False)}
         if meta["has_dense"]:
@@ -156,8 +176,10 @@ def restore(directory: str | os.PathLike, emb: _embedding.Embedding, *,
                 target = _dense_target(emb, dense_target)
             items["dense"] = ocp.args.StandardRestore(target)
         elif dense_target is not None:
-            raise ValueError(f"checkpoint.restore: dense_target was given but the checkpoint "
-                             f"{path}/{step} holds no dense state.")
+            raise ValueError(
+                f"checkpoint.restore: dense_target was given but the checkpoint "
+                f"{path}/{step} holds no dense state."
+            )
         restored = manager.restore(step, args=ocp.args.Composite(**items))
     stored = restored.embedding
     tables, slots = {}, {}
@@ -166,12 +188,13 @@ def restore(directory: str | os.PathLike, emb: _embedding.Embedding, *,
         # pop: each read copy is freed as soon as it is converted.
         own = stored["slots"].pop(name)
         riders = {s.name: own.pop(s.name) for s in storage.riders}
-        tables[name] = _to_physical(emb, storage, None, storage.join_row(
-            stored["tables"].pop(name), riders))
-        slots[name] = {s.name: _to_physical(emb, storage, s, own.pop(s.name))
-                       for s in storage.stored}
-    step_array = jax.device_put(jnp.asarray(meta["step"], jnp.int32),
-                                NamedSharding(emb.mesh, P()))
+        tables[name] = _to_physical(
+            emb, storage, None, storage.join_row(stored["tables"].pop(name), riders)
+        )
+        slots[name] = {
+            s.name: _to_physical(emb, storage, s, own.pop(s.name)) for s in storage.stored
+        }
+    step_array = jax.device_put(jnp.asarray(meta["step"], jnp.int32), NamedSharding(emb.mesh, P()))
     state = _embedding.EmbeddingState(tables, slots, step_array)
     return state, (restored.dense if meta["has_dense"] else None)
 
@@ -196,6 +219,7 @@ def _path(directory) -> str:
 def _exists(path: str) -> bool:
     if "://" in path:
         from etils import epath
+
         return epath.Path(path).is_dir()
     return os.path.isdir(path)
 
@@ -216,13 +240,18 @@ def _manager(path: str, read_only: bool):
     log.addFilter(quiet)
     try:
         options = ocp.CheckpointManagerOptions(
-            read_only=read_only, create=not read_only, enable_async_checkpointing=False,
+            read_only=read_only,
+            create=not read_only,
+            enable_async_checkpointing=False,
             # A save killed mid-way leaves "<step>.orbax-checkpoint-tmp-*"; the next save
             # clears it.
-            cleanup_tmp_directories=not read_only)
-        handlers = {"embedding": ocp.StandardCheckpointHandler(),
-                    "metadata": ocp.JsonCheckpointHandler(),
-                    "dense": ocp.StandardCheckpointHandler()}
+            cleanup_tmp_directories=not read_only,
+        )
+        handlers = {
+            "embedding": ocp.StandardCheckpointHandler(),
+            "metadata": ocp.JsonCheckpointHandler(),
+            "dense": ocp.StandardCheckpointHandler(),
+        }
         with ocp.CheckpointManager(path, options=options, item_handlers=handlers) as manager:
             yield manager
     finally:
@@ -243,22 +272,26 @@ def _row_sharding(emb, auto: bool, ndim: int) -> NamedSharding:
 
 
 @functools.cache
-def _logical_fn(storage: _storage.TableStorage, slot: _optimizers.SlotSpec | None,
-                sharding: NamedSharding):
+def _logical_fn(
+    storage: _storage.TableStorage, slot: _optimizers.SlotSpec | None, sharding: NamedSharding
+):
     layout = storage.layout
 
     def fn(physical):
         logical = storage.array_to_logical(slot, physical)  # (V, ...)
         pad = [(0, layout.padded_rows - layout.vocabulary_size)] + [(0, 0)] * (logical.ndim - 1)
         return jnp.pad(logical, pad)
+
     return jax.jit(fn, out_shardings=sharding)
 
 
 @functools.cache
-def _physical_fn(storage: _storage.TableStorage, slot: _optimizers.SlotSpec | None,
-                 sharding: NamedSharding):
+def _physical_fn(
+    storage: _storage.TableStorage, slot: _optimizers.SlotSpec | None, sharding: NamedSharding
+):
     def fn(stored):
-        return storage.array_to_physical(slot, stored[:storage.layout.vocabulary_size])
+        return storage.array_to_physical(slot, stored[: storage.layout.vocabulary_size])
+
     return jax.jit(fn, out_shardings=sharding)
 
 
@@ -291,42 +324,54 @@ def _metadata(emb, step: int, has_dense: bool) -> dict:
         "has_dense": has_dense,
         "partition_strategy": emb.spec.partition_strategy,  # Informational only.
         "num_shards": emb.num_shards,
-        "tables": {name: {"vocabulary_size": plan.config.vocabulary_size,
-                          "dim": plan.config.dim,
-                          "dtype": jnp.dtype(plan.config.dtype).name,
-                          "stored_rows": plan.layout.padded_rows,
-                          "slots": _slot_info(plan)}
-                   for name, plan in emb.table_plans.items()},
+        "tables": {
+            name: {
+                "vocabulary_size": plan.config.vocabulary_size,
+                "dim": plan.config.dim,
+                "dtype": jnp.dtype(plan.config.dtype).name,
+                "stored_rows": plan.layout.padded_rows,
+                "slots": _slot_info(plan),
+            }
+            for name, plan in emb.table_plans.items()
+        },
     }
 
 
 def _check_state(emb, state) -> None:
     if not isinstance(state, _embedding.EmbeddingState):
-        raise TypeError(f"checkpoint.save: state must be a jte.EmbeddingState, got "
-                        f"{type(state).__name__}.")
+        raise TypeError(
+            f"checkpoint.save: state must be a jte.EmbeddingState, got {type(state).__name__}."
+        )
     want = emb.abstract_state()
     problems = []
     if set(state.tables) != set(want.tables):
-        problems.append(f"state has tables {sorted(state.tables)}, the embedding "
-                        f"{sorted(want.tables)}")
+        problems.append(
+            f"state has tables {sorted(state.tables)}, the embedding {sorted(want.tables)}"
+        )
     else:
         for name, w in want.tables.items():
             if tuple(state.tables[name].shape) != w.shape:
-                problems.append(f"table {name!r} has shape {tuple(state.tables[name].shape)}, "
-                                f"expected {w.shape}")
+                problems.append(
+                    f"table {name!r} has shape {tuple(state.tables[name].shape)}, "
+                    f"expected {w.shape}"
+                )
             got_slots = {s: tuple(a.shape) for s, a in state.slots.get(name, {}).items()}
             want_slots = {s: a.shape for s, a in want.slots[name].items()}
             if got_slots != want_slots:
                 problems.append(f"table {name!r} has slots {got_slots}, expected {want_slots}")
     if problems:
-        raise ValueError("checkpoint.save: the state does not belong to this embedding (a "
-                         "state of another mesh size or spec?): " + "; ".join(problems) + ".")
+        raise ValueError(
+            "checkpoint.save: the state does not belong to this embedding (a "
+            "state of another mesh size or spec?): " + "; ".join(problems) + "."
+        )
 
 
 def _check_compatible(emb, meta: dict, where: str) -> None:
     if meta.get("format") != _FORMAT:
-        raise ValueError(f"checkpoint.restore: {where} is not a jax_tpu_embed checkpoint "
-                         f"(format {meta.get('format')!r}, expected {_FORMAT!r}).")
+        raise ValueError(
+            f"checkpoint.restore: {where} is not a jax_tpu_embed checkpoint "
+            f"(format {meta.get('format')!r}, expected {_FORMAT!r})."
+        )
     saved = meta["tables"]
     problems = []
     missing = sorted(n for n in emb.table_plans if n not in saved)
@@ -339,20 +384,27 @@ def _check_compatible(emb, meta: dict, where: str) -> None:
         if name not in saved:
             continue
         s = saved[name]
-        for field, have in (("vocabulary_size", plan.config.vocabulary_size),
-                            ("dim", plan.config.dim)):
+        for field, have in (
+            ("vocabulary_size", plan.config.vocabulary_size),
+            ("dim", plan.config.dim),
+        ):
             if s[field] != have:
-                problems.append(f"table {name!r}: {field} is {s[field]} in the checkpoint "
-                                f"but {have} in the spec")
+                problems.append(
+                    f"table {name!r}: {field} is {s[field]} in the checkpoint "
+                    f"but {have} in the spec"
+                )
         want_slots = _slot_info(plan)
         if s["slots"] != want_slots:
-            problems.append(f"table {name!r}: the checkpoint has optimizer slots "
-                            f"{_describe_slots(s['slots'])} but the spec's optimizer "
-                            f"({type(plan.optimizer).__name__}) has "
-                            f"{_describe_slots(want_slots)}")
+            problems.append(
+                f"table {name!r}: the checkpoint has optimizer slots "
+                f"{_describe_slots(s['slots'])} but the spec's optimizer "
+                f"({type(plan.optimizer).__name__}) has "
+                f"{_describe_slots(want_slots)}"
+            )
     if problems:
-        raise ValueError(f"checkpoint.restore: {where} does not fit the embedding: "
-                         + "; ".join(problems) + ".")
+        raise ValueError(
+            f"checkpoint.restore: {where} does not fit the embedding: " + "; ".join(problems) + "."
+        )
 
 
 def _describe_slots(slots: dict) -> str:
@@ -364,12 +416,17 @@ def _embedding_target(emb) -> dict:
     tables, slots = {}, {}
     for name, plan in emb.table_plans.items():
         rows, d = plan.layout.padded_rows, plan.config.dim
-        tables[name] = jax.ShapeDtypeStruct((rows, d), plan.config.dtype,
-                                            sharding=_row_sharding(emb, True, 2))
-        slots[name] = {s.name: jax.ShapeDtypeStruct((rows, d) if s.rank == 2 else (rows,),
-                                                    jnp.float32,
-                                                    sharding=_row_sharding(emb, True, s.rank))
-                       for s in plan.storage.slot_specs}
+        tables[name] = jax.ShapeDtypeStruct(
+            (rows, d), plan.config.dtype, sharding=_row_sharding(emb, True, 2)
+        )
+        slots[name] = {
+            s.name: jax.ShapeDtypeStruct(
+                (rows, d) if s.rank == 2 else (rows,),
+                jnp.float32,
+                sharding=_row_sharding(emb, True, s.rank),
+            )
+            for s in plan.storage.slot_specs
+        }
     return {"tables": tables, "slots": slots}
 
 
@@ -384,8 +441,10 @@ def _dense_target(emb, target):
         sharding = getattr(x, "sharding", None)
         if not isinstance(sharding, jax.sharding.Sharding):
             sharding = _replicated(emb)
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype if hasattr(x, "dtype") else
-                                    np.asarray(x).dtype, sharding=sharding)
+        return jax.ShapeDtypeStruct(
+            np.shape(x), x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype, sharding=sharding
+        )
+
     return jax.tree.map(leaf, target)
 
 
@@ -396,4 +455,5 @@ def _dense_target_from_metadata(emb, stored):
         if hasattr(m, "shape") and hasattr(m, "dtype"):
             return jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=_replicated(emb))
         return m
+
     return jax.tree.map(leaf, tree, is_leaf=lambda m: hasattr(m, "shape"))

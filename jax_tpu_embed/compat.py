@@ -34,8 +34,12 @@ from typing import Any
 from . import _config, _optimizers
 
 __all__ = [
-    "categorical_column_with_identity", "embedding_column", "shared_embedding_columns",
-    "AdagradParameters", "AdamParameters", "StochasticGradientDescentParameters",
+    "categorical_column_with_identity",
+    "embedding_column",
+    "shared_embedding_columns",
+    "AdagradParameters",
+    "AdamParameters",
+    "StochasticGradientDescentParameters",
     "EmbeddingConfigSpec",
 ]
 
@@ -48,6 +52,7 @@ _TABLE_NAME_PREFIX = "tbl_"  # TF's _tpu_estimator_embedding._TABLE_NAME_PREFIX.
 @dataclasses.dataclass(frozen=True, eq=False)
 class IdentityCategoricalColumn:
     """Integer ids in [0, num_buckets) read from feature `key`."""
+
     key: str
     num_buckets: int
 
@@ -56,9 +61,9 @@ class IdentityCategoricalColumn:
         return self.key
 
 
-def categorical_column_with_identity(key: str, num_buckets: int,
-                                     default_value: int | None = None
-                                     ) -> IdentityCategoricalColumn:
+def categorical_column_with_identity(
+    key: str, num_buckets: int, default_value: int | None = None
+) -> IdentityCategoricalColumn:
     """TF's `categorical_column_with_identity`: ids used as they are, in [0, num_buckets).
 
     Raises:
@@ -74,7 +79,8 @@ def categorical_column_with_identity(key: str, num_buckets: int,
             f"categorical_column_with_identity({key!r}): default_value={default_value!r} is "
             f"not supported: jax_tpu_embed ignores ids outside [0, {num_buckets}) like -1 "
             f"padding (count them with Embedding.invalid_id_counts). Map them on the host "
-            f"if they should hit a row.")
+            f"if they should hit a row."
+        )
     return IdentityCategoricalColumn(key, int(num_buckets))
 
 
@@ -108,6 +114,7 @@ class TPUEmbeddingColumn(_TPUEmbeddingColumnBase):
 @dataclasses.dataclass(frozen=True, eq=False)
 class TPUSharedEmbeddingColumn(_TPUEmbeddingColumnBase):
     """One of several columns sharing a table; made by `shared_embedding_columns`."""
+
     shared_embedding_collection_name: str = ""
 
     def get_embedding_var_name(self) -> str:
@@ -116,35 +123,47 @@ class TPUSharedEmbeddingColumn(_TPUEmbeddingColumnBase):
 
 def _check_categorical(column, fn: str) -> None:
     if not isinstance(column, IdentityCategoricalColumn):
-        raise TypeError(f"categorical_column for tpu {fn} must be type "
-                        f"IdentityCategoricalColumn (from "
-                        f"jte.compat.categorical_column_with_identity), got {type(column)}.")
+        raise TypeError(
+            f"categorical_column for tpu {fn} must be type "
+            f"IdentityCategoricalColumn (from "
+            f"jte.compat.categorical_column_with_identity), got {type(column)}."
+        )
 
 
 def _check_common(dimension, combiner, initializer, learning_rate_fn, what: str) -> None:
     if not _config._is_int(dimension) or dimension < 1:
         raise ValueError(f"Invalid dimension {dimension}.")
     if combiner not in _config.COMBINERS:
-        raise ValueError(f"Invalid combiner {combiner!r} for {what}; must be one of "
-                         f"{list(_config.COMBINERS)}.")
+        raise ValueError(
+            f"Invalid combiner {combiner!r} for {what}; must be one of {list(_config.COMBINERS)}."
+        )
     if initializer is not None and not callable(initializer):
-        raise ValueError(f"initializer must be callable if specified. Embedding of "
-                         f"column_name: {what}")
+        raise ValueError(
+            f"initializer must be callable if specified. Embedding of column_name: {what}"
+        )
     if learning_rate_fn is not None and not callable(learning_rate_fn):
-        raise ValueError(f"learning_rate_fn must be callable fn(global_step) if specified, "
-                         f"got {learning_rate_fn!r} for {what}.")
+        raise ValueError(
+            f"learning_rate_fn must be callable fn(global_step) if specified, "
+            f"got {learning_rate_fn!r} for {what}."
+        )
 
 
 def _check_sequence_length(value, what: str) -> None:
     if not _config._is_int(value) or value < 0:
-        raise ValueError(f"Invalid max_sequence_length {value!r} for {what}; must be an int "
-                         f">= 0 (0: not a sequence feature).")
+        raise ValueError(
+            f"Invalid max_sequence_length {value!r} for {what}; must be an int "
+            f">= 0 (0: not a sequence feature)."
+        )
 
 
-def embedding_column(categorical_column: IdentityCategoricalColumn, dimension: int,
-                     combiner: str = "mean", initializer: Callable | None = None,
-                     max_sequence_length: int = 0,
-                     learning_rate_fn: Callable | None = None) -> TPUEmbeddingColumn:
+def embedding_column(
+    categorical_column: IdentityCategoricalColumn,
+    dimension: int,
+    combiner: str = "mean",
+    initializer: Callable | None = None,
+    max_sequence_length: int = 0,
+    learning_rate_fn: Callable | None = None,
+) -> TPUEmbeddingColumn:
     """TF1's `tf.tpu.experimental.embedding_column`: one table of num_buckets x dimension.
 
     Args:
@@ -165,18 +184,27 @@ def embedding_column(categorical_column: IdentityCategoricalColumn, dimension: i
     what = categorical_column.name
     _check_common(dimension, combiner, initializer, learning_rate_fn, what)
     _check_sequence_length(max_sequence_length, what)
-    return TPUEmbeddingColumn(categorical_column, int(dimension), combiner, initializer,
-                              int(max_sequence_length), learning_rate_fn)
+    return TPUEmbeddingColumn(
+        categorical_column,
+        int(dimension),
+        combiner,
+        initializer,
+        int(max_sequence_length),
+        learning_rate_fn,
+    )
 
 
-def shared_embedding_columns(categorical_columns: Sequence[IdentityCategoricalColumn],
-                             dimension: int, combiner: str = "mean",
-                             initializer: Callable | None = None,
-                             max_sequence_length: int = 0, *,
-                             shared_embedding_collection_name: str | None = None,
-                             max_sequence_lengths: Sequence[int] | None = None,
-                             learning_rate_fn: Callable | None = None
-                             ) -> list[TPUSharedEmbeddingColumn]:
+def shared_embedding_columns(
+    categorical_columns: Sequence[IdentityCategoricalColumn],
+    dimension: int,
+    combiner: str = "mean",
+    initializer: Callable | None = None,
+    max_sequence_length: int = 0,
+    *,
+    shared_embedding_collection_name: str | None = None,
+    max_sequence_lengths: Sequence[int] | None = None,
+    learning_rate_fn: Callable | None = None,
+) -> list[TPUSharedEmbeddingColumn]:
     """TF1's `tf.tpu.experimental.shared_embedding_columns`: columns sharing one table.
 
     Args:
@@ -203,13 +231,17 @@ def shared_embedding_columns(categorical_columns: Sequence[IdentityCategoricalCo
         _check_categorical(c, "shared_embedding_columns")
     if max_sequence_lengths:
         if max_sequence_length:
-            raise ValueError("shared_embedding_columns: give max_sequence_length or "
-                             "max_sequence_lengths, not both.")
+            raise ValueError(
+                "shared_embedding_columns: give max_sequence_length or "
+                "max_sequence_lengths, not both."
+            )
         lengths = list(max_sequence_lengths)
         if len(lengths) != len(columns):
-            raise ValueError(f"max_sequence_lengths and categorical_columns must be of the "
-                             f"same length. len(max_sequence_lengths)={len(lengths)} "
-                             f"len(categorical_columns)={len(columns)}.")
+            raise ValueError(
+                f"max_sequence_lengths and categorical_columns must be of the "
+                f"same length. len(max_sequence_lengths)={len(lengths)} "
+                f"len(categorical_columns)={len(columns)}."
+            )
     else:
         lengths = [max_sequence_length] * len(columns)
     what = ", ".join(c.name for c in columns)
@@ -224,12 +256,17 @@ def shared_embedding_columns(categorical_columns: Sequence[IdentityCategoricalCo
                 f"To use shared_embedding_column, all categorical_columns must have the same "
                 f"number of buckets. Given column: {first.name!r} with buckets: "
                 f"{first.num_buckets} does not match column: {c.name!r} with buckets: "
-                f"{c.num_buckets}")
+                f"{c.num_buckets}"
+            )
     name = shared_embedding_collection_name or (
-        "_".join(c.name for c in ordered) + "_shared_embedding")
-    return [TPUSharedEmbeddingColumn(c, int(dimension), combiner, initializer, int(n),
-                                     learning_rate_fn, name)
-            for c, n in zip(columns, lengths)]
+        "_".join(c.name for c in ordered) + "_shared_embedding"
+    )
+    return [
+        TPUSharedEmbeddingColumn(
+            c, int(dimension), combiner, initializer, int(n), learning_rate_fn, name
+        )
+        for c, n in zip(columns, lengths)
+    ]
 
 
 # ---------------------------------------------------------------- optimization parameters
@@ -238,17 +275,25 @@ def shared_embedding_columns(categorical_columns: Sequence[IdentityCategoricalCo
 class _OptimizationParameters:
     """Parameters every TF1 TPU-embedding optimizer takes."""
 
-    def __init__(self, learning_rate, use_gradient_accumulation, clip_weight_min,
-                 clip_weight_max, weight_decay_factor,
-                 multiply_weight_decay_factor_by_learning_rate, clip_gradient_min=None,
-                 clip_gradient_max=None):
+    def __init__(
+        self,
+        learning_rate,
+        use_gradient_accumulation,
+        clip_weight_min,
+        clip_weight_max,
+        weight_decay_factor,
+        multiply_weight_decay_factor_by_learning_rate,
+        clip_gradient_min=None,
+        clip_gradient_max=None,
+    ):
         self.learning_rate = learning_rate
         self.use_gradient_accumulation = use_gradient_accumulation
         self.clip_weight_min = clip_weight_min
         self.clip_weight_max = clip_weight_max
         self.weight_decay_factor = weight_decay_factor
         self.multiply_weight_decay_factor_by_learning_rate = (
-            multiply_weight_decay_factor_by_learning_rate)
+            multiply_weight_decay_factor_by_learning_rate
+        )
         self.clip_gradient_min = clip_gradient_min
         self.clip_gradient_max = clip_gradient_max
         name = type(self).__name__
@@ -256,19 +301,26 @@ class _OptimizationParameters:
             raise ValueError(
                 f"{name}: use_gradient_accumulation=False is not supported: jax_tpu_embed "
                 f"always sums the gradients of a row's occurrences before one update (TF's "
-                f"use_gradient_accumulation=True). Leave it at True.")
+                f"use_gradient_accumulation=True). Leave it at True."
+            )
 
     def _extras(self) -> dict:
         clipvalue = None
         low, high = self.clip_gradient_min, self.clip_gradient_max
         if low is not None or high is not None:
-            clipvalue = (float("-inf") if low is None else low,
-                         float("inf") if high is None else high)
-        return dict(clip_weight_min=self.clip_weight_min, clip_weight_max=self.clip_weight_max,
-                    weight_decay_factor=self.weight_decay_factor,
-                    multiply_weight_decay_factor_by_learning_rate=bool(
-                        self.multiply_weight_decay_factor_by_learning_rate),
-                    clipvalue=clipvalue)
+            clipvalue = (
+                float("-inf") if low is None else low,
+                float("inf") if high is None else high,
+            )
+        return dict(
+            clip_weight_min=self.clip_weight_min,
+            clip_weight_max=self.clip_weight_max,
+            weight_decay_factor=self.weight_decay_factor,
+            multiply_weight_decay_factor_by_learning_rate=bool(
+                self.multiply_weight_decay_factor_by_learning_rate
+            ),
+            clipvalue=clipvalue,
+        )
 
     def to_optimizer(self, learning_rate=None) -> _optimizers.Optimizer:
         """The jte optimizer with these parameters (learning_rate overrides, e.g. a table's
@@ -283,52 +335,81 @@ class _OptimizationParameters:
 class AdagradParameters(_OptimizationParameters):
     """TF1's `tf.tpu.experimental.AdagradParameters`; becomes `jte.Adagrad`."""
 
-    def __init__(self, learning_rate: float, initial_accumulator: float = 0.1,
-                 use_gradient_accumulation: bool = True, clip_weight_min: float | None = None,
-                 clip_weight_max: float | None = None,
-                 weight_decay_factor: float | None = None,
-                 multiply_weight_decay_factor_by_learning_rate: bool | None = None,
-                 clip_gradient_min: float | None = None,
-                 clip_gradient_max: float | None = None):
-        super().__init__(learning_rate, use_gradient_accumulation, clip_weight_min,
-                         clip_weight_max, weight_decay_factor,
-                         multiply_weight_decay_factor_by_learning_rate, clip_gradient_min,
-                         clip_gradient_max)
+    def __init__(
+        self,
+        learning_rate: float,
+        initial_accumulator: float = 0.1,
+        use_gradient_accumulation: bool = True,
+        clip_weight_min: float | None = None,
+        clip_weight_max: float | None = None,
+        weight_decay_factor: float | None = None,
+        multiply_weight_decay_factor_by_learning_rate: bool | None = None,
+        clip_gradient_min: float | None = None,
+        clip_gradient_max: float | None = None,
+    ):
+        super().__init__(
+            learning_rate,
+            use_gradient_accumulation,
+            clip_weight_min,
+            clip_weight_max,
+            weight_decay_factor,
+            multiply_weight_decay_factor_by_learning_rate,
+            clip_gradient_min,
+            clip_gradient_max,
+        )
         if not isinstance(initial_accumulator, numbers.Real) or initial_accumulator <= 0:
-            raise ValueError(f"Adagrad initial_accumulator must be greater than zero. "
-                             f"Received: {initial_accumulator}.")
+            raise ValueError(
+                f"Adagrad initial_accumulator must be greater than zero. "
+                f"Received: {initial_accumulator}."
+            )
         self.initial_accumulator = initial_accumulator
         self.to_optimizer()  # Checks every value now, as TF does on construction.
 
     def to_optimizer(self, learning_rate=None):
         return _optimizers.Adagrad(
             learning_rate=self.learning_rate if learning_rate is None else learning_rate,
-            initial_accumulator_value=self.initial_accumulator, **self._extras())
+            initial_accumulator_value=self.initial_accumulator,
+            **self._extras(),
+        )
 
 
 class AdamParameters(_OptimizationParameters):
     """TF1's `tf.tpu.experimental.AdamParameters` (epsilon default 1e-8, TF1's); becomes
     `jte.Adam` (no bias correction, as on TPU)."""
 
-    def __init__(self, learning_rate: float, beta1: float = 0.9, beta2: float = 0.999,
-                 epsilon: float = 1e-08, lazy_adam: bool = True, sum_inside_sqrt: bool = True,
-                 use_gradient_accumulation: bool = True, clip_weight_min: float | None = None,
-                 clip_weight_max: float | None = None,
-                 weight_decay_factor: float | None = None,
-                 multiply_weight_decay_factor_by_learning_rate: bool | None = None,
-                 clip_gradient_min: float | None = None,
-                 clip_gradient_max: float | None = None):
+    def __init__(
+        self,
+        learning_rate: float,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        epsilon: float = 1e-08,
+        lazy_adam: bool = True,
+        sum_inside_sqrt: bool = True,
+        use_gradient_accumulation: bool = True,
+        clip_weight_min: float | None = None,
+        clip_weight_max: float | None = None,
+        weight_decay_factor: float | None = None,
+        multiply_weight_decay_factor_by_learning_rate: bool | None = None,
+        clip_gradient_min: float | None = None,
+        clip_gradient_max: float | None = None,
+    ):
         if not use_gradient_accumulation and not lazy_adam:
             raise ValueError("When disabling Lazy Adam, gradient accumulation must be used.")
-        super().__init__(learning_rate, use_gradient_accumulation, clip_weight_min,
-                         clip_weight_max, weight_decay_factor,
-                         multiply_weight_decay_factor_by_learning_rate, clip_gradient_min,
-                         clip_gradient_max)
-        if beta1 < 0. or beta1 >= 1.:
+        super().__init__(
+            learning_rate,
+            use_gradient_accumulation,
+            clip_weight_min,
+            clip_weight_max,
+            weight_decay_factor,
+            multiply_weight_decay_factor_by_learning_rate,
+            clip_gradient_min,
+            clip_gradient_max,
+        )
+        if beta1 < 0.0 or beta1 >= 1.0:
             raise ValueError(f"beta1 must be in the range [0, 1), but received {beta1}.")
-        if beta2 < 0. or beta2 >= 1.:
+        if beta2 < 0.0 or beta2 >= 1.0:
             raise ValueError(f"beta2 must be in the range [0, 1), but received {beta2}.")
-        if epsilon <= 0.:
+        if epsilon <= 0.0:
             raise ValueError(f"epsilon must be positive; received {epsilon}.")
         self.beta1, self.beta2, self.epsilon = beta1, beta2, epsilon
         self.lazy_adam, self.sum_inside_sqrt = lazy_adam, sum_inside_sqrt
@@ -337,33 +418,48 @@ class AdamParameters(_OptimizationParameters):
     def to_optimizer(self, learning_rate=None):
         return _optimizers.Adam(
             learning_rate=self.learning_rate if learning_rate is None else learning_rate,
-            beta_1=self.beta1, beta_2=self.beta2, epsilon=self.epsilon,
-            lazy_adam=bool(self.lazy_adam), sum_inside_sqrt=bool(self.sum_inside_sqrt),
-            **self._extras())
+            beta_1=self.beta1,
+            beta_2=self.beta2,
+            epsilon=self.epsilon,
+            lazy_adam=bool(self.lazy_adam),
+            sum_inside_sqrt=bool(self.sum_inside_sqrt),
+            **self._extras(),
+        )
 
 
 class StochasticGradientDescentParameters(_OptimizationParameters):
     """TF1's `tf.tpu.experimental.StochasticGradientDescentParameters`; becomes `jte.SGD`."""
 
-    def __init__(self, learning_rate: float, clip_weight_min: float | None = None,
-                 clip_weight_max: float | None = None,
-                 weight_decay_factor: float | None = None,
-                 multiply_weight_decay_factor_by_learning_rate: bool | None = None,
-                 clip_gradient_min: float | None = None,
-                 clip_gradient_max: float | None = None):
-        super().__init__(learning_rate, True, clip_weight_min, clip_weight_max,
-                         weight_decay_factor, multiply_weight_decay_factor_by_learning_rate,
-                         clip_gradient_min, clip_gradient_max)
+    def __init__(
+        self,
+        learning_rate: float,
+        clip_weight_min: float | None = None,
+        clip_weight_max: float | None = None,
+        weight_decay_factor: float | None = None,
+        multiply_weight_decay_factor_by_learning_rate: bool | None = None,
+        clip_gradient_min: float | None = None,
+        clip_gradient_max: float | None = None,
+    ):
+        super().__init__(
+            learning_rate,
+            True,
+            clip_weight_min,
+            clip_weight_max,
+            weight_decay_factor,
+            multiply_weight_decay_factor_by_learning_rate,
+            clip_gradient_min,
+            clip_gradient_max,
+        )
         self.to_optimizer()
 
     def to_optimizer(self, learning_rate=None):
         return _optimizers.SGD(
             learning_rate=self.learning_rate if learning_rate is None else learning_rate,
-            **self._extras())
+            **self._extras(),
+        )
 
 
-_SUPPORTED_OPTIMIZERS = (AdagradParameters, AdamParameters,
-                         StochasticGradientDescentParameters)
+_SUPPORTED_OPTIMIZERS = (AdagradParameters, AdamParameters, StochasticGradientDescentParameters)
 
 
 # ------------------------------------------------------------------------ the config spec
@@ -393,36 +489,47 @@ class EmbeddingConfigSpec:
             type.
     """
 
-    def __init__(self, feature_columns: Sequence[Any] | None = None,
-                 optimization_parameters: _OptimizationParameters | None = None,
-                 clipping_limit: float | None = None,
-                 pipeline_execution_with_tensor_core: bool = False,
-                 experimental_gradient_multiplier_fn: Callable | None = None,
-                 feature_to_config_dict: Mapping[str, _config.FeatureConfig] | None = None,
-                 table_to_config_dict: Mapping[str, _config.TableConfig] | None = None,
-                 partition_strategy: str = "div", profile_data_directory: str | None = None,
-                 *, column: Sequence[Any] | None = None):
+    def __init__(
+        self,
+        feature_columns: Sequence[Any] | None = None,
+        optimization_parameters: _OptimizationParameters | None = None,
+        clipping_limit: float | None = None,
+        pipeline_execution_with_tensor_core: bool = False,
+        experimental_gradient_multiplier_fn: Callable | None = None,
+        feature_to_config_dict: Mapping[str, _config.FeatureConfig] | None = None,
+        table_to_config_dict: Mapping[str, _config.TableConfig] | None = None,
+        partition_strategy: str = "div",
+        profile_data_directory: str | None = None,
+        *,
+        column: Sequence[Any] | None = None,
+    ):
         if column is not None:
             # TF's own docstring example writes `column=`; accept it as feature_columns.
             if feature_columns is not None:
-                raise ValueError("EmbeddingConfigSpec: give feature_columns or column (its "
-                                 "alias), not both.")
+                raise ValueError(
+                    "EmbeddingConfigSpec: give feature_columns or column (its alias), not both."
+                )
             feature_columns = column
-        if ((not feature_columns and not (feature_to_config_dict and table_to_config_dict))
-                or (feature_columns and (feature_to_config_dict or table_to_config_dict))):
-            raise ValueError("Exactly one of `feature_columns` and the pair "
-                             "`feature_to_config_dict` and `table_to_config_dict` must be "
-                             "specified.")
+        if (not feature_columns and not (feature_to_config_dict and table_to_config_dict)) or (
+            feature_columns and (feature_to_config_dict or table_to_config_dict)
+        ):
+            raise ValueError(
+                "Exactly one of `feature_columns` and the pair "
+                "`feature_to_config_dict` and `table_to_config_dict` must be "
+                "specified."
+            )
         if partition_strategy not in _config.PARTITION_STRATEGIES:
-            raise ValueError(f"Invalid partition_strategy {partition_strategy!r}. Must be one "
-                             f"of \"mod\" or \"div\".")
+            raise ValueError(
+                f'Invalid partition_strategy {partition_strategy!r}. Must be one of "mod" or "div".'
+            )
         if optimization_parameters is not None or feature_columns:
             if not isinstance(optimization_parameters, _SUPPORTED_OPTIMIZERS):
                 raise ValueError(
                     f"optimization_parameters must be an instance of type "
                     f"{[c.__name__ for c in _SUPPORTED_OPTIMIZERS]} (from jte.compat). Got "
                     f"{type(optimization_parameters)}. Other optimizers: use jte optimizers "
-                    f"with jte.EmbeddingSpec directly.")
+                    f"with jte.EmbeddingSpec directly."
+                )
         self.feature_columns = list(feature_columns) if feature_columns else None
         self.optimization_parameters = optimization_parameters
         self.clipping_limit = clipping_limit
@@ -434,17 +541,20 @@ class EmbeddingConfigSpec:
             table_to_config_dict, feature_to_config_dict = self._from_columns()
         else:
             feature_to_config_dict, table_to_config_dict = self._resolve_dicts(
-                feature_to_config_dict, table_to_config_dict)
+                feature_to_config_dict, table_to_config_dict
+            )
         self.feature_to_config_dict = feature_to_config_dict
         self.table_to_config_dict = table_to_config_dict
         self._spec = _config.EmbeddingSpec(
             features=dict(feature_to_config_dict),
-            optimizer=(None if optimization_parameters is None
-                       else optimization_parameters.to_optimizer()),
+            optimizer=(
+                None if optimization_parameters is None else optimization_parameters.to_optimizer()
+            ),
             partition_strategy=partition_strategy,
             clipping_limit=clipping_limit,
             gradient_multiplier_fn=experimental_gradient_multiplier_fn,
-            pipeline_execution=pipeline_execution_with_tensor_core)
+            pipeline_execution=pipeline_execution_with_tensor_core,
+        )
 
     def to_spec(self) -> _config.EmbeddingSpec:
         """The equivalent jte.EmbeddingSpec (built and checked at construction)."""
@@ -460,12 +570,15 @@ class EmbeddingConfigSpec:
                 raise TypeError(
                     f"All feature columns must be supported types in "
                     f"{[k.__name__ for k in _COLUMN_CLASSES]} (from jte.compat.embedding_column"
-                    f" or shared_embedding_columns). Got {type(c)}")
+                    f" or shared_embedding_columns). Got {type(c)}"
+                )
         for c in columns:
             feature = c.get_feature_key_name()
             if feature in features:
-                raise ValueError(f"Feature column {feature} is used with multiple embeddings "
-                                 f"and this is not supported.")
+                raise ValueError(
+                    f"Feature column {feature} is used with multiple embeddings "
+                    f"and this is not supported."
+                )
             table_name = _TABLE_NAME_PREFIX + c.get_embedding_var_name()
             if table_name not in tables:
                 optimizer = None
@@ -473,13 +586,18 @@ class EmbeddingConfigSpec:
                     optimizer = parameters.to_optimizer(c.learning_rate_fn)
                 vocab, dim = c.get_embedding_table_size()
                 tables[table_name] = _config.TableConfig(
-                    vocabulary_size=vocab, dim=dim, initializer=c.initializer,
-                    optimizer=optimizer, combiner=c.combiner, name=table_name)
+                    vocabulary_size=vocab,
+                    dim=dim,
+                    initializer=c.initializer,
+                    optimizer=optimizer,
+                    combiner=c.combiner,
+                    name=table_name,
+                )
             else:
                 _check_same_table(tables[table_name], c, table_name)
             features[feature] = _config.FeatureConfig(
-                tables[table_name], max_sequence_length=c.get_max_sequence_length(),
-                name=feature)
+                tables[table_name], max_sequence_length=c.get_max_sequence_length(), name=feature
+            )
         return tables, features
 
     @staticmethod
@@ -487,44 +605,57 @@ class EmbeddingConfigSpec:
         tables: dict[str, _config.TableConfig] = {}
         for key, table in table_to_config_dict.items():
             if not isinstance(table, _config.TableConfig):
-                raise TypeError(f"Config for table {key} must be of type `TableConfig`. Got "
-                                f"{type(table)}")
+                raise TypeError(
+                    f"Config for table {key} must be of type `TableConfig`. Got {type(table)}"
+                )
             if table.name is None:
                 table = dataclasses.replace(table, name=key)
             elif table.name != key:
-                raise ValueError(f"table_to_config_dict[{key!r}] is a TableConfig named "
-                                 f"{table.name!r}; name it {key!r} or leave its name unset.")
+                raise ValueError(
+                    f"table_to_config_dict[{key!r}] is a TableConfig named "
+                    f"{table.name!r}; name it {key!r} or leave its name unset."
+                )
             tables[key] = table
         by_identity = {id(t): tables[k] for k, t in table_to_config_dict.items()}
         features: dict[str, _config.FeatureConfig] = {}
         used = set()
         for key, feature in feature_to_config_dict.items():
             if not isinstance(feature, _config.FeatureConfig):
-                raise TypeError(f"Config for feature {key} must be of type `FeatureConfig`. "
-                                f"Got {type(feature)}")
+                raise TypeError(
+                    f"Config for feature {key} must be of type `FeatureConfig`. Got {type(feature)}"
+                )
             ref = feature.table
             if isinstance(ref, str):
                 if ref not in tables:
-                    raise ValueError(f"Feature {key} refers to table {ref} which is not in "
-                                     f"the table_to_config_dict.")
+                    raise ValueError(
+                        f"Feature {key} refers to table {ref} which is not in "
+                        f"the table_to_config_dict."
+                    )
                 table = tables[ref]
             elif id(ref) in by_identity:
                 table = by_identity[id(ref)]
             else:
-                raise ValueError(f"Feature {key} refers to a TableConfig that is not in the "
-                                 f"table_to_config_dict; name its table by its key there.")
+                raise ValueError(
+                    f"Feature {key} refers to a TableConfig that is not in the "
+                    f"table_to_config_dict; name its table by its key there."
+                )
             used.add(id(table))
             features[key] = dataclasses.replace(feature, table=table)
         unused = [k for k, t in tables.items() if id(t) not in used]
         if unused:
-            warnings.warn(f"EmbeddingConfigSpec: tables {unused} of table_to_config_dict are "
-                          f"used by no feature; they are left out of the spec.", stacklevel=3)
+            warnings.warn(
+                f"EmbeddingConfigSpec: tables {unused} of table_to_config_dict are "
+                f"used by no feature; they are left out of the spec.",
+                stacklevel=3,
+            )
         return features, tables
 
 
 def _check_same_table(table: _config.TableConfig, column, table_name: str) -> None:
     vocab, dim = column.get_embedding_table_size()
     if (table.vocabulary_size, table.dim, table.combiner) != (vocab, dim, column.combiner):
-        raise ValueError(f"Columns sharing table {table_name!r} disagree on (vocabulary_size, "
-                         f"dim, combiner): {(table.vocabulary_size, table.dim, table.combiner)}"
-                         f" vs {(vocab, dim, column.combiner)}.")
+        raise ValueError(
+            f"Columns sharing table {table_name!r} disagree on (vocabulary_size, "
+            f"dim, combiner): {(table.vocabulary_size, table.dim, table.combiner)}"
+            f" vs {(vocab, dim, column.combiner)}."
+        )

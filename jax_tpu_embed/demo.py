@@ -23,8 +23,9 @@ import os
 
 # Before JAX starts a backend: split the host CPU into devices so that the tables shard.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
 import argparse  # noqa: E402
 import importlib.resources  # noqa: E402
@@ -51,6 +52,7 @@ DEFAULT_CONFIG = importlib.resources.files("jax_tpu_embed") / "configs" / "dlrm_
 
 # ---------------------------------------------------------------------------------- data
 
+
 class PlantedCriteo:
     """Criteo-shaped examples whose labels come from a hidden logistic model.
 
@@ -65,8 +67,15 @@ class PlantedCriteo:
         rng: numpy Generator drawing the hidden model.
     """
 
-    def __init__(self, vocabulary_sizes: Sequence[int], num_dense: int, zipf_exponent: float,
-                 click_rate: float, planted: dict, rng: np.random.Generator):
+    def __init__(
+        self,
+        vocabulary_sizes: Sequence[int],
+        num_dense: int,
+        zipf_exponent: float,
+        click_rate: float,
+        planted: dict,
+        rng: np.random.Generator,
+    ):
         self.vocabulary_sizes = [int(v) for v in vocabulary_sizes]
         self.num_dense = num_dense
         self.names = [f"C{i + 1}" for i in range(len(self.vocabulary_sizes))]
@@ -75,14 +84,16 @@ class PlantedCriteo:
             self.perms.append(rng.permutation(v).astype(np.int32))
             p = (np.arange(v) + 1.0) ** -zipf_exponent
             self.cdfs.append(np.cumsum(p) / p.sum())
-            self.effects.append(rng.normal(0.0, planted["row_effect_std"], v)
-                                .astype(np.float32))
+            self.effects.append(rng.normal(0.0, planted["row_effect_std"], v).astype(np.float32))
         self.beta = rng.normal(0.0, planted["dense_effect_std"], num_dense).astype(np.float32)
         self.pairs_of = [int(t) for t in planted["interaction_features"]]
         k = planted["interaction_dim"]
-        self.vectors = {t: rng.normal(0.0, planted["interaction_std"],
-                                      (self.vocabulary_sizes[t], k)).astype(np.float32)
-                        for t in self.pairs_of}
+        self.vectors = {
+            t: rng.normal(0.0, planted["interaction_std"], (self.vocabulary_sizes[t], k)).astype(
+                np.float32
+            )
+            for t in self.pairs_of
+        }
         self.bias = 0.0
         # Calibrate the bias so the mean label is about click_rate.
         logits = self._logits(*self._draw(20000, np.random.default_rng(12345)))
@@ -108,7 +119,7 @@ class PlantedCriteo:
         for t, i in enumerate(ids):
             logit = logit + self.effects[t][i]
         for a, t in enumerate(self.pairs_of):
-            for u in self.pairs_of[a + 1:]:
+            for u in self.pairs_of[a + 1 :]:
                 logit = logit + np.sum(self.vectors[t][ids[t]] * self.vectors[u][ids[u]], -1)
         return logit.astype(np.float32)
 
@@ -125,12 +136,12 @@ class PlantedCriteo:
         # Criteo's dense features are counts; the model sees them as log1p of a count-like
         # transform, a monotone function of the planted feature.
         counts = np.floor(np.exp(dense + 1.0)).astype(np.float32)
-        batch = {"dense": np.log1p(counts), "sparse": dict(zip(self.names, ids)),
-                 "label": labels}
+        batch = {"dense": np.log1p(counts), "sparse": dict(zip(self.names, ids)), "label": labels}
         return batch, logits
 
 
 # --------------------------------------------------------------------------------- model
+
 
 class DLRM(nn.Module):
     """DLRM: bottom MLP, embeddings, pairwise dot interactions, top MLP → click logit (B,).
@@ -147,16 +158,16 @@ class DLRM(nn.Module):
 
     @nn.compact
     def __call__(self, batch: dict) -> jax.Array:
-        x = batch["dense"]                                   # (B, 13)
+        x = batch["dense"]  # (B, 13)
         for width in self.bottom_mlp:
-            x = nn.relu(nn.Dense(width)(x))                  # (B, D) at the end
-        acts = self.embed(batch["sparse"])                   # {name: (B, D)}
+            x = nn.relu(nn.Dense(width)(x))  # (B, D) at the end
+        acts = self.embed(batch["sparse"])  # {name: (B, D)}
         vectors = jnp.stack([x] + [acts[k] for k in sorted(acts)], axis=1)  # (B, F, D)
         dots = jnp.einsum("bfd,bgd->bfg", vectors, vectors)  # (B, F, F)
         f = vectors.shape[1]
         # Strict upper triangle, by static slices (no gather on a batch-sharded array).
-        upper = [dots[:, i, i + 1:] for i in range(f - 1)]
-        z = jnp.concatenate([x] + upper, axis=-1)            # (B, D + F(F-1)/2)
+        upper = [dots[:, i, i + 1 :] for i in range(f - 1)]
+        z = jnp.concatenate([x] + upper, axis=-1)  # (B, D + F(F-1)/2)
         for width in self.top_mlp:
             z = nn.relu(nn.Dense(width)(z))
         return nn.Dense(1)(z)[:, 0]
@@ -169,6 +180,7 @@ def bce_loss(logits: jax.Array, batch: dict):
 
 
 # ------------------------------------------------------------------------------- metrics
+
 
 def auc(labels: ArrayLike, scores: ArrayLike) -> float:
     """Area under the ROC curve: P(score of a positive > score of a negative), ties 1/2.
@@ -195,6 +207,7 @@ def auc(labels: ArrayLike, scores: ArrayLike) -> float:
 
 # ---------------------------------------------------------------------------------- run
 
+
 def _optimizer(cfg: dict) -> jte.Optimizer:
     cfg = dict(cfg)
     name = cfg.pop("name")
@@ -202,14 +215,17 @@ def _optimizer(cfg: dict) -> jte.Optimizer:
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m jax_tpu_embed.demo",
-                                description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--config", default=None,
-                   help="YAML config (default: jax_tpu_embed/configs/dlrm_demo.yaml).")
+    p = argparse.ArgumentParser(
+        prog="python -m jax_tpu_embed.demo", description=(__doc__ or "").split("\n\n")[0]
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="YAML config (default: jax_tpu_embed/configs/dlrm_demo.yaml).",
+    )
     p.add_argument("--steps", type=int, default=None, help="Training steps.")
     p.add_argument("--batch-size", type=int, default=None, help="Global batch size B.")
-    p.add_argument("--small", action="store_true",
-                   help="Tiny tables and few steps (for tests).")
+    p.add_argument("--small", action="store_true", help="Tiny tables and few steps (for tests).")
     p.add_argument("--out", default="out/demo", help="Output directory.")
     p.add_argument("--no-progress", action="store_true", help="No progress bar.")
     return p.parse_args(argv)
@@ -220,8 +236,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
     config = DEFAULT_CONFIG if args.config is None else pathlib.Path(args.config)
     cfg = yaml.safe_load(config.read_text())
-    data_cfg, model_cfg, train_cfg, eval_cfg = (cfg["data"], cfg["model"], cfg["train"],
-                                                cfg["eval"])
+    data_cfg, model_cfg, train_cfg, eval_cfg = (
+        cfg["data"],
+        cfg["model"],
+        cfg["train"],
+        cfg["eval"],
+    )
     vocab = list(data_cfg["vocabulary_sizes"])
     steps, batch_size = train_cfg["steps"], train_cfg["batch_size"]
     eval_examples, eval_batch = eval_cfg["examples"], eval_cfg["batch_size"]
@@ -238,22 +258,32 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     devices = jax.devices()
     n = len(devices)
     if batch_size % n or eval_batch % n:
-        raise ValueError(f"batch sizes ({batch_size}, eval {eval_batch}) must be multiples "
-                         f"of the {n} devices.")
-    print(f"jax_tpu_embed demo: DLRM, {len(vocab)} tables ({sum(vocab):,} rows x "
-          f"{model_cfg['embedding_dim']}), batch {batch_size}, {steps} steps, "
-          f"{n} {devices[0].platform} devices.")
+        raise ValueError(
+            f"batch sizes ({batch_size}, eval {eval_batch}) must be multiples of the {n} devices."
+        )
+    print(
+        f"jax_tpu_embed demo: DLRM, {len(vocab)} tables ({sum(vocab):,} rows x "
+        f"{model_cfg['embedding_dim']}), batch {batch_size}, {steps} steps, "
+        f"{n} {devices[0].platform} devices."
+    )
 
     rng = np.random.default_rng(cfg["seed"])
-    data = PlantedCriteo(vocab, data_cfg["num_dense"], data_cfg["zipf_exponent"],
-                         data_cfg["click_rate"], data_cfg["planted"], rng)
+    data = PlantedCriteo(
+        vocab,
+        data_cfg["num_dense"],
+        data_cfg["zipf_exponent"],
+        data_cfg["click_rate"],
+        data_cfg["planted"],
+        rng,
+    )
 
     dim = model_cfg["embedding_dim"]
-    features = {name: jte.FeatureConfig(jte.TableConfig(v, dim, combiner="sum", name=name))
-                for name, v in zip(data.names, vocab)}
+    features = {
+        name: jte.FeatureConfig(jte.TableConfig(v, dim, combiner="sum", name=name))
+        for name, v in zip(data.names, vocab)
+    }
     spec = jte.EmbeddingSpec(features, _optimizer(train_cfg["embedding_optimizer"]))
-    model = DLRM(jte.flax.Embed(spec), tuple(model_cfg["bottom_mlp"]),
-                 tuple(model_cfg["top_mlp"]))
+    model = DLRM(jte.flax.Embed(spec), tuple(model_cfg["bottom_mlp"]), tuple(model_cfg["top_mlp"]))
     step = jte.flax.make_train_step(model, bce_loss, optax.adam(train_cfg["dense_learning_rate"]))
 
     train_rng = np.random.default_rng(cfg["seed"] + 1)
@@ -267,8 +297,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         from tqdm import tqdm
     except ImportError:  # tqdm is in the "demo" extra; without it, plain lines.
         tqdm = None
-    bar = (tqdm(total=steps, unit="step", dynamic_ncols=True, disable=args.no_progress)
-           if tqdm is not None else None)
+    bar = (
+        tqdm(total=steps, unit="step", dynamic_ncols=True, disable=args.no_progress)
+        if tqdm is not None
+        else None
+    )
     losses: list[float] = []
     pending: list[jax.Array] = []
     log_every = max(1, int(train_cfg.get("log_every", 10)))
@@ -300,8 +333,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         bar.close()
     train_seconds = t_end - t_start
     timed_steps = steps - 1
-    examples_per_s = (timed_steps * batch_size / (t_end - t_after_first)
-                      if timed_steps > 0 else float("nan"))
+    examples_per_s = (
+        timed_steps * batch_size / (t_end - t_after_first) if timed_steps > 0 else float("nan")
+    )
 
     # Held-out evaluation.
     state = step.flush(state)
@@ -322,38 +356,52 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     head = float(np.mean(losses[:log_every]))
     tail = float(np.mean(losses[-log_every:]))
     summary = {
-        "steps": steps, "batch_size": batch_size, "devices": n,
-        "platform": devices[0].platform, "init_seconds": round(init_seconds, 2),
+        "steps": steps,
+        "batch_size": batch_size,
+        "devices": n,
+        "platform": devices[0].platform,
+        "init_seconds": round(init_seconds, 2),
         "compile_and_first_step_seconds": round(t_after_first - t_start, 2),
         "train_seconds": round(train_seconds, 2),
         "examples_per_second": round(examples_per_s, 1),
-        "first_loss": round(head, 5), "final_loss": round(tail, 5),
+        "first_loss": round(head, 5),
+        "final_loss": round(tail, 5),
         "skipped_steps": int(state.skipped),
-        "eval_examples": int(labels.size), "eval_loss": round(eval_loss, 5),
-        "eval_auc": round(eval_auc, 4), "planted_model_auc": round(planted_auc, 4),
+        "eval_examples": int(labels.size),
+        "eval_loss": round(eval_loss, 5),
+        "eval_auc": round(eval_auc, 4),
+        "planted_model_auc": round(planted_auc, 4),
         "plot": str(plot_path) if plot_path else None,
         "checkpoint": str(checkpoint_dir) if checkpoint_dir else None,
         "trace_count": step.trace_count,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"\nTrained {steps} steps of {batch_size} examples in {train_seconds:.1f} s "
-          f"({examples_per_s:,.0f} examples/s after compilation) on {n} "
-          f"{devices[0].platform} devices; init {init_seconds:.1f} s, compile and first "
-          f"step {t_after_first - t_start:.1f} s.")
-    print(f"Loss {head:.4f} -> {tail:.4f} (mean of the first and last {log_every} steps); "
-          f"skipped steps: {summary['skipped_steps']}.")
-    print(f"Held-out: AUC {eval_auc:.4f}, log loss {eval_loss:.4f} on {labels.size:,} "
-          f"examples (the planted model itself: AUC {planted_auc:.4f}).")
+    print(
+        f"\nTrained {steps} steps of {batch_size} examples in {train_seconds:.1f} s "
+        f"({examples_per_s:,.0f} examples/s after compilation) on {n} "
+        f"{devices[0].platform} devices; init {init_seconds:.1f} s, compile and first "
+        f"step {t_after_first - t_start:.1f} s."
+    )
+    print(
+        f"Loss {head:.4f} -> {tail:.4f} (mean of the first and last {log_every} steps); "
+        f"skipped steps: {summary['skipped_steps']}."
+    )
+    print(
+        f"Held-out: AUC {eval_auc:.4f}, log loss {eval_loss:.4f} on {labels.size:,} "
+        f"examples (the planted model itself: AUC {planted_auc:.4f})."
+    )
     print(f"Plot: {plot_path or 'not written (' + 'matplotlib unavailable)'}")
     print(f"Checkpoint: {checkpoint_dir or checkpoint_note}")
     print(f"Summary: {out / 'summary.json'}")
     return summary
 
 
-def _plot(path: pathlib.Path, losses: list[float], eval_auc: float,
-          planted_auc: float) -> pathlib.Path | None:
+def _plot(
+    path: pathlib.Path, losses: list[float], eval_auc: float, planted_auc: float
+) -> pathlib.Path | None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -366,8 +414,11 @@ def _plot(path: pathlib.Path, losses: list[float], eval_auc: float,
     ax.plot(np.arange(window, len(curve) + 1), smooth, label=f"mean of {window} steps")
     ax.set_xlabel("step")
     ax.set_ylabel("train log loss")
-    ax.set_title(f"DLRM on planted Criteo-like data: held-out AUC {eval_auc:.3f} "
-                 f"(planted {planted_auc:.3f})", fontsize=10)
+    ax.set_title(
+        f"DLRM on planted Criteo-like data: held-out AUC {eval_auc:.3f} "
+        f"(planted {planted_auc:.3f})",
+        fontsize=10,
+    )
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -379,10 +430,14 @@ def _plot(path: pathlib.Path, losses: list[float], eval_auc: float,
 def _checkpoint(directory: pathlib.Path, step, state) -> tuple[pathlib.Path, str]:
     """Saves tables and dense params with jte.checkpoint; a rerun replaces the last run's."""
     shutil.rmtree(directory, ignore_errors=True)
-    (name, emb), = step.embeddings.items()
+    ((name, emb),) = step.embeddings.items()
     emb_state = jte.flax.embedding_states(state.embedding)[name]
-    jte.checkpoint.save(str(directory.resolve()), emb, emb_state,
-                        dense={"params": state.params, "opt_state": state.opt_state})
+    jte.checkpoint.save(
+        str(directory.resolve()),
+        emb,
+        emb_state,
+        dense={"params": state.params, "opt_state": state.opt_state},
+    )
     return directory, "saved"
 
 

@@ -91,7 +91,8 @@ class Embed(nn.Module):
                 raise ValueError(
                     f"Embed at {'/'.join(self.path) or 'the root'}: no {COLLECTION!r} "
                     f"variables. Pass them with the params: model.apply({{'params': ..., "
-                    f"{COLLECTION!r}: ...}}, ...), as model.init returned them.")
+                    f"{COLLECTION!r}: ...}}, ...), as model.init returned them."
+                )
             initial = _placed(emb, emb.init(self.make_rng(COLLECTION)))
 
         def created() -> _embedding.EmbeddingState:
@@ -106,8 +107,9 @@ class Embed(nn.Module):
         return emb.lookup(state, features)
 
 
-def _placed(emb: _embedding.Embedding,
-            state: _embedding.EmbeddingState) -> _embedding.EmbeddingState:
+def _placed(
+    emb: _embedding.Embedding, state: _embedding.EmbeddingState
+) -> _embedding.EmbeddingState:
     """`state` constrained to emb's shardings when traced (e.g. `jax.jit(model.init)`).
 
     Traced inside another jit, `Embedding.init`'s values lose their row sharding, and the
@@ -120,6 +122,7 @@ def _placed(emb: _embedding.Embedding,
 
 
 # ----------------------------------------------------------------- state helpers
+
 
 def _path_name(path: tuple) -> str:
     return "/".join(path)
@@ -137,11 +140,14 @@ def embedding_states(collection: dict) -> dict[str, _embedding.EmbeddingState]:
     def walk(node, path):
         if isinstance(node, dict) and set(_STATE_KEYS) <= set(node):
             out[_path_name(path)] = _embedding.EmbeddingState(
-                node["tables"], node["slots"], node["step"])
+                node["tables"], node["slots"], node["step"]
+            )
             return
         if not isinstance(node, dict):
-            raise ValueError(f"embedding_states: {_path_name(path)!r} is not an Embed's "
-                             f"state (tables, slots, step); got {type(node).__name__}.")
+            raise ValueError(
+                f"embedding_states: {_path_name(path)!r} is not an Embed's "
+                f"state (tables, slots, step); got {type(node).__name__}."
+            )
         for key in node:
             walk(node[key], path + (key,))
 
@@ -149,13 +155,16 @@ def embedding_states(collection: dict) -> dict[str, _embedding.EmbeddingState]:
     return out
 
 
-def replace_embedding_states(collection: dict,
-                             states: dict[str, _embedding.EmbeddingState]) -> dict:
+def replace_embedding_states(
+    collection: dict, states: dict[str, _embedding.EmbeddingState]
+) -> dict:
     """A copy of `collection` with the states of the layers named in `states` replaced."""
     unknown = sorted(set(states) - set(embedding_states(collection)))
     if unknown:
-        raise ValueError(f"replace_embedding_states: no Embed at {unknown}; the collection "
-                         f"has {sorted(embedding_states(collection))}.")
+        raise ValueError(
+            f"replace_embedding_states: no Embed at {unknown}; the collection "
+            f"has {sorted(embedding_states(collection))}."
+        )
 
     def walk(node, path):
         name = _path_name(path)
@@ -170,6 +179,7 @@ def replace_embedding_states(collection: dict,
 
 
 # ------------------------------------------------------------------- train step
+
 
 def _is_embed_call(context) -> bool:
     return isinstance(context.module, Embed) and context.method_name == "__call__"
@@ -191,12 +201,19 @@ class FlaxTrainStep(_train.TrainStep):
     pass (give one layer all the features that share its tables).
     """
 
-    def __init__(self, model: nn.Module, loss_fn: Callable,
-                 tx: optax.GradientTransformation, method: Callable | str | None = None,
-                 donate: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable,
+        tx: optax.GradientTransformation,
+        method: Callable | str | None = None,
+        donate: bool = True,
+    ):
         if not isinstance(model, nn.Module):
-            raise TypeError(f"jte.flax.make_train_step: model must be a flax.linen Module, "
-                            f"got {type(model).__name__}.")
+            raise TypeError(
+                f"jte.flax.make_train_step: model must be a flax.linen Module, "
+                f"got {type(model).__name__}."
+            )
         self.model, self.method = model, method
 
         def discover(params, batch):
@@ -215,7 +232,8 @@ class FlaxTrainStep(_train.TrainStep):
                     raise ValueError(
                         f"Embed at {name or 'the root'!r} is called more than once in one "
                         f"forward pass. Call it once with all the features (features "
-                        f"sharing a table belong in one spec).")
+                        f"sharing a table belong in one spec)."
+                    )
                 features = _features_arg(args, kwargs)
                 emb = context.module.embedding
                 found[name] = (emb, features)
@@ -238,15 +256,23 @@ class FlaxTrainStep(_train.TrainStep):
                 outputs = model.apply({"params": params}, batch, method=method)
             return loss_fn(outputs, batch)
 
-        super().__init__(discover=discover, loss=loss, tx=tx, unpack=embedding_states,
-                         pack=replace_embedding_states, donate=donate)
+        super().__init__(
+            discover=discover,
+            loss=loss,
+            tx=tx,
+            unpack=embedding_states,
+            pack=replace_embedding_states,
+            donate=donate,
+        )
         self._predict_jit = None
 
     def _split_variables(self, variables: dict) -> tuple[Any, dict]:
         other = sorted(set(variables) - {"params", COLLECTION})
         if other:
-            raise ValueError(f"jte.flax.make_train_step: the model has variable collections "
-                             f"{other}; only 'params' and {COLLECTION!r} are supported.")
+            raise ValueError(
+                f"jte.flax.make_train_step: the model has variable collections "
+                f"{other}; only 'params' and {COLLECTION!r} are supported."
+            )
         if COLLECTION not in variables:
             raise ValueError("jte.flax.make_train_step: the model has no jte.flax.Embed.")
         return variables.get("params", {}), variables[COLLECTION]
@@ -267,12 +293,14 @@ class FlaxTrainStep(_train.TrainStep):
     def abstract_state(self, batch: Any) -> _train.TrainState:
         """The TrainState as jax.ShapeDtypeStruct leaves with shardings; allocates nothing."""
         variables = jax.eval_shape(
-            lambda b: self.model.init(jax.random.key(0), b, method=self.method), batch)
+            lambda b: self.model.init(jax.random.key(0), b, method=self.method), batch
+        )
         params, collection = self._split_variables(variables)
         jax.eval_shape(lambda p, b: self._found(p, b)[1], params, batch)  # Finds the Embeds.
         collection = replace_embedding_states(
-            collection, {n: self.embeddings[n].abstract_state()
-                         for n in embedding_states(collection)})
+            collection,
+            {n: self.embeddings[n].abstract_state() for n in embedding_states(collection)},
+        )
         return self._make_state(params, collection, batch, abstract=True)
 
     def predict(self, state: _train.TrainState, batch: Any) -> Any:
@@ -281,14 +309,18 @@ class FlaxTrainStep(_train.TrainStep):
         For evaluation; the state is not donated. A pipelined state must be flushed first.
         """
         if state.pending is not None and bool(state.pending.valid):
-            raise ValueError("predict: the state has a pending update (pipeline_execution); "
-                             "call step.flush(state) first.")
+            raise ValueError(
+                "predict: the state has a pending update (pipeline_execution); "
+                "call step.flush(state) first."
+            )
         if self._predict_jit is None:
+
             def predict(state, batch):
                 embs, features = self._found(state.params, batch)
                 first = embs[sorted(embs)[0]]
                 batch = self._shard_batch(batch, first, _train._batch_size(features))
                 return self.model.apply(self.variables(state), batch, method=self.method)
+
             self._predict_jit = jax.jit(predict)
         return self._predict_jit(state, batch)
 
@@ -297,9 +329,14 @@ class FlaxTrainStep(_train.TrainStep):
         return {"params": state.params, COLLECTION: state.embedding}
 
 
-def make_train_step(model: nn.Module, loss_fn: Callable, tx: optax.GradientTransformation,
-                    *, method: Callable | str | None = None,
-                    donate: bool = True) -> FlaxTrainStep:
+def make_train_step(
+    model: nn.Module,
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    *,
+    method: Callable | str | None = None,
+    donate: bool = True,
+) -> FlaxTrainStep:
     """One jitted, state-donating train step for a flax model containing `Embed` layers.
 
     Args:

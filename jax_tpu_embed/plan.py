@@ -37,10 +37,31 @@ from . import _aot, _config, _config_file, _embedding  # noqa: E402
 
 # Slice shapes to suggest when a config does not fit, smallest first.
 _SLICES = {
-    "v4": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16",
-           "8x16x16"),
-    "v5p": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16",
-            "8x16x16", "16x16x16"),
+    "v4": (
+        "2x2x1",
+        "2x2x2",
+        "2x2x4",
+        "2x4x4",
+        "4x4x4",
+        "4x4x8",
+        "4x8x8",
+        "8x8x8",
+        "8x8x16",
+        "8x16x16",
+    ),
+    "v5p": (
+        "2x2x1",
+        "2x2x2",
+        "2x2x4",
+        "2x4x4",
+        "4x4x4",
+        "4x4x8",
+        "4x8x8",
+        "8x8x8",
+        "8x8x16",
+        "8x16x16",
+        "16x16x16",
+    ),
     "v5e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
     "v6e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
 }
@@ -55,35 +76,41 @@ def read_inputs(config: _config_file.ConfigFile) -> tuple[int | None, dict[str, 
     raw = config.extra.get("inputs") or {}
     where = f"{config.path}: inputs"
     if not isinstance(raw, Mapping):
-        raise PlanError(f"{where}: must be a mapping with `batch` and `ids_per_example`, "
-                        f"got {raw!r}.")
+        raise PlanError(
+            f"{where}: must be a mapping with `batch` and `ids_per_example`, got {raw!r}."
+        )
     unknown = sorted(set(raw) - {"batch", "ids_per_example"})
     if unknown:
-        raise PlanError(f"{where}.{unknown[0]}: unknown key; allowed: batch, "
-                        f"ids_per_example.")
+        raise PlanError(f"{where}.{unknown[0]}: unknown key; allowed: batch, ids_per_example.")
     batch = raw.get("batch")
     if batch is not None and (not _config._is_int(batch) or batch <= 0):
         raise PlanError(f"{where}.batch: must be an int > 0, got {batch!r}.")
     lengths = raw.get("ids_per_example") or {}
     if not isinstance(lengths, Mapping):
-        raise PlanError(f"{where}.ids_per_example: must be a mapping {{feature path: L}}, "
-                        f"got {lengths!r}.")
+        raise PlanError(
+            f"{where}.ids_per_example: must be a mapping {{feature path: L}}, got {lengths!r}."
+        )
     paths = [p for p, _ in config.spec.flat_features]
     out = {}
     for path, length in lengths.items():
         if path not in paths:
-            raise PlanError(f"{where}.ids_per_example.{path}: no such feature; the features "
-                            f"are {paths}.")
+            raise PlanError(
+                f"{where}.ids_per_example.{path}: no such feature; the features are {paths}."
+            )
         if not _config._is_int(length) or length <= 0:
-            raise PlanError(f"{where}.ids_per_example.{path}: must be an int > 0, got "
-                            f"{length!r}.")
+            raise PlanError(f"{where}.ids_per_example.{path}: must be an int > 0, got {length!r}.")
         out[path] = int(length)
     return (int(batch) if batch is not None else None), out
 
 
-def plan(config_path: str, topology: str, batch: int | None = None, *,
-         max_ids_per_shard: int | None = None,
-         max_unique_ids_per_shard: int | None = None) -> dict[str, Any]:
+def plan(
+    config_path: str,
+    topology: str,
+    batch: int | None = None,
+    *,
+    max_ids_per_shard: int | None = None,
+    max_unique_ids_per_shard: int | None = None,
+) -> dict[str, Any]:
     """Compiles the config's train step for `topology`; the per-chip figures as a dict.
 
     max_ids_per_shard and max_unique_ids_per_shard go to `jte.Embedding` for every table.
@@ -112,12 +139,17 @@ def plan(config_path: str, topology: str, batch: int | None = None, *,
     if batch % n:
         lower, upper = batch // n * n, -(-batch // n) * n
         choices = " or ".join(str(b) for b in (lower, upper) if b > 0)
-        raise PlanError(f"batch {batch} is not a multiple of the {n} devices of {topology} "
-                        f"(the batch is split evenly over every device); use {choices}.")
+        raise PlanError(
+            f"batch {batch} is not a multiple of the {n} devices of {topology} "
+            f"(the batch is split evenly over every device); use {choices}."
+        )
     try:
-        emb = _embedding.Embedding(config.spec, _aot.mesh(topo),
-                                   max_ids_per_shard=max_ids_per_shard,
-                                   max_unique_ids_per_shard=max_unique_ids_per_shard)
+        emb = _embedding.Embedding(
+            config.spec,
+            _aot.mesh(topo),
+            max_ids_per_shard=max_ids_per_shard,
+            max_unique_ids_per_shard=max_unique_ids_per_shard,
+        )
     except ValueError as e:
         raise PlanError(f"{config_path} on {topology}: {e}") from None
     report = _aot.compile_train_step(emb, batch, lengths, topo=topo, allow_oom=True)
@@ -125,31 +157,41 @@ def plan(config_path: str, topology: str, batch: int | None = None, *,
     return _result(config_path, config.spec, emb, topo, batch, lengths, report, init_temps)
 
 
-def _result(path, spec, emb, topo, batch, lengths, r: _aot.CompileReport,
-            init_temps: dict[str, int]) -> dict[str, Any]:
+def _result(
+    path, spec, emb, topo, batch, lengths, r: _aot.CompileReport, init_temps: dict[str, int]
+) -> dict[str, Any]:
     per_chip = topo.devices_per_chip
     tables = []
     for name, table in spec.tables().items():
         plan_ = emb.table_plans[name]
-        tables.append({
-            "name": name, "vocabulary_size": table.vocabulary_size, "dim": table.dim,
-            "optimizer": type(plan_.optimizer).__name__,
-            "rows_per_shard": plan_.layout.rows_per_shard,
-            "table_bytes_per_chip": r.table_bytes[name] * per_chip,
-            "slot_bytes_per_chip": r.slot_bytes[name] * per_chip,
-        })
+        tables.append(
+            {
+                "name": name,
+                "vocabulary_size": table.vocabulary_size,
+                "dim": table.dim,
+                "optimizer": type(plan_.optimizer).__name__,
+                "rows_per_shard": plan_.layout.rows_per_shard,
+                "table_bytes_per_chip": r.table_bytes[name] * per_chip,
+                "slot_bytes_per_chip": r.slot_bytes[name] * per_chip,
+            }
+        )
     state = r.state_bytes * per_chip
     total = r.peak_bytes * per_chip
     hbm = topo.hbm_per_chip
     init_table = max(init_temps, key=lambda n: init_temps[n]) if init_temps else None
     init_peak = state + (init_temps[init_table] * per_chip if init_table else 0)
     out = {
-        "config": path, "topology": topo.name, "chips": topo.chips, "devices": len(topo.devices),
-        "devices_per_chip": per_chip, "batch": batch,
+        "config": path,
+        "topology": topo.name,
+        "chips": topo.chips,
+        "devices": len(topo.devices),
+        "devices_per_chip": per_chip,
+        "batch": batch,
         "max_ids_per_shard": {n: p_.max_ids for n, p_ in emb.table_plans.items()},
         "max_unique_ids_per_shard": {n: p_.max_unique for n, p_ in emb.table_plans.items()},
-        "ids_per_example": {p: lengths.get(p, f.max_sequence_length or 1)
-                            for p, f in spec.flat_features},
+        "ids_per_example": {
+            p: lengths.get(p, f.max_sequence_length or 1) for p, f in spec.flat_features
+        },
         "tables": tables,
         "per_chip": {
             "table_bytes": sum(t["table_bytes_per_chip"] for t in tables),
@@ -165,13 +207,21 @@ def _result(path, spec, emb, topo, batch, lengths, r: _aot.CompileReport,
             "init_temp_bytes": {n: t * per_chip for n, t in init_temps.items()},
         },
         "fits": max(total, init_peak) <= hbm,
-        "largest_temps": [{"bytes": t.bytes, "shape": t.shape, "op": t.name,
-                           "source": t.op_name, "memory": t.space}
-                          for t in r.largest_temps[:3]],
-        "collectives": {"count": len(r.collectives),
-                        "bytes": sum(c.bytes for c in r.collectives) * per_chip,
-                        "largest": str(max(r.collectives, key=lambda c: c.bytes))
-                        if r.collectives else None},
+        "largest_temps": [
+            {
+                "bytes": t.bytes,
+                "shape": t.shape,
+                "op": t.name,
+                "source": t.op_name,
+                "memory": t.space,
+            }
+            for t in r.largest_temps[:3]
+        ],
+        "collectives": {
+            "count": len(r.collectives),
+            "bytes": sum(c.bytes for c in r.collectives) * per_chip,
+            "largest": str(max(r.collectives, key=lambda c: c.bytes)) if r.collectives else None,
+        },
         "compile_seconds": round(r.compile_seconds, 1),
         "compiler_oom": r.oom,
     }
@@ -187,17 +237,21 @@ def _suggest(topo: _aot.Topology, state: int, total: int) -> str:
     rest = total - state
     hbm = topo.hbm_per_chip
     if rest >= hbm:
-        return (f"the non-table part alone ({_aot.format_bytes(rest)} per chip: batch-sized "
-                f"temporaries and inputs) exceeds HBM ({_aot.format_bytes(hbm)}); reduce "
-                f"the batch.")
+        return (
+            f"the non-table part alone ({_aot.format_bytes(rest)} per chip: batch-sized "
+            f"temporaries and inputs) exceeds HBM ({_aot.format_bytes(hbm)}); reduce "
+            f"the batch."
+        )
     for shape in _SLICES.get(topo.generation, ()):
         chips = math.prod(int(x) for x in shape.split("x"))
         if chips <= topo.chips:
             continue
         estimate = state * topo.chips / chips + rest
         if estimate <= 0.9 * hbm:  # Leave room for what the estimate misses.
-            return (f"try --topology {topo.generation}:{shape} ({chips} chips; estimated "
-                    f"{_aot.format_bytes(estimate)} per chip of {_aot.format_bytes(hbm)}).")
+            return (
+                f"try --topology {topo.generation}:{shape} ({chips} chips; estimated "
+                f"{_aot.format_bytes(estimate)} per chip of {_aot.format_bytes(hbm)})."
+            )
     need = math.ceil(state * topo.chips / (0.9 * hbm - rest))
     return f"needs about {need} chips of {topo.generation}; use a larger slice or generation."
 
@@ -214,16 +268,23 @@ def format_table(res: dict[str, Any]) -> str:
         f"{'rows/shard':>11s} {'table/chip':>13s} {'slots/chip':>13s}",
     ]
     for t in res["tables"]:
-        lines.append(f"{t['name'][:24]:24s} {t['vocabulary_size']:>12,} {t['dim']:>5} "
-                     f"{t['optimizer'][:15]:>15s} {t['rows_per_shard']:>11,} "
-                     f"{fb(t['table_bytes_per_chip']):>13s} {fb(t['slot_bytes_per_chip']):>13s}")
+        lines.append(
+            f"{t['name'][:24]:24s} {t['vocabulary_size']:>12,} {t['dim']:>5} "
+            f"{t['optimizer'][:15]:>15s} {t['rows_per_shard']:>11,} "
+            f"{fb(t['table_bytes_per_chip']):>13s} {fb(t['slot_bytes_per_chip']):>13s}"
+        )
     pct = 100.0 * c["total_bytes"] / c["hbm_bytes"]
-    verdict = "fits" if res["fits"] else (
-        f"DOES NOT FIT: over by {fb(res['over_by_bytes'])}; {res['suggestion']}")
-    temps = ", ".join(f"{t['op']} {t['shape']} {fb(t['bytes'])}"
-                      for t in res["largest_temps"]) or "none"
+    verdict = (
+        "fits"
+        if res["fits"]
+        else (f"DOES NOT FIT: over by {fb(res['over_by_bytes'])}; {res['suggestion']}")
+    )
+    temps = (
+        ", ".join(f"{t['op']} {t['shape']} {fb(t['bytes'])}" for t in res["largest_temps"])
+        or "none"
+    )
     init = c["init_temp_bytes"]
-    init_largest = (f"{max(init, key=init.get)} {fb(max(init.values()))}" if init else "none")
+    init_largest = f"{max(init, key=init.get)} {fb(max(init.values()))}" if init else "none"
     lines += [
         "",
         "per chip (compiler's memory and cost analysis of one train step):",
@@ -245,17 +306,30 @@ def format_table(res: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jax_tpu_embed.plan",
-                                description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m jax_tpu_embed.plan", description=(__doc__ or "").split("\n")[0]
+    )
     p.add_argument("--config", required=True, help="YAML or TOML config (jte.load_config)")
     p.add_argument("--topology", required=True, help="TPU slice, e.g. v5p:4x4x4 or v5e:4x8")
-    p.add_argument("--batch", type=int, default=None,
-                   help="global batch B (default: the config's inputs.batch)")
-    p.add_argument("--max-ids-per-shard", type=int, default=None,
-                   help="jte.Embedding's max_ids_per_shard for every table")
-    p.add_argument("--max-unique-ids-per-shard", type=int, default=None,
-                   help="jte.Embedding's max_unique_ids_per_shard for every table (set it "
-                        "from Embedding.id_counts on real batches)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="global batch B (default: the config's inputs.batch)",
+    )
+    p.add_argument(
+        "--max-ids-per-shard",
+        type=int,
+        default=None,
+        help="jte.Embedding's max_ids_per_shard for every table",
+    )
+    p.add_argument(
+        "--max-unique-ids-per-shard",
+        type=int,
+        default=None,
+        help="jte.Embedding's max_unique_ids_per_shard for every table (set it "
+        "from Embedding.id_counts on real batches)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
     try:  # The environment variable above is too late if jax was imported first.
@@ -263,9 +337,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception:  # Backends already started: planning works with any of them.
         pass
     try:
-        res = plan(args.config, args.topology, args.batch,
-                   max_ids_per_shard=args.max_ids_per_shard,
-                   max_unique_ids_per_shard=args.max_unique_ids_per_shard)
+        res = plan(
+            args.config,
+            args.topology,
+            args.batch,
+            max_ids_per_shard=args.max_ids_per_shard,
+            max_unique_ids_per_shard=args.max_unique_ids_per_shard,
+        )
     except PlanError as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2

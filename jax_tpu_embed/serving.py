@@ -32,7 +32,8 @@ Nested = Any
 try:
     # jax.export must know how to (de)serialize the Weighted input container.
     jax.export.register_namedtuple_serialization(
-        _inputs.Weighted, serialized_name="jax_tpu_embed.Weighted")
+        _inputs.Weighted, serialized_name="jax_tpu_embed.Weighted"
+    )
 except ValueError:  # Already registered (module reloaded).
     pass
 
@@ -75,7 +76,8 @@ def _embed(path: str, feature: _config.FeatureConfig, table, leaf):
         raise ValueError(
             f"Feature {path!r}: output_shape {feature.output_shape} has "
             f"{math.prod(feature.output_shape)} outputs, but the batch gives {outputs} "
-            f"(shape {acts.shape[:-1]}).")
+            f"(shape {acts.shape[:-1]})."
+        )
     return acts.reshape(tuple(feature.output_shape) + (acts.shape[-1],))
 
 
@@ -87,14 +89,19 @@ def check_tables(spec: _config.EmbeddingSpec, tables: Mapping[str, Any]) -> None
     """ValueError listing every table that is missing, unknown or of the wrong shape."""
     want = {name: (t.vocabulary_size, t.dim) for name, t in spec.tables().items()}
     problems = [f"table {n!r} is missing" for n in want if n not in tables]
-    problems += [f"table {n!r} is not in the spec (its tables are {list(want)})"
-                 for n in tables if n not in want]
-    problems += [f"table {n!r} has shape {tuple(np.shape(tables[n]))}, the spec says "
-                 f"(vocabulary_size, dim) = {want[n]}"
-                 for n in want if n in tables and tuple(np.shape(tables[n])) != want[n]]
+    problems += [
+        f"table {n!r} is not in the spec (its tables are {list(want)})"
+        for n in tables
+        if n not in want
+    ]
+    problems += [
+        f"table {n!r} has shape {tuple(np.shape(tables[n]))}, the spec says "
+        f"(vocabulary_size, dim) = {want[n]}"
+        for n in want
+        if n in tables and tuple(np.shape(tables[n])) != want[n]
+    ]
     if problems:
-        raise ValueError("serving: the tables do not fit the spec: " + "; ".join(problems)
-                         + ".")
+        raise ValueError("serving: the tables do not fit the spec: " + "; ".join(problems) + ".")
 
 
 class Server:
@@ -113,13 +120,11 @@ class Server:
         device: jax.Device | None = None,  # pyright: ignore[reportInvalidTypeForm]
     ):
         if not isinstance(spec, _config.EmbeddingSpec):
-            raise TypeError(f"Server: spec must be a jte.EmbeddingSpec, got "
-                            f"{type(spec).__name__}.")
+            raise TypeError(f"Server: spec must be a jte.EmbeddingSpec, got {type(spec).__name__}.")
         check_tables(spec, tables)
         self.spec = spec
         self.device = device if device is not None else jax.devices("cpu")[0]
-        self.tables = {n: jax.device_put(np.asarray(tables[n]), self.device)
-                       for n in spec.tables()}
+        self.tables = {n: jax.device_put(np.asarray(tables[n]), self.device) for n in spec.tables()}
         self._jit = jax.jit(lambda t, f: lookup(self.spec, t, f))
 
     @classmethod
@@ -138,24 +143,47 @@ class Server:
         leaves = [x for leaf in flat.values() for x in _parts(leaf)]
         if any(not isinstance(x, jax.Array) for x in leaves):  # As Embedding.lookup does.
             _inputs.validate(self.spec, features, 1)
-        put = lambda x: jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x),
-                                       self.device)
-        flat = {path: (_inputs.Weighted(put(leaf.ids), put(leaf.weights))
-                       if isinstance(leaf, _inputs.Weighted) else put(leaf))
-                for path, leaf in flat.items()}
+        put = lambda x: jax.device_put(
+            x if isinstance(x, jax.Array) else np.asarray(x), self.device
+        )
+        flat = {
+            path: (
+                _inputs.Weighted(put(leaf.ids), put(leaf.weights))
+                if isinstance(leaf, _inputs.Weighted)
+                else put(leaf)
+            )
+            for path, leaf in flat.items()
+        }
         return self._jit(self.tables, _config.unflatten(flat))
 
-    def export(self, features: Nested, *, include_tables: bool = False,
-               platforms: Sequence[str] | None = ("cpu",),
-               polymorphic_batch: bool = False) -> jax.export.Exported:
+    def export(
+        self,
+        features: Nested,
+        *,
+        include_tables: bool = False,
+        platforms: Sequence[str] | None = ("cpu",),
+        polymorphic_batch: bool = False,
+    ) -> jax.export.Exported:
         """This lookup as a `jax.export.Exported` (StableHLO); see `export`."""
-        return export(self.spec, self.tables, features, include_tables=include_tables,
-                      platforms=platforms, polymorphic_batch=polymorphic_batch)
+        return export(
+            self.spec,
+            self.tables,
+            features,
+            include_tables=include_tables,
+            platforms=platforms,
+            polymorphic_batch=polymorphic_batch,
+        )
 
 
-def export(spec: _config.EmbeddingSpec, tables: Mapping[str, Any], features: Nested, *,
-           include_tables: bool = False, platforms: Sequence[str] | None = ("cpu",),
-           polymorphic_batch: bool = False) -> jax.export.Exported:
+def export(
+    spec: _config.EmbeddingSpec,
+    tables: Mapping[str, Any],
+    features: Nested,
+    *,
+    include_tables: bool = False,
+    platforms: Sequence[str] | None = ("cpu",),
+    polymorphic_batch: bool = False,
+) -> jax.export.Exported:
     """Exports the serving lookup with `jax.export`.
 
     Args:
@@ -179,8 +207,10 @@ def export(spec: _config.EmbeddingSpec, tables: Mapping[str, Any], features: Nes
     if polymorphic_batch:
         shaped = [p for p, f in spec.flat_features if f.output_shape is not None]
         if shaped:
-            raise ValueError(f"serving.export: polymorphic_batch=True is impossible with "
-                             f"output_shape (features {shaped}); it fixes the batch size.")
+            raise ValueError(
+                f"serving.export: polymorphic_batch=True is impossible with "
+                f"output_shape (features {shaped}); it fixes the batch size."
+            )
         (batch,) = jax.export.symbolic_shape("B")
     else:
         batch = None
@@ -189,12 +219,10 @@ def export(spec: _config.EmbeddingSpec, tables: Mapping[str, Any], features: Nes
         shape = tuple(np.shape(x))
         if batch is not None:
             shape = (batch,) + shape[1:]
-        return jax.ShapeDtypeStruct(shape, x.dtype if hasattr(x, "dtype") else
-                                    np.asarray(x).dtype)
+        return jax.ShapeDtypeStruct(shape, x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
 
     feature_specs = jax.tree.map(spec_of, features)
-    table_specs = {n: jax.ShapeDtypeStruct(tuple(np.shape(t)), t.dtype)
-                   for n, t in tables.items()}
+    table_specs = {n: jax.ShapeDtypeStruct(tuple(np.shape(t)), t.dtype) for n, t in tables.items()}
     platforms = None if platforms is None else tuple(platforms)
     if include_tables:
         constants = {n: np.asarray(t) for n, t in tables.items()}

@@ -40,15 +40,15 @@ def make_spec(strategy: str) -> jte.EmbeddingSpec:
     feature, "seq" (its own Adam) for a sequence feature. V is not a multiple of 8, so "div"
     shards differ in size and both strategies pad."""
     shared = jte.TableConfig(vocabulary_size=37, dim=8, combiner="mean", name="shared")
-    seq = jte.TableConfig(vocabulary_size=21, dim=4, name="seq",
-                          optimizer=jte.Adam(learning_rate=0.05))
+    seq = jte.TableConfig(
+        vocabulary_size=21, dim=4, name="seq", optimizer=jte.Adam(learning_rate=0.05)
+    )
     features = {
-        "multi": jte.FeatureConfig(shared),                          # Weighted (B, 3)
-        "one": jte.FeatureConfig(shared),                            # (B,)
-        "seq": jte.FeatureConfig(seq, max_sequence_length=4),        # (B, 5), truncated
+        "multi": jte.FeatureConfig(shared),  # Weighted (B, 3)
+        "one": jte.FeatureConfig(shared),  # (B,)
+        "seq": jte.FeatureConfig(seq, max_sequence_length=4),  # (B, 5), truncated
     }
-    return jte.EmbeddingSpec(features, jte.Adagrad(learning_rate=0.1),
-                             partition_strategy=strategy)
+    return jte.EmbeddingSpec(features, jte.Adagrad(learning_rate=0.1), partition_strategy=strategy)
 
 
 def make_mesh(kind: str) -> jax.sharding.Mesh:
@@ -75,9 +75,11 @@ def global_step_data(step: int):
     one = rng.integers(0, 37, (B,)).astype(np.int32)
     seq = rng.integers(-1, 21, (B, 5)).astype(np.int32)
     features = {"multi": jte.Weighted(multi, weights), "one": one, "seq": seq}
-    grads = {"multi": rng.standard_normal((B, 8)).astype(np.float32),
-             "one": rng.standard_normal((B, 8)).astype(np.float32),
-             "seq": rng.standard_normal((B, 4, 4)).astype(np.float32)}
+    grads = {
+        "multi": rng.standard_normal((B, 8)).astype(np.float32),
+        "one": rng.standard_normal((B, 8)).astype(np.float32),
+        "seq": rng.standard_normal((B, 4, 4)).astype(np.float32),
+    }
     return features, grads
 
 
@@ -105,10 +107,14 @@ def _gather_rows(rows):
 def initial_values():
     """(tables, slots) for `restore_tables`: the Adam table's "velocities" left out."""
     rng = np.random.default_rng([SEED, 99])
-    tables = {"shared": rng.standard_normal((37, 8)).astype(np.float32),
-              "seq": rng.standard_normal((21, 4)).astype(np.float32)}
-    slots = {"shared": {"accumulators": rng.uniform(0.1, 0.5, (37, 8)).astype(np.float32)},
-             "seq": {"momenta": rng.uniform(-0.1, 0.1, (21, 4)).astype(np.float32)}}
+    tables = {
+        "shared": rng.standard_normal((37, 8)).astype(np.float32),
+        "seq": rng.standard_normal((21, 4)).astype(np.float32),
+    }
+    slots = {
+        "shared": {"accumulators": rng.uniform(0.1, 0.5, (37, 8)).astype(np.float32)},
+        "seq": {"momenta": rng.uniform(-0.1, 0.1, (21, 4)).astype(np.float32)},
+    }
     return tables, slots
 
 
@@ -135,10 +141,12 @@ def train(strategy: str, mesh_kind: str, inputs: str = "local", start: str = "in
         if inputs == "local":
             features, grads = multihost.global_batch(emb, local)
         elif step == 0:  # Whether the NumPy check passes the global batch, rejects local rows.
-            out["meta/same_check"] = np.array([_raises(multihost.check_same_on_every_process,
-                                                       (features, grads)),
-                                               _raises(multihost.check_same_on_every_process,
-                                                       local)])
+            out["meta/same_check"] = np.array(
+                [
+                    _raises(multihost.check_same_on_every_process, (features, grads)),
+                    _raises(multihost.check_same_on_every_process, local),
+                ]
+            )
         acts = emb.lookup(state, features)
         for path, a in acts.items():
             out[f"acts/{step}/{path}"] = _gather(a)
@@ -168,16 +176,23 @@ def main(argv=None) -> int:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     address = f"127.0.0.1:{args.port}"
     jax.distributed.initialize(
-        coordinator_address=address, num_processes=args.num_processes,
-        process_id=args.process_id, coordinator_bind_address=address,
+        coordinator_address=address,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        coordinator_bind_address=address,
         cluster_detection_method="deactivate",  # No probing for TPU/Slurm/MPI environments.
-        initialization_timeout=args.init_timeout, heartbeat_timeout_seconds=30,
-        shutdown_timeout_seconds=30)
+        initialization_timeout=args.init_timeout,
+        heartbeat_timeout_seconds=30,
+        shutdown_timeout_seconds=30,
+    )
     _pin_gloo_to_loopback()
     assert jax.process_count() == args.num_processes, jax.process_count()
     assert jax.device_count() == args.num_processes * jax.local_device_count()
-    print(f"[{args.process_id}] up in {time.perf_counter() - start:.1f}s: "
-          f"{jax.local_device_count()} local of {jax.device_count()} devices", flush=True)
+    print(
+        f"[{args.process_id}] up in {time.perf_counter() - start:.1f}s: "
+        f"{jax.local_device_count()} local of {jax.device_count()} devices",
+        flush=True,
+    )
 
     for case in args.cases.split(","):
         t0 = time.perf_counter()
@@ -204,11 +219,16 @@ def _pin_gloo_to_loopback():
     try:
         from jax._src import distributed, xla_bridge
         from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]
+
         collectives = _jax.make_gloo_tcp_collectives(
-            distributed_client=distributed.global_state.client, hostname="127.0.0.1")
+            distributed_client=distributed.global_state.client, hostname="127.0.0.1"
+        )
         xla_bridge.register_backend_factory(
-            "cpu", functools.partial(xla_bridge.make_cpu_client, collectives=collectives),
-            priority=0, fail_quietly=False)
+            "cpu",
+            functools.partial(xla_bridge.make_cpu_client, collectives=collectives),
+            priority=0,
+            fail_quietly=False,
+        )
     except (ImportError, AttributeError, TypeError) as e:  # pragma: no cover
         print(f"gloo keeps its default address ({e!r})", file=sys.stderr, flush=True)
 

@@ -9,8 +9,9 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # libtpu (the TPU compiler for AOT compile tests) takes a machine-wide lock; pytest-xdist's
 # workers each load it.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

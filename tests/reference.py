@@ -16,8 +16,11 @@ def _valid(ids, vocab):
 def combine_scale(ids, weights, vocab, combiner, sequence):
     ids = np.asarray(ids).reshape(len(ids), -1)
     valid = _valid(ids, vocab)
-    w = np.ones(ids.shape) if weights is None else np.asarray(weights, np.float64).reshape(
-        ids.shape)
+    w = (
+        np.ones(ids.shape)
+        if weights is None
+        else np.asarray(weights, np.float64).reshape(ids.shape)
+    )
     w = np.where(valid, w, 0.0)
     if sequence or combiner == "sum":
         return ids, valid, w
@@ -100,13 +103,15 @@ def optimizer_step(name, hp, w, slots, g, lr):
         n2 = n + g * g
         l1, l2, beta = hp["l1"], hp["l2"], hp["beta"]
         if hp["multiply_linear_by_learning_rate"]:
-            z = z + lr * g - (n2 ** p - n ** p) * w
-            new = np.where(np.abs(z) <= l1 * lr, 0.0,
-                           (np.sign(z) * l1 * lr - z) / (n2 ** p + beta + 2 * l2 * lr))
+            z = z + lr * g - (n2**p - n**p) * w
+            new = np.where(
+                np.abs(z) <= l1 * lr, 0.0, (np.sign(z) * l1 * lr - z) / (n2**p + beta + 2 * l2 * lr)
+            )
         else:
-            z = z + g - (n2 ** p - n ** p) / lr * w
-            new = np.where(np.abs(z) <= l1, 0.0,
-                           (np.sign(z) * l1 - z) / ((n2 ** p + beta) / lr + 2 * l2))
+            z = z + g - (n2**p - n**p) / lr * w
+            new = np.where(
+                np.abs(z) <= l1, 0.0, (np.sign(z) * l1 - z) / ((n2**p + beta) / lr + 2 * l2)
+            )
         return new, {"accumulators": n2, "linears": z}
     if name == "momentum_custom":  # tests/test_optimizers.py's CustomOptimizer.
         v = hp["beta"] * s["velocity"] + g
@@ -117,9 +122,23 @@ def optimizer_step(name, hp, w, slots, g, lr):
     raise ValueError(name)
 
 
-def apply(name, hp, table, slots, grads_by_row, lr, *, multiplier=1.0, clipping_limit=None,
-          clipvalue=None, weight_decay=None, decay_by_lr=False, clip_min=None,
-          clip_max=None, dense=False):
+def apply(
+    name,
+    hp,
+    table,
+    slots,
+    grads_by_row,
+    lr,
+    *,
+    multiplier=1.0,
+    clipping_limit=None,
+    clipvalue=None,
+    weight_decay=None,
+    decay_by_lr=False,
+    clip_min=None,
+    clip_max=None,
+    dense=False,
+):
     """Updates a logical table and its slots; untouched rows are copied through."""
     table = np.array(table, np.float64)
     slots = {k: np.array(v, np.float64) for k, v in slots.items()}
@@ -129,12 +148,10 @@ def apply(name, hp, table, slots, grads_by_row, lr, *, multiplier=1.0, clipping_
         if clipping_limit is not None:
             g = np.clip(g, -clipping_limit, clipping_limit)
         if clipvalue is not None:
-            lo, hi = clipvalue if isinstance(clipvalue, (tuple, list)) else (-clipvalue,
-                                                                             clipvalue)
+            lo, hi = clipvalue if isinstance(clipvalue, (tuple, list)) else (-clipvalue, clipvalue)
             g = np.clip(g, lo, hi)
         w = table[r]
-        new, new_slots = optimizer_step(name, hp, w, {k: v[r] for k, v in slots.items()}, g,
-                                        lr)
+        new, new_slots = optimizer_step(name, hp, w, {k: v[r] for k, v in slots.items()}, g, lr)
         if weight_decay:
             new = new - (lr * weight_decay if decay_by_lr else weight_decay) * w
         if clip_min is not None or clip_max is not None:

@@ -23,15 +23,23 @@ B = 24
 
 
 def _spec(strategy="div", *, users_vocab=13, users_dim=4, items_optimizer=None):
-    users = jte.TableConfig(users_vocab, users_dim, combiner="sum", name="users",
-                            dtype=jnp.bfloat16)
-    items = jte.TableConfig(11, 3, name="items",
-                            optimizer=items_optimizer or jte.RowwiseAdagrad(0.2))
+    users = jte.TableConfig(
+        users_vocab, users_dim, combiner="sum", name="users", dtype=jnp.bfloat16
+    )
+    items = jte.TableConfig(
+        11, 3, name="items", optimizer=items_optimizer or jte.RowwiseAdagrad(0.2)
+    )
     return jte.EmbeddingSpec(
-        {"u": jte.FeatureConfig(users),
-         "i": {"a": jte.FeatureConfig(items),
-               "seq": jte.FeatureConfig(items, max_sequence_length=3)}},
-        jte.Adagrad(0.3), partition_strategy=strategy)
+        {
+            "u": jte.FeatureConfig(users),
+            "i": {
+                "a": jte.FeatureConfig(items),
+                "seq": jte.FeatureConfig(items, max_sequence_length=3),
+            },
+        },
+        jte.Adagrad(0.3),
+        partition_strategy=strategy,
+    )
 
 
 def _emb(strategy, num_shards, kind="explicit"):
@@ -52,11 +60,17 @@ def _init(emb, seed=0):
 def _batch(rng):
     u = rng.integers(0, 13, (B, 4))
     u[rng.random((B, 4)) < 0.3] = -1
-    feats = {"u": u,
-             "i": {"a": rng.integers(0, 6, (B, 3)),  # Few ids: duplicates, shared with seq.
-                   "seq": rng.integers(-1, 11, (B, 3))}}
-    grads = {"u": rng.standard_normal((B, 4)),
-             "i": {"a": rng.standard_normal((B, 3)), "seq": rng.standard_normal((B, 3, 3))}}
+    feats = {
+        "u": u,
+        "i": {
+            "a": rng.integers(0, 6, (B, 3)),  # Few ids: duplicates, shared with seq.
+            "seq": rng.integers(-1, 11, (B, 3)),
+        },
+    }
+    grads = {
+        "u": rng.standard_normal((B, 4)),
+        "i": {"a": rng.standard_normal((B, 3)), "seq": rng.standard_normal((B, 3, 3))},
+    }
     return feats, jax.tree.map(lambda g: g.astype(np.float32), grads)
 
 
@@ -87,36 +101,39 @@ def _assert_same_state(emb_a, state_a, emb_b, state_b, exact=True):
         if exact:
             np.testing.assert_array_equal(ta[name], tb[name])
         else:
-            np.testing.assert_allclose(np.asarray(ta[name], np.float64),
-                                       np.asarray(tb[name], np.float64), rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(
+                np.asarray(ta[name], np.float64),
+                np.asarray(tb[name], np.float64),
+                rtol=1e-6,
+                atol=1e-6,
+            )
         assert sa[name].keys() == sb[name].keys()
         for slot in sa[name]:
             if exact:
                 np.testing.assert_array_equal(sa[name][slot], sb[name][slot])
             else:
-                np.testing.assert_allclose(sa[name][slot], sb[name][slot], rtol=1e-6,
-                                           atol=1e-6)
+                np.testing.assert_allclose(sa[name][slot], sb[name][slot], rtol=1e-6, atol=1e-6)
     assert int(state_a.step) == int(state_b.step)
 
 
-@pytest.mark.parametrize("save_on,restore_on", [
-    (("mod", 8, "explicit"), ("div", 2, "auto")),
-    (("div", 4, "explicit"), ("mod", 3, "explicit")),
-])
-def test_restore_on_other_mesh_and_strategy_continues_identically(tmp_path, save_on,
-                                                                  restore_on):
+@pytest.mark.parametrize(
+    "save_on,restore_on",
+    [
+        (("mod", 8, "explicit"), ("div", 2, "auto")),
+        (("div", 4, "explicit"), ("mod", 3, "explicit")),
+    ],
+)
+def test_restore_on_other_mesh_and_strategy_continues_identically(tmp_path, save_on, restore_on):
     rng = np.random.default_rng(1)
     batches = [_batch(rng) for _ in range(5)]
     emb1, emb2 = _emb(*save_on), _emb(*restore_on)
     state1 = _train(emb1, _init(emb1), batches[:2])
     params, opt, opt_state = _dense_init()
     params, opt_state = _dense_step(opt, params, opt_state, 1.0)
-    assert checkpoint.save(tmp_path, emb1, state1,
-                           dense={"params": params, "opt": opt_state}) == 2
+    assert checkpoint.save(tmp_path, emb1, state1, dense={"params": params, "opt": opt_state}) == 2
 
     _, _, like = _dense_init()
-    state2, dense = checkpoint.restore(tmp_path, emb2,
-                                       dense_target={"params": params, "opt": like})
+    state2, dense = checkpoint.restore(tmp_path, emb2, dense_target={"params": params, "opt": like})
     # The restore itself is lossless: bit-identical logical tables and slots.
     _assert_same_state(emb1, state1, emb2, state2, exact=True)
     assert jax.tree.structure(dense) == jax.tree.structure({"params": params, "opt": opt_state})
@@ -142,8 +159,9 @@ def test_restored_state_equals_saved_and_lookups_match(tmp_path):
     # Same mesh and strategy: the very same physical arrays, with the same shardings (so a
     # compiled train step is reused, not traced again).
     for name in state.tables:
-        np.testing.assert_array_equal(np.asarray(restored.tables[name]),
-                                      np.asarray(state.tables[name]))
+        np.testing.assert_array_equal(
+            np.asarray(restored.tables[name]), np.asarray(state.tables[name])
+        )
         assert restored.tables[name].sharding == state.tables[name].sharding
         for slot, value in state.slots[name].items():
             assert restored.slots[name][slot].sharding == value.sharding
@@ -153,8 +171,7 @@ def test_restored_state_equals_saved_and_lookups_match(tmp_path):
     feats, _ = _batch(rng)
     want = emb8.lookup(state, feats)
     got = emb1.lookup(on_one, feats)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-                 want, got)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), want, got)
 
 
 def test_one_checkpoint_per_step_latest_by_default(tmp_path):
@@ -186,8 +203,9 @@ def test_dense_without_target_comes_back_as_stored_containers(tmp_path):
     emb = _emb("div", 2, "auto")
     state = _init(emb)
     params, _, opt_state = _dense_init()
-    checkpoint.save(tmp_path, emb, state, dense={"params": params, "opt": opt_state,
-                                                "count": jnp.int32(7)})
+    checkpoint.save(
+        tmp_path, emb, state, dense={"params": params, "opt": opt_state, "count": jnp.int32(7)}
+    )
     _, dense = checkpoint.restore(tmp_path, emb)
     np.testing.assert_array_equal(dense["params"]["w"], params["w"])
     assert int(dense["count"]) == 7
@@ -215,13 +233,18 @@ def test_missing_directory_step_or_checkpoint(tmp_path):
         checkpoint.restore(tmp_path / "one", emb, step=5)
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(users_vocab=14), r"table 'users': vocabulary_size is 13 in the checkpoint but 14"),
-    (dict(users_dim=5), r"table 'users': dim is 4 in the checkpoint but 5"),
-    (dict(items_optimizer=jte.Adagrad(0.1)),
-     r"table 'items': the checkpoint has optimizer slots \{'accumulators' \(rank 1\)\}"),
-    (dict(items_optimizer=jte.SGD(0.1)), r"table 'items'.*but the spec's optimizer \(SGD\)"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(users_vocab=14), r"table 'users': vocabulary_size is 13 in the checkpoint but 14"),
+        (dict(users_dim=5), r"table 'users': dim is 4 in the checkpoint but 5"),
+        (
+            dict(items_optimizer=jte.Adagrad(0.1)),
+            r"table 'items': the checkpoint has optimizer slots \{'accumulators' \(rank 1\)\}",
+        ),
+        (dict(items_optimizer=jte.SGD(0.1)), r"table 'items'.*but the spec's optimizer \(SGD\)"),
+    ],
+)
 def test_table_that_does_not_fit_is_named(tmp_path, change, match):
     emb = _emb("div", 2, "auto")
     checkpoint.save(tmp_path, emb, _init(emb))
@@ -233,11 +256,18 @@ def test_table_that_does_not_fit_is_named(tmp_path, change, match):
 def test_missing_and_extra_tables_are_named(tmp_path):
     emb = _emb("div", 2, "auto")
     checkpoint.save(tmp_path, emb, _init(emb))
-    spec = jte.EmbeddingSpec({"u": jte.FeatureConfig(jte.TableConfig(13, 4, name="users")),
-                              "z": jte.FeatureConfig(jte.TableConfig(3, 2, name="zeta"))},
-                             jte.Adagrad(0.3))
-    with pytest.raises(ValueError, match=r"\['zeta'\] are not in the checkpoint.*"
-                                         r"tables \['items'\] are not in"):
+    spec = jte.EmbeddingSpec(
+        {
+            "u": jte.FeatureConfig(jte.TableConfig(13, 4, name="users")),
+            "z": jte.FeatureConfig(jte.TableConfig(3, 2, name="zeta")),
+        },
+        jte.Adagrad(0.3),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"\['zeta'\] are not in the checkpoint.*"
+        r"tables \['items'\] are not in",
+    ):
         checkpoint.restore(tmp_path, jte.Embedding(spec, make_mesh(2)))
 
 
@@ -268,9 +298,13 @@ _KILLED_SAVER = textwrap.dedent("""
 def test_save_killed_part_way_leaves_previous_checkpoint_restorable(tmp_path):
     directory = tmp_path / "ckpt"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVER, str(directory)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_SAVER, str(directory)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     assert proc.stdout is not None
     try:
         assert proc.stdout.readline().strip() == "saved"
@@ -290,7 +324,8 @@ def test_save_killed_part_way_leaves_previous_checkpoint_restorable(tmp_path):
     assert "1" not in os.listdir(directory)  # Step 1 never became a checkpoint.
 
     spec = jte.EmbeddingSpec(
-        {"f": jte.FeatureConfig(jte.TableConfig(250_000, 64, name="big"))}, jte.SGD(0.1))
+        {"f": jte.FeatureConfig(jte.TableConfig(250_000, 64, name="big"))}, jte.SGD(0.1)
+    )
     emb = jte.Embedding(spec, make_mesh(2))
     assert checkpoint.all_steps(directory) == [0]
     state, _ = checkpoint.restore(directory, emb)
@@ -304,20 +339,27 @@ def test_save_killed_part_way_leaves_previous_checkpoint_restorable(tmp_path):
     assert not [n for n in os.listdir(directory) if "tmp" in n]
 
 
-@pytest.mark.parametrize("save_lanes,restore_lanes,items_opt", [
-    (128, 0, "rowwise_adagrad"), (0, 128, "rowwise_adagrad"), (128, 0, "adagrad"),
-    (0, 128, "adagrad")])
-def test_lane_packed_state_round_trips_through_logical_rows(tmp_path, save_lanes,
-                                                            restore_lanes, items_opt):
+@pytest.mark.parametrize(
+    "save_lanes,restore_lanes,items_opt",
+    [
+        (128, 0, "rowwise_adagrad"),
+        (0, 128, "rowwise_adagrad"),
+        (128, 0, "adagrad"),
+        (0, 128, "adagrad"),
+    ],
+)
+def test_lane_packed_state_round_trips_through_logical_rows(
+    tmp_path, save_lanes, restore_lanes, items_opt
+):
     """TPU's packed physical layout (forced here) and the plain one share checkpoints: with
     a rank-1 slot in its own packed array, and with Adagrad's accumulator riding in the
     table's own rows (_storage.TableStorage.riders)."""
     rng = np.random.default_rng(3)
     opt = jte.RowwiseAdagrad(0.2) if items_opt == "rowwise_adagrad" else jte.Adagrad(0.2)
-    saver = jte.Embedding(_spec("mod", items_optimizer=opt), make_mesh(4),
-                          lane_width=save_lanes)
-    loader = jte.Embedding(_spec("div", items_optimizer=opt), make_mesh(2),
-                           lane_width=restore_lanes)
+    saver = jte.Embedding(_spec("mod", items_optimizer=opt), make_mesh(4), lane_width=save_lanes)
+    loader = jte.Embedding(
+        _spec("div", items_optimizer=opt), make_mesh(2), lane_width=restore_lanes
+    )
     packed = saver if save_lanes else loader
     assert len(packed.storage("items").riders) == (1 if items_opt == "adagrad" else 0)
     state = _train(saver, saver.init(jax.random.key(1)), [_batch(rng) for _ in range(2)])
@@ -333,60 +375,82 @@ def _three_slot_update(gradient, row, slots, learning_rate, hyperparameters):
     velocity, momentum, visits = slots
     velocity = 0.9 * velocity + gradient * gradient
     momentum = 0.5 * momentum + gradient
-    return (row - learning_rate * momentum * jax.lax.rsqrt(velocity + 1.0), velocity, momentum,
-            visits + 1.0)
+    return (
+        row - learning_rate * momentum * jax.lax.rsqrt(velocity + 1.0),
+        velocity,
+        momentum,
+        visits + 1.0,
+    )
 
 
 def _multi_slot_spec(strategy):
     """One table per multi-slot optimizer. Dims chosen so that with lane_width=128 the (D,)
     slots of adam, adagrad_momentum and custom ride in the table's rows, FTRL's keep packed
     arrays of their own, and custom's scalar slot is packed 128 rows to a physical row."""
-    custom = jte.CustomOptimizer(_three_slot_update, 0.1,
-                                 slot_names=("velocity", "momentum", "visits"),
-                                 slot_initializers=(0.5, -0.25, 2.0), slot_dims=(2, 2, 1))
-    optimizers = {"adam": (5, jte.Adam(0.1)), "ftrl": (3, jte.FTRL(0.1)),
-                  "adagrad_momentum": (5, jte.AdagradMomentum(0.1, momentum=0.9)),
-                  "custom": (10, custom)}
+    custom = jte.CustomOptimizer(
+        _three_slot_update,
+        0.1,
+        slot_names=("velocity", "momentum", "visits"),
+        slot_initializers=(0.5, -0.25, 2.0),
+        slot_dims=(2, 2, 1),
+    )
+    optimizers = {
+        "adam": (5, jte.Adam(0.1)),
+        "ftrl": (3, jte.FTRL(0.1)),
+        "adagrad_momentum": (5, jte.AdagradMomentum(0.1, momentum=0.9)),
+        "custom": (10, custom),
+    }
     return jte.EmbeddingSpec(
-        {name: jte.FeatureConfig(jte.TableConfig(37, dim, name=name, optimizer=opt))
-         for name, (dim, opt) in optimizers.items()},
-        jte.SGD(0.1), partition_strategy=strategy)
+        {
+            name: jte.FeatureConfig(jte.TableConfig(37, dim, name=name, optimizer=opt))
+            for name, (dim, opt) in optimizers.items()
+        },
+        jte.SGD(0.1),
+        partition_strategy=strategy,
+    )
 
 
-@pytest.mark.parametrize("save_on,restore_on", [
-    (("mod", 8, 0), ("div", 2, 0)),
-    (("mod", 8, 128), ("div", 1, 0)),
-    (("div", 2, 0), ("mod", 4, 128)),
-], ids=["mod8-div2", "mod8-lanes128-div1", "div2-mod4-lanes128"])
+@pytest.mark.parametrize(
+    "save_on,restore_on",
+    [
+        (("mod", 8, 0), ("div", 2, 0)),
+        (("mod", 8, 128), ("div", 1, 0)),
+        (("div", 2, 0), ("mod", 4, 128)),
+    ],
+    ids=["mod8-div2", "mod8-lanes128-div1", "div2-mod4-lanes128"],
+)
 def test_multi_slot_optimizers_restore_every_slot_by_name(tmp_path, save_on, restore_on):
     """Adam, FTRL, AdagradMomentum and a three-slot CustomOptimizer: each slot comes back as
     the slot of its name, across mesh sizes, strategies and lane packing (slots riding in the
     table's rows, packed in arrays of their own, or plain)."""
     (s_strategy, s_shards, s_lanes), (r_strategy, r_shards, r_lanes) = save_on, restore_on
-    saver = jte.Embedding(_multi_slot_spec(s_strategy), make_mesh(s_shards),
-                          lane_width=s_lanes)
-    loader = jte.Embedding(_multi_slot_spec(r_strategy), make_mesh(r_shards),
-                           lane_width=r_lanes)
+    saver = jte.Embedding(_multi_slot_spec(s_strategy), make_mesh(s_shards), lane_width=s_lanes)
+    loader = jte.Embedding(_multi_slot_spec(r_strategy), make_mesh(r_shards), lane_width=r_lanes)
     rng = np.random.default_rng(11)
-    state = saver.restore_tables({name: rng.standard_normal((37, t.dim))
-                                  for name, t in saver.spec.tables().items()})
+    state = saver.restore_tables(
+        {name: rng.standard_normal((37, t.dim)) for name, t in saver.spec.tables().items()}
+    )
     for _ in range(3):
         # Ids from a small range: duplicates within the batch, rows touched several times.
         feats = {name: rng.integers(-1, 12, (B, 4)) for name in saver.spec.tables()}
-        grads = {name: rng.standard_normal((B, t.dim)).astype(np.float32)
-                 for name, t in saver.spec.tables().items()}
+        grads = {
+            name: rng.standard_normal((B, t.dim)).astype(np.float32)
+            for name, t in saver.spec.tables().items()
+        }
         state = saver.apply_gradients(state, feats, grads)
 
     saved = saver.export_slots(state)
     assert {name: list(slots) for name, slots in saved.items()} == {
-        "adam": ["momenta", "velocities"], "ftrl": ["accumulators", "linears"],
+        "adam": ["momenta", "velocities"],
+        "ftrl": ["accumulators", "linears"],
         "adagrad_momentum": ["accumulators", "momenta"],
-        "custom": ["velocity", "momentum", "visits"]}
+        "custom": ["velocity", "momentum", "visits"],
+    }
     for name, slots in saved.items():
         values = list(slots.values())
         for i, a in enumerate(values):
             assert np.isfinite(a).all()
-            for b in values[i + 1:]:  # Distinct slots, so that a swap would show.
+            for b in values[i + 1 :]:  # Distinct slots, so that a swap would show.
                 assert a.shape != b.shape or not np.array_equal(a, b), name
     checkpoint.save(tmp_path, saver, state)
     restored, _ = checkpoint.restore(tmp_path, loader)

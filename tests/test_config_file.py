@@ -52,6 +52,7 @@ def _spec_files():
             data = yaml.safe_load(path.read_text())
         elif path.suffix == ".toml":
             import tomllib
+
             data = tomllib.loads(path.read_text())
         else:
             continue
@@ -81,14 +82,24 @@ def test_yaml_and_toml_examples_describe_the_same_spec():
     for spec in (a, b):
         users, items = spec.tables()["users"], spec.tables()["items"]
         assert (users.vocabulary_size, users.dim, users.combiner, users.dtype) == (
-            1000, 16, "sum", jnp.dtype(jnp.float32))
+            1000,
+            16,
+            "sum",
+            jnp.dtype(jnp.float32),
+        )
         assert (items.vocabulary_size, items.dim, items.combiner, items.dtype) == (
-            5000, 8, "mean", jnp.dtype(jnp.bfloat16))
+            5000,
+            8,
+            "mean",
+            jnp.dtype(jnp.bfloat16),
+        )
         assert isinstance(items.optimizer, jte.RowwiseAdagrad)
         assert items.optimizer.learning_rate == 0.1
         assert isinstance(spec.optimizer, jte.Adagrad)
         assert (spec.optimizer.learning_rate, spec.optimizer.initial_accumulator_value) == (
-            0.05, 0.1)
+            0.05,
+            0.1,
+        )
         assert (spec.partition_strategy, spec.clipping_limit) == ("div", 10.0)
         feats = dict(spec.flat_features)
         assert sorted(feats) == ["context/item", "context/slate", "history", "user"]
@@ -98,8 +109,9 @@ def test_yaml_and_toml_examples_describe_the_same_spec():
     for name in ("users", "items"):
         ta, tb = a.tables()[name], b.tables()[name]
         shape = (ta.vocabulary_size, ta.dim)
-        np.testing.assert_array_equal(_init(ta)(key, shape, jnp.float32),
-                                      _init(tb)(key, shape, jnp.float32))
+        np.testing.assert_array_equal(
+            _init(ta)(key, shape, jnp.float32), _init(tb)(key, shape, jnp.float32)
+        )
     u = np.asarray(_init(a.tables()["items"])(key, (5000, 8), jnp.float32))
     assert u.min() >= -0.01 and u.max() < 0.01 and u.std() > 0.004
 
@@ -107,24 +119,31 @@ def test_yaml_and_toml_examples_describe_the_same_spec():
 def test_default_truncated_normal_is_the_table_default(tmp_path):
     data = copy.deepcopy(BASE)
     data["tables"]["users"]["initializer"] = "truncated_normal"
-    data["tables"]["items"]["initializer"] = {"name": "truncated_normal", "stddev": 0.5,
-                                              "mean": 1.0}
+    data["tables"]["items"]["initializer"] = {
+        "name": "truncated_normal",
+        "stddev": 0.5,
+        "mean": 1.0,
+    }
     spec = jte.load_spec(_write(tmp_path, data))
     key = jax.random.key(0)
     default = jax.nn.initializers.truncated_normal(stddev=1 / math.sqrt(8))
-    np.testing.assert_array_equal(_init(spec.tables()["users"])(key, (100, 8)),
-                                  default(key, (100, 8), jnp.float32))
+    np.testing.assert_array_equal(
+        _init(spec.tables()["users"])(key, (100, 8)), default(key, (100, 8), jnp.float32)
+    )
     x = np.asarray(_init(spec.tables()["items"])(key, (50_000, 4)))
     assert abs(x.mean() - 1.0) < 0.01 and x.min() >= 0.0 and x.max() <= 2.0
 
 
-@pytest.mark.parametrize("init,check", [
-    ("zeros", lambda x: not x.any()),
-    ("ones", lambda x: (x == 1).all()),
-    ({"name": "constant", "value": 0.25}, lambda x: (x == 0.25).all()),
-    ({"name": "normal", "stddev": 2.0}, lambda x: 1.8 < x.std() < 2.2 and x.max() > 4),
-    ({"name": "uniform", "minval": 1, "maxval": 3}, lambda x: x.min() >= 1 and x.max() < 3),
-])
+@pytest.mark.parametrize(
+    "init,check",
+    [
+        ("zeros", lambda x: not x.any()),
+        ("ones", lambda x: (x == 1).all()),
+        ({"name": "constant", "value": 0.25}, lambda x: (x == 0.25).all()),
+        ({"name": "normal", "stddev": 2.0}, lambda x: 1.8 < x.std() < 2.2 and x.max() > 4),
+        ({"name": "uniform", "minval": 1, "maxval": 3}, lambda x: x.min() >= 1 and x.max() < 3),
+    ],
+)
 def test_initializers(tmp_path, init, check):
     data = copy.deepcopy(BASE)
     data["tables"]["users"]["initializer"] = init
@@ -134,19 +153,32 @@ def test_initializers(tmp_path, init, check):
 
 def test_optimizers_schedules_and_yaml_number_quirks(tmp_path):
     data = copy.deepcopy(BASE)
-    data["optimizer"] = {"name": "Adam", "learning_rate": "1e-3", "lazy_adam": False,
-                         "clipvalue": [-1, 2]}
+    data["optimizer"] = {
+        "name": "Adam",
+        "learning_rate": "1e-3",
+        "lazy_adam": False,
+        "clipvalue": [-1, 2],
+    }
     data["tables"]["users"]["optimizer"] = {
-        "name": "ftrl", "learning_rate": {"schedule": "exponential_decay", "init_value": 0.1,
-                                          "transition_steps": 10, "decay_rate": 0.5}}
+        "name": "ftrl",
+        "learning_rate": {
+            "schedule": "exponential_decay",
+            "init_value": 0.1,
+            "transition_steps": 10,
+            "decay_rate": 0.5,
+        },
+    }
     data["tables"]["items"]["optimizer"] = "sgd"
     data["clipping_limit"] = "5e0"
     data["partition_strategy"] = "mod"
     data["pipeline_execution"] = True
     spec = jte.load_spec(_write(tmp_path, data))
     assert isinstance(spec.optimizer, jte.Adam)
-    assert (spec.optimizer.learning_rate, spec.optimizer.lazy_adam,
-            spec.optimizer.clipvalue) == (0.001, False, (-1, 2))
+    assert (spec.optimizer.learning_rate, spec.optimizer.lazy_adam, spec.optimizer.clipvalue) == (
+        0.001,
+        False,
+        (-1, 2),
+    )
     users_opt = spec.tables()["users"].optimizer
     assert isinstance(users_opt, jte.FTRL)
     want = optax.exponential_decay(0.1, 10, 0.5)
@@ -154,7 +186,10 @@ def test_optimizers_schedules_and_yaml_number_quirks(tmp_path):
     assert spec.tables()["items"].optimizer == spec.tables()["items"].optimizer
     assert isinstance(spec.tables()["items"].optimizer, jte.SGD)
     assert (spec.clipping_limit, spec.partition_strategy, spec.pipeline_execution) == (
-        5.0, "mod", True)
+        5.0,
+        "mod",
+        True,
+    )
 
 
 def test_table_list_form_and_extra_sections(tmp_path):
@@ -184,48 +219,76 @@ def _mutate(path, value):
         else:
             node[last] = value
         return data
+
     return apply
 
 
 _DELETE = object()
 
 
-@pytest.mark.parametrize("change,key,value", [
-    (_mutate(["tables", "users", "dim"], -3), "tables.users.dim", "-3"),
-    (_mutate(["tables", "users", "vocabulary_size"], "big"), "tables.users.vocabulary_size",
-     "'big'"),
-    (_mutate(["tables", "users", "dim"], _DELETE), "tables.users", "'dim'"),
-    (_mutate(["tables", "users", "combiner"], "max"), "tables.users.combiner", "'max'"),
-    (_mutate(["tables", "users", "dtype"], "float16"), "tables.users.dtype", "'float16'"),
-    (_mutate(["tables", "users", "colour"], "red"), "tables.users.colour", "'red'"),
-    (_mutate(["tables", "users", "name"], "people"), "tables.users.name", "'people'"),
-    (_mutate(["tables", "users", "initializer"], "glorot"), "tables.users.initializer.name",
-     "'glorot'"),
-    (_mutate(["tables", "users", "initializer"], {"name": "normal", "sigma": 1}),
-     "tables.users.initializer.sigma", "1"),
-    (_mutate(["tables", "users", "initializer"], {"name": "normal", "stddev": -1}),
-     "tables.users.initializer.stddev", "-1"),
-    (_mutate(["tables", "users", "optimizer"], {"name": "lion"}),
-     "tables.users.optimizer.name", "'lion'"),
-    (_mutate(["optimizer", "momentum"], 0.9), "optimizer.momentum", "0.9"),
-    (_mutate(["optimizer", "learning_rate"], -1.0), "optimizer", "-1.0"),
-    (_mutate(["optimizer", "learning_rate"], {"schedule": "warp_drive"}),
-     "optimizer.learning_rate.schedule", "'warp_drive'"),
-    (_mutate(["features", "user", "table"], "people"), "features.user.table", "'people'"),
-    (_mutate(["features", "user", "max_sequence_length"], -2),
-     "features.user.max_sequence_length", "-2"),
-    (_mutate(["features", "user", "output_shape"], [0, 4]), "features.user.output_shape",
-     "[0, 4]"),
-    (_mutate(["features", "user", "pooling"], "max"), "features.user.pooling", "'max'"),
-    (_mutate(["features", "ctx", "item"], 7), "features.ctx.item", "7"),
-    (_mutate(["features", "user"], "items"), "tables.users", "'users'"),  # Unused table.
-    (_mutate(["partition_strategy"], "hash"), "partition_strategy", "'hash'"),
-    (_mutate(["clipping_limit"], 0), "clipping_limit", "0"),
-    (_mutate(["pipeline_execution"], "yes"), "pipeline_execution", "'yes'"),
-    (_mutate(["partition_stratgy"], "div"), "partition_stratgy", "'partition_strategy'"),
-    (_mutate(["optimizer"], _DELETE), "optimizer", "None"),
-    (_mutate(["tables"], 8), "tables", "8"),
-])
+@pytest.mark.parametrize(
+    "change,key,value",
+    [
+        (_mutate(["tables", "users", "dim"], -3), "tables.users.dim", "-3"),
+        (
+            _mutate(["tables", "users", "vocabulary_size"], "big"),
+            "tables.users.vocabulary_size",
+            "'big'",
+        ),
+        (_mutate(["tables", "users", "dim"], _DELETE), "tables.users", "'dim'"),
+        (_mutate(["tables", "users", "combiner"], "max"), "tables.users.combiner", "'max'"),
+        (_mutate(["tables", "users", "dtype"], "float16"), "tables.users.dtype", "'float16'"),
+        (_mutate(["tables", "users", "colour"], "red"), "tables.users.colour", "'red'"),
+        (_mutate(["tables", "users", "name"], "people"), "tables.users.name", "'people'"),
+        (
+            _mutate(["tables", "users", "initializer"], "glorot"),
+            "tables.users.initializer.name",
+            "'glorot'",
+        ),
+        (
+            _mutate(["tables", "users", "initializer"], {"name": "normal", "sigma": 1}),
+            "tables.users.initializer.sigma",
+            "1",
+        ),
+        (
+            _mutate(["tables", "users", "initializer"], {"name": "normal", "stddev": -1}),
+            "tables.users.initializer.stddev",
+            "-1",
+        ),
+        (
+            _mutate(["tables", "users", "optimizer"], {"name": "lion"}),
+            "tables.users.optimizer.name",
+            "'lion'",
+        ),
+        (_mutate(["optimizer", "momentum"], 0.9), "optimizer.momentum", "0.9"),
+        (_mutate(["optimizer", "learning_rate"], -1.0), "optimizer", "-1.0"),
+        (
+            _mutate(["optimizer", "learning_rate"], {"schedule": "warp_drive"}),
+            "optimizer.learning_rate.schedule",
+            "'warp_drive'",
+        ),
+        (_mutate(["features", "user", "table"], "people"), "features.user.table", "'people'"),
+        (
+            _mutate(["features", "user", "max_sequence_length"], -2),
+            "features.user.max_sequence_length",
+            "-2",
+        ),
+        (
+            _mutate(["features", "user", "output_shape"], [0, 4]),
+            "features.user.output_shape",
+            "[0, 4]",
+        ),
+        (_mutate(["features", "user", "pooling"], "max"), "features.user.pooling", "'max'"),
+        (_mutate(["features", "ctx", "item"], 7), "features.ctx.item", "7"),
+        (_mutate(["features", "user"], "items"), "tables.users", "'users'"),  # Unused table.
+        (_mutate(["partition_strategy"], "hash"), "partition_strategy", "'hash'"),
+        (_mutate(["clipping_limit"], 0), "clipping_limit", "0"),
+        (_mutate(["pipeline_execution"], "yes"), "pipeline_execution", "'yes'"),
+        (_mutate(["partition_stratgy"], "div"), "partition_stratgy", "'partition_strategy'"),
+        (_mutate(["optimizer"], _DELETE), "optimizer", "None"),
+        (_mutate(["tables"], 8), "tables", "8"),
+    ],
+)
 def test_errors_name_file_key_and_value(tmp_path, change, key, value):
     path = _write(tmp_path, change(copy.deepcopy(BASE)))
     with pytest.raises(ValueError) as info:

@@ -21,20 +21,26 @@ B = 16
 _WIDE = {"shared": (600, 40, 16), "mean": (300, 3, 27), "sqrtn": (400, 128, 20)}
 
 
-def _features_and_spec(optimizer, *, table_optimizer=None, strategy="div", wide=False,
-                       **spec_kw):
+def _features_and_spec(optimizer, *, table_optimizer=None, strategy="div", wide=False, **spec_kw):
     """A spec exercising every input form: shared table, combiners, weights, sequences."""
     size = lambda name, v, d: _WIDE[name][:2] if wide else (v, d)
     shared = jte.TableConfig(*size("shared", 37, 5), combiner="sum", name="shared")
     mean_t = jte.TableConfig(*size("mean", 11, 3), combiner="mean", optimizer=table_optimizer)
     sqrtn_t = jte.TableConfig(*size("sqrtn", 20, 4), combiner="sqrtn")
     spec = jte.EmbeddingSpec(
-        {"multi": jte.FeatureConfig(shared),
-         "one": jte.FeatureConfig(shared),
-         "nested": {"mean": jte.FeatureConfig(mean_t),
-                    "seq": jte.FeatureConfig(mean_t, max_sequence_length=4)},
-         "weighted": jte.FeatureConfig(sqrtn_t)},
-        optimizer, partition_strategy=strategy, **spec_kw)
+        {
+            "multi": jte.FeatureConfig(shared),
+            "one": jte.FeatureConfig(shared),
+            "nested": {
+                "mean": jte.FeatureConfig(mean_t),
+                "seq": jte.FeatureConfig(mean_t, max_sequence_length=4),
+            },
+            "weighted": jte.FeatureConfig(sqrtn_t),
+        },
+        optimizer,
+        partition_strategy=strategy,
+        **spec_kw,
+    )
     return spec
 
 
@@ -43,8 +49,7 @@ def _inputs(rng, wide=False):
     out = _small_inputs(rng)
     if not wide:
         return out
-    spread = lambda ids, name: np.where(ids >= 0, ids * _WIDE[name][2] + 1, ids).astype(
-        np.int32)
+    spread = lambda ids, name: np.where(ids >= 0, ids * _WIDE[name][2] + 1, ids).astype(np.int32)
     out["multi"], out["one"] = spread(out["multi"], "shared"), spread(out["one"], "shared")
     out["nested"] = {k: spread(v, "mean") for k, v in out["nested"].items()}
     w = out["weighted"]
@@ -61,11 +66,15 @@ def _small_inputs(rng):
     wid = rng.integers(0, 20, (B, 3))
     wid[0, 1] = -1
     wts = rng.uniform(0.1, 2.0, (B, 3)).astype(np.float32)
-    return {"multi": multi.astype(np.int32),
-            "one": rng.integers(0, 37, (B,)).astype(np.int32),
-            "nested": {"mean": rng.integers(-1, 11, (B, 2)).astype(np.int32),
-                       "seq": seq.astype(np.int32)},
-            "weighted": jte.Weighted(wid.astype(np.int32), wts)}
+    return {
+        "multi": multi.astype(np.int32),
+        "one": rng.integers(0, 37, (B,)).astype(np.int32),
+        "nested": {
+            "mean": rng.integers(-1, 11, (B, 2)).astype(np.int32),
+            "seq": seq.astype(np.int32),
+        },
+        "weighted": jte.Weighted(wid.astype(np.int32), wts),
+    }
 
 
 def _grads(rng, acts):
@@ -73,9 +82,13 @@ def _grads(rng, acts):
 
 
 # (path, table name, combiner, max_sequence_length) of the spec above.
-_FEATURES = [("multi", "shared", "sum", 0), ("one", "shared", "sum", 0),
-             ("nested/mean", "nested/mean", "mean", 0), ("nested/seq", "nested/mean", "mean", 4),
-             ("weighted", "weighted", "sqrtn", 0)]
+_FEATURES = [
+    ("multi", "shared", "sum", 0),
+    ("one", "shared", "sum", 0),
+    ("nested/mean", "nested/mean", "mean", 0),
+    ("nested/seq", "nested/mean", "mean", 4),
+    ("weighted", "weighted", "sqrtn", 0),
+]
 
 
 def _leaf(tree, path):
@@ -103,14 +116,14 @@ def reference_row_grads(tables, features, grads):
     contributions = {}
     for path, table, combiner, seq in _FEATURES:
         ids, w = _ids_weights(features, path)
-        contributions.setdefault(table, []).append(
-            (ids, w, combiner, seq, _leaf(grads, path)))
+        contributions.setdefault(table, []).append((ids, w, combiner, seq, _leaf(grads, path)))
     return {t: reference.row_gradients(tables[t].shape[0], c) for t, c in contributions.items()}
 
 
 @pytest.mark.parametrize("strategy", ["div", "mod"])
-@pytest.mark.parametrize("num_shards,kind", [(1, "explicit"), (2, "auto"), (4, "explicit"),
-                                             (8, "auto")])
+@pytest.mark.parametrize(
+    "num_shards,kind", [(1, "explicit"), (2, "auto"), (4, "explicit"), (8, "auto")]
+)
 def test_lookup_matches_reference(kind, strategy, num_shards, rng):
     spec = _features_and_spec(jte.SGD(0.1), strategy=strategy)
     emb = jte.Embedding(spec, make_mesh(num_shards, kind))
@@ -127,28 +140,54 @@ def test_lookup_matches_reference(kind, strategy, num_shards, rng):
 OPTIMIZERS = {
     "sgd": (jte.SGD(0.3), {}),
     "adagrad": (jte.Adagrad(0.2, initial_accumulator_value=0.5), {}),
-    "adagrad_momentum": (jte.AdagradMomentum(0.1, momentum=0.9, use_nesterov=True,
-                                             exponent=3.0, beta2=0.9, epsilon=1e-6),
-                         dict(momentum=0.9, use_nesterov=True, exponent=3.0, beta2=0.9,
-                              epsilon=1e-6)),
-    "adagrad_momentum_plain": (jte.AdagradMomentum(0.1, momentum=0.5),
-                               dict(momentum=0.5, use_nesterov=False, exponent=2.0, beta2=1.0,
-                                    epsilon=1e-10)),
-    "adam": (jte.Adam(0.05), dict(beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                                  sum_inside_sqrt=True)),
-    "adam_outside": (jte.Adam(0.05, beta_1=0.5, beta_2=0.7, epsilon=1e-3,
-                              sum_inside_sqrt=False),
-                     dict(beta_1=0.5, beta_2=0.7, epsilon=1e-3, sum_inside_sqrt=False)),
-    "ftrl": (jte.FTRL(0.2, l1_regularization_strength=0.01, l2_regularization_strength=0.1,
-                      beta=0.5, learning_rate_power=-0.5),
-             dict(learning_rate_power=-0.5, l1=0.01, l2=0.1, beta=0.5,
-                  multiply_linear_by_learning_rate=False)),
-    "ftrl_linear_lr": (jte.FTRL(0.2, l1_regularization_strength=0.01, beta=0.1,
-                                learning_rate_power=-0.7, multiply_linear_by_learning_rate=True),
-                       dict(learning_rate_power=-0.7, l1=0.01, l2=0.0, beta=0.1,
-                            multiply_linear_by_learning_rate=True)),
-    "rowwise_adagrad": (jte.RowwiseAdagrad(0.2, initial_accumulator_value=0.1),
-                        dict(epsilon=1e-8)),
+    "adagrad_momentum": (
+        jte.AdagradMomentum(
+            0.1, momentum=0.9, use_nesterov=True, exponent=3.0, beta2=0.9, epsilon=1e-6
+        ),
+        dict(momentum=0.9, use_nesterov=True, exponent=3.0, beta2=0.9, epsilon=1e-6),
+    ),
+    "adagrad_momentum_plain": (
+        jte.AdagradMomentum(0.1, momentum=0.5),
+        dict(momentum=0.5, use_nesterov=False, exponent=2.0, beta2=1.0, epsilon=1e-10),
+    ),
+    "adam": (jte.Adam(0.05), dict(beta_1=0.9, beta_2=0.999, epsilon=1e-7, sum_inside_sqrt=True)),
+    "adam_outside": (
+        jte.Adam(0.05, beta_1=0.5, beta_2=0.7, epsilon=1e-3, sum_inside_sqrt=False),
+        dict(beta_1=0.5, beta_2=0.7, epsilon=1e-3, sum_inside_sqrt=False),
+    ),
+    "ftrl": (
+        jte.FTRL(
+            0.2,
+            l1_regularization_strength=0.01,
+            l2_regularization_strength=0.1,
+            beta=0.5,
+            learning_rate_power=-0.5,
+        ),
+        dict(
+            learning_rate_power=-0.5,
+            l1=0.01,
+            l2=0.1,
+            beta=0.5,
+            multiply_linear_by_learning_rate=False,
+        ),
+    ),
+    "ftrl_linear_lr": (
+        jte.FTRL(
+            0.2,
+            l1_regularization_strength=0.01,
+            beta=0.1,
+            learning_rate_power=-0.7,
+            multiply_linear_by_learning_rate=True,
+        ),
+        dict(
+            learning_rate_power=-0.7,
+            l1=0.01,
+            l2=0.0,
+            beta=0.1,
+            multiply_linear_by_learning_rate=True,
+        ),
+    ),
+    "rowwise_adagrad": (jte.RowwiseAdagrad(0.2, initial_accumulator_value=0.1), dict(epsilon=1e-8)),
 }
 
 
@@ -165,8 +204,14 @@ def _run_reference(emb, spec, tables, slots, features, grads, steps_lr, extras=N
         opt_key = next(k for k, (o, _) in OPTIMIZERS.items() if o is cfg.optimizer)
         _, hp = OPTIMIZERS[opt_key]
         out_t[name], out_s[name] = reference.apply(
-            _ref_name(opt_key), hp, table, slots[name], row_grads.get(name, {}),
-            cfg.optimizer.learning_rate, **extras)
+            _ref_name(opt_key),
+            hp,
+            table,
+            slots[name],
+            row_grads.get(name, {}),
+            cfg.optimizer.learning_rate,
+            **extras,
+        )
     return out_t, out_s
 
 
@@ -177,13 +222,12 @@ def _check_update(emb, spec, tables, slots, features, grads, state, extras=None)
     got_t, got_s = emb.export(state), emb.export_slots(state)
     row_grads = reference_row_grads(tables, features, grads)
     for name in tables:
-        np.testing.assert_allclose(got_t[name], want_t[name], rtol=2e-5, atol=2e-6,
-                                   err_msg=name)
+        np.testing.assert_allclose(got_t[name], want_t[name], rtol=2e-5, atol=2e-6, err_msg=name)
         for s in want_s[name]:
-            np.testing.assert_allclose(got_s[name][s], want_s[name][s], rtol=2e-5,
-                                       atol=1e-6, err_msg=f"{name}/{s}")
-        untouched = np.setdiff1d(np.arange(tables[name].shape[0]),
-                                 list(row_grads.get(name, {})))
+            np.testing.assert_allclose(
+                got_s[name][s], want_s[name][s], rtol=2e-5, atol=1e-6, err_msg=f"{name}/{s}"
+            )
+        untouched = np.setdiff1d(np.arange(tables[name].shape[0]), list(row_grads.get(name, {})))
         np.testing.assert_array_equal(got_t[name][untouched], tables[name][untouched])
         for s in got_s[name]:
             np.testing.assert_array_equal(got_s[name][s][untouched], slots[name][s][untouched])
@@ -198,8 +242,9 @@ def _two_steps_match_reference(emb, spec, rng, key, *, wide=False, extras=None):
         acts = emb.lookup(state, features)
         want = reference_lookup(tables, features)
         for path, *_ in _FEATURES:
-            np.testing.assert_allclose(np.asarray(_leaf(acts, path)), want[path], rtol=1e-5,
-                                       atol=1e-6, err_msg=path)
+            np.testing.assert_allclose(
+                np.asarray(_leaf(acts, path)), want[path], rtol=1e-5, atol=1e-6, err_msg=path
+            )
         grads = _grads(rng, acts)
         state = emb.apply_gradients(state, features, grads)
         _check_update(emb, spec, tables, slots, features, grads, state, extras)
@@ -213,8 +258,9 @@ def test_results_identical_for_every_strategy_and_mesh(rng):
     exports = []
     for strategy in ["div", "mod"]:
         for n in [1, 2, 4, 8]:
-            spec = _features_and_spec(jte.Adagrad(0.1), strategy=strategy,
-                                      table_optimizer=jte.FTRL(0.1))
+            spec = _features_and_spec(
+                jte.Adagrad(0.1), strategy=strategy, table_optimizer=jte.FTRL(0.1)
+            )
             emb = jte.Embedding(spec, make_mesh(n, "auto" if n % 2 else "explicit"))
             state = emb.init(jax.random.key(3))
             g_rng = np.random.default_rng(5)
@@ -232,13 +278,21 @@ def test_results_identical_for_every_strategy_and_mesh(rng):
 def test_extras_in_order_with_schedules(rng):
     """Multiplier -> clipping_limit -> clipvalue -> optimizer -> decay -> weight clipping."""
     sched = lambda step: 0.3 / (1.0 + step)
-    opt = jte.Adagrad(sched, initial_accumulator_value=0.2, clipvalue=(-0.4, 0.3),
-                      weight_decay_factor=0.05,
-                      multiply_weight_decay_factor_by_learning_rate=True,
-                      clip_weight_min=-0.25, clip_weight_max=0.2)
-    spec = _features_and_spec(opt, table_optimizer=jte.SGD(0.2, weight_decay_factor=0.1),
-                              clipping_limit=0.5,
-                              gradient_multiplier_fn=lambda step: 2.0 + step)
+    opt = jte.Adagrad(
+        sched,
+        initial_accumulator_value=0.2,
+        clipvalue=(-0.4, 0.3),
+        weight_decay_factor=0.05,
+        multiply_weight_decay_factor_by_learning_rate=True,
+        clip_weight_min=-0.25,
+        clip_weight_max=0.2,
+    )
+    spec = _features_and_spec(
+        opt,
+        table_optimizer=jte.SGD(0.2, weight_decay_factor=0.1),
+        clipping_limit=0.5,
+        gradient_multiplier_fn=lambda step: 2.0 + step,
+    )
     emb = jte.Embedding(spec, make_mesh(4))
     state = emb.init(jax.random.key(4))
     step_fn = jax.jit(emb.apply_gradients)
@@ -251,15 +305,31 @@ def test_extras_in_order_with_schedules(rng):
         row_grads = reference_row_grads(tables, features, grads)
         common: dict[str, Any] = dict(multiplier=2.0 + step, clipping_limit=0.5)
         want, want_s = reference.apply(
-            "adagrad", {}, tables["shared"], slots["shared"], row_grads["shared"],
-            sched(step), clipvalue=(-0.4, 0.3), weight_decay=0.05, decay_by_lr=True,
-            clip_min=-0.25, clip_max=0.2, **common)
+            "adagrad",
+            {},
+            tables["shared"],
+            slots["shared"],
+            row_grads["shared"],
+            sched(step),
+            clipvalue=(-0.4, 0.3),
+            weight_decay=0.05,
+            decay_by_lr=True,
+            clip_min=-0.25,
+            clip_max=0.2,
+            **common,
+        )
         np.testing.assert_allclose(emb.export(state)["shared"], want, rtol=1e-5, atol=1e-6)
-        want_sgd, _ = reference.apply("sgd", {}, tables["nested/mean"], {},
-                                      row_grads["nested/mean"], 0.2, weight_decay=0.1,
-                                      **common)
-        np.testing.assert_allclose(emb.export(state)["nested/mean"], want_sgd, rtol=1e-5,
-                                   atol=1e-6)
+        want_sgd, _ = reference.apply(
+            "sgd",
+            {},
+            tables["nested/mean"],
+            {},
+            row_grads["nested/mean"],
+            0.2,
+            weight_decay=0.1,
+            **common,
+        )
+        np.testing.assert_allclose(emb.export(state)["nested/mean"], want_sgd, rtol=1e-5, atol=1e-6)
     assert step_fn._cache_size() == 1  # pyright: ignore[reportAttributeAccessIssue]
 
 
@@ -274,10 +344,14 @@ def _momentum_sgd(gradient, row, slots, learning_rate, hyperparameters):
 def test_custom_optimizer(strategy, tpu_kernels, rng):
     """A user's row function with a schedule, a hyperparameter and a rank-1 slot; also
     through the fused TPU kernels (in Pallas' interpreter, packed 128-lane rows)."""
-    opt = jte.CustomOptimizer(_momentum_sgd, learning_rate=lambda s: 0.1 * (s + 1),
-                              slot_names=["velocity", "count"],
-                              slot_initializers=[jax.nn.initializers.constant(0.5), 0.0],
-                              hyperparameters=[lambda s: 0.9 - 0.1 * s], slot_dims=[2, 1])
+    opt = jte.CustomOptimizer(
+        _momentum_sgd,
+        learning_rate=lambda s: 0.1 * (s + 1),
+        slot_names=["velocity", "count"],
+        slot_initializers=[jax.nn.initializers.constant(0.5), 0.0],
+        hyperparameters=[lambda s: 0.9 - 0.1 * s],
+        slot_dims=[2, 1],
+    )
     spec = _features_and_spec(opt, strategy=strategy, wide=bool(tpu_kernels))
     backend = "pallas_interpret" if tpu_kernels else "auto"
     emb = jte.Embedding(spec, make_mesh(8), backend=backend)
@@ -290,8 +364,11 @@ def test_custom_optimizer(strategy, tpu_kernels, rng):
         grads = _grads(rng, emb.lookup(state, features))
         state = emb.apply_gradients(state, features, grads)
         rg = reference_row_grads(tables, features, grads)["shared"]
-        want_t, want_v, want_c = (tables["shared"].copy(), slots["shared"]["velocity"].copy(),
-                                  slots["shared"]["count"].copy())
+        want_t, want_v, want_c = (
+            tables["shared"].copy(),
+            slots["shared"]["velocity"].copy(),
+            slots["shared"]["count"].copy(),
+        )
         beta, lr = 0.9 - 0.1 * step, 0.1 * (step + 1)
         for r, g in rg.items():
             want_v[r] = beta * want_v[r] + g
@@ -316,11 +393,13 @@ def test_dense_adam_updates_every_row(rng):
         state = emb.apply_gradients(state, features, grads)
         rg = reference_row_grads(tables, features, grads)
         for name in tables:
-            want, want_s = reference.apply("adam", hp, tables[name], slots[name],
-                                           rg.get(name, {}), 0.1, dense=True)
+            want, want_s = reference.apply(
+                "adam", hp, tables[name], slots[name], rg.get(name, {}), 0.1, dense=True
+            )
             np.testing.assert_allclose(emb.export(state)[name], want, rtol=2e-5, atol=1e-6)
-            np.testing.assert_allclose(emb.export_slots(state)[name]["momenta"],
-                                       want_s["momenta"], rtol=2e-5, atol=1e-7)
+            np.testing.assert_allclose(
+                emb.export_slots(state)[name]["momenta"], want_s["momenta"], rtol=2e-5, atol=1e-7
+            )
 
 
 def test_bfloat16_tables_compute_in_float32(rng):
@@ -354,15 +433,18 @@ def test_same_logical_init_for_every_mesh_and_strategy():
     assert 0.5 / np.sqrt(5) < std < 1.2 / np.sqrt(5)  # TF default: stddev 1/sqrt(dim).
 
 
-@pytest.mark.parametrize("opt_key,strategy,num_shards", [
-    ("adagrad", "div", 4), ("rowwise_adagrad", "mod", 2), ("ftrl", "mod", 8)])
+@pytest.mark.parametrize(
+    "opt_key,strategy,num_shards",
+    [("adagrad", "div", 4), ("rowwise_adagrad", "mod", 2), ("ftrl", "mod", 8)],
+)
 def test_lane_packed_layout_gives_identical_results(opt_key, strategy, num_shards, rng):
     """TPU's layout (narrow rows packed into 128 lanes), forced on CPU: every export, slot and
     activation equal to the plain layout's (XLA may fuse the arithmetic differently: last-bit
     differences allowed)."""
     optimizer, _ = OPTIMIZERS[opt_key]
-    spec = _features_and_spec(optimizer, strategy=strategy,
-                              table_optimizer=jte.Adam(0.1, lazy_adam=False))
+    spec = _features_and_spec(
+        optimizer, strategy=strategy, table_optimizer=jte.Adam(0.1, lazy_adam=False)
+    )
     plain = jte.Embedding(spec, make_mesh(num_shards), lane_width=0)
     packed = jte.Embedding(spec, make_mesh(num_shards), lane_width=128)
     s_plain, s_packed = plain.init(jax.random.key(0)), packed.init(jax.random.key(0))
@@ -381,20 +463,23 @@ def test_lane_packed_layout_gives_identical_results(opt_key, strategy, num_shard
         s_plain = plain.apply_gradients(s_plain, features, grads)
         before = packed.export(s_packed)["shared"]
         s_packed = packed.apply_gradients(s_packed, features, grads)
-        touched = list(reference_row_grads({"shared": before, "nested/mean": np.zeros((11, 3)),
-                                            "weighted": np.zeros((20, 4))},
-                                           features, grads)["shared"])
+        touched = list(
+            reference_row_grads(
+                {"shared": before, "nested/mean": np.zeros((11, 3)), "weighted": np.zeros((20, 4))},
+                features,
+                grads,
+            )["shared"]
+        )
         untouched = np.setdiff1d(np.arange(37), touched)
-        np.testing.assert_array_equal(packed.export(s_packed)["shared"][untouched],
-                                      before[untouched])  # Neighbours keep their bits.
+        np.testing.assert_array_equal(
+            packed.export(s_packed)["shared"][untouched], before[untouched]
+        )  # Neighbours keep their bits.
         for name in plain.table_plans:
-            _close(plain.export(s_plain)[name],
-                                          packed.export(s_packed)[name])
+            _close(plain.export(s_plain)[name], packed.export(s_packed)[name])
             for k, v in plain.export_slots(s_plain)[name].items():
                 _close(v, packed.export_slots(s_packed)[name][k])
             for p in range(num_shards):
-                _close(plain.shard_rows(s_plain, name, p),
-                                              packed.shard_rows(s_packed, name, p))
+                _close(plain.shard_rows(s_plain, name, p), packed.shard_rows(s_packed, name, p))
     # restore_tables takes logical rows back into the packed layout, riders included;
     # slots not given start at their initial values, as init draws them.
     back = packed.restore_tables(plain.export(s_plain), plain.export_slots(s_plain))
@@ -404,41 +489,57 @@ def test_lane_packed_layout_gives_identical_results(opt_key, strategy, num_shard
         np.testing.assert_array_equal(packed.export(back)[name], plain.export(s_plain)[name])
         for k, v in plain.export_slots(s_plain)[name].items():
             np.testing.assert_array_equal(packed.export_slots(back)[name][k], v)
-            np.testing.assert_array_equal(packed.export_slots(fresh)[name][k],
-                                          initial[name][k])
+            np.testing.assert_array_equal(packed.export_slots(fresh)[name][k], initial[name][k])
 
 
 def _close(a, b):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("opt_key,strategy,num_shards,max_ids,max_unique", [
-    ("adagrad", "div", 4, 1, None), ("adam", "mod", 2, 3, 1), ("ftrl", "div", 8, 5, None),
-    ("rowwise_adagrad", "mod", 4, None, 2), ("sgd", "div", 1, 2, None),
-    ("adagrad_momentum", "div", 1, None, 3)])
+@pytest.mark.parametrize(
+    "opt_key,strategy,num_shards,max_ids,max_unique",
+    [
+        ("adagrad", "div", 4, 1, None),
+        ("adam", "mod", 2, 3, 1),
+        ("ftrl", "div", 8, 5, None),
+        ("rowwise_adagrad", "mod", 4, None, 2),
+        ("sgd", "div", 1, 2, None),
+        ("adagrad_momentum", "div", 1, None, 3),
+    ],
+)
 @pytest.mark.parametrize("lane_width", [0, 128])
-def test_update_in_passes_matches_reference(opt_key, strategy, num_shards, max_ids,
-                                            max_unique, lane_width, rng):
+def test_update_in_passes_matches_reference(
+    opt_key, strategy, num_shards, max_ids, max_unique, lane_width, rng
+):
     """The portable (TPU) path handles each shard's owned (id, position) pairs in passes of
     max_ids_per_shard pairs and max_unique_ids_per_shard distinct rows; with 1..5 a hot
     row's pairs span several passes and its gradient is carried over. Lookups and updates
     equal the reference; untouched rows and slots keep their bits."""
     optimizer, _ = OPTIMIZERS[opt_key]
     spec = _features_and_spec(optimizer, strategy=strategy)
-    emb = jte.Embedding(spec, make_mesh(num_shards), backend="xla",
-                        lane_width=lane_width, max_ids_per_shard=max_ids,
-                        max_unique_ids_per_shard=max_unique)
+    emb = jte.Embedding(
+        spec,
+        make_mesh(num_shards),
+        backend="xla",
+        lane_width=lane_width,
+        max_ids_per_shard=max_ids,
+        max_unique_ids_per_shard=max_unique,
+    )
     if lane_width:  # As on a TPU mesh: packed rows, per-shard passes, payload sorts.
         for name, plan in emb.table_plans.items():
             emb.table_plans[name] = dataclasses.replace(plan, on_tpu=True)
     _two_steps_match_reference(emb, spec, rng, jax.random.key(3))
 
 
-@pytest.mark.parametrize("opt_key,strategy,num_shards,keys", [
-    ("adagrad", "div", 4, "packed"), ("ftrl", "mod", 2, "packed"),
-    ("adagrad", "mod", 4, "separate")])
-def test_fused_tpu_kernels_match_reference(opt_key, strategy, num_shards, keys, rng,
-                                           monkeypatch):
+@pytest.mark.parametrize(
+    "opt_key,strategy,num_shards,keys",
+    [
+        ("adagrad", "div", 4, "packed"),
+        ("ftrl", "mod", 2, "packed"),
+        ("adagrad", "mod", 4, "separate"),
+    ],
+)
+def test_fused_tpu_kernels_match_reference(opt_key, strategy, num_shards, keys, rng, monkeypatch):
     """The fused Pallas lookup and update (_pallas, TPU meshes' default), run in Pallas'
     TPU interpreter on every input form at once, as on a TPU mesh: packed rows, shared
     tables, sequence features, weights, rank-1 slots, gradient multiplier and clipping
@@ -448,22 +549,35 @@ def test_fused_tpu_kernels_match_reference(opt_key, strategy, num_shards, keys, 
     gives the kernels an output-row array, as for tables too large to pack.
     (tests/test_optimizers.py runs every optimizer through them.)"""
     from jax_tpu_embed import _pallas, _streams
+
     monkeypatch.setattr(_pallas, "_BLOCK", 8)
     if keys == "separate":
         monkeypatch.setattr(_streams, "PACKED_KEYS", 0)
     optimizer, _ = OPTIMIZERS[opt_key]
-    spec = _features_and_spec(optimizer, strategy=strategy, wide=True, clipping_limit=0.9,
-                              gradient_multiplier_fn=lambda step: 1.5)
+    spec = _features_and_spec(
+        optimizer,
+        strategy=strategy,
+        wide=True,
+        clipping_limit=0.9,
+        gradient_multiplier_fn=lambda step: 1.5,
+    )
     emb = jte.Embedding(spec, make_mesh(num_shards), backend="pallas_interpret")
     assert set(emb.backends.values()) == {"pallas_interpret"}
     for name, plan in emb.table_plans.items():
         emb.table_plans[name] = dataclasses.replace(plan, on_tpu=True)
-    _two_steps_match_reference(emb, spec, rng, jax.random.key(5), wide=True,
-                               extras=dict(clipping_limit=0.9, multiplier=1.5))
+    _two_steps_match_reference(
+        emb,
+        spec,
+        rng,
+        jax.random.key(5),
+        wide=True,
+        extras=dict(clipping_limit=0.9, multiplier=1.5),
+    )
 
 
 def test_pass_capacity():
     from jax_tpu_embed import _streams
+
     spec = _features_and_spec(jte.Adagrad(0.1))
     plan = jte.Embedding(spec, make_mesh(2), max_ids_per_shard={"shared": 100}).table_plans
     assert _streams.capacity(plan["shared"], 4096, 4) == 104  # Rounded up to 8.
@@ -476,33 +590,44 @@ def test_pass_capacity():
     plan = jte.Embedding(spec, make_mesh(2), max_unique_ids_per_shard=21).table_plans
     assert _streams.unique_capacity(plan["shared"], 104) == 24
     assert _streams.unique_capacity(plan["shared"], 16) == 16
-    dense = jte.Embedding(_features_and_spec(jte.Adam(0.1, lazy_adam=False)), make_mesh(2),
-                          max_ids_per_shard=8, max_unique_ids_per_shard=8).table_plans
+    dense = jte.Embedding(
+        _features_and_spec(jte.Adam(0.1, lazy_adam=False)),
+        make_mesh(2),
+        max_ids_per_shard=8,
+        max_unique_ids_per_shard=8,
+    ).table_plans
     assert _streams.capacity(dense["shared"], 4096, 4) == 4096  # Every row: one pass.
     assert _streams.unique_capacity(dense["shared"], 4096) == 4096
 
 
-@pytest.mark.parametrize("value,match", [
-    (0, "max_ids_per_shard for table '.*' must be a positive int, got 0"),
-    ({"nope": 8}, r"names \['nope'\], which are not tables"),
-    ({"shared": 2.5}, "table 'shared' must be a positive int, got 2.5"),
-    (True, "must be a positive int, got True")])
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        (0, "max_ids_per_shard for table '.*' must be a positive int, got 0"),
+        ({"nope": 8}, r"names \['nope'\], which are not tables"),
+        ({"shared": 2.5}, "table 'shared' must be a positive int, got 2.5"),
+        (True, "must be a positive int, got True"),
+    ],
+)
 def test_bad_max_ids_per_shard(value, match):
     with pytest.raises(ValueError, match=match):
         jte.Embedding(_features_and_spec(jte.SGD(0.1)), make_mesh(2), max_ids_per_shard=value)
     with pytest.raises(ValueError, match=match.replace("max_ids", "max_unique_ids")):
-        jte.Embedding(_features_and_spec(jte.SGD(0.1)), make_mesh(2),
-                      max_unique_ids_per_shard=value)
+        jte.Embedding(
+            _features_and_spec(jte.SGD(0.1)), make_mesh(2), max_unique_ids_per_shard=value
+        )
 
 
 def test_id_counts_and_passes(rng):
     """id_counts against a per-shard count written out here ("mod": shard = id % N), and
     the pass count it predicts against a hand-worked case."""
     from jax_tpu_embed._streams import passes_needed
+
     spec = _features_and_spec(jte.Adagrad(0.1), strategy="mod")
     features = _inputs(rng)
-    emb = jte.Embedding(spec, make_mesh(4), backend="xla", max_ids_per_shard=4,
-                        max_unique_ids_per_shard=2)
+    emb = jte.Embedding(
+        spec, make_mesh(4), backend="xla", max_ids_per_shard=4, max_unique_ids_per_shard=2
+    )
     got = emb.id_counts(features)
     shared = np.concatenate([features["multi"].ravel(), features["one"].ravel()])
     per_shard = [shared[(shared >= 0) & (shared % 4 == p)] for p in range(4)]
@@ -524,6 +649,7 @@ def test_pallas_choice_and_fallback(rng):
     whose activations overflow half of the chip's VMEM runs the XLA passes, with the same
     results."""
     from jax_tpu_embed import _pallas
+
     assert _pallas.vmem_bytes("TPU v5") == 64 << 20  # v5p
     assert _pallas.vmem_bytes("TPU v5 lite") == 128 << 20  # v5e
     assert _pallas.vmem_bytes("TPU v4") == 16 << 20
@@ -535,10 +661,16 @@ def test_pallas_choice_and_fallback(rng):
     spec = _features_and_spec(jte.Adagrad(0.2), wide=True)
     emb = jte.Embedding(spec, make_mesh(2), backend="pallas_interpret")
     assert emb.lane_width == 128  # The kernels' layout by default.
-    with pytest.raises(ValueError, match=r"table 'shared' cannot use backend "
-                                         r"'pallas_interpret': Adam\(lazy_adam=False\)"):
-        jte.Embedding(_features_and_spec(jte.Adam(0.1, lazy_adam=False)), make_mesh(2),
-                      backend="pallas_interpret")
+    with pytest.raises(
+        ValueError,
+        match=r"table 'shared' cannot use backend "
+        r"'pallas_interpret': Adam\(lazy_adam=False\)",
+    ):
+        jte.Embedding(
+            _features_and_spec(jte.Adam(0.1, lazy_adam=False)),
+            make_mesh(2),
+            backend="pallas_interpret",
+        )
     # A chip with too little VMEM for the batch's activations: the XLA passes.
     plan = emb.table_plans["shared"]
     tiny = dataclasses.replace(plan, vmem=64 << 10)
@@ -551,8 +683,7 @@ def test_pallas_choice_and_fallback(rng):
     acts, acts_small = emb.lookup(state, features), small.lookup(state, features)
     grads = _grads(rng, acts)
     for path, *_ in _FEATURES:
-        np.testing.assert_allclose(_leaf(acts_small, path), _leaf(acts, path), rtol=1e-6,
-                                   atol=1e-6)
+        np.testing.assert_allclose(_leaf(acts_small, path), _leaf(acts, path), rtol=1e-6, atol=1e-6)
     a = emb.export(emb.apply_gradients(state, features, grads))
     b = small.export(small.apply_gradients(state, features, grads))
     for name in a:
@@ -565,28 +696,46 @@ def test_backend_choice():
     use; a backend a table cannot use is refused, naming the table and the reason; the
     deprecated cpu_kernels= / tpu_kernels= map onto the same choice."""
     from jax_tpu_embed import _cpu_kernels
+
     mixed = jte.EmbeddingSpec(
-        {"a": jte.FeatureConfig(jte.TableConfig(10, 4, name="f32")),
-         "b": jte.FeatureConfig(jte.TableConfig(10, 4, name="bf16", dtype=jnp.bfloat16))},
-        jte.Adagrad(0.1))
+        {
+            "a": jte.FeatureConfig(jte.TableConfig(10, 4, name="f32")),
+            "b": jte.FeatureConfig(jte.TableConfig(10, 4, name="bf16", dtype=jnp.bfloat16)),
+        },
+        jte.Adagrad(0.1),
+    )
     cpu = "cpu" if _cpu_kernels.available() else "xla"
     assert jte.Embedding(mixed, make_mesh(2)).backends == {"f32": cpu, "bf16": "xla"}
     assert jte.Embedding(mixed, make_mesh(2), backend="xla").backends == {
-        "f32": "xla", "bf16": "xla"}
-    assert jte.Embedding(mixed, make_mesh(2), backend={"f32": "pallas_interpret"}).backends \
-        == {"f32": "pallas_interpret", "bf16": "xla"}
-    with pytest.raises(ValueError, match="table 'bf16' cannot use backend 'pallas_interpret': "
-                                         "the Pallas kernels take float32 tables; this one "
-                                         "is bfloat16"):
+        "f32": "xla",
+        "bf16": "xla",
+    }
+    assert jte.Embedding(mixed, make_mesh(2), backend={"f32": "pallas_interpret"}).backends == {
+        "f32": "pallas_interpret",
+        "bf16": "xla",
+    }
+    with pytest.raises(
+        ValueError,
+        match="table 'bf16' cannot use backend 'pallas_interpret': "
+        "the Pallas kernels take float32 tables; this one "
+        "is bfloat16",
+    ):
         jte.Embedding(mixed, make_mesh(2), backend="pallas_interpret")
-    with pytest.raises(ValueError, match="table 'f32' cannot use backend 'pallas': it needs a "
-                                         "TPU mesh and this one is on 'cpu'"):
+    with pytest.raises(
+        ValueError,
+        match="table 'f32' cannot use backend 'pallas': it needs a "
+        "TPU mesh and this one is on 'cpu'",
+    ):
         jte.Embedding(mixed, make_mesh(2), backend={"f32": "pallas"})
-    with pytest.raises(ValueError, match="cannot use backend 'cpu': the C|cannot use backend "
-                                         "'cpu': its C"):
+    with pytest.raises(
+        ValueError, match="cannot use backend 'cpu': the C|cannot use backend 'cpu': its C"
+    ):
         jte.Embedding(mixed, make_mesh(2), backend={"bf16": "cpu"})
-    with pytest.raises(ValueError, match=r"backend must be one of \['auto', 'xla', 'pallas', "
-                                         r"'pallas_interpret', 'cpu'\].*got 'gpu'"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend must be one of \['auto', 'xla', 'pallas', "
+        r"'pallas_interpret', 'cpu'\].*got 'gpu'",
+    ):
         jte.Embedding(mixed, make_mesh(2), backend="gpu")
     with pytest.raises(ValueError, match=r"backend names \['nope'\], which are not tables"):
         jte.Embedding(mixed, make_mesh(2), backend={"nope": "xla"})
@@ -596,12 +745,17 @@ def test_backend_choice():
     with pytest.warns(DeprecationWarning):
         legacy = jte.Embedding(mixed, make_mesh(2), tpu_kernels="interpret", lane_width=128)
     assert legacy.backends == {"f32": "pallas_interpret", "bf16": "xla"}
-    with pytest.raises(ValueError, match="tpu_kernels must be None, True, False or "
-                                         "'interpret', got 'yes'"), \
-            pytest.warns(DeprecationWarning):
+    with (
+        pytest.raises(
+            ValueError, match="tpu_kernels must be None, True, False or 'interpret', got 'yes'"
+        ),
+        pytest.warns(DeprecationWarning),
+    ):
         jte.Embedding(mixed, make_mesh(2), tpu_kernels="yes")
-    with pytest.raises(ValueError, match="tpu_kernels=True needs a TPU mesh; this one is on "
-                                         "'cpu'"), pytest.warns(DeprecationWarning):
+    with (
+        pytest.raises(ValueError, match="tpu_kernels=True needs a TPU mesh; this one is on 'cpu'"),
+        pytest.warns(DeprecationWarning),
+    ):
         jte.Embedding(mixed, make_mesh(2), tpu_kernels=True)
     with pytest.raises(ValueError, match="pass backend= or the deprecated"):
         jte.Embedding(mixed, make_mesh(2), backend="xla", cpu_kernels=False)

@@ -25,8 +25,7 @@ def test_auc_matches_pairwise_definition(seed):
     rng = np.random.default_rng(seed)
     labels = rng.random(60) < 0.3
     scores = np.round(rng.normal(size=60), 1)  # Many ties.
-    assert demo.auc(labels, scores) == pytest.approx(brute_force_auc(labels, scores),
-                                                     abs=1e-12)
+    assert demo.auc(labels, scores) == pytest.approx(brute_force_auc(labels, scores), abs=1e-12)
 
 
 def test_auc_edge_cases():
@@ -37,10 +36,14 @@ def test_auc_edge_cases():
 
 
 def test_planted_data_is_criteo_shaped_and_learnable():
-    planted = {"row_effect_std": 0.25, "dense_effect_std": 0.25, "interaction_dim": 4,
-               "interaction_features": [0, 1], "interaction_std": 0.35}
-    data = demo.PlantedCriteo([50, 300, 1000], 13, 1.05, 0.25, planted,
-                              np.random.default_rng(0))
+    planted = {
+        "row_effect_std": 0.25,
+        "dense_effect_std": 0.25,
+        "interaction_dim": 4,
+        "interaction_features": [0, 1],
+        "interaction_std": 0.35,
+    }
+    data = demo.PlantedCriteo([50, 300, 1000], 13, 1.05, 0.25, planted, np.random.default_rng(0))
     batch, logits = data.sample(20000, np.random.default_rng(1))
     assert batch["dense"].shape == (20000, 13) and batch["dense"].dtype == np.float32
     assert list(batch["sparse"]) == ["C1", "C2", "C3"]

@@ -19,19 +19,28 @@ def make_spec(strategy="div", pipeline=False, v_user=61, v_item=29):
     user = jte.TableConfig(v_user, D, combiner="mean", name="user")
     item = jte.TableConfig(v_item, D, combiner="sum", name="item")
     return jte.EmbeddingSpec(
-        {"user": jte.FeatureConfig(user), "item": jte.FeatureConfig(item),
-         "history": jte.FeatureConfig(item)},
-        jte.Adagrad(learning_rate=0.2), partition_strategy=strategy,
-        pipeline_execution=pipeline)
+        {
+            "user": jte.FeatureConfig(user),
+            "item": jte.FeatureConfig(item),
+            "history": jte.FeatureConfig(item),
+        },
+        jte.Adagrad(learning_rate=0.2),
+        partition_strategy=strategy,
+        pipeline_execution=pipeline,
+    )
 
 
 def make_batch(rng, v_user=61, v_item=29):
     history = rng.integers(0, v_item, (B, 3))
     history[rng.random((B, 3)) < 0.3] = -1
-    return {"features": {"user": rng.integers(0, v_user, (B, 2)).astype(np.int32),
-                         "item": rng.integers(0, v_item, B).astype(np.int32),
-                         "history": history.astype(np.int32)},
-            "y": rng.normal(size=B).astype(np.float32)}
+    return {
+        "features": {
+            "user": rng.integers(0, v_user, (B, 2)).astype(np.int32),
+            "item": rng.integers(0, v_item, B).astype(np.int32),
+            "history": history.astype(np.int32),
+        },
+        "y": rng.normal(size=B).astype(np.float32),
+    }
 
 
 class Model(nn.Module):
@@ -49,6 +58,7 @@ def mse(outputs, batch):
 
 
 # ----------------------------------------------------------------------- the layer
+
 
 def test_variables_live_in_the_embedding_collection():
     spec = make_spec()
@@ -91,16 +101,14 @@ def test_init_is_embedding_init(monkeypatch):
     np.testing.assert_allclose(acts["user"], emb.lookup(want, features)["user"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("num_shards,kind,strategy", [(8, "explicit", "mod"),
-                                                      (4, "auto", "div")])
+@pytest.mark.parametrize("num_shards,kind,strategy", [(8, "explicit", "mod"), (4, "auto", "div")])
 def test_same_logical_tables_for_every_mesh(num_shards, kind, strategy):
     batch = make_batch(np.random.default_rng(2))
     tables = {}
     for n, k, s in [(1, "explicit", "div"), (num_shards, kind, strategy)]:
         layer = jte.flax.Embed(make_spec(s), make_mesh(n, k))
         variables: Any = layer.init(jax.random.key(7), batch["features"])
-        tables[n] = layer.embedding.export(
-            jte.flax.embedding_states(variables["embedding"])[""])
+        tables[n] = layer.embedding.export(jte.flax.embedding_states(variables["embedding"])[""])
     for name, table in tables[1].items():
         np.testing.assert_array_equal(tables[num_shards][name], table)
 
@@ -128,6 +136,7 @@ def test_embedding_states_round_trip():
 
 # ------------------------------------------------------------------------ the step
 
+
 def test_flax_step_equals_generic_step():
     """The same model, written as a flax module and as loss_fn(params, acts, batch)."""
     rng = np.random.default_rng(5)
@@ -147,8 +156,11 @@ def test_flax_step_equals_generic_step():
 
     generic = jte.make_train_step(emb, loss_fn, optax.adam(0.05))
     emb_state = jte.flax.embedding_states(f_state.embedding)["embed"]
-    g_state = generic.init(None, f_state.params, embedding_state=emb.restore_tables(
-        emb.export(emb_state), emb.export_slots(emb_state)))
+    g_state = generic.init(
+        None,
+        f_state.params,
+        embedding_state=emb.restore_tables(emb.export(emb_state), emb.export_slots(emb_state)),
+    )
 
     for batch in batches:
         f_state, f_metrics = flax_step(f_state, batch)
@@ -158,8 +170,11 @@ def test_flax_step_equals_generic_step():
     got = emb.export(jte.flax.embedding_states(f_state.embedding)["embed"])
     for name, table in emb.export(g_state.embedding).items():
         np.testing.assert_allclose(got[name], table, rtol=1e-5, atol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                 f_state.params, g_state.params)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        f_state.params,
+        g_state.params,
+    )
     out: Any = model.apply(flax_step.variables(f_state), batches[0])
     np.testing.assert_allclose(flax_step.predict(f_state, batches[0]), out, rtol=1e-6)
 
@@ -195,6 +210,7 @@ def test_optax_never_sees_a_table():
 
 class TwoTowers(nn.Module):
     """Two Embed layers: one plain, one pipelined."""
+
     users: jte.flax.Embed
     items: jte.flax.Embed
 
@@ -209,17 +225,21 @@ def test_two_layers_one_pipelined():
     mesh = make_mesh(2)
     user = jte.TableConfig(41, D, name="user")
     item = jte.TableConfig(43, D, name="item")
-    users = jte.flax.Embed(jte.EmbeddingSpec({"user": jte.FeatureConfig(user)},
-                                             jte.SGD(0.5)), mesh)
-    items = jte.flax.Embed(jte.EmbeddingSpec({"item": jte.FeatureConfig(item)}, jte.SGD(0.5),
-                                             pipeline_execution=True), mesh)
+    users = jte.flax.Embed(jte.EmbeddingSpec({"user": jte.FeatureConfig(user)}, jte.SGD(0.5)), mesh)
+    items = jte.flax.Embed(
+        jte.EmbeddingSpec({"item": jte.FeatureConfig(item)}, jte.SGD(0.5), pipeline_execution=True),
+        mesh,
+    )
     model = TwoTowers(users, items)
     step = jte.flax.make_train_step(model, mse, optax.sgd(0.1))
     rng = np.random.default_rng(7)
 
     def batch():
-        return {"u": {"user": rng.integers(0, 41, B)}, "i": {"item": rng.integers(0, 43, B)},
-                "y": rng.normal(size=B).astype(np.float32)}
+        return {
+            "u": {"user": rng.integers(0, 41, B)},
+            "i": {"item": rng.integers(0, 43, B)},
+            "y": rng.normal(size=B).astype(np.float32),
+        }
 
     state = step.init(jax.random.key(0), batch())
     assert state.pending is not None and sorted(state.pending.features) == ["items"]
@@ -264,8 +284,9 @@ def test_abstract_state_matches_init():
     step = jte.flax.make_train_step(model, mse, optax.adam(1e-3))
     batch = make_batch(np.random.default_rng(9))
     real = step.init(jax.random.key(0), batch)
-    abstract = step.abstract_state(jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch))
+    abstract = step.abstract_state(
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch)
+    )
     real_leaves, real_def = jax.tree.flatten(real)
     abstract_leaves, abstract_def = jax.tree.flatten(abstract)
     assert real_def == abstract_def

@@ -16,9 +16,11 @@ from conftest import make_mesh
 def _spec(**kw):
     t = jte.TableConfig(10, 4, combiner="sum", name="t")
     s = jte.TableConfig(6, 2, combiner="mean", name="s")
-    return jte.EmbeddingSpec({"a": jte.FeatureConfig(t),
-                              "g": {"b": jte.FeatureConfig(s, max_sequence_length=3)}},
-                             jte.SGD(0.5), **kw)
+    return jte.EmbeddingSpec(
+        {"a": jte.FeatureConfig(t), "g": {"b": jte.FeatureConfig(s, max_sequence_length=3)}},
+        jte.SGD(0.5),
+        **kw,
+    )
 
 
 def test_pad_ragged_lengths_splits_weights_truncation():
@@ -27,8 +29,7 @@ def test_pad_ragged_lengths_splits_weights_truncation():
     np.testing.assert_array_equal(ids, [[5, 1, -1, -1], [-1, -1, -1, -1], [2, 7, 7, 3]])
     same = jte.pad_ragged(values, row_splits=[0, 2, 2, 6])
     np.testing.assert_array_equal(ids, same)
-    w = jte.pad_ragged(values, row_lengths=[2, 0, 4], weights=[1, 2, 3, 4, 5, 6],
-                       max_length=3)
+    w = jte.pad_ragged(values, row_lengths=[2, 0, 4], weights=[1, 2, 3, 4, 5, 6], max_length=3)
     assert isinstance(w, jte.Weighted)
     np.testing.assert_array_equal(w.ids, [[5, 1, -1], [-1, -1, -1], [2, 7, 7]])
     np.testing.assert_array_equal(w.weights, [[1, 2, 0], [0, 0, 0], [3, 4, 5]])
@@ -36,41 +37,75 @@ def test_pad_ragged_lengths_splits_weights_truncation():
     assert isinstance(empty, np.ndarray) and empty.shape == (2, 1)  # At least one column.
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(), "exactly one of row_lengths and row_splits"),
-    (dict(row_lengths=[1, 1], row_splits=[0, 1, 2]), "exactly one"),
-    (dict(row_lengths=[1, 2]), "sum to len\\(values\\)=2"),
-    (dict(row_splits=[0, 3]), "row_splits must be non-decreasing"),
-    (dict(row_lengths=[1, 1], max_length=0), "max_length must be an int >= 1"),
-    (dict(row_lengths=[1, 1], weights=[1.0]), "weights must match"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(), "exactly one of row_lengths and row_splits"),
+        (dict(row_lengths=[1, 1], row_splits=[0, 1, 2]), "exactly one"),
+        (dict(row_lengths=[1, 2]), "sum to len\\(values\\)=2"),
+        (dict(row_splits=[0, 3]), "row_splits must be non-decreasing"),
+        (dict(row_lengths=[1, 1], max_length=0), "max_length must be an int >= 1"),
+        (dict(row_lengths=[1, 1], weights=[1.0]), "weights must match"),
+    ],
+)
 def test_pad_ragged_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         jte.pad_ragged([1, 2], **kw)
 
 
-@pytest.mark.parametrize("features,match", [
-    ({"a": np.array([1, 10, 3, -1]), "g": {"b": np.zeros((4, 2), np.int32)}},
-     r"Feature 'a': id 10 at position \[1\] is outside \[0, 10\) of table 't'"),
-    ({"a": np.array([1, 2, 3, 4]), "g": {"b": np.array([[0, 1], [2, -3], [0, 0], [1, 9]])}},
-     r"Feature 'g/b': id -3 at position \[1, 1\] is outside \[0, 6\) of table 's' "
-     r"\(2 invalid ids in all\)"),
-    ({"a": np.array([1.0, 2, 3, 4]), "g": {"b": np.zeros((4, 2), np.int32)}},
-     "Feature 'a': ids must have an integer dtype, got float64"),
-    ({"a": np.zeros((4, 2, 2), np.int32), "g": {"b": np.zeros((4, 2), np.int32)}},
-     r"Feature 'a': ids must be \(B,\) or \(B, L\)"),
-    ({"a": np.zeros(4, np.int32), "g": {"b": np.zeros((6, 2), np.int32)}},
-     "all features must have the same batch size"),
-    ({"a": np.zeros(6, np.int32), "g": {"b": np.zeros((6, 2), np.int32)}},
-     "batch size B=6 must be a multiple of the mesh size 4"),
-    ({"a": np.zeros(4, np.int32)}, r"missing features \['g/b'\]"),
-    ({"a": np.zeros(4, np.int32), "g": {"b": np.zeros((4, 2), np.int32)},
-      "c": np.zeros(4, np.int32)}, r"unknown features \['c'\]"),
-    ({"a": jte.Weighted(np.zeros((4, 2), np.int32), np.ones((4, 3), np.float32)),
-      "g": {"b": np.zeros((4, 2), np.int32)}}, "weights shape \\(4, 3\\) differs"),
-    ({"a": jte.Weighted(np.zeros((4, 2), np.int32), np.ones((4, 2), np.int32)),
-      "g": {"b": np.zeros((4, 2), np.int32)}}, "weights must be floats"),
-])
+@pytest.mark.parametrize(
+    "features,match",
+    [
+        (
+            {"a": np.array([1, 10, 3, -1]), "g": {"b": np.zeros((4, 2), np.int32)}},
+            r"Feature 'a': id 10 at position \[1\] is outside \[0, 10\) of table 't'",
+        ),
+        (
+            {"a": np.array([1, 2, 3, 4]), "g": {"b": np.array([[0, 1], [2, -3], [0, 0], [1, 9]])}},
+            r"Feature 'g/b': id -3 at position \[1, 1\] is outside \[0, 6\) of table 's' "
+            r"\(2 invalid ids in all\)",
+        ),
+        (
+            {"a": np.array([1.0, 2, 3, 4]), "g": {"b": np.zeros((4, 2), np.int32)}},
+            "Feature 'a': ids must have an integer dtype, got float64",
+        ),
+        (
+            {"a": np.zeros((4, 2, 2), np.int32), "g": {"b": np.zeros((4, 2), np.int32)}},
+            r"Feature 'a': ids must be \(B,\) or \(B, L\)",
+        ),
+        (
+            {"a": np.zeros(4, np.int32), "g": {"b": np.zeros((6, 2), np.int32)}},
+            "all features must have the same batch size",
+        ),
+        (
+            {"a": np.zeros(6, np.int32), "g": {"b": np.zeros((6, 2), np.int32)}},
+            "batch size B=6 must be a multiple of the mesh size 4",
+        ),
+        ({"a": np.zeros(4, np.int32)}, r"missing features \['g/b'\]"),
+        (
+            {
+                "a": np.zeros(4, np.int32),
+                "g": {"b": np.zeros((4, 2), np.int32)},
+                "c": np.zeros(4, np.int32),
+            },
+            r"unknown features \['c'\]",
+        ),
+        (
+            {
+                "a": jte.Weighted(np.zeros((4, 2), np.int32), np.ones((4, 3), np.float32)),
+                "g": {"b": np.zeros((4, 2), np.int32)},
+            },
+            "weights shape \\(4, 3\\) differs",
+        ),
+        (
+            {
+                "a": jte.Weighted(np.zeros((4, 2), np.int32), np.ones((4, 2), np.int32)),
+                "g": {"b": np.zeros((4, 2), np.int32)},
+            },
+            "weights must be floats",
+        ),
+    ],
+)
 def test_validation_messages(features, match):
     emb = jte.Embedding(_spec(), make_mesh(4))
     state = emb.init(jax.random.key(0))
@@ -98,10 +133,14 @@ def test_invalid_ids_under_jit_behave_like_padding(rng):
     # shard's; with "div" its owner is past the last shard, which hides a missing mask.
     emb = jte.Embedding(_spec(partition_strategy="mod"), make_mesh(2))
     state = emb.init(jax.random.key(0))
-    bad = {"a": np.array([[1, 10], [-5, 2]], np.int32),
-           "g": {"b": np.array([[0, 6, 1], [-2, 3, 99]], np.int32)}}
-    clean = {"a": np.array([[1, -1], [-1, 2]], np.int32),
-             "g": {"b": np.array([[0, -1, 1], [-1, 3, -1]], np.int32)}}
+    bad = {
+        "a": np.array([[1, 10], [-5, 2]], np.int32),
+        "g": {"b": np.array([[0, 6, 1], [-2, 3, 99]], np.int32)},
+    }
+    clean = {
+        "a": np.array([[1, -1], [-1, 2]], np.int32),
+        "g": {"b": np.array([[0, -1, 1], [-1, 3, -1]], np.int32)},
+    }
     look = jax.jit(emb.lookup)
     np.testing.assert_array_equal(look(state, bad)["a"], look(state, clean)["a"])
     np.testing.assert_array_equal(look(state, bad)["g"]["b"], look(state, clean)["g"]["b"])
@@ -114,8 +153,7 @@ def test_invalid_ids_under_jit_behave_like_padding(rng):
         np.testing.assert_array_equal(emb.export(got)[name], emb.export(want)[name])
     before = emb.export(state)["t"]
     after = emb.export(got)["t"]
-    np.testing.assert_array_equal(after[[0, 3, 4, 5, 6, 7, 8, 9]],
-                                  before[[0, 3, 4, 5, 6, 7, 8, 9]])
+    np.testing.assert_array_equal(after[[0, 3, 4, 5, 6, 7, 8, 9]], before[[0, 3, 4, 5, 6, 7, 8, 9]])
 
 
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
@@ -127,18 +165,22 @@ def test_global_jax_array_inputs_match_numpy(kind, rng):
     b = rng.integers(-1, 6, (8, 2)).astype(np.int32)
     wa = rng.uniform(0.5, 1.5, (8, 3)).astype(np.float32)
     batch = NamedSharding(mesh, P("shard"))
-    arrays = {"a": jte.Weighted(jax.make_array_from_process_local_data(batch, a),
-                                jax.make_array_from_process_local_data(batch, wa)),
-              "g": {"b": jax.make_array_from_process_local_data(batch, b)}}
+    arrays = {
+        "a": jte.Weighted(
+            jax.make_array_from_process_local_data(batch, a),
+            jax.make_array_from_process_local_data(batch, wa),
+        ),
+        "g": {"b": jax.make_array_from_process_local_data(batch, b)},
+    }
     numpy = {"a": jte.Weighted(a, wa), "g": {"b": b}}
     got, want = emb.lookup(state, arrays), emb.lookup(state, numpy)
     jax.tree.map(np.testing.assert_array_equal, got, want)
     tables = emb.export(state)
-    np.testing.assert_allclose(got["a"], reference.lookup(tables["t"], a, wa, "sum"),
-                               rtol=1e-5)
+    np.testing.assert_allclose(got["a"], reference.lookup(tables["t"], a, wa, "sum"), rtol=1e-5)
     grads = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), want)
-    g_arrays = jax.tree.map(lambda x: jax.make_array_from_process_local_data(
-        NamedSharding(mesh, P("shard")), x), grads)
+    g_arrays = jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(NamedSharding(mesh, P("shard")), x), grads
+    )
     step = jax.jit(emb.apply_gradients)
     s1, s2 = step(state, arrays, g_arrays), emb.apply_gradients(state, numpy, grads)
     for name in ["t", "s"]:
@@ -147,28 +189,34 @@ def test_global_jax_array_inputs_match_numpy(kind, rng):
 
 def test_output_shape_reshapes_activation_and_gradient(rng):
     t = jte.TableConfig(10, 4, combiner="sum")
-    spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(t, output_shape=(4, 2)),
-                              "s": jte.FeatureConfig(t, max_sequence_length=2,
-                                                     output_shape=(16,))},
-                             jte.SGD(1.0))
+    spec = jte.EmbeddingSpec(
+        {
+            "f": jte.FeatureConfig(t, output_shape=(4, 2)),
+            "s": jte.FeatureConfig(t, max_sequence_length=2, output_shape=(16,)),
+        },
+        jte.SGD(1.0),
+    )
     emb = jte.Embedding(spec, make_mesh(2, "auto"))
     state = emb.init(jax.random.key(0))
     ids = rng.integers(0, 10, (8, 2)).astype(np.int32)
     acts = emb.lookup(state, {"f": ids, "s": ids})
     assert acts["f"].shape == (4, 2, 4) and acts["s"].shape == (16, 4)
     table = emb.export(state)["f"]
-    np.testing.assert_allclose(np.asarray(acts["f"]).reshape(8, 4),
-                               reference.lookup(table, ids, None, "sum"), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(acts["f"]).reshape(8, 4), reference.lookup(table, ids, None, "sum"), rtol=1e-5
+    )
     grads = {"f": np.ones((4, 2, 4), np.float32), "s": np.zeros((16, 4), np.float32)}
     new = emb.export(emb.apply_gradients(state, {"f": ids, "s": ids}, grads))["f"]
     counts = np.bincount(ids.ravel(), minlength=10)
     np.testing.assert_allclose(new, table - counts[:, None], rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="output_shape \\(4, 2\\) has 8 outputs, but the "
-                                         "batch gives 4"):
+    with pytest.raises(
+        ValueError, match="output_shape \\(4, 2\\) has 8 outputs, but the batch gives 4"
+    ):
         emb.lookup(state, {"f": ids[:4], "s": ids[:4]})
     with pytest.raises(ValueError, match=r"act_grads\['f'\] has shape \(8, 4\)"):
-        emb.apply_gradients(state, {"f": ids, "s": ids},
-                            {"f": np.ones((8, 4), np.float32), "s": grads["s"]})
+        emb.apply_gradients(
+            state, {"f": ids, "s": ids}, {"f": np.ones((8, 4), np.float32), "s": grads["s"]}
+        )
 
 
 def test_lookup_and_update_trace_once(rng):
@@ -184,8 +232,10 @@ def test_lookup_and_update_trace_once(rng):
 
     step = jax.jit(step, donate_argnums=0)
     for _ in range(3):
-        features = {"a": rng.integers(0, 10, (8,)).astype(np.int32),
-                    "g": {"b": rng.integers(-1, 6, (8, 5)).astype(np.int32)}}
+        features = {
+            "a": rng.integers(0, 10, (8,)).astype(np.int32),
+            "g": {"b": rng.integers(-1, 6, (8, 5)).astype(np.int32)},
+        }
         state = step(state, features)
     assert len(traces) == 1
     assert int(state.step) == 3
@@ -195,8 +245,10 @@ def test_lookup_and_update_trace_once(rng):
 
 _B = 16
 # Ids that must act as -1: at and past V, far past it, negative ones other than -1.
-_INVALID = {"t": [37, 38, 77, 37 * 8 + 5, 2**31 - 1, -5, -2**31],
-            "s": [11, 12, 25, 11 * 8 + 3, 2**31 - 1, -5, -2**31]}
+_INVALID = {
+    "t": [37, 38, 77, 37 * 8 + 5, 2**31 - 1, -5, -(2**31)],
+    "s": [11, 12, 25, 11 * 8 + 3, 2**31 - 1, -5, -(2**31)],
+}
 _LR = {"t": 0.4, "s": 0.3}
 
 
@@ -205,18 +257,30 @@ def _invalid_ids_spec(strategy):
     dropped) and a one-hot feature; Adagrad's (D,) slot rides in the table's rows when lanes
     are packed, RowwiseAdagrad's scalar one is packed 128 rows to a physical row."""
     t = jte.TableConfig(37, 4, combiner="mean", name="t", optimizer=jte.Adagrad(_LR["t"]))
-    s = jte.TableConfig(11, 3, combiner="sqrtn", name="s",
-                        optimizer=jte.RowwiseAdagrad(_LR["s"], epsilon=1e-3))
+    s = jte.TableConfig(
+        11, 3, combiner="sqrtn", name="s", optimizer=jte.RowwiseAdagrad(_LR["s"], epsilon=1e-3)
+    )
     return jte.EmbeddingSpec(
-        {"m": jte.FeatureConfig(t), "w": jte.FeatureConfig(t), "q": jte.FeatureConfig(s),
-         "seq": jte.FeatureConfig(s, max_sequence_length=3), "o": jte.FeatureConfig(s)},
-        jte.SGD(0.1), partition_strategy=strategy)
+        {
+            "m": jte.FeatureConfig(t),
+            "w": jte.FeatureConfig(t),
+            "q": jte.FeatureConfig(s),
+            "seq": jte.FeatureConfig(s, max_sequence_length=3),
+            "o": jte.FeatureConfig(s),
+        },
+        jte.SGD(0.1),
+        partition_strategy=strategy,
+    )
 
 
 # (table, shape, weighted, combiner, max_sequence_length) of each feature.
-_FEATURES = {"m": ("t", (_B, 3), False, "mean", 0), "w": ("t", (_B, 2), True, "mean", 0),
-             "q": ("s", (_B, 4), False, "sqrtn", 0), "seq": ("s", (_B, 4), False, "", 3),
-             "o": ("s", (_B,), False, "sqrtn", 0)}
+_FEATURES = {
+    "m": ("t", (_B, 3), False, "mean", 0),
+    "w": ("t", (_B, 2), True, "mean", 0),
+    "q": ("s", (_B, 4), False, "sqrtn", 0),
+    "seq": ("s", (_B, 4), False, "", 3),
+    "o": ("s", (_B,), False, "sqrtn", 0),
+}
 
 
 def _with_invalid_ids(rng):
@@ -243,9 +307,13 @@ def _ref_lookup(tables, clean):
     out = {}
     for path, (table, _, weighted, combiner, seq) in _FEATURES.items():
         ids, weights = clean[path] if weighted else (clean[path], None)
-        out[path] = reference.lookup(tables[table], np.asarray(ids),
-                                     None if weights is None else np.asarray(weights),
-                                     combiner or "sum", seq)
+        out[path] = reference.lookup(
+            tables[table],
+            np.asarray(ids),
+            None if weights is None else np.asarray(weights),
+            combiner or "sum",
+            seq,
+        )
     return out
 
 
@@ -257,8 +325,9 @@ def _on_devices(mesh, tree):
 
 def _assert_lookup_matches(acts, want):
     for path, w in want.items():
-        np.testing.assert_allclose(np.asarray(acts[path], np.float64), w, rtol=2e-6,
-                                   atol=2e-6, err_msg=path)
+        np.testing.assert_allclose(
+            np.asarray(acts[path], np.float64), w, rtol=2e-6, atol=2e-6, err_msg=path
+        )
 
 
 def _ref_update(tables, slots, clean, grads):
@@ -271,15 +340,17 @@ def _ref_update(tables, slots, clean, grads):
                 ids, weights = clean[path] if weighted else (clean[path], None)
                 contributions.append((ids, weights, combiner or "sum", seq, grads[path]))
         by_row = reference.row_gradients(tables[name].shape[0], contributions)
-        out_tables[name], out_slots[name] = reference.apply(opt, hp, tables[name],
-                                                            slots[name], by_row, _LR[name])
+        out_tables[name], out_slots[name] = reference.apply(
+            opt, hp, tables[name], slots[name], by_row, _LR[name]
+        )
         touched[name] = np.isin(np.arange(tables[name].shape[0]), list(by_row))
     return out_tables, out_slots, touched
 
 
 # Each mesh size, strategy and lane width twice, each pair of them once.
-@pytest.mark.parametrize("num_shards,strategy,lanes", [
-    (1, "div", 0), (8, "mod", 0), (1, "mod", 128), (8, "div", 128)])
+@pytest.mark.parametrize(
+    "num_shards,strategy,lanes", [(1, "div", 0), (8, "mod", 0), (1, "mod", 128), (8, "div", 128)]
+)
 def test_invalid_ids_act_as_padding_in_the_jitted_train_step(num_shards, strategy, lanes):
     """Ids >= V and < -1 in global jax.Arrays (not validated on the host) through the
     jitted train step, so through emb.lookup, emb.invalid_id_counts and
@@ -292,13 +363,16 @@ def test_invalid_ids_act_as_padding_in_the_jitted_train_step(num_shards, strateg
     emb = jte.Embedding(_invalid_ids_spec(strategy), mesh, lane_width=lanes)
     state = emb.restore_tables(
         {"t": rng.standard_normal((37, 4)), "s": rng.standard_normal((11, 3))},
-        {"s": {"accumulators": rng.uniform(0.0, 1.0, 11)}})
+        {"s": {"accumulators": rng.uniform(0.0, 1.0, 11)}},
+    )
     tables, slots = emb.export(state), emb.export_slots(state)
     bad, clean, planted = _with_invalid_ids(rng)
-    grads = {path: rng.standard_normal(
-        (_B, seq, emb.spec.tables()[table].dim) if seq else
-        (_B, emb.spec.tables()[table].dim)).astype(np.float32)
-        for path, (table, _, _, _, seq) in _FEATURES.items()}
+    grads = {
+        path: rng.standard_normal(
+            (_B, seq, emb.spec.tables()[table].dim) if seq else (_B, emb.spec.tables()[table].dim)
+        ).astype(np.float32)
+        for path, (table, _, _, _, seq) in _FEATURES.items()
+    }
 
     def loss_fn(params, acts, batch):
         """d(loss)/d(acts) is batch["r"] exactly; the lookups and emb.invalid_id_counts
@@ -309,8 +383,7 @@ def test_invalid_ids_act_as_padding_in_the_jitted_train_step(num_shards, strateg
     step = jte.make_train_step(emb, loss_fn, optax.sgd(0.1), donate=False)
 
     def run(train, features):
-        return step(train, {"features": _on_devices(mesh, features),
-                            "r": _on_devices(mesh, grads)})
+        return step(train, {"features": _on_devices(mesh, features), "r": _on_devices(mesh, grads)})
 
     train = step.init(None, {"s": np.float32(1.0)}, embedding_state=state)
     got, metrics = run(train, bad)
@@ -324,21 +397,27 @@ def test_invalid_ids_act_as_padding_in_the_jitted_train_step(num_shards, strateg
     for name, want in want_tables.items():
         assert 0 < touched[name].sum() < len(touched[name])
         np.testing.assert_allclose(got_tables[name], want, rtol=2e-5, atol=2e-6)
-        np.testing.assert_allclose(got_slots[name]["accumulators"],
-                                   want_slots[name]["accumulators"], rtol=2e-5, atol=2e-6)
-        np.testing.assert_array_equal(got_tables[name][~touched[name]],
-                                      tables[name][~touched[name]])
-        np.testing.assert_array_equal(got_slots[name]["accumulators"][~touched[name]],
-                                      slots[name]["accumulators"][~touched[name]])
+        np.testing.assert_allclose(
+            got_slots[name]["accumulators"], want_slots[name]["accumulators"], rtol=2e-5, atol=2e-6
+        )
+        np.testing.assert_array_equal(
+            got_tables[name][~touched[name]], tables[name][~touched[name]]
+        )
+        np.testing.assert_array_equal(
+            got_slots[name]["accumulators"][~touched[name]],
+            slots[name]["accumulators"][~touched[name]],
+        )
 
     with_padding, clean_metrics = run(train, clean)
     assert int(clean_metrics["invalid_ids"]) == 0
     assert all(int(v) == 0 for v in clean_metrics["aux"]["counts"].values())
+
     def same(state, m):
         return jax.device_get((state, m["loss"], m["aux"]["acts"]))
 
-    jax.tree.map(np.testing.assert_array_equal, same(got, metrics),
-                 same(with_padding, clean_metrics))
+    jax.tree.map(
+        np.testing.assert_array_equal, same(got, metrics), same(with_padding, clean_metrics)
+    )
 
     # Reading the updated tables: nothing was written where an invalid id would read.
     _, metrics = run(got, bad)

@@ -27,8 +27,7 @@ from jax_tpu_embed import _multihost as multihost
 # Auto mesh; "interleaved" gives each process non-contiguous rows of the batch; "numpy" feeds
 # every process the whole global batch as NumPy arrays instead of its rows as global
 # jax.Arrays; "restore" starts from restore_tables instead of init (and saves compiles).
-CASES = ("div:explicit", "mod:auto", "div:interleaved:local:restore",
-         "mod:explicit:numpy:restore")
+CASES = ("div:explicit", "mod:auto", "div:interleaved:local:restore", "mod:explicit:numpy:restore")
 NUM_PROCESSES = 2
 JOB_TIMEOUT_S = 180  # Whole job; a normal run takes well under a minute on 2 cores.
 
@@ -41,8 +40,11 @@ def _free_port() -> int:
 
 def _worker_env() -> dict:
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}  # Loopback only.
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags = [
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
     env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=4"])
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
@@ -62,16 +64,35 @@ class _Job:
         self.procs = []
         for i, log in enumerate(self.logs):
             with open(log, "wb") as f:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, str(script), "--port", str(port), "--process-id", str(i),
-                     "--num-processes", str(NUM_PROCESSES), "--out", str(out),
-                     "--cases", ",".join(CASES)],
-                    stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env))
+                self.procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            str(script),
+                            "--port",
+                            str(port),
+                            "--process-id",
+                            str(i),
+                            "--num-processes",
+                            str(NUM_PROCESSES),
+                            "--out",
+                            str(out),
+                            "--cases",
+                            ",".join(CASES),
+                        ],
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env=env,
+                    )
+                )
 
     def _fail(self, why: str):
         self.stop()
-        tails = "\n".join(f"--- worker {i} (rc={p.returncode}) ---\n" + _tail(log)
-                          for i, (p, log) in enumerate(zip(self.procs, self.logs)))
+        tails = "\n".join(
+            f"--- worker {i} (rc={p.returncode}) ---\n" + _tail(log)
+            for i, (p, log) in enumerate(zip(self.procs, self.logs))
+        )
         pytest.fail(f"{why}\n{tails}")
 
     def _check_alive(self, waiting_for: str):
@@ -148,8 +169,11 @@ def test_workers_exit_cleanly(job):
 
 def _emb(num_shards: int, kind: str = "auto"):
     devices = jax.devices()[:num_shards]
-    mesh = (jax.make_mesh((num_shards,), ("shard",), devices=devices) if kind == "explicit"
-            else jax.sharding.Mesh(np.array(devices), ("shard",)))
+    mesh = (
+        jax.make_mesh((num_shards,), ("shard",), devices=devices)
+        if kind == "explicit"
+        else jax.sharding.Mesh(np.array(devices), ("shard",))
+    )
     return jte.Embedding(worker.make_spec("div"), mesh)
 
 
@@ -159,8 +183,9 @@ def test_process_batch_rows_single_process_is_everything():
 
 @pytest.mark.parametrize("batch", [0, 6, -4])
 def test_process_batch_rows_rejects_batches_the_mesh_cannot_split(batch):
-    with pytest.raises(ValueError, match=f"global_batch={batch} must be a positive multiple "
-                                         f"of the mesh size 4"):
+    with pytest.raises(
+        ValueError, match=f"global_batch={batch} must be a positive multiple of the mesh size 4"
+    ):
         multihost.process_batch_rows(_emb(4), batch)
 
 

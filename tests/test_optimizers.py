@@ -24,11 +24,22 @@ from test_core import _features_and_spec, _grads, _inputs
 
 # The extras, in TF's order: multiplier -> clipping_limit -> clipvalue -> optimizer ->
 # decay -> weight clipping. Values chosen so that each one changes some rows.
-_EXTRAS: dict[str, Any] = dict(clipvalue=(-0.5, 0.4), weight_decay_factor=0.05,
-               multiply_weight_decay_factor_by_learning_rate=True, clip_weight_min=-0.3,
-               clip_weight_max=0.25)
-_REF_EXTRAS: dict[str, Any] = dict(multiplier=1.5, clipping_limit=0.7, clipvalue=(-0.5, 0.4),
-                   weight_decay=0.05, decay_by_lr=True, clip_min=-0.3, clip_max=0.25)
+_EXTRAS: dict[str, Any] = dict(
+    clipvalue=(-0.5, 0.4),
+    weight_decay_factor=0.05,
+    multiply_weight_decay_factor_by_learning_rate=True,
+    clip_weight_min=-0.3,
+    clip_weight_max=0.25,
+)
+_REF_EXTRAS: dict[str, Any] = dict(
+    multiplier=1.5,
+    clipping_limit=0.7,
+    clipvalue=(-0.5, 0.4),
+    weight_decay=0.05,
+    decay_by_lr=True,
+    clip_min=-0.3,
+    clip_max=0.25,
+)
 _SPEC_EXTRAS: dict[str, Any] = dict(clipping_limit=0.7, gradient_multiplier_fn=lambda step: 1.5)
 
 
@@ -44,31 +55,69 @@ OPTIMIZERS = {
     "sgd": (jte.SGD(0.3), "sgd", {}, False),
     "sgd+extras": (jte.SGD(0.3, **_EXTRAS), "sgd", {}, True),
     "adagrad": (jte.Adagrad(0.2, initial_accumulator_value=0.5), "adagrad", {}, False),
-    "adagrad+extras": (jte.Adagrad(0.2, initial_accumulator_value=0.5, **_EXTRAS), "adagrad",
-                       {}, True),
+    "adagrad+extras": (
+        jte.Adagrad(0.2, initial_accumulator_value=0.5, **_EXTRAS),
+        "adagrad",
+        {},
+        True,
+    ),
     "adagrad_momentum": (
-        jte.AdagradMomentum(0.1, momentum=0.9, use_nesterov=True, exponent=3.0, beta2=0.9,
-                            epsilon=1e-6), "adagrad_momentum",
-        dict(momentum=0.9, use_nesterov=True, exponent=3.0, beta2=0.9, epsilon=1e-6), False),
-    "adam": (jte.Adam(0.05), "adam",
-             dict(beta_1=0.9, beta_2=0.999, epsilon=1e-7, sum_inside_sqrt=True), False),
-    "adam+extras": (jte.Adam(0.05, beta_1=0.5, beta_2=0.7, epsilon=1e-3,
-                             sum_inside_sqrt=False, **_EXTRAS), "adam",
-                    dict(beta_1=0.5, beta_2=0.7, epsilon=1e-3, sum_inside_sqrt=False), True),
-    "ftrl": (jte.FTRL(0.2, l1_regularization_strength=0.01, l2_regularization_strength=0.1,
-                      beta=0.5), "ftrl",
-             dict(learning_rate_power=-0.5, l1=0.01, l2=0.1, beta=0.5,
-                  multiply_linear_by_learning_rate=False), False),
-    "rowwise_adagrad": (jte.RowwiseAdagrad(0.2, initial_accumulator_value=0.1),
-                        "rowwise_adagrad", dict(epsilon=1e-8), False),
+        jte.AdagradMomentum(
+            0.1, momentum=0.9, use_nesterov=True, exponent=3.0, beta2=0.9, epsilon=1e-6
+        ),
+        "adagrad_momentum",
+        dict(momentum=0.9, use_nesterov=True, exponent=3.0, beta2=0.9, epsilon=1e-6),
+        False,
+    ),
+    "adam": (
+        jte.Adam(0.05),
+        "adam",
+        dict(beta_1=0.9, beta_2=0.999, epsilon=1e-7, sum_inside_sqrt=True),
+        False,
+    ),
+    "adam+extras": (
+        jte.Adam(0.05, beta_1=0.5, beta_2=0.7, epsilon=1e-3, sum_inside_sqrt=False, **_EXTRAS),
+        "adam",
+        dict(beta_1=0.5, beta_2=0.7, epsilon=1e-3, sum_inside_sqrt=False),
+        True,
+    ),
+    "ftrl": (
+        jte.FTRL(0.2, l1_regularization_strength=0.01, l2_regularization_strength=0.1, beta=0.5),
+        "ftrl",
+        dict(
+            learning_rate_power=-0.5,
+            l1=0.01,
+            l2=0.1,
+            beta=0.5,
+            multiply_linear_by_learning_rate=False,
+        ),
+        False,
+    ),
+    "rowwise_adagrad": (
+        jte.RowwiseAdagrad(0.2, initial_accumulator_value=0.1),
+        "rowwise_adagrad",
+        dict(epsilon=1e-8),
+        False,
+    ),
     "rowwise_adagrad+extras": (
-        jte.RowwiseAdagrad(0.2, initial_accumulator_value=0.1, **_EXTRAS), "rowwise_adagrad",
-        dict(epsilon=1e-8), True),
-    "custom": (jte.CustomOptimizer(_momentum, learning_rate=0.1,
-                                   slot_names=["velocity", "count"],
-                                   slot_initializers=[0.5, 0.0], hyperparameters=[0.9],
-                                   slot_dims=[2, 1]), "momentum_custom", dict(beta=0.9),
-               False),
+        jte.RowwiseAdagrad(0.2, initial_accumulator_value=0.1, **_EXTRAS),
+        "rowwise_adagrad",
+        dict(epsilon=1e-8),
+        True,
+    ),
+    "custom": (
+        jte.CustomOptimizer(
+            _momentum,
+            learning_rate=0.1,
+            slot_names=["velocity", "count"],
+            slot_initializers=[0.5, 0.0],
+            hyperparameters=[0.9],
+            slot_dims=[2, 1],
+        ),
+        "momentum_custom",
+        dict(beta=0.9),
+        False,
+    ),
 }
 BACKENDS = ["xla", "pallas_interpret", "cpu"]
 MESHES = [("div", 1), ("mod", 1), ("div", 8), ("mod", 8)]
@@ -88,9 +137,14 @@ _B, _V, _D, _L, _SEQ = 16, 300, 12, 5, 3
 def _spec(optimizer, strategy, extras):
     table = jte.TableConfig(_V, _D, combiner="sqrtn", name="t")
     return jte.EmbeddingSpec(
-        {"multi": jte.FeatureConfig(table),
-         "seq": jte.FeatureConfig(table, max_sequence_length=_SEQ)},
-        optimizer, partition_strategy=strategy, **(_SPEC_EXTRAS if extras else {}))
+        {
+            "multi": jte.FeatureConfig(table),
+            "seq": jte.FeatureConfig(table, max_sequence_length=_SEQ),
+        },
+        optimizer,
+        partition_strategy=strategy,
+        **(_SPEC_EXTRAS if extras else {}),
+    )
 
 
 def _batch(rng):
@@ -106,39 +160,47 @@ def _reference(table, features, grads=None):
     """Lookups, or with `grads` the summed gradient of each touched row."""
     parts = [(features["multi"], None, "sqrtn", 0), (features["seq"], None, "sqrtn", _SEQ)]
     if grads is None:
-        return {"multi": reference.lookup(table, *parts[0][:3]),
-                "seq": reference.lookup(table, *parts[1][:3], _SEQ)}
-    return reference.row_gradients(_V, [p + (grads[k],) for p, k in
-                                        zip(parts, ["multi", "seq"])])
+        return {
+            "multi": reference.lookup(table, *parts[0][:3]),
+            "seq": reference.lookup(table, *parts[1][:3], _SEQ),
+        }
+    return reference.row_gradients(_V, [p + (grads[k],) for p, k in zip(parts, ["multi", "seq"])])
 
 
 @pytest.mark.parametrize("strategy,num_shards", MESHES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("opt_key", list(OPTIMIZERS))
-def test_optimizer_on_backend_matches_reference(opt_key, backend, strategy, num_shards, rng,
-                                                monkeypatch):
+def test_optimizer_on_backend_matches_reference(
+    opt_key, backend, strategy, num_shards, rng, monkeypatch
+):
     _skip_unavailable(backend)
     # Small Pallas blocks: rows carried from block to block, packed rows re-read.
     monkeypatch.setattr(_pallas, "_BLOCK", 8)
     optimizer, name, hp, extras = OPTIMIZERS[opt_key]
-    emb = jte.Embedding(_spec(optimizer, strategy, extras), make_mesh(num_shards),
-                        backend=backend)
+    emb = jte.Embedding(_spec(optimizer, strategy, extras), make_mesh(num_shards), backend=backend)
     assert emb.backends == {"t": backend}
     state = emb.init(jax.random.key(7))
     for _ in range(2):  # Slots written by the first step are read by the second.
         features = _batch(rng)
         table, slots = emb.export(state)["t"], emb.export_slots(state)["t"]
         acts = emb.lookup(state, features)
-        chex.assert_trees_all_close(jax.tree.map(np.asarray, acts),
-                                    _reference(table, features), rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(
+            jax.tree.map(np.asarray, acts), _reference(table, features), rtol=1e-5, atol=1e-6
+        )
         grads = _grads(rng, acts)
         if extras:  # Large enough for every clipping to matter.
             grads = jax.tree.map(lambda g: 3 * g, grads)
         state = emb.apply_gradients(state, features, grads)
         row_grads = _reference(table, features, grads)
-        want_t, want_s = reference.apply(name, hp, table, slots, row_grads,
-                                         optimizer.learning_rate,
-                                         **(_REF_EXTRAS if extras else {}))
+        want_t, want_s = reference.apply(
+            name,
+            hp,
+            table,
+            slots,
+            row_grads,
+            optimizer.learning_rate,
+            **(_REF_EXTRAS if extras else {}),
+        )
         got_t, got_s = emb.export(state)["t"], emb.export_slots(state)["t"]
         chex.assert_trees_all_close((got_t, got_s), (want_t, want_s), rtol=5e-5, atol=5e-6)
         untouched = np.setdiff1d(np.arange(_V), list(row_grads))
@@ -163,15 +225,17 @@ def test_pair_counts_not_a_multiple_of_the_block(backend, num_shards, rng, monke
     ids = rng.integers(0, 12, (8, 3)).astype(np.int32)  # 24 pairs, many duplicates.
     tables, slots = emb.export(state), emb.export_slots(state)
     acts = emb.lookup(state, {"f": ids})
-    np.testing.assert_allclose(acts["f"], reference.lookup(tables["t"], ids, None, "sum"),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        acts["f"], reference.lookup(tables["t"], ids, None, "sum"), rtol=1e-5, atol=1e-6
+    )
     grads = {"f": rng.normal(size=(8, 8)).astype(np.float32)}
     state = emb.apply_gradients(state, {"f": ids}, grads)
     row_grads = reference.row_gradients(50, [(ids, None, "sum", 0, grads["f"])])
     want_t, want_s = reference.apply("adagrad", {}, tables["t"], slots["t"], row_grads, 0.3)
     np.testing.assert_allclose(emb.export(state)["t"], want_t, rtol=2e-5, atol=2e-6)
-    np.testing.assert_allclose(emb.export_slots(state)["t"]["accumulators"],
-                               want_s["accumulators"], rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(
+        emb.export_slots(state)["t"]["accumulators"], want_s["accumulators"], rtol=2e-5, atol=2e-6
+    )
 
 
 def test_update_traces_once_per_input_structure(rng):

@@ -14,8 +14,11 @@ import pytest
 import jax_tpu_embed as jte
 
 if importlib.util.find_spec("libtpu") is None:
-    pytest.skip("libtpu is not installed (pip install 'jax[tpu]' to compile for TPU "
-                "topologies without a TPU)", allow_module_level=True)
+    pytest.skip(
+        "libtpu is not installed (pip install 'jax[tpu]' to compile for TPU "
+        "topologies without a TPU)",
+        allow_module_level=True,
+    )
 
 from jax_tpu_embed import plan  # noqa: E402
 
@@ -53,6 +56,7 @@ def config(tmp_path):
         path = tmp_path / name
         path.write_text(text)
         return str(path)
+
     return write
 
 
@@ -82,12 +86,22 @@ def test_small_config_fits_with_per_chip_figures(config, capsys):
 
 
 def test_table_output_and_batch_override(config, capsys):
-    code, out, err = _run(capsys, "--config", config(SMALL), "--topology", "v5p:2x2x1",
-                          "--batch", "1024")
+    code, out, err = _run(
+        capsys, "--config", config(SMALL), "--topology", "v5p:2x2x1", "--batch", "1024"
+    )
     assert code == 0, err
     assert "on v5p:2x2x1: 4 chips, 4 devices (1 per chip), global batch 1024" in out
-    for needle in ("users", "items", "tables", "optimizer slots", "temporaries",
-                   "of 95.00 GiB HBM", ": fits", "bytes accessed/step", "flops/step"):
+    for needle in (
+        "users",
+        "items",
+        "tables",
+        "optimizer slots",
+        "temporaries",
+        "of 95.00 GiB HBM",
+        ": fits",
+        "bytes accessed/step",
+        "flops/step",
+    ):
         assert needle in out, needle
 
 
@@ -119,33 +133,44 @@ def test_config_that_does_not_fit_says_by_how_much_and_what_to_use(config, capsy
 
 
 def test_batch_not_a_multiple_of_the_devices(config, capsys):
-    code, out, err = _run(capsys, "--config", config(SMALL), "--topology", "v5e:2x2",
-                          "--batch", "1001")
+    code, out, err = _run(
+        capsys, "--config", config(SMALL), "--topology", "v5e:2x2", "--batch", "1001"
+    )
     assert code == 2 and not out
     assert "batch 1001 is not a multiple of the 4 devices of v5e:2x2" in err
     assert "use 1000 or 1004" in err
 
 
-@pytest.mark.parametrize("topology, message", [
-    ("v5p:1x1x1", "topology 'v5p:1x1x1' is not known to libtpu"),
-    ("v9:2x2", "generation 'v9' has no known HBM size"),
-    ("v5p-8", "'v5p-8' is not of the form GENERATION:AxB[xC]"),
-])
+@pytest.mark.parametrize(
+    "topology, message",
+    [
+        ("v5p:1x1x1", "topology 'v5p:1x1x1' is not known to libtpu"),
+        ("v9:2x2", "generation 'v9' has no known HBM size"),
+        ("v5p-8", "'v5p-8' is not of the form GENERATION:AxB[xC]"),
+    ],
+)
 def test_unknown_topology(config, capsys, topology, message):
     code, out, err = _run(capsys, "--config", config(SMALL), "--topology", topology)
     assert code == 2 and not out
     assert message in err
 
 
-@pytest.mark.parametrize("inputs, message", [
-    ("inputs: {batch: 512, ids_per_example: {nope: 3}}",
-     "inputs.ids_per_example.nope: no such feature"),
-    ("inputs: {batch: 512, ids_per_example: {history: 0}}",
-     "inputs.ids_per_example.history: must be an int > 0, got 0"),
-    ("inputs: {batch: -4}", "inputs.batch: must be an int > 0, got -4"),
-    ("inputs: {batch: 512, lengths: {}}", "inputs.lengths: unknown key"),
-    ("inputs: {}", "no batch: pass --batch B or set inputs.batch"),
-])
+@pytest.mark.parametrize(
+    "inputs, message",
+    [
+        (
+            "inputs: {batch: 512, ids_per_example: {nope: 3}}",
+            "inputs.ids_per_example.nope: no such feature",
+        ),
+        (
+            "inputs: {batch: 512, ids_per_example: {history: 0}}",
+            "inputs.ids_per_example.history: must be an int > 0, got 0",
+        ),
+        ("inputs: {batch: -4}", "inputs.batch: must be an int > 0, got -4"),
+        ("inputs: {batch: 512, lengths: {}}", "inputs.lengths: unknown key"),
+        ("inputs: {}", "no batch: pass --batch B or set inputs.batch"),
+    ],
+)
 def test_bad_inputs_section(config, capsys, inputs, message):
     text = SMALL.split("inputs:")[0] + inputs + "\n"
     code, out, err = _run(capsys, "--config", config(text), "--topology", "v5e:2x2")
@@ -154,8 +179,9 @@ def test_bad_inputs_section(config, capsys, inputs, message):
 
 
 def test_bad_config_file(config, capsys):
-    code, _, err = _run(capsys, "--config", config(SMALL.replace("dim: 64", "dim: -64")),
-                        "--topology", "v5e:2x2")
+    code, _, err = _run(
+        capsys, "--config", config(SMALL.replace("dim: 64", "dim: -64")), "--topology", "v5e:2x2"
+    )
     assert code == 2 and "tables.items.dim" in err
     code, _, err = _run(capsys, "--config", "/nonexistent/x.yaml", "--topology", "v5e:2x2")
     assert code == 2 and "no such config file" in err
@@ -175,21 +201,45 @@ def test_criteo_config_is_mlperf_dcnv2():
 
 def test_module_entry_point(config):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "jax_tpu_embed.plan", "--config",
-                           config(SMALL), "--topology", "v5p:1x1x1"],
-                          capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jax_tpu_embed.plan",
+            "--config",
+            config(SMALL),
+            "--topology",
+            "v5p:1x1x1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "python -m jax_tpu_embed.plan: error: topology 'v5p:1x1x1'" in proc.stderr
 
 
 def test_capacities_reach_the_embedding(config, capsys):
-    code, out, err = _run(capsys, "--config", config(SMALL), "--topology", "v5p:2x2x1",
-                          "--batch", "1024", "--max-unique-ids-per-shard", "64", "--json")
+    code, out, err = _run(
+        capsys,
+        "--config",
+        config(SMALL),
+        "--topology",
+        "v5p:2x2x1",
+        "--batch",
+        "1024",
+        "--max-unique-ids-per-shard",
+        "64",
+        "--json",
+    )
     assert code == 0, err
     res = json.loads(out)
     assert set(res["max_unique_ids_per_shard"].values()) == {64}
     assert set(res["max_ids_per_shard"].values()) == {None}
-    code, _, err = _run(capsys, "--config", config(SMALL), "--topology", "v5p:2x2x1",
-                        "--max-ids-per-shard", "0")
+    code, _, err = _run(
+        capsys, "--config", config(SMALL), "--topology", "v5p:2x2x1", "--max-ids-per-shard", "0"
+    )
     assert code == 2
     assert "max_ids_per_shard for table" in err and "got 0" in err

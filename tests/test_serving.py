@@ -21,21 +21,30 @@ def _spec_a(strategy):
     mean_t = jte.TableConfig(11, 3, combiner="mean")
     sqrtn_t = jte.TableConfig(20, 4, combiner="sqrtn")
     return jte.EmbeddingSpec(
-        {"multi": jte.FeatureConfig(shared),
-         "one": jte.FeatureConfig(shared),
-         "nested": {"mean": jte.FeatureConfig(mean_t),
-                    "seq": jte.FeatureConfig(mean_t, max_sequence_length=4),
-                    "shaped": jte.FeatureConfig(mean_t, output_shape=(B // 2, 2))},
-         "weighted": jte.FeatureConfig(sqrtn_t),
-         "wseq": jte.FeatureConfig(sqrtn_t, max_sequence_length=2)},
-        jte.SGD(0.1), partition_strategy=strategy)
+        {
+            "multi": jte.FeatureConfig(shared),
+            "one": jte.FeatureConfig(shared),
+            "nested": {
+                "mean": jte.FeatureConfig(mean_t),
+                "seq": jte.FeatureConfig(mean_t, max_sequence_length=4),
+                "shaped": jte.FeatureConfig(mean_t, output_shape=(B // 2, 2)),
+            },
+            "weighted": jte.FeatureConfig(sqrtn_t),
+            "wseq": jte.FeatureConfig(sqrtn_t, max_sequence_length=2),
+        },
+        jte.SGD(0.1),
+        partition_strategy=strategy,
+    )
 
 
 def _spec_b(strategy):
     """A bfloat16 table; one-hot ids, weighted one-hot."""
     t = jte.TableConfig(9, 6, combiner="mean", name="bf", dtype=jnp.bfloat16)
-    return jte.EmbeddingSpec({"id": jte.FeatureConfig(t), "wid": jte.FeatureConfig(t)},
-                             jte.SGD(0.1), partition_strategy=strategy)
+    return jte.EmbeddingSpec(
+        {"id": jte.FeatureConfig(t), "wid": jte.FeatureConfig(t)},
+        jte.SGD(0.1),
+        partition_strategy=strategy,
+    )
 
 
 def _inputs_a(rng):
@@ -48,22 +57,33 @@ def _inputs_a(rng):
     wid[0, 1] = -1
     wts = rng.uniform(0.1, 2.0, (B, 3)).astype(np.float32)
     wts[5] = 0.0  # All-zero weights: the mean/sqrtn divisor is 0, the output 0.
-    return {"multi": multi, "one": rng.integers(0, 37, (B,)),
-            "nested": {"mean": rng.integers(-1, 11, (B, 2)), "seq": seq,
-                       "shaped": rng.integers(0, 4, (B, 3))},
-            "weighted": jte.Weighted(wid, wts),
-            "wseq": jte.Weighted(wid[:, :1], wts[:, :1])}  # Shorter: padded to 2.
+    return {
+        "multi": multi,
+        "one": rng.integers(0, 37, (B,)),
+        "nested": {
+            "mean": rng.integers(-1, 11, (B, 2)),
+            "seq": seq,
+            "shaped": rng.integers(0, 4, (B, 3)),
+        },
+        "weighted": jte.Weighted(wid, wts),
+        "wseq": jte.Weighted(wid[:, :1], wts[:, :1]),
+    }  # Shorter: padded to 2.
 
 
 def _inputs_b(rng):
-    return {"id": rng.integers(0, 9, (B,)),
-            "wid": jte.Weighted(rng.integers(0, 9, (B,)),
-                                rng.uniform(0.5, 1.5, (B,)).astype(np.float32))}
+    return {
+        "id": rng.integers(0, 9, (B,)),
+        "wid": jte.Weighted(
+            rng.integers(0, 9, (B,)), rng.uniform(0.5, 1.5, (B,)).astype(np.float32)
+        ),
+    }
 
 
 def _tables(spec, rng):
-    return {name: rng.standard_normal((t.vocabulary_size, t.dim)).astype(t.dtype)
-            for name, t in spec.tables().items()}
+    return {
+        name: rng.standard_normal((t.vocabulary_size, t.dim)).astype(t.dtype)
+        for name, t in spec.tables().items()
+    }
 
 
 def _reference(spec, tables, features):
@@ -90,8 +110,7 @@ def _reference(spec, tables, features):
             if f.table.combiner == "sum":
                 scale = w
             else:
-                d = (w.sum(1) if f.table.combiner == "mean"
-                     else np.sqrt((w * w).sum(1)))[:, None]
+                d = (w.sum(1) if f.table.combiner == "mean" else np.sqrt((w * w).sum(1)))[:, None]
                 scale = np.where(d == 0, 0.0, w / np.where(d == 0, 1.0, d))
             acts = np.einsum("bl,bld->bd", scale, rows)
         if f.output_shape:
@@ -114,8 +133,9 @@ def _assert_close(got, want, rtol=1e-5, atol=1e-6):
     assert got.keys() == want.keys()
     for path in want:
         assert np.shape(got[path]) == np.shape(want[path]), path
-        np.testing.assert_allclose(np.asarray(got[path], np.float64), want[path], rtol=rtol,
-                                   atol=atol, err_msg=path)
+        np.testing.assert_allclose(
+            np.asarray(got[path], np.float64), want[path], rtol=rtol, atol=atol, err_msg=path
+        )
 
 
 @functools.cache
@@ -128,9 +148,15 @@ def _case(which, strategy):
 
 
 @pytest.mark.parametrize("which", ["a", "b"])
-@pytest.mark.parametrize("num_shards,strategy,kind", [
-    (1, "div", "explicit"), (2, "mod", "auto"), (4, "div", "explicit"), (8, "mod", "explicit"),
-])
+@pytest.mark.parametrize(
+    "num_shards,strategy,kind",
+    [
+        (1, "div", "explicit"),
+        (2, "mod", "auto"),
+        (4, "div", "explicit"),
+        (8, "mod", "explicit"),
+    ],
+)
 def test_serving_matches_training_lookup_and_reference(which, num_shards, strategy, kind):
     spec, tables, features = _case(which, strategy)
     emb = jte.Embedding(spec, make_mesh(num_shards, kind))
@@ -141,8 +167,9 @@ def test_serving_matches_training_lookup_and_reference(which, num_shards, strate
     want = _reference(spec, tables, features)
     _assert_close(served, want)
     # Same numbers as the sharded lookup, up to float summation order across shards.
-    _assert_close(served, jax.tree.map(lambda x: np.asarray(x, np.float64), trained),
-                  rtol=1e-6, atol=1e-6)
+    _assert_close(
+        served, jax.tree.map(lambda x: np.asarray(x, np.float64), trained), rtol=1e-6, atol=1e-6
+    )
     assert all(x.devices() == {jax.devices("cpu")[0]} for x in jax.tree.leaves(served))
 
 
@@ -168,8 +195,11 @@ def test_tables_that_do_not_fit_the_spec_are_listed():
     broken["shared"] = tables["shared"][:30]
     del broken["weighted"]
     broken["extra"] = np.zeros((2, 2), np.float32)
-    with pytest.raises(ValueError, match=r"table 'weighted' is missing; table 'extra' is not "
-                                         r"in the spec.*table 'shared' has shape \(30, 5\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"table 'weighted' is missing; table 'extra' is not "
+        r"in the spec.*table 'shared' has shape \(30, 5\)",
+    ):
         serving.Server(spec, broken)
 
 

@@ -35,8 +35,11 @@ import pytest
 import jax_tpu_embed as jte
 
 if importlib.util.find_spec("libtpu") is None:
-    pytest.skip("libtpu is not installed (pip install 'jax[tpu]' to compile for TPU "
-                "topologies without a TPU)", allow_module_level=True)
+    pytest.skip(
+        "libtpu is not installed (pip install 'jax[tpu]' to compile for TPU "
+        "topologies without a TPU)",
+        allow_module_level=True,
+    )
 
 from jax_tpu_embed import _aot  # noqa: E402
 
@@ -61,8 +64,13 @@ def _optimizer(name: str) -> jte.Optimizer:
         return jte.Adagrad(learning_rate=0.05)
     if name == "adam":
         return jte.Adam(learning_rate=0.001)
-    return jte.CustomOptimizer(_sgd_momentum, learning_rate=0.01, slot_names=["momenta"],
-                               slot_initializers=[0.0], hyperparameters=[0.9])
+    return jte.CustomOptimizer(
+        _sgd_momentum,
+        learning_rate=0.01,
+        slot_names=["momenta"],
+        slot_initializers=[0.0],
+        hyperparameters=[0.9],
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,37 +86,47 @@ class Case:
 # Cases that fail while the engine stores a narrow table as a plain (N*S, D) array (measured
 # with jax 0.10.2 + libtpu 0.0.42.1, V = 8M, B = 128, L = 4). They are marked
 # xfail(strict=True) only in that layout: packed into 128-lane rows, they must pass.
-_COPY64 = ("whole-table relayout: the entry layout of f32[S,64] state is dim-major "
-           "{{0,1:T(8,128)}}; `copy` makes a row-major {{1,0:T(8,128)}} copy of each state array "
-           "(lane-padded to 128, {copy:,} B = 2x the {shard:,} B shard) for the row "
-           "gather/scatter and copies it back: {n} copies; temp {temp:,} B per device")
-_STAGE16 = ("whole shard staged through memory space 3: {op} f32[1000000,16] 64,004,096 B "
-            "(= the 64,000,000 B shard) around the row scatter; temp {temp:,} B (HBM)")
+_COPY64 = (
+    "whole-table relayout: the entry layout of f32[S,64] state is dim-major "
+    "{{0,1:T(8,128)}}; `copy` makes a row-major {{1,0:T(8,128)}} copy of each state array "
+    "(lane-padded to 128, {copy:,} B = 2x the {shard:,} B shard) for the row "
+    "gather/scatter and copies it back: {n} copies; temp {temp:,} B per device"
+)
+_STAGE16 = (
+    "whole shard staged through memory space 3: {op} f32[1000000,16] 64,004,096 B "
+    "(= the 64,000,000 B shard) around the row scatter; temp {temp:,} B (HBM)"
+)
 _KNOWN_UNPACKED: dict[tuple, str] = {
-    ("v5e:2x2", 64, "adagrad"): _COPY64.format(copy=1024000000, shard=512000000, n=2,
-                                               temp=3073517056),
-    ("v5e:2x2", 64, "adam"): _COPY64.format(copy=1024000000, shard=512000000, n=3,
-                                            temp=3073450496),
-    ("v5e:2x2", 64, "sgd_momentum"): _COPY64.format(copy=1024000000, shard=512000000, n=2,
-                                                    temp=2049616384),
-    ("v5p:2x2x1", 64, "adagrad"): _COPY64.format(copy=1024000000, shard=512000000, n=2,
-                                                 temp=1026054816),
-    ("v5p:2x2x1", 64, "adam"): _COPY64.format(copy=1024000000, shard=512000000, n=3,
-                                              temp=1026353216),
-    ("v5p:2x2x1", 64, "sgd_momentum"): _COPY64.format(copy=1024000000, shard=512000000, n=2,
-                                                      temp=3073792128),
-    ("v6e:2x2", 64, "adagrad"): _COPY64.format(copy=1024000000, shard=512000000, n=2,
-                                               temp=3073165856),
-    ("v6e:2x2", 64, "adam"): _COPY64.format(copy=1024000000, shard=512000000, n=3,
-                                            temp=1025628224),
-    ("v6e:2x2", 64, "sgd_momentum"): _COPY64.format(copy=1024000000, shard=512000000, n=2,
-                                                    temp=3073525888),
-    ("v4:2x2x1", 64, "adagrad"): _COPY64.format(copy=512000000, shard=256000000, n=4,
-                                                temp=1025809920),
-    ("v4:2x2x1", 64, "adam"): _COPY64.format(copy=512000000, shard=256000000, n=6,
-                                             temp=1537938944),
-    ("v4:2x2x1", 64, "sgd_momentum"): _COPY64.format(copy=512000000, shard=256000000, n=4,
-                                                     temp=1025496064),
+    ("v5e:2x2", 64, "adagrad"): _COPY64.format(
+        copy=1024000000, shard=512000000, n=2, temp=3073517056
+    ),
+    ("v5e:2x2", 64, "adam"): _COPY64.format(copy=1024000000, shard=512000000, n=3, temp=3073450496),
+    ("v5e:2x2", 64, "sgd_momentum"): _COPY64.format(
+        copy=1024000000, shard=512000000, n=2, temp=2049616384
+    ),
+    ("v5p:2x2x1", 64, "adagrad"): _COPY64.format(
+        copy=1024000000, shard=512000000, n=2, temp=1026054816
+    ),
+    ("v5p:2x2x1", 64, "adam"): _COPY64.format(
+        copy=1024000000, shard=512000000, n=3, temp=1026353216
+    ),
+    ("v5p:2x2x1", 64, "sgd_momentum"): _COPY64.format(
+        copy=1024000000, shard=512000000, n=2, temp=3073792128
+    ),
+    ("v6e:2x2", 64, "adagrad"): _COPY64.format(
+        copy=1024000000, shard=512000000, n=2, temp=3073165856
+    ),
+    ("v6e:2x2", 64, "adam"): _COPY64.format(copy=1024000000, shard=512000000, n=3, temp=1025628224),
+    ("v6e:2x2", 64, "sgd_momentum"): _COPY64.format(
+        copy=1024000000, shard=512000000, n=2, temp=3073525888
+    ),
+    ("v4:2x2x1", 64, "adagrad"): _COPY64.format(
+        copy=512000000, shard=256000000, n=4, temp=1025809920
+    ),
+    ("v4:2x2x1", 64, "adam"): _COPY64.format(copy=512000000, shard=256000000, n=6, temp=1537938944),
+    ("v4:2x2x1", 64, "sgd_momentum"): _COPY64.format(
+        copy=512000000, shard=256000000, n=4, temp=1025496064
+    ),
     ("v4:2x2x1", 16, "adagrad"): _STAGE16.format(op="copy-start", temp=577024),
     ("v4:2x2x1", 16, "adam"): _STAGE16.format(op="custom-call", temp=673792),
     ("v4:2x2x1", 16, "sgd_momentum"): _STAGE16.format(op="custom-call", temp=706048),
@@ -140,8 +158,10 @@ def _cases():
 def _compile(case: Case) -> _aot.CompileReport:
     topo = _aot.topology(case.topology)
     table = jte.TableConfig(V, case.dim, combiner="sum", name="t")
-    spec = jte.EmbeddingSpec({"multi": jte.FeatureConfig(table),
-                              "one": jte.FeatureConfig(table)}, _optimizer(case.optimizer))
+    spec = jte.EmbeddingSpec(
+        {"multi": jte.FeatureConfig(table), "one": jte.FeatureConfig(table)},
+        _optimizer(case.optimizer),
+    )
     emb = jte.Embedding(spec, _aot.mesh(topo))
     return _aot.compile_train_step(emb, B, {"multi": L, "one": 1}, topo=topo)
 
@@ -165,9 +185,13 @@ class _Compiler:
 
 @pytest.fixture(scope="module")
 def compiler(request):
-    selected = [item.callspec.params["case"] for item in request.session.items
-                if item.module is request.module and hasattr(item, "callspec")
-                and "case" in item.callspec.params]
+    selected = [
+        item.callspec.params["case"]
+        for item in request.session.items
+        if item.module is request.module
+        and hasattr(item, "callspec")
+        and "case" in item.callspec.params
+    ]
     threads = int(os.environ.get("JTE_TPU_COMPILE_THREADS", "2"))
     pool = _Compiler(selected, threads)
     yield pool
@@ -177,10 +201,12 @@ def compiler(request):
 def _describe(case: Case, r: _aot.CompileReport) -> str:
     temps = "; ".join(str(t) for t in r.largest_temps[:3]) or "none"
     colls = ", ".join(str(c) for c in r.collectives) or "none"
-    return (f"{case}: peak {r.peak_bytes:,} B of {r.hbm_bytes:,} B HBM per device; "
-            f"temp {r.temp_bytes:,} B; table shard {r.table_bytes['t']:,} B as stored; "
-            f"bytes accessed {r.bytes_accessed:,.0f}; largest temps: {temps}; "
-            f"copies >= 1 MiB: {r.copies() or 'none'}; collectives: {colls}")
+    return (
+        f"{case}: peak {r.peak_bytes:,} B of {r.hbm_bytes:,} B HBM per device; "
+        f"temp {r.temp_bytes:,} B; table shard {r.table_bytes['t']:,} B as stored; "
+        f"bytes accessed {r.bytes_accessed:,.0f}; largest temps: {temps}; "
+        f"copies >= 1 MiB: {r.copies() or 'none'}; collectives: {colls}"
+    )
 
 
 @pytest.mark.parametrize("case", list(_cases()))
@@ -191,19 +217,23 @@ def test_train_step_compiles_within_limits(case, compiler):
     print(about)
     problems = []
     if not r.fits:
-        problems.append(f"per-device memory {r.peak_bytes:,} B exceeds the "
-                        f"{r.hbm_bytes:,} B of HBM per device")
+        problems.append(
+            f"per-device memory {r.peak_bytes:,} B exceeds the {r.hbm_bytes:,} B of HBM per device"
+        )
     big = [t for t in r.largest_temps if t.bytes > TEMP_LIMIT * shard]
     if big:
-        problems.append(f"temporaries above {TEMP_LIMIT:.0%} of the {shard:,} B table "
-                        f"shard: " + "; ".join(str(t) for t in big[:4]))
+        problems.append(
+            f"temporaries above {TEMP_LIMIT:.0%} of the {shard:,} B table "
+            f"shard: " + "; ".join(str(t) for t in big[:4])
+        )
     heavy = [c for c in r.collectives if c.bytes >= COLLECTIVE_LIMIT * shard]
     if heavy:
-        problems.append("collectives moving table-sized data: "
-                        + ", ".join(str(c) for c in heavy))
+        problems.append("collectives moving table-sized data: " + ", ".join(str(c) for c in heavy))
     if r.unaliased_state or not r.aliased_state:
-        problems.append(f"donated state not aliased to outputs: {r.unaliased_state} "
-                        f"(aliased: {r.aliased_state})")
+        problems.append(
+            f"donated state not aliased to outputs: {r.unaliased_state} "
+            f"(aliased: {r.aliased_state})"
+        )
     if r.alias_bytes < r.state_bytes:
         problems.append(f"alias bytes {r.alias_bytes:,} < state bytes {r.state_bytes:,}")
     assert not problems, "\n".join(problems) + "\n" + about
@@ -241,18 +271,22 @@ def test_hlo_parsers():
         "  %ar = (f32[8,4]{1,0}, f32[8,4]{1,0}, f32[]) all-reduce(%p0, %p1, %s)\n"
         "  %c = f32[8,4]{0,1} copy(%p0)\n"
         "  ROOT %r = f32[8,4]{1,0} add(%c, %p1)\n"
-        "}\n")
+        "}\n"
+    )
     colls = _aot.collectives(hlo)
     assert [(c.op, c.shape, c.bytes) for c in colls] == [
-        ("all-gather", "f32[32,4]", 512), ("reduce-scatter", "f32[32,4]", 512),
-        ("all-reduce", "2 x f32[8,4] + f32[]", 260)]
+        ("all-gather", "f32[32,4]", 512),
+        ("reduce-scatter", "f32[32,4]", 512),
+        ("all-reduce", "2 x f32[8,4] + f32[]", 260),
+    ]
     aliased, unaliased = _aot._state_aliasing(hlo)
     assert aliased == ["state.tables['t']"]
     assert unaliased == ["state.slots['t']['a']"]
 
 
-@pytest.mark.parametrize("dim,kernels,limit", [
-    (32, True, 5.1), (64, True, 3.0), (128, True, 2.35), (128, False, 40.0)])
+@pytest.mark.parametrize(
+    "dim,kernels,limit", [(32, True, 5.1), (64, True, 3.0), (128, True, 2.35), (128, False, 40.0)]
+)
 def test_w1_table_bytes_accessed(dim, kernels, limit):
     """One W1 table (1M rows, B = 4,096, L = 20, power-law ids, sum combiner, Adagrad) on
     v5p:2x2x1: the compiler's bytes accessed for the train step over the essential bytes
@@ -270,10 +304,15 @@ def test_w1_table_bytes_accessed(dim, kernels, limit):
     n = len(topo.devices)
     spec = jte.EmbeddingSpec(
         {"f": jte.FeatureConfig(jte.TableConfig(vocab, dim, combiner="sum", name="t"))},
-        jte.Adagrad(learning_rate=0.05))
+        jte.Adagrad(learning_rate=0.05),
+    )
     per_shard = int(np.ceil(unique / n))
-    emb = jte.Embedding(spec, _aot.mesh(topo), backend="pallas" if kernels else "xla",
-                        max_unique_ids_per_shard=per_shard if kernels else int(1.5 * per_shard))
+    emb = jte.Embedding(
+        spec,
+        _aot.mesh(topo),
+        backend="pallas" if kernels else "xla",
+        max_unique_ids_per_shard=per_shard if kernels else int(1.5 * per_shard),
+    )
     assert emb.backends == {"t": "pallas" if kernels else "xla"}
     report = _aot.compile_train_step(emb, batch, ids, topo=topo)
     essential = unique * dim * 4 * 4 + batch * ids * 4
@@ -287,8 +326,7 @@ def test_sparse_core_moves_narrow_rows_without_table_copies():
     TensorCore DMAs need 512) Pallas SparseCore kernels gather D=32 rows of a shard stored
     flat, (S·D,), and run Adagrad on them in place, with no table-sized op in the program;
     gathering from the (S, D) array instead costs a whole-table relayout copy."""
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks",
-                        "tpu_row_access.py")
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "tpu_row_access.py")
     spec = importlib.util.spec_from_file_location("tpu_row_access", path)
     assert spec is not None and spec.loader is not None
     probe = importlib.util.module_from_spec(spec)

@@ -32,12 +32,19 @@ def embedding_lr(step):
 def make_spec(optimizer: str, strategy="div", pipeline=False):
     shared = jte.TableConfig(V_SHARED, D, combiner="mean", name="shared")
     one = jte.TableConfig(V_ONE, D, combiner="sum", name="one")
-    opt = (jte.Adagrad(learning_rate=embedding_lr, initial_accumulator_value=0.1)
-           if optimizer == "adagrad" else jte.SGD(learning_rate=embedding_lr))
-    features = {"a": jte.FeatureConfig(shared), "b": jte.FeatureConfig(one),
-                "c": {"w": jte.FeatureConfig(shared)}}
-    return jte.EmbeddingSpec(features, opt, partition_strategy=strategy,
-                             pipeline_execution=pipeline)
+    opt = (
+        jte.Adagrad(learning_rate=embedding_lr, initial_accumulator_value=0.1)
+        if optimizer == "adagrad"
+        else jte.SGD(learning_rate=embedding_lr)
+    )
+    features = {
+        "a": jte.FeatureConfig(shared),
+        "b": jte.FeatureConfig(one),
+        "c": {"w": jte.FeatureConfig(shared)},
+    }
+    return jte.EmbeddingSpec(
+        features, opt, partition_strategy=strategy, pipeline_execution=pipeline
+    )
 
 
 def make_batch(rng, lo_shared=0, hi_shared=V_SHARED, lo_one=0, hi_one=V_ONE, label=None):
@@ -50,9 +57,14 @@ def make_batch(rng, lo_shared=0, hi_shared=V_SHARED, lo_one=0, hi_one=V_ONE, lab
     c_ids[rng.random((B, 2)) < 0.2] = -1
     c_w = rng.uniform(0.5, 2.0, (B, 2)).astype(np.float32)
     y = rng.normal(size=B).astype(np.float32) if label is None else label
-    return {"features": {"a": a.astype(np.int32), "b": rng.integers(lo_one, hi_one, B),
-                         "c": {"w": jte.Weighted(c_ids.astype(np.int32), c_w)}},
-            "y": y}
+    return {
+        "features": {
+            "a": a.astype(np.int32),
+            "b": rng.integers(lo_one, hi_one, B),
+            "c": {"w": jte.Weighted(c_ids.astype(np.int32), c_w)},
+        },
+        "y": y,
+    }
 
 
 def loss_fn(params, acts, batch):
@@ -62,11 +74,11 @@ def loss_fn(params, acts, batch):
 
 
 def initial_params():
-    return {"w": np.linspace(-0.5, 0.5, 3 * D).astype(np.float32),
-            "bias": np.float32(0.1)}
+    return {"w": np.linspace(-0.5, 0.5, 3 * D).astype(np.float32), "bias": np.float32(0.1)}
 
 
 # ------------------------------------------------------------------- float64 reference
+
 
 def ref_parts(batch):
     """[(table, example, id, scale, slot of the activation)]: every (example, id) occurrence,
@@ -97,13 +109,13 @@ def ref_acts(tables, batch):
 def ref_step(state, batch, optimizer, pipeline):
     """One step of the documented semantics on float64 copies; returns the loss."""
     tables, params = state["tables"], state["params"]
-    x = ref_acts(tables, batch)                      # (B, 3, D)
+    x = ref_acts(tables, batch)  # (B, 3, D)
     w = params["w"].reshape(3, D)
     pred = np.einsum("bsd,sd->b", x, w) + params["bias"]
     r = pred - batch["y"].astype(np.float64)
-    loss = np.mean(r ** 2)
+    loss = np.mean(r**2)
     dpred = 2 * r / B
-    dx = dpred[:, None, None] * w[None]              # (B, 3, D)
+    dx = dpred[:, None, None] * w[None]  # (B, 3, D)
     params["w"] = params["w"] - DENSE_LR * np.einsum("bsd,b->sd", x, dpred).reshape(-1)
     params["bias"] = params["bias"] - DENSE_LR * dpred.sum()
     update = (batch, dx)
@@ -139,14 +151,17 @@ def ref_flush(state, optimizer):
 
 
 def ref_state(tables, slots):
-    return {"tables": {n: t.astype(np.float64) for n, t in tables.items()},
-            "slots": {n: s["accumulators"].astype(np.float64) if s else None
-                      for n, s in slots.items()},
-            "params": {k: np.asarray(v, np.float64) for k, v in initial_params().items()},
-            "pending": None, "applied": 0}
+    return {
+        "tables": {n: t.astype(np.float64) for n, t in tables.items()},
+        "slots": {n: s["accumulators"].astype(np.float64) if s else None for n, s in slots.items()},
+        "params": {k: np.asarray(v, np.float64) for k, v in initial_params().items()},
+        "pending": None,
+        "applied": 0,
+    }
 
 
 # ------------------------------------------------------------------------------- tests
+
 
 @functools.cache
 def setup(optimizer, strategy="div", pipeline=False, num_shards=2, kind="explicit"):
@@ -159,8 +174,9 @@ def setup(optimizer, strategy="div", pipeline=False, num_shards=2, kind="explici
 
 
 def initial_state(emb, step, tables, slots, batch):
-    return step.init(None, initial_params(), batch,
-                     embedding_state=emb.restore_tables(tables, slots))
+    return step.init(
+        None, initial_params(), batch, embedding_state=emb.restore_tables(tables, slots)
+    )
 
 
 def run(optimizer, batches, **kwargs):
@@ -176,16 +192,20 @@ def run(optimizer, batches, **kwargs):
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
-@pytest.mark.parametrize("num_shards,kind,strategy,optimizer", [
-    (1, "explicit", "div", "adagrad"),
-    (8, "explicit", "mod", "adagrad"),
-    (4, "auto", "div", "sgd"),
-])
+@pytest.mark.parametrize(
+    "num_shards,kind,strategy,optimizer",
+    [
+        (1, "explicit", "div", "adagrad"),
+        (8, "explicit", "mod", "adagrad"),
+        (4, "auto", "div", "sgd"),
+    ],
+)
 def test_step_matches_float64_reference(num_shards, kind, strategy, optimizer, pipeline):
     rng = np.random.default_rng(num_shards)
     batches = [make_batch(rng) for _ in range(4)]
-    emb, got, state, losses = run(optimizer, batches, strategy=strategy, pipeline=pipeline,
-                                  num_shards=num_shards, kind=kind)
+    emb, got, state, losses = run(
+        optimizer, batches, strategy=strategy, pipeline=pipeline, num_shards=num_shards, kind=kind
+    )
     _, _, initial, initial_slots = setup(optimizer, strategy, pipeline, num_shards, kind)
 
     ref = ref_state(initial, initial_slots)
@@ -281,13 +301,13 @@ def poisoned_loss(params, acts, batch):
 
 class PoisonedModel(nn.Module):
     """The model of `loss_fn` as a flax module, its "b" activations through `poisoned`."""
+
     embed: jte.flax.Embed
 
     @nn.compact
     def __call__(self, batch):
         acts = self.embed(batch["features"])
-        x = jnp.concatenate([acts["a"], poisoned(acts["b"], batch["bad"]), acts["c"]["w"]],
-                            axis=-1)
+        x = jnp.concatenate([acts["a"], poisoned(acts["b"], batch["bad"]), acts["c"]["w"]], axis=-1)
         return nn.Dense(1)(x)[:, 0]
 
 
@@ -299,7 +319,8 @@ def _poisoned_step(kind, batch):
         return step, initial_state(emb, step, tables, slots, batch)
     model = PoisonedModel(jte.flax.Embed(make_spec("adagrad"), make_mesh(2)))
     step = jte.flax.make_train_step(
-        model, lambda out, b: jnp.mean((out - b["y"]) ** 2), optax.adam(0.01))
+        model, lambda out, b: jnp.mean((out - b["y"]) ** 2), optax.adam(0.01)
+    )
     return step, step.init(jax.random.key(0), batch)
 
 
@@ -323,9 +344,11 @@ def test_finite_loss_with_nonfinite_activation_gradients_is_skipped(kind):
         assert int(m["skipped"]) == 1 and int(state.skipped) == k + 1
         after = jax.device_get(state)
         assert int(after.step) == 1 and int(before.skipped) == k
-        jax.tree.map(np.testing.assert_array_equal,
-                     dataclasses.replace(after, skipped=0),
-                     dataclasses.replace(before, skipped=0))
+        jax.tree.map(
+            np.testing.assert_array_equal,
+            dataclasses.replace(after, skipped=0),
+            dataclasses.replace(before, skipped=0),
+        )
     state, m = step(state, batch())  # A finite step afterwards is applied.
     assert int(m["skipped"]) == 0 and int(state.step) == 2 and int(state.skipped) == 3
     assert step.trace_count == 1
@@ -337,8 +360,12 @@ def test_step_counter_is_shared_with_the_schedules():
     tx = optax.sgd(optax.linear_schedule(0.1, 0.0, 10))
     step = jte.make_train_step(emb, loss_fn, tx)
     state = step.init(jax.random.key(0), initial_params())
-    batches = [make_batch(rng), make_batch(rng, label=np.full(B, np.inf, np.float32)),
-               make_batch(rng), make_batch(rng)]
+    batches = [
+        make_batch(rng),
+        make_batch(rng, label=np.full(B, np.inf, np.float32)),
+        make_batch(rng),
+        make_batch(rng),
+    ]
     for batch in batches:
         state, _ = step(state, batch)
     count = optax.tree_utils.tree_get(state.opt_state, "count")
@@ -364,19 +391,24 @@ def test_metrics_and_invalid_ids():
 def test_features_fn_and_donation():
     rng = np.random.default_rng(6)
     emb = jte.Embedding(make_spec("sgd"), make_mesh(2))
-    step = jte.make_train_step(emb, lambda p, a, b: loss_fn(p, a, {"y": b["label"]})[0],
-                               optax.adam(1e-2), features_fn=lambda b: b["sparse"])
+    step = jte.make_train_step(
+        emb,
+        lambda p, a, b: loss_fn(p, a, {"y": b["label"]})[0],
+        optax.adam(1e-2),
+        features_fn=lambda b: b["sparse"],
+    )
     params = jax.tree.map(jnp.asarray, initial_params())
     state = step.init(jax.random.key(0), params)
     old = state
     batch = make_batch(rng)
     state, m = step(state, {"sparse": batch["features"], "label": batch["y"]})
     assert "aux" not in m
-    assert old.embedding.tables["shared"].is_deleted()   # Donated: updated in place.
-    assert not params["w"].is_deleted()                  # init copied the caller's params.
+    assert old.embedding.tables["shared"].is_deleted()  # Donated: updated in place.
+    assert not params["w"].is_deleted()  # init copied the caller's params.
 
 
 # ------------------------------------------------------------------------------ errors
+
 
 @pytest.fixture
 def small_step():
@@ -403,7 +435,7 @@ def test_wrong_shapes_raise(small_step):
     with pytest.raises(ValueError, match=r"must be \(B,\) or \(B, L\)"):
         step(state, batch)
     batch = make_batch(np.random.default_rng(8))
-    batch["features"]["b"] = batch["features"]["b"][:B - 2]
+    batch["features"]["b"] = batch["features"]["b"][: B - 2]
     with pytest.raises(ValueError, match="same batch size"):
         step(state, batch)
 
@@ -411,8 +443,7 @@ def test_wrong_shapes_raise(small_step):
 def test_bad_loss_and_batch_raise(small_step):
     step, state = small_step
     emb = step.embedding
-    vector_loss = jte.make_train_step(
-        emb, lambda p, a, b: jnp.sum(a["b"], axis=1), optax.sgd(0.1))
+    vector_loss = jte.make_train_step(emb, lambda p, a, b: jnp.sum(a["b"], axis=1), optax.sgd(0.1))
     batch = make_batch(np.random.default_rng(9))
     with pytest.raises(ValueError, match="float scalar loss"):
         vector_loss(vector_loss.init(jax.random.key(0), {}), batch)
@@ -431,6 +462,7 @@ def test_pipelined_init_needs_an_example_batch():
 
 # --------------------------------------------------------------- no table-sized copies
 
+
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_step_has_no_table_sized_temporaries(pipeline, monkeypatch):
     """A 1M-row table: the compiled step's temporaries stay far below one table shard.
@@ -443,16 +475,24 @@ def test_step_has_no_table_sized_temporaries(pipeline, monkeypatch):
     """
     v, dim, shards = 1_000_000, 16, 2
     table = jte.TableConfig(v, dim, combiner="sum", name="big")
-    spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table), "g": jte.FeatureConfig(table)},
-                             jte.Adagrad(0.1), pipeline_execution=pipeline)
+    spec = jte.EmbeddingSpec(
+        {"f": jte.FeatureConfig(table), "g": jte.FeatureConfig(table)},
+        jte.Adagrad(0.1),
+        pipeline_execution=pipeline,
+    )
     emb = jte.Embedding(spec, make_mesh(shards))
     r = np.linspace(-1, 1, 256 * dim, dtype=np.float32).reshape(256, dim)
-    batch = {"features": {"f": jax.ShapeDtypeStruct((256, 4), jnp.int32),
-                          "g": jax.ShapeDtypeStruct((256,), jnp.int32)}}
+    batch = {
+        "features": {
+            "f": jax.ShapeDtypeStruct((256, 4), jnp.int32),
+            "g": jax.ShapeDtypeStruct((256,), jnp.int32),
+        }
+    }
 
     def compiled_temp_bytes():
         step = jte.make_train_step(
-            emb, lambda p, a, b: jnp.sum((a["f"] + a["g"]) * r) * p["s"], optax.sgd(0.1))
+            emb, lambda p, a, b: jnp.sum((a["f"] + a["g"]) * r) * p["s"], optax.sgd(0.1)
+        )
         abstract = step.abstract_state({"s": jax.ShapeDtypeStruct((), jnp.float32)}, batch)
         mem = step.lower(abstract, batch).compile().memory_analysis()
         assert mem is not None
