@@ -51,6 +51,8 @@ class TablePlan:
         on_tpu: The mesh is made of TPUs: passes over each shard's share of the pairs, and ids
             flattened as the TPU stores them (`_streams`).
         vmem: VMEM bytes per TensorCore of the mesh's TPUs (sizes the Pallas kernels).
+        routing: "gather" (every device sees the global batch's ids: `_streams`) or
+            "owner" (ids travel to the rows' owners: `_routing`).
     """
 
     name: str
@@ -62,6 +64,7 @@ class TablePlan:
     max_unique: int | None = None
     on_tpu: bool = False
     vmem: int = 16 << 20
+    routing: str = "gather"
 
     @property
     def layout(self):

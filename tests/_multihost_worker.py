@@ -118,15 +118,22 @@ def initial_values():
     return tables, slots
 
 
-def train(strategy: str, mesh_kind: str, inputs: str = "local", start: str = "init") -> dict:
+def train(
+    strategy: str,
+    mesh_kind: str,
+    inputs: str = "local",
+    start: str = "init",
+    routing: str = "auto",
+) -> dict:
     """Trains STEPS steps; {"table/t", "slot/t/s", "acts/<step>/<feature>": np.ndarray}.
 
     inputs="local": every process feeds only its rows of each global batch, as global
     jax.Arrays (in one process: all rows). "numpy": every process passes the whole global
     batch as NumPy arrays. start="init": `emb.init(key)`; "restore": `emb.restore_tables`
-    from `initial_values()` (no table-initializer compiles: the cheaper start).
+    from `initial_values()` (no table-initializer compiles: the cheaper start). routing:
+    the Embedding's ("owner": ids travel to their rows' owners with all_to_all).
     """
-    emb = jte.Embedding(make_spec(strategy), make_mesh(mesh_kind))
+    emb = jte.Embedding(make_spec(strategy), make_mesh(mesh_kind), routing=routing)
     if start == "init":
         state = emb.init(jax.random.key(0))
     else:

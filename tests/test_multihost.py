@@ -23,11 +23,18 @@ import _multihost_worker as worker  # tests/ is on sys.path (rootdir conftest).
 import jax_tpu_embed as jte
 from jax_tpu_embed import _multihost as multihost
 
-# strategy:mesh[:inputs[:start]] (see worker.train). Each strategy runs on an Explicit and an
-# Auto mesh; "interleaved" gives each process non-contiguous rows of the batch; "numpy" feeds
+# strategy:mesh[:inputs[:start[:routing]]] (see worker.train). Each strategy runs on an
+# Explicit and an Auto mesh; "interleaved" gives each process non-contiguous rows of the batch; "numpy" feeds
 # every process the whole global batch as NumPy arrays instead of its rows as global
-# jax.Arrays; "restore" starts from restore_tables instead of init (and saves compiles).
-CASES = ("div:explicit", "mod:auto", "div:interleaved:local:restore", "mod:explicit:numpy:restore")
+# jax.Arrays; "restore" starts from restore_tables instead of init (and saves compiles);
+# "owner" routes ids to their rows' owners across the processes (all_to_all over gloo).
+CASES = (
+    "div:explicit",
+    "mod:auto",
+    "div:interleaved:local:restore",
+    "mod:explicit:numpy:restore",
+    "div:explicit:local:restore:owner",
+)
 NUM_PROCESSES = 2
 JOB_TIMEOUT_S = 180  # Whole job; a normal run takes well under a minute on 2 cores.
 

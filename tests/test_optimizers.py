@@ -167,6 +167,11 @@ def _reference(table, features, grads=None):
     return reference.row_gradients(_V, [p + (grads[k],) for p, k in zip(parts, ["multi", "seq"])])
 
 
+# Owner routing (ids sent to their rows' owners): 8 devices with 16 ids per owner and round,
+# so that skewed devices run several rounds, and 4 devices with the default capacity.
+ROUTED = [("div", 8, 16), ("mod", 4, None)]
+
+
 @pytest.mark.parametrize("strategy,num_shards", MESHES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("opt_key", list(OPTIMIZERS))
@@ -176,9 +181,26 @@ def test_optimizer_on_backend_matches_reference(
     _skip_unavailable(backend)
     # Small Pallas blocks: rows carried from block to block, packed rows re-read.
     monkeypatch.setattr(_pallas, "_BLOCK", 8)
-    optimizer, name, hp, extras = OPTIMIZERS[opt_key]
-    emb = jte.Embedding(_spec(optimizer, strategy, extras), make_mesh(num_shards), backend=backend)
+    optimizer = OPTIMIZERS[opt_key][0]
+    emb = jte.Embedding(
+        _spec(optimizer, strategy, OPTIMIZERS[opt_key][3]), make_mesh(num_shards), backend=backend
+    )
     assert emb.backends == {"t": backend}
+    _check_two_steps(emb, opt_key, rng)
+
+
+@pytest.mark.parametrize("strategy,num_shards,max_ids", ROUTED)
+@pytest.mark.parametrize("opt_key", list(OPTIMIZERS))
+def test_optimizer_routed_to_owners_matches_reference(opt_key, strategy, num_shards, max_ids, rng):
+    optimizer = OPTIMIZERS[opt_key][0]
+    spec = _spec(optimizer, strategy, OPTIMIZERS[opt_key][3])
+    emb = jte.Embedding(spec, make_mesh(num_shards), routing="owner", max_ids_per_shard=max_ids)
+    assert emb.routing == {"t": "owner"}
+    _check_two_steps(emb, opt_key, rng)
+
+
+def _check_two_steps(emb, opt_key, rng):
+    optimizer, name, hp, extras = OPTIMIZERS[opt_key]
     state = emb.init(jax.random.key(7))
     for _ in range(2):  # Slots written by the first step are read by the second.
         features = _batch(rng)
