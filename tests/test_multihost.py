@@ -24,10 +24,11 @@ import jax_tpu_embed as jte
 from jax_tpu_embed import _multihost as multihost
 
 # strategy:mesh[:inputs[:start[:routing]]] (see worker.train). Each strategy runs on an
-# Explicit and an Auto mesh; "interleaved" gives each process non-contiguous rows of the batch; "numpy" feeds
-# every process the whole global batch as NumPy arrays instead of its rows as global
-# jax.Arrays; "restore" starts from restore_tables instead of init (and saves compiles);
-# "owner" routes ids to their rows' owners across the processes (all_to_all over gloo).
+# Explicit and an Auto mesh; "interleaved" gives each process non-contiguous rows of the
+# batch; "numpy" feeds every process the whole global batch as NumPy arrays instead of its
+# rows as global jax.Arrays; "restore" starts from restore_tables instead of init (and saves
+# compiles); "owner" routes ids to their rows' owners across the processes (all_to_all over
+# gloo).
 CASES = (
     "div:explicit",
     "mod:auto",
