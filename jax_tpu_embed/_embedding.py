@@ -121,7 +121,8 @@ class Embedding:
             its own examples' distinct ids to their owners with all_to_all and gets rows
             back; per-device work stays proportional to the per-device batch), "auto"
             (default: "owner" on TPU meshes of 8 or more devices, else "gather"), or
-            {table name: one of these}. "owner" does its row work with the XLA backend.
+            {table name: one of these}. "owner" does its row work with the Pallas kernels
+            ("pallas", "pallas_interpret") or XLA ops ("xla"; the default off TPU).
             Results agree to float32 rounding; `routing` (the attribute) says what was
             chosen. With "owner", max_ids_per_shard bounds the ids one shard receives per
             round; more rounds run when a skewed batch needs them (`id_counts`).
@@ -208,8 +209,11 @@ class Embedding:
             platform,
             self.num_shards,
         )
-        # Owner-routed tables do their row work with the XLA row functions.
-        asked = {n: "xla" if routings[n] == "owner" else b for n, b in asked.items()}
+        # Owner-routed tables do their row work with the Pallas kernels or XLA ops.
+        asked = {
+            n: "xla" if routings[n] == "owner" and b == "auto" and platform != "tpu" else b
+            for n, b in asked.items()
+        }
         backends = _backend.choose(spec, asked, storages, platform, auto_order=auto_order)
         vmem = _pallas.vmem_bytes(mesh.devices.flat[0].device_kind)
         self.table_plans: dict[str, _backend.TablePlan] = {

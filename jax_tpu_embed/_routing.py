@@ -32,25 +32,27 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _backend, _streams, _xla_backend
+from . import _backend, _pallas, _streams, _xla_backend
 from ._streams import NOT_MINE
 
 # Sort key of "no row" (padding or an id outside the table): after every real key.
 NONE = int(np.iinfo(np.int32).max)
 
 
-def capacity(plan: _backend.TablePlan, pairs: int, num_shards: int) -> int:
+def capacity(plan: _backend.TablePlan, pairs: int, num_shards: int, k: int = 1) -> int:
     """Cd: distinct rows one device sends one owner per round.
 
     `max_ids_per_shard` (C, the ids one shard handles per round) / N when set, else
     2·m / N: twice the mean when a device's m pairs are all distinct, room for uneven
-    ownership. At most m (then one round always suffices), at least 8; a multiple of 8.
-    An optimizer that updates every row (`Adam(lazy_adam=False)`) takes one round of m.
+    ownership. At least 8, a multiple of 8 and of `k` (lane-dense rows, see `_Kernels`);
+    when that is m or more, one round always suffices. An optimizer that updates every row
+    (`Adam(lazy_adam=False)`) takes one round of all m.
     """
+    multiple = max(8, k)
     if plan.optimizer.dense_update or num_shards == 1:
-        return pairs
+        return _streams.round_up(pairs, multiple)
     c = -(-plan.max_ids // num_shards) if plan.max_ids else -(-2 * pairs // num_shards)
-    return max(1, min(pairs, _streams.round_up(max(c, 8), 8)))
+    return _streams.round_up(min(pairs, max(c, 8)), multiple)
 
 
 def supported(layout) -> str | None:
@@ -66,7 +68,7 @@ def supported(layout) -> str | None:
 class _Local:
     """One device's pairs of one table, sorted by key, and their distinct rows."""
 
-    def __init__(self, plan: _backend.TablePlan, inputs: list, axis: str):
+    def __init__(self, plan: _backend.TablePlan, inputs: list, axis: str, k: int = 1):
         s = plan.layout.rows_per_shard
         self.n = lax.axis_size(axis)
         self.s = s
@@ -84,7 +86,7 @@ class _Local:
             w = (ids >= 0).astype(jnp.float32) if weights is None else weights
             scales.append(jnp.where(ids >= 0, _streams.feature_scale(f, w), 0.0).reshape(-1))
             parts.append((f, first, rows))
-            first += rows
+            first += _streams.round_up(rows, k)  # Whole lane-dense rows per feature.
         self.rows, self.parts = first, parts
         # (key, output row, scale) order: each row's pairs in one canonical order.
         self.keys, self.out, self.scale = lax.sort(
@@ -196,17 +198,149 @@ def read_rows(plan: _backend.TablePlan, table, rows):
     return phys[:, : plan.config.dim]
 
 
-def lookup(plan: _backend.TablePlan, table, inputs: list, axis: str) -> dict:
-    """{feature path: this device's activations} by owner routing."""
-    local = _Local(plan, inputs, axis)
-    cd = capacity(plan, local.pairs, local.n)
+class _XlaRows:
+    """The row work of owner routing in XLA ops: any mesh, any table; rows travel (n, D)."""
 
-    def body(r: _Round, acc):
-        rows = _exchange(read_rows(plan, table, _exchange(r.local_rows, axis)), axis)
-        got = rows[r.pair_slot] * jnp.where(r.pair_in_round, local.scale, 0.0)[:, None]
+    k = 1
+
+    def __init__(self, plan: _backend.TablePlan):
+        self.plan = plan
+
+    def owner_rows(self, table, rows):
+        return read_rows(self.plan, table, rows)
+
+    def combine(self, local: _Local, r: _Round, back, acc):
+        got = back[r.pair_slot] * jnp.where(r.pair_in_round, local.scale, 0.0)[:, None]
         return acc.at[local.out].add(got)
 
-    acc = _rounds(local, cd, axis, body, jnp.zeros((local.rows, plan.config.dim), jnp.float32))
+    def zeros(self, rows: int):
+        return jnp.zeros((rows, self.plan.config.dim), jnp.float32)
+
+    def unpack(self, acc, rows: int):
+        return acc
+
+    def gradients(self, local: _Local, grad_rows):
+        """Per distinct row of `local` (as `uniq`), its summed gradient (m, D)."""
+        g = local.scale[:, None] * grad_rows[local.out]  # NONE pairs have scale 0.
+        return jax.ops.segment_sum(
+            g, local.segment, num_segments=local.pairs, indices_are_sorted=True
+        )
+
+    def send(self, local: _Local, r: _Round, g_uniq):
+        return r.rows_of(g_uniq)
+
+    def owner_update(self, table, slots, rows, grads, step, axis):
+        rows, g_sum = owner_sum(rows, grads)
+        return _xla_backend.apply_rows(self.plan, table, slots, rows, g_sum, step, axis)
+
+
+class _Kernels(_XlaRows):
+    """The row work of owner routing in the Pallas kernels (`_pallas`), rows lane-dense
+    (k to a 128-lane row): the owner's reads and updates walk the received rows sorted,
+    and each device combines the rows it gets back (or spreads its gradients over the
+    rows it sends) with the pooled lookup kernel, whose cost is its pairs, not a tile per
+    row as XLA's gathers and scatters."""
+
+    def __init__(self, plan: _backend.TablePlan, pairs: int):
+        self.plan, self.packing = plan, plan.storage.rows_packing
+        self.k = self.packing.per_row
+        self.planned = (pairs, pairs)
+        self.interpret = bool(getattr(plan.backend, "interpret", False))
+
+    def _lookup(self, table, packing, keys, out, scale, count, rows: int):
+        return _pallas.pooled_lookup(
+            table,
+            packing,
+            keys,
+            out,
+            scale,
+            count,
+            rows,
+            planned=self.planned,
+            vmem=self.plan.vmem,
+            rows_packing=self.packing,
+            interpret=self.interpret,
+        )
+
+    def owner_rows(self, table, rows):
+        keys, slot = lax.sort((rows, lax.iota(jnp.int32, rows.shape[0])), num_keys=2)
+        count = jnp.sum(keys < NOT_MINE, dtype=jnp.int32)
+        storage = self.plan.storage
+        return self._lookup(table, storage.packing, keys, slot, None, count, rows.shape[0])
+
+    def combine(self, local: _Local, r: _Round, back, acc):
+        keys, out, scale = lax.sort(
+            (jnp.where(r.pair_in_round, r.pair_slot, NOT_MINE), local.out, local.scale),
+            num_keys=3,
+        )
+        count = jnp.sum(r.pair_in_round, dtype=jnp.int32)
+        return acc + self._lookup(back, self.packing, keys, out, scale, count, local.rows)
+
+    def zeros(self, rows: int):
+        return jnp.zeros((rows // self.k, self.k * self.packing.padded_width), jnp.float32)
+
+    def unpack(self, acc, rows: int):
+        return _streams.unpacked(acc, self.packing, rows)
+
+    def gradients(self, local: _Local, grad_rows):
+        return _streams.packed(grad_rows, self.packing)
+
+    def send(self, local: _Local, r: _Round, g_uniq):
+        keys, slot, scale = lax.sort(
+            (jnp.where(r.pair_in_round, local.out, NOT_MINE), r.pair_slot, local.scale),
+            num_keys=3,
+        )
+        count = jnp.sum(r.pair_in_round, dtype=jnp.int32)
+        n = r.valid.shape[0]
+        return self._lookup(g_uniq, self.packing, keys, slot, scale, count, n)
+
+    def owner_update(self, table, slots, rows, grads, step, axis):
+        keys, slot = lax.sort((rows, lax.iota(jnp.int32, rows.shape[0])), num_keys=2)
+        count = jnp.sum(keys < NOT_MINE, dtype=jnp.int32)
+        storage = self.plan.storage
+        names = [s.name for s in storage.stored]
+        new = _pallas.fused_update(
+            [table] + [slots[s] for s in names],
+            storage.packings,
+            keys,
+            slot,
+            None,
+            count,
+            grads,
+            step.scalars,
+            storage.stored_row_fn(step.row_fn),
+            planned=self.planned,
+            vmem=self.plan.vmem,
+            rows_packing=self.packing,
+            interpret=self.interpret,
+        )
+        return new[0], dict(zip(names, new[1:]))
+
+
+def _row_work(plan: _backend.TablePlan, inputs: list, axis: str):
+    """(local pairs, Cd, row work): the Pallas kernels when the table's backend is theirs
+    and the rows they hold in VMEM fit (`_pallas.fits_vmem`), else XLA ops."""
+    if isinstance(plan.backend, _pallas.PallasBackend):
+        k = plan.storage.rows_packing.per_row
+        local = _Local(plan, inputs, axis, k)
+        cd = capacity(plan, local.pairs, local.n, k)
+        lanes = k * plan.storage.rows_packing.padded_width
+        rows = max(local.n * cd, local.rows) // k
+        if _pallas.fits_vmem(rows, lanes, plan.vmem):
+            return local, cd, _Kernels(plan, local.pairs)
+    local = _Local(plan, inputs, axis)
+    return local, capacity(plan, local.pairs, local.n), _XlaRows(plan)
+
+
+def lookup(plan: _backend.TablePlan, table, inputs: list, axis: str) -> dict:
+    """{feature path: this device's activations} by owner routing."""
+    local, cd, work = _row_work(plan, inputs, axis)
+
+    def body(r: _Round, acc):
+        back = _exchange(work.owner_rows(table, _exchange(r.local_rows, axis)), axis)
+        return work.combine(local, r, back, acc)
+
+    acc = work.unpack(_rounds(local, cd, axis, body, work.zeros(local.rows)), local.rows)
     out = {}
     for f, first, rows in local.parts:
         part = acc[first : first + rows]
@@ -221,21 +355,18 @@ def update(
 ):
     """(table, slots) after one sparse step by owner routing: every distinct row of the
     global batch is updated once, at its owner, with the sum of its gradients."""
-    local = _Local(plan, inputs, axis)
-    cd = capacity(plan, local.pairs, local.n)
-    grad_rows = jnp.concatenate(
-        [grads[f.path].astype(jnp.float32).reshape(rows, -1) for f, _, rows in local.parts]
-    )
-    g = local.scale[:, None] * grad_rows[local.out]
-    # Per distinct row (sorted keys: sorted segments); NONE pairs have scale 0.
-    g_uniq = jax.ops.segment_sum(
-        g, local.segment, num_segments=local.pairs, indices_are_sorted=True
-    )
+    local, cd, work = _row_work(plan, inputs, axis)
+    parts = []
+    for f, _, rows in local.parts:
+        g = grads[f.path].astype(jnp.float32).reshape(rows, -1)
+        parts.append(jnp.pad(g, [(0, _streams.round_up(rows, work.k) - rows), (0, 0)]))
+    g = work.gradients(local, jnp.concatenate(parts))
 
     def body(r: _Round, carry):
         table, slots = carry
-        rows, g_sum = owner_sum(_exchange(r.local_rows, axis), _exchange(r.rows_of(g_uniq), axis))
-        return _xla_backend.apply_rows(plan, table, slots, rows, g_sum, step, axis)
+        rows = _exchange(r.local_rows, axis)
+        sent = _exchange(work.send(local, r, g), axis)
+        return work.owner_update(table, slots, rows, sent, step, axis)
 
     return _rounds(local, cd, axis, body, (table, slots))
 
@@ -262,7 +393,8 @@ def rounds_needed(plan: _backend.TablePlan, ids: np.ndarray, num_shards: int) ->
 
     `ids`: (N, m) each device's pairs' global ids (-1: none)."""
     layout = plan.layout
-    cd = capacity(plan, ids.shape[1], num_shards)
+    k = plan.storage.rows_packing.per_row if isinstance(plan.backend, _pallas.PallasBackend) else 1
+    cd = capacity(plan, ids.shape[1], num_shards, k)
     if cd >= ids.shape[1]:
         return 1
     pending = []  # [device][owner] ascending distinct local keys not yet sent
@@ -300,8 +432,8 @@ def choose(
     """{table name: "gather" | "owner"} for `requested` ("auto", a name or {table: name}).
 
     `backends`: the backend each table asked for. Owner routing does its row work with
-    the XLA row functions, so "auto" routes a table to owners only where its backend is
-    "auto" or "xla" (and then uses "xla"); TPU meshes of AUTO_OWNER_SHARDS shards or more.
+    the Pallas kernels or XLA ops, not the C++ CPU kernels; "auto" routes a table to
+    owners on TPU meshes of AUTO_OWNER_SHARDS shards or more.
     """
     if isinstance(requested, dict):
         unknown = sorted(set(requested) - set(tables))
@@ -326,16 +458,16 @@ def choose(
             owner = (
                 platform == "tpu"
                 and num_shards >= AUTO_OWNER_SHARDS
-                and backends[name] in ("auto", "xla")
+                and backends[name] != "cpu"
                 and why is None
             )
             out[name] = "owner" if owner else "gather"
             continue
         if want == "owner":
-            if backends[name] not in ("auto", "xla"):
+            if backends[name] == "cpu":
                 why = why or (
-                    f"routing='owner' does its row work with the XLA row functions; "
-                    f"backend {backends[name]!r} serves routing='gather' only"
+                    "routing='owner' does its row work with the Pallas kernels or XLA "
+                    "ops; backend 'cpu' serves routing='gather' only"
                 )
             if why is not None:
                 problems.append(f"table {name!r} cannot use routing 'owner': {why}")
