@@ -22,7 +22,7 @@ def write_criteo(path, n, seed=0, *, gz=False, empty=0.2, signal=True):
     rows = []
     for k in range(n):
         ints = [str(i1[k])] + [str(x) for x in rng.integers(-3, 200, 12)]
-        raw = [c1[k], c2[k], c3[k]] + list(rng.integers(0, 300, 23))
+        raw = [c1[k], c2[k], c3[k]] + list(rng.integers(0, 20, 23))
         cats = ["%08x" % ((int(v) * 2654435761 + int(s)) % 2**32) for v, s in zip(raw, salt)]
         fields = ints + cats
         for j in range(39):
