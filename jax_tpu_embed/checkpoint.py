@@ -300,7 +300,9 @@ def _manager(path: str, read_only: bool, asynchronous: bool = False):
             "metadata": ocp.JsonCheckpointHandler(),
             "dense": ocp.StandardCheckpointHandler(),
         }
-        manager = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
+        # Any, as the `with` statement typed it before: orbax's restore results are
+        # attribute-style Composites that its Mapping annotation does not describe.
+        manager: Any = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
         try:
             yield manager
         except BaseException:

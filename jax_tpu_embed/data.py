@@ -344,8 +344,9 @@ def criteo(
     sources = grain.MapDataset.source(files)
     if num_epochs != 1:
         sources = sources.repeat(num_epochs)
+    per_file: Any = sources.map(file_dataset)  # A MapDataset of IterDatasets.
     ds = grain.experimental.InterleaveIterDataset(
-        sources.map(file_dataset), cycle_length=max(1, num_threads), iter_buffer_size=2
+        per_file, cycle_length=max(1, num_threads), iter_buffer_size=2
     )
     ds = grain.experimental.RebatchIterDataset(ds, local_batch, drop_remainder=drop_remainder)
 

@@ -106,9 +106,15 @@ def test_threads_and_epochs_and_remainder(files):
 
 def test_select_lines_splits_the_file(files):
     paths, rows = files
-    kw = dict(drop_remainder=False, num_threads=1)
-    train = collect(jte.data.criteo(paths[:1], 8, VOCAB, select_lines=lambda n: n % 5 != 0, **kw))
-    held = collect(jte.data.criteo(paths[:1], 8, VOCAB, select_lines=lambda n: n % 5 == 0, **kw))
+
+    def read(select):
+        return collect(
+            jte.data.criteo(
+                paths[:1], 8, VOCAB, select_lines=select, drop_remainder=False, num_threads=1
+            )
+        )
+
+    train, held = read(lambda n: n % 5 != 0), read(lambda n: n % 5 == 0)
     want = reference(rows[:300])
     assert_matches(train, tuple(x[np.arange(300) % 5 != 4] for x in want))
     assert_matches(held, tuple(x[np.arange(300) % 5 == 4] for x in want))
