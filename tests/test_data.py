@@ -25,14 +25,14 @@ def _splitmix(x):
     return z ^ (z >> 31)
 
 
-def reference(rows, mapping="mod"):
+def reference(rows, mapping="mod", vocab=VOCAB):
     """One example at a time, in plain Python: labels, dense (n, 13), ids (n, 26)."""
     labels, dense, ids = [], [], []
     for row in rows:
         labels.append(float(row[0]))
         dense.append([math.log1p(max(int(x or 0), 0)) for x in row[1:14]])
         out = []
-        for f, (x, v) in enumerate(zip(row[14:], VOCAB)):
+        for f, (x, v) in enumerate(zip(row[14:], vocab)):
             value = int(x or "0", 16)
             if mapping == "hash":
                 value = _splitmix(value + 0x9E3779B97F4A7C15 * (f + 1))
