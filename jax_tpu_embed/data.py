@@ -256,7 +256,8 @@ class CriteoBatches:
     def skipped_examples(self) -> list[str]:
         return list(self._parser.skipped_examples)
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Any:
+        """A grain DatasetIterator of batches; `.close()` stops its reader threads early."""
         return iter(self._dataset)
 
 

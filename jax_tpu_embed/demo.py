@@ -158,12 +158,8 @@ class CriteoFiles:
     def __init__(self, paths: Sequence[str], vocab: Sequence[int], eval_every: int, mapping):
         if eval_every < 2:
             raise ValueError(f"--eval-every must be at least 2, got {eval_every}.")
-        self.paths, self.vocab, self.eval_every, self.mapping = (
-            list(paths),
-            vocab,
-            eval_every,
-            mapping,
-        )
+        self.paths = list(paths)
+        self.vocab, self.eval_every, self.mapping = vocab, eval_every, mapping
         self._batches: list = []
 
     def _read(self, batch_size, held_out: bool, **kwargs):
@@ -196,7 +192,9 @@ class CriteoFiles:
         start = time.perf_counter()
         for _ in range(batches):
             jax.block_until_ready(next(it))
-        return batches * batch_size / (time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        it.close()  # Stops its reader threads.
+        return batches * batch_size / seconds
 
     def held_out(self, batch_size: int, max_examples: int):
         """(batch, rows): batches of exactly `batch_size` (the last padded by repeating its
@@ -387,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     step = jte.flax.make_train_step(model, bce_loss, optax.adam(train_cfg["dense_learning_rate"]))
 
     train_rng = np.random.default_rng(cfg["seed"] + 1)
-    pipeline_rate = None
+    pipeline_rate, train_batches = None, None
     if data is not None:
         next_batch = lambda: data.sample(batch_size, train_rng)[0]
     else:
@@ -439,6 +437,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 print(f"step {i + 1}/{steps} loss {recent:.4f} examples/s {rate:,.0f}")
     jax.block_until_ready(state.params)
     t_end = time.perf_counter()
+    if train_batches is not None:
+        train_batches.close()  # Stops its reader threads (it repeats the files forever).
     if bar is not None:
         bar.close()
     train_seconds = t_end - t_start
@@ -463,6 +463,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for b, rows in files.held_out(eval_batch, eval_examples):
             scores.append(np.asarray(step.predict(state, b))[:rows])
             labels.append(b["label"][:rows])
+        if not scores:
+            raise ValueError(
+                f"--data: no held-out lines (every {args.eval_every}th line of {files.paths}); "
+                f"give more lines or a smaller --eval-every."
+            )
         scores, labels = np.concatenate(scores), np.concatenate(labels)
         eval_auc, planted_auc = auc(labels, scores), None
     eval_loss = float(np.mean(optax.sigmoid_binary_cross_entropy(scores, labels)))
