@@ -42,6 +42,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 from typing import Any
 
 import jax
@@ -128,6 +129,7 @@ def save(
             manager.wait_until_finished()
         else:
             _PENDING[path] = manager  # Kept open (not closed on exit) until `wait`.
+            _join_at_exit()
     return step
 
 
@@ -154,7 +156,17 @@ def wait(directory: str | os.PathLike | None = None) -> None:
                 manager.close()
 
 
-atexit.register(wait)  # A script that ends right after an async save still writes it.
+@functools.cache
+def _join_at_exit() -> None:
+    """Makes interpreter exit join the saves in flight, so a script that ends right after an
+    async save still writes it.
+
+    Not `atexit`: by then Python has shut down the thread pools orbax writes with. threading's
+    exit hooks run before that, newest first; this one is registered after orbax (and so
+    concurrent.futures) was imported, so it runs before the pools' shutdown.
+    """
+    register = getattr(threading, "_register_atexit", atexit.register)
+    register(wait)
 
 
 def restore(

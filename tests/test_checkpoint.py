@@ -569,3 +569,39 @@ def test_async_save_killed_part_way_leaves_previous_checkpoint_restorable(tmp_pa
     np.testing.assert_array_equal(
         emb.export(state)["big"], emb.export(emb.init(jax.random.key(0)))["big"]
     )
+
+
+_ASYNC_SAVE_THEN_EXIT = textwrap.dedent("""
+    import os, sys
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    import jax_tpu_embed as jte
+    from jax_tpu_embed import checkpoint
+    spec = jte.EmbeddingSpec(
+        {"f": jte.FeatureConfig(jte.TableConfig(250_000, 64, name="big"))}, jte.SGD(0.1))
+    emb = jte.Embedding(spec, jax.make_mesh((1,), ("shard",)))
+    checkpoint.save(sys.argv[1], emb, emb.init(jax.random.key(0)), blocking=False)
+""")
+
+
+def test_async_save_is_completed_when_the_script_ends(tmp_path):
+    """A script whose last line is an async save still writes it: interpreter exit joins."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.run(
+        [sys.executable, "-c", _ASYNC_SAVE_THEN_EXIT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    spec = jte.EmbeddingSpec(
+        {"f": jte.FeatureConfig(jte.TableConfig(250_000, 64, name="big"))}, jte.SGD(0.1)
+    )
+    emb = jte.Embedding(spec, make_mesh(2))
+    assert checkpoint.all_steps(tmp_path) == [0]
+    state, _ = checkpoint.restore(tmp_path, emb)
+    np.testing.assert_array_equal(
+        emb.export(state)["big"], emb.export(emb.init(jax.random.key(0)))["big"]
+    )
