@@ -6,6 +6,7 @@ import jax_tpu_embed as jte
 from . import _multihost as multihost  # noqa: F401  (public: jte.multihost)
 from . import checkpoint as checkpoint
 from . import compat as compat
+from . import data as data
 from . import flax as flax
 from . import serving as serving
 from ._config import EmbeddingSpec as EmbeddingSpec
