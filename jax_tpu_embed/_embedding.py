@@ -120,7 +120,7 @@ class Embedding:
             device work grows with the number of devices), "owner" (each device sends
             its own examples' distinct ids to their owners with all_to_all and gets rows
             back; per-device work stays proportional to the per-device batch), "auto"
-            (default: "owner" on TPU meshes of 8 or more devices, else "gather"), or
+            (default: "owner" on TPU meshes of 64 or more devices, else "gather"), or
             {table name: one of these}. "owner" does its row work with the Pallas kernels
             ("pallas", "pallas_interpret") or XLA ops ("xla"; the default off TPU).
             Results agree to float32 rounding; `routing` (the attribute) says what was
