@@ -7,6 +7,7 @@ from . import _multihost as multihost  # noqa: F401  (public: jte.multihost)
 from . import checkpoint as checkpoint
 from . import compat as compat
 from . import flax as flax
+from . import nnx as nnx
 from . import serving as serving
 from ._config import EmbeddingSpec as EmbeddingSpec
 from ._config import FeatureConfig as FeatureConfig
