@@ -178,7 +178,8 @@ def test_accumulation_bad_input_raises():
     batch = make_micro_batches(np.random.default_rng(2))
     with pytest.raises(ValueError, match=r"leading axis of 3 micro-batches.*\['y'\] has shape"):
         step(state, dict(batch, y=np.zeros(MICRO, np.float32)))
-    for bad in (0, 1.5, True):
+    bads: list[Any] = [0, 1.5, True]
+    for bad in bads:
         with pytest.raises(ValueError, match="accumulate_steps must be an int >= 1"):
             jte.make_train_step(emb, linear_loss, optax.sgd(0.1), accumulate_steps=bad)
     shaped = jte.EmbeddingSpec(
@@ -293,3 +294,52 @@ def test_nnx_accumulated_step_equals_concatenated_step():
     params: Any = (nnx.state(m_acc, nnx.Param), nnx.state(m_one, nnx.Param))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *params)
     assert acc.trace_count == 1
+
+
+class NnxRegularized(NnxModel):
+    def __init__(self, spec, mesh, rngs):
+        super().__init__(spec, mesh, rngs)
+        self.bn = nnx.BatchNorm(3 * D, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+
+    def __call__(self, features):
+        acts = self.embed(features)
+        x = jnp.concatenate([acts["a"], acts["b"], acts["c"]["w"]], axis=-1)
+        return self.head(self.drop(self.bn(jnp.tanh(x))))[:, 0]
+
+
+def test_dropout_and_batch_norm_advance_once_per_micro_batch():
+    """NNX: the dropout counter moves K times per step, the statistics are carried from one
+    micro-batch to the next; linen: batch_stats move and the step traces once."""
+    rng = np.random.default_rng(5)
+    batches = [make_micro_batches(rng) for _ in range(2)]
+    model = NnxRegularized(make_spec(), make_mesh(2), nnx.Rngs(0))
+    mean_before = np.asarray(model.bn.mean[...])
+    step = jte.nnx.make_train_step(model, nnx_loss, optax.adam(0.01), accumulate_steps=K)
+    for b in batches:
+        assert np.isfinite(float(step(b)["loss"]))
+    assert model.drop.rngs is not None
+    assert int(model.drop.rngs.count[...]) == K * len(batches)
+    assert not np.allclose(np.asarray(model.bn.mean[...]), mean_before)
+    assert step.trace_count == 1
+
+    class Linen(nn.Module):
+        embed: jte.flax.Embed
+
+        @nn.compact
+        def __call__(self, batch):
+            acts = self.embed(batch["features"])
+            x = jnp.concatenate([acts["a"], acts["b"], acts["c"]["w"]], axis=-1)
+            x = nn.Dropout(0.2, deterministic=False)(nn.BatchNorm(False)(x))
+            return nn.Dense(1)(x)[:, 0]
+
+    linen = Linen(jte.flax.Embed(make_spec(), make_mesh(2, "auto")))
+    lstep = jte.flax.make_train_step(linen, sum_squares, optax.adam(0.01), accumulate_steps=K)
+    state = lstep.init(jax.random.key(0), batches[0])
+    stats = jax.device_get(state.model_state)
+    for b in batches:
+        state, m = lstep(state, b)
+        assert np.isfinite(float(m["loss"]))
+    moved = jax.device_get(state.model_state)["batch_stats"]["BatchNorm_0"]["mean"]
+    assert not np.allclose(moved, stats["batch_stats"]["BatchNorm_0"]["mean"])
+    assert lstep.trace_count == 1
