@@ -300,6 +300,12 @@ class NnxTrainStep(_train.TrainStep):
         self._write_back(new)
         return metrics
 
+    def lower(self, batch: Any) -> jax.stages.Lowered:  # pyright: ignore[reportIncompatibleMethodOverride]
+        """AOT: the step lowered for the model as it is and `batch` (arrays or
+        jax.ShapeDtypeStruct); nothing runs and the model does not change."""
+        graphdef, state = self._full_state(batch)
+        return self._nnx_jit.lower(state, batch, graphdef)
+
     def flush(self) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]
         """Applies the update a pipelined step left pending to the model; a no-op otherwise.
 
