@@ -337,3 +337,52 @@ def test_step_forms_no_table_sized_value(monkeypatch):
     monkeypatch.setattr(_train, "_all_finite", lambda *trees: jnp.array(True))
     monkeypatch.setattr(_train, "_after_lookup", lambda grads, acts: grads)
     assert temp_bytes() >= v * dim * 4 // shards
+
+
+def test_two_embeds_one_nested_one_pipelined():
+    mesh = make_mesh(2)
+    user = jte.TableConfig(41, D, name="user")
+    item = jte.TableConfig(43, D, name="item")
+
+    class Tower(nnx.Module):
+        def __init__(self, rngs):
+            spec = jte.EmbeddingSpec(
+                {"item": jte.FeatureConfig(item)}, jte.SGD(0.5), pipeline_execution=True
+            )
+            self.embed = jte.nnx.Embed(spec, mesh, rngs=rngs)
+
+    class TwoTowers(nnx.Module):
+        def __init__(self, rngs):
+            spec = jte.EmbeddingSpec({"user": jte.FeatureConfig(user)}, jte.SGD(0.5))
+            self.users = jte.nnx.Embed(spec, mesh, rngs=rngs)
+            self.tower = Tower(rngs)
+            self.proj = nnx.Linear(D, D, rngs=rngs)
+
+        def __call__(self, batch):
+            u = self.users(batch["u"])["user"]
+            i = self.tower.embed(batch["i"])["item"]
+            return jnp.sum(self.proj(u) * i, axis=-1)
+
+    model = TwoTowers(nnx.Rngs(0))
+    assert sorted(jte.nnx.embeds(model)) == ["tower/embed", "users"]
+    rng = np.random.default_rng(7)
+
+    def batch():
+        return {
+            "u": {"user": rng.integers(0, 41, B)},
+            "i": {"item": rng.integers(0, 43, B)},
+            "y": rng.normal(size=B).astype(np.float32),
+        }
+
+    step = jte.nnx.make_train_step(
+        model, lambda m, b: jnp.mean((m(b) - b["y"]) ** 2), optax.sgd(0.1)
+    )
+    for _ in range(3):
+        step(batch())
+    assert int(model.users.embedding_state.step) == 3
+    assert int(model.tower.embed.embedding_state.step) == 2  # One update pending.
+    step.flush()
+    assert int(model.tower.embed.embedding_state.step) == 3
+    assert step.trace_count == 1
+    with pytest.raises(ValueError, match="2 Embed layers"):
+        jte.nnx.save_checkpoint("unused", model)
