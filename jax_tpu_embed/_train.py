@@ -182,12 +182,29 @@ def _dense_sharding(x, replicated: NamedSharding) -> NamedSharding:
     return sharding
 
 
+def _shape(x) -> tuple:
+    """Shape of an array, a jax.ShapeDtypeStruct or a Python scalar."""
+    return tuple(x.shape) if hasattr(x, "shape") else tuple(jnp.shape(x))
+
+
+def first_micro_batch(batch, k: int):
+    """Micro-batch 0 of a batch of k (arrays or jax.ShapeDtypeStruct leaves)."""
+    _check_micro_batches(batch, k)
+
+    def first(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+        return x[0]
+
+    return jax.tree.map(first, batch)
+
+
 def _check_micro_batches(batch, k: int) -> None:
     """Every leaf of a batch of k micro-batches has a leading axis of k."""
     bad = [
-        f"{jax.tree_util.keystr(path) or 'the batch'} has shape {jnp.shape(x)}"
+        f"{jax.tree_util.keystr(path) or 'the batch'} has shape {_shape(x)}"
         for path, x in jax.tree_util.tree_leaves_with_path(batch)
-        if jnp.ndim(x) < 1 or jnp.shape(x)[0] != k
+        if len(_shape(x)) < 1 or _shape(x)[0] != k
     ]
     if bad:
         raise ValueError(

@@ -354,8 +354,7 @@ class FlaxTrainStep(_train.TrainStep):
     def _first_micro(self, batch):
         if self.accumulate_steps == 1:
             return batch
-        _train._check_micro_batches(batch, self.accumulate_steps)
-        return jax.tree.map(lambda x: x[0], batch)
+        return _train.first_micro_batch(batch, self.accumulate_steps)
 
     def abstract_state(self, batch: Any) -> _train.TrainState:
         """The TrainState as jax.ShapeDtypeStruct leaves with shardings; allocates nothing."""

@@ -372,3 +372,18 @@ def test_micro_batches_shrink_the_models_activation_memory():
         return mem.temp_size_in_bytes
 
     assert temp_bytes(8) < temp_bytes(1) / 3
+
+
+def test_abstract_state_with_micro_batches_matches_init():
+    model = LinenModel(jte.flax.Embed(make_spec(), make_mesh(2)))
+    step = jte.flax.make_train_step(model, sum_squares, optax.sgd(0.1), accumulate_steps=K)
+    batch = make_micro_batches(np.random.default_rng(6))
+    real = step.init(jax.random.key(0), batch)
+    abstract = step.abstract_state(
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch)
+    )
+    real_leaves, real_def = jax.tree.flatten(real)
+    abstract_leaves, abstract_def = jax.tree.flatten(abstract)
+    assert real_def == abstract_def
+    for x, a in zip(real_leaves, abstract_leaves):
+        assert (x.shape, x.dtype) == (a.shape, a.dtype)
