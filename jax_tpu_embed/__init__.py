@@ -8,6 +8,7 @@ from . import checkpoint as checkpoint
 from . import compat as compat
 from . import data as data
 from . import flax as flax
+from . import nnx as nnx
 from . import serving as serving
 from ._config import EmbeddingSpec as EmbeddingSpec
 from ._config import FeatureConfig as FeatureConfig
