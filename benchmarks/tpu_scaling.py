@@ -25,6 +25,8 @@ import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 
+import numpy as np  # noqa: E402
+
 import jax_tpu_embed as jte  # noqa: E402
 from jax_tpu_embed import _aot  # noqa: E402
 
@@ -47,18 +49,39 @@ def largest_sort(hlo: str) -> int:
     return best
 
 
-def embedding(topo: _aot.Topology, routing: str) -> jte.Embedding:
+def expected_unique(draws: int) -> float:
+    """E[distinct rows] of one table among `draws` ids of W1's power law (tpu_bytes.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from tpu_bytes import expected_unique_rows
+
+    return expected_unique_rows(V, draws)
+
+
+def embedding(topo: _aot.Topology, routing: str, sized: bool) -> jte.Embedding:
     tables = [jte.TableConfig(V, D, combiner="sum", name=f"t{i}") for i in range(TABLES)]
     spec = jte.EmbeddingSpec(
         {f"t{i}": jte.FeatureConfig(t) for i, t in enumerate(tables)},
         jte.Adagrad(learning_rate=0.05),
     )
-    return jte.Embedding(spec, _aot.mesh(topo), routing=routing)
+    kw = {}
+    if sized:
+        # As a user sizes them from `id_counts` on real batches: with W1's power law a
+        # device's 20,480 ids per table hold E[U] distinct rows; owner routing sends up
+        # to 1.5 E[U] / N per owner and round, the all-gather path's kernels plan E[U] / N
+        # distinct rows per shard (their cost estimate only).
+        n = len(topo.devices)
+        u = expected_unique(PER_CHIP * (n // topo.chips) * L)
+        if routing == "gather":
+            kw["max_unique_ids_per_shard"] = int(np.ceil(expected_unique(PER_CHIP * n * L) / n))
+        else:
+            kw["max_ids_per_shard"] = int(np.ceil(1.5 * u))
+            kw["max_unique_ids_per_shard"] = int(np.ceil(u))
+    return jte.Embedding(spec, _aot.mesh(topo), routing=routing, **kw)
 
 
-def measure(slice_name: str, routing: str) -> dict:
+def measure(slice_name: str, routing: str, sized: bool) -> dict:
     topo = _aot.topology(slice_name)
-    emb = embedding(topo, routing)
+    emb = embedding(topo, routing, sized)
     batch = PER_CHIP * topo.chips
     r = _aot.compile_train_step(emb, batch, L, topo=topo)
     biggest = max(r.collectives, key=lambda c: c.bytes, default=None)
@@ -68,6 +91,7 @@ def measure(slice_name: str, routing: str) -> dict:
         "devices": len(topo.devices),
         "global_batch": batch,
         "routing": routing,
+        "sized": sized,
         "chosen": sorted(set(emb.routing.values())),
         "backends": sorted(set(emb.backends.values())),
         "bytes_accessed_per_device": r.bytes_accessed,
@@ -113,12 +137,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slices", nargs="+", default=list(SLICES))
     parser.add_argument("--routing", nargs="+", default=["owner", "gather"])
+    parser.add_argument(
+        "--unsized",
+        action="store_true",
+        help="default capacities (2 m / N per owner and round) instead of sizing them "
+        "from the expected distinct rows of W1's id distribution",
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     results = []
     for routing in args.routing:
         for s in args.slices:
-            results.append(measure(s, routing))
+            results.append(measure(s, routing, not args.unsized))
             print(
                 f"  {s} {routing}: {results[-1]['bytes_accessed_per_device'] / 1e6:,.1f} MB",
                 file=sys.stderr,

@@ -241,10 +241,14 @@ class _Kernels(_XlaRows):
     rows it sends) with the pooled lookup kernel, whose cost is its pairs, not a tile per
     row as XLA's gathers and scatters."""
 
-    def __init__(self, plan: _backend.TablePlan, pairs: int):
+    def __init__(self, plan: _backend.TablePlan, pairs: int, received: int):
         self.plan, self.packing = plan, plan.storage.rows_packing
         self.k = self.packing.per_row
-        self.planned = (pairs, pairs)
+        # The kernels' cost estimates: a round brings at most N·Cd rows to an owner, on
+        # average as many as each device sends; max_unique_ids_per_shard bounds the
+        # distinct ones.
+        planned = min(pairs, received)
+        self.planned = (planned, min(planned, plan.max_unique or planned))
         self.interpret = bool(getattr(plan.backend, "interpret", False))
 
     def _lookup(self, table, packing, keys, out, scale, count, rows: int):
@@ -327,7 +331,7 @@ def _row_work(plan: _backend.TablePlan, inputs: list, axis: str):
         lanes = k * plan.storage.rows_packing.padded_width
         rows = max(local.n * cd, local.rows) // k
         if _pallas.fits_vmem(rows, lanes, plan.vmem):
-            return local, cd, _Kernels(plan, local.pairs)
+            return local, cd, _Kernels(plan, local.pairs, local.n * cd)
     local = _Local(plan, inputs, axis)
     return local, capacity(plan, local.pairs, local.n), _XlaRows(plan)
 
