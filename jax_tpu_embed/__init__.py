@@ -23,7 +23,10 @@ from ._optimizers import Adagrad as Adagrad
 from ._optimizers import AdagradMomentum as AdagradMomentum
 from ._optimizers import Adam as Adam
 from ._optimizers import CustomOptimizer as CustomOptimizer
+from ._optimizers import Momentum as Momentum
 from ._optimizers import Optimizer as Optimizer
+from ._optimizers import ProximalAdagrad as ProximalAdagrad
+from ._optimizers import RMSProp as RMSProp
 from ._optimizers import RowwiseAdagrad as RowwiseAdagrad
 from ._train import TrainState as TrainState
 from ._train import TrainStep as TrainStep

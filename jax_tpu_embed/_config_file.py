@@ -27,7 +27,8 @@ The format (YAML shown; TOML has the same structure, see configs/example_small.t
         slate: {table: items, output_shape: [4, 8]}
 
 Optimizers (`name`, then the arguments of the jte class): sgd, adagrad, adagrad_momentum,
-adam, ftrl, rowwise_adagrad (the class names, e.g. "RowwiseAdagrad", work too). A
+adam, ftrl, rowwise_adagrad, momentum, rmsprop, proximal_adagrad (the class names, e.g.
+"RowwiseAdagrad", work too). A
 learning_rate may be a number or an optax schedule: {schedule: cosine_decay_schedule,
 init_value: 0.1, decay_steps: 1000} (any function of optax.schedules, with its arguments).
 `clipvalue: [min, max]` becomes a pair.
@@ -78,6 +79,9 @@ _OPTIMIZERS = {
     "adam": _optimizers.Adam,
     "ftrl": _optimizers.FTRL,
     "rowwise_adagrad": _optimizers.RowwiseAdagrad,
+    "momentum": _optimizers.Momentum,
+    "rmsprop": _optimizers.RMSProp,
+    "proximal_adagrad": _optimizers.ProximalAdagrad,
 }
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")

@@ -105,6 +105,41 @@ OPTIMIZERS = {
         dict(epsilon=1e-8),
         True,
     ),
+    "momentum": (
+        jte.Momentum(0.1, momentum=0.8),
+        "momentum",
+        dict(momentum=0.8, use_nesterov=False),
+        False,
+    ),
+    "momentum_nesterov+extras": (
+        jte.Momentum(0.1, momentum=0.8, use_nesterov=True, **_EXTRAS),
+        "momentum",
+        dict(momentum=0.8, use_nesterov=True),
+        True,
+    ),
+    "rmsprop": (
+        jte.RMSProp(0.05, rho=0.8, momentum=0.5, epsilon=1e-3),
+        "rmsprop",
+        dict(rho=0.8, momentum=0.5, epsilon=1e-3, centered=False),
+        False,
+    ),
+    "rmsprop_centered+extras": (
+        jte.RMSProp(0.05, rho=0.8, momentum=0.5, epsilon=1e-3, centered=True, **_EXTRAS),
+        "rmsprop",
+        dict(rho=0.8, momentum=0.5, epsilon=1e-3, centered=True),
+        True,
+    ),
+    "proximal_adagrad": (
+        jte.ProximalAdagrad(
+            0.2,
+            initial_accumulator_value=0.5,
+            l1_regularization_strength=0.05,
+            l2_regularization_strength=0.3,
+        ),
+        "proximal_adagrad",
+        dict(l1=0.05, l2=0.3),
+        False,
+    ),
     "custom": (
         jte.CustomOptimizer(
             _momentum,
