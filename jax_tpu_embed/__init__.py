@@ -17,6 +17,7 @@ from ._embedding import Embedding as Embedding
 from ._embedding import EmbeddingState as EmbeddingState
 from ._inputs import Weighted as Weighted
 from ._inputs import pad_ragged as pad_ragged
+from ._optax import FromOptax as FromOptax
 from ._optimizers import FTRL as FTRL
 from ._optimizers import SGD as SGD
 from ._optimizers import Adagrad as Adagrad

@@ -14,6 +14,7 @@ from typing import Any
 import chex
 import jax
 import numpy as np
+import optax
 import pytest
 
 import jax_tpu_embed as jte
@@ -140,6 +141,13 @@ OPTIMIZERS = {
         dict(l1=0.05, l2=0.3),
         False,
     ),
+    # The reference's learning rate is the transform's (FromOptax's own is unused).
+    "optax_adam": (
+        jte.FromOptax(optax.adam(0.05, b1=0.8, b2=0.9, eps=1e-3)),
+        "optax_adam",
+        dict(b1=0.8, b2=0.9, eps=1e-3, lr=0.05),
+        False,
+    ),
     "custom": (
         jte.CustomOptimizer(
             _momentum,
@@ -233,7 +241,7 @@ def test_optimizer_on_backend_matches_reference(
             table,
             slots,
             row_grads,
-            optimizer.learning_rate,
+            hp.get("lr", optimizer.learning_rate),
             **(_REF_EXTRAS if extras else {}),
         )
         got_t, got_s = emb.export(state)["t"], emb.export_slots(state)["t"]
