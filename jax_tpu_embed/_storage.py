@@ -264,7 +264,7 @@ def random_bits(key, rows, width: int):
     """(R, width) uint32 random bits, a counter-based stream of (key, global row, lane):
     no state, the same bits for a row whatever shard or backend updates it."""
     rows = jnp.asarray(rows).astype(jnp.uint32)[:, None]
-    lanes = lax.broadcasted_iota(jnp.uint32, (1, width), 1)
+    lanes = lax.broadcasted_iota(jnp.int32, (1, width), 1).astype(jnp.uint32)
     return _mix(_mix(key ^ _mix(rows)) ^ (lanes + jnp.uint32(0x9E3779B9)))
 
 

@@ -74,6 +74,39 @@ def test_bf16_results_do_not_depend_on_mesh_or_strategy(rng):
         np.testing.assert_array_equal(t, first, err_msg=str(key))
 
 
+@pytest.mark.parametrize("strategy", ["div", "mod"])
+def test_bf16_pallas_kernels_round_like_the_xla_passes(strategy, rng, monkeypatch):
+    """The fused kernels (interpret mode, rows packed 128 lanes wide) draw the same bits
+    for the same (table, step, row) as the XLA passes: the same bfloat16 table."""
+    from jax_tpu_embed import _pallas
+
+    monkeypatch.setattr(_pallas, "_BLOCK", 8)  # Rows carried across blocks.
+    spec = _with_bf16(_spec(jte.Adagrad(0.05), strategy, False))
+    batches = [_batch(rng) for _ in range(2)]
+    grads = [
+        {
+            "multi": rng.normal(size=(16, 12)).astype(np.float32),
+            "seq": rng.normal(size=(16, 3, 12)).astype(np.float32),
+        }
+        for _ in range(2)
+    ]
+    out = []
+    for backend in ("xla", "pallas_interpret"):
+        emb = jte.Embedding(spec, make_mesh(8), backend=backend)
+        assert emb.backends == {"t": backend}
+        state = emb.init(jax.random.key(4))
+        for f, g in zip(batches, grads):
+            state = emb.apply_gradients(state, f, g)
+        acts = jax.tree.map(np.asarray, emb.lookup(state, batches[0]))
+        out.append((emb.export(state)["t"], emb.export_slots(state)["t"]["accumulators"], acts))
+    (t_xla, a_xla, acts_xla), (t_pallas, a_pallas, acts_pallas) = out
+    for k in acts_xla:  # The bfloat16 lookup kernel, too.
+        np.testing.assert_allclose(acts_pallas[k], acts_xla[k], rtol=1e-5, atol=1e-6)
+    assert t_pallas.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(t_pallas.view(np.uint16), t_xla.view(np.uint16))
+    np.testing.assert_allclose(a_pallas, a_xla, rtol=1e-6)
+
+
 def _with_bf16(spec):
     """The battery's spec with its table stored in bfloat16 (default rounding)."""
     old = spec.features["multi"].table
