@@ -498,15 +498,22 @@ def fused_update(
 
 
 class PallasBackend(_backend.Backend):
-    """The fused kernels above for float32 and bfloat16 tables with a sparse optimizer. A
-    batch whose activations would fill more than half of VMEM (`fits_vmem`) runs the XLA
-    passes."""
+    """The fused kernels above for float32 tables with a sparse optimizer (bfloat16 ones
+    too in the interpreter). A batch whose activations would fill more than half of VMEM
+    (`fits_vmem`) runs the XLA passes."""
 
     def __init__(self, interpret: bool = False):
         self.interpret = interpret
         self.name = "pallas_interpret" if interpret else "pallas"
 
     def unusable(self, table, optimizer, storage, platform):
+        if not self.interpret and jnp.dtype(table.dtype) != jnp.float32:
+            # Mosaic tiles bfloat16 VMEM buffers 16 rows to 8 sublanes: the one-row DMAs at
+            # any row offset do not compile. The interpreter has no tiling.
+            return (
+                f"the Pallas TPU kernels take float32 tables; this one is "
+                f"{jnp.dtype(table.dtype).name} (backend='pallas_interpret' takes it)"
+            )
         if optimizer.dense_update:
             return (
                 f"{type(optimizer).__name__}(lazy_adam=False) updates every row; the "

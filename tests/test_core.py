@@ -714,11 +714,18 @@ def test_backend_choice():
         "f32": "pallas_interpret",
         "bf16": "xla",
     }
-    # The Pallas kernels take bfloat16 tables too (tests/test_bf16.py).
+    # The interpreted kernels take bfloat16 tables too (tests/test_bf16.py); the TPU ones
+    # do not.
     assert jte.Embedding(mixed, make_mesh(2), backend="pallas_interpret").backends == {
         "f32": "pallas_interpret",
         "bf16": "pallas_interpret",
     }
+    with pytest.raises(
+        ValueError,
+        match="table 'bf16' cannot use backend 'pallas': the Pallas TPU kernels take float32 "
+        "tables; this one is bfloat16",
+    ):
+        jte.Embedding(mixed, make_mesh(2), backend={"bf16": "pallas"})
     with pytest.raises(
         ValueError,
         match="table 'f32' cannot use backend 'pallas': it needs a "
