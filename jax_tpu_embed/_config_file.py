@@ -15,6 +15,7 @@ The format (YAML shown; TOML has the same structure, see configs/example_small.t
         dim: 32                      # required, int > 0
         combiner: sum                # sum | mean (default) | sqrtn
         dtype: bfloat16              # float32 (default) | bfloat16
+        stochastic_rounding: true    # bfloat16 only; default true for bfloat16
         initializer: {name: truncated_normal, stddev: 0.05}   # or just "zeros"
         optimizer: {name: sgd, learning_rate: 0.1}            # overrides the global one
       items: {vocabulary_size: 5000, dim: 16}
@@ -69,7 +70,16 @@ _TOP_KEYS = (
     "clipping_limit",
     "pipeline_execution",
 )
-_TABLE_KEYS = ("vocabulary_size", "dim", "combiner", "name", "dtype", "initializer", "optimizer")
+_TABLE_KEYS = (
+    "vocabulary_size",
+    "dim",
+    "combiner",
+    "name",
+    "dtype",
+    "stochastic_rounding",
+    "initializer",
+    "optimizer",
+)
 _FEATURE_KEYS = ("table", "max_sequence_length", "output_shape", "name")
 
 _OPTIMIZERS = {
@@ -285,6 +295,9 @@ def _table(w: _Where, key: str, name: str, t) -> _config.TableConfig:
     dtype = t.get("dtype", "float32")
     if dtype not in _DTYPES:
         raise w.error(f"{key}.dtype", f"must be one of {list(_DTYPES)}, got {dtype!r}.")
+    rounding = t.get("stochastic_rounding")
+    if rounding is not None and not isinstance(rounding, bool):
+        raise w.error(f"{key}.stochastic_rounding", f"must be true or false, got {rounding!r}.")
     initializer = None
     if t.get("initializer") is not None:
         initializer = _initializer(w, f"{key}.initializer", t["initializer"], dim)
@@ -300,6 +313,7 @@ def _table(w: _Where, key: str, name: str, t) -> _config.TableConfig:
             combiner=combiner,
             name=name,
             dtype=_DTYPES[dtype],
+            stochastic_rounding=rounding,
         )
     except (ValueError, TypeError) as e:
         raise w.error(key, str(e)) from e
