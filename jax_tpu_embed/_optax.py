@@ -131,7 +131,8 @@ class FromOptax(_optimizers.Optimizer):
     """
 
     transform: Any
-    learning_rate: float = 1.0  # Unused: the transform holds its own.
+    # Unused (the transform holds its own); the engine evaluates it, so it must exist.
+    learning_rate: float = dataclasses.field(default=1.0, init=False, repr=False)
     _specs: tuple = dataclasses.field(default=(), init=False, repr=False)
     _leaves: tuple = dataclasses.field(default=(), init=False, repr=False)
     _treedef: Any = dataclasses.field(default=None, init=False, repr=False)

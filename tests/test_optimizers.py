@@ -297,3 +297,26 @@ def test_update_traces_once_per_input_structure(rng):
         features = _inputs(rng)
         state = step(state, features, _grads(rng, emb.lookup(state, features)))
     assert int(state.step) == 3
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: jte.Momentum(0.1, momentum=-0.1), r"Momentum: momentum must be >= 0, got -0.1"),
+        (lambda: jte.Momentum(0.0), r"Momentum: learning_rate must be > 0, got 0.0"),
+        (lambda: jte.RMSProp(rho=1.5), r"RMSProp: rho must be <= 1, got 1.5"),
+        (lambda: jte.RMSProp(momentum=-1.0), r"RMSProp: momentum must be >= 0, got -1.0"),
+        (lambda: jte.RMSProp(epsilon=0.0), r"RMSProp: epsilon must be > 0, got 0.0"),
+        (
+            lambda: jte.ProximalAdagrad(l2_regularization_strength=-2.0),
+            r"ProximalAdagrad: l2_regularization_strength must be >= 0, got -2.0",
+        ),
+        (
+            lambda: jte.ProximalAdagrad(initial_accumulator_value=float("nan")),
+            r"ProximalAdagrad: initial_accumulator_value must be a finite float, got nan",
+        ),
+    ],
+)
+def test_new_optimizers_name_field_value_and_range(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
