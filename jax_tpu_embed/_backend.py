@@ -112,6 +112,7 @@ class RowStep:
     learning_rate: jax.Array
     multiplier: jax.Array | None
     clipping_limit: float | None
+    step: jax.Array | None = None  # The step's int32 number (keys stochastic rounding).
 
 
 def row_step(plan: TablePlan, spec: _config.EmbeddingSpec, step) -> RowStep:
@@ -136,7 +137,7 @@ def row_step(plan: TablePlan, spec: _config.EmbeddingSpec, step) -> RowStep:
         out = opt.update_row(g, row, list(values[1:]), lr, tuple(s[1 : 1 + len(hps)]))
         return [opt.finish_row(out[0], row, lr)] + list(out[1:])
 
-    return RowStep(jnp.stack(scalars), row_fn, lr, multiplier, limit)
+    return RowStep(jnp.stack(scalars), row_fn, lr, multiplier, limit, jnp.asarray(step, jnp.int32))
 
 
 class Backend:

@@ -76,6 +76,15 @@ class TableLayout:
         start = int(self.shard_sizes()[:shard].sum())
         return start + np.arange(size)
 
+    def global_ids(self, shard, local):
+        """The global ids of local rows `local` of shard `shard` (traceable; the inverse of
+        owner_and_local)."""
+        if self.strategy == "mod":
+            return local * self.num_shards + shard
+        q, r = divmod(self.vocabulary_size, self.num_shards)
+        start = jnp.where(shard < r, shard * (q + 1), r * (q + 1) + (shard - r) * q)
+        return start + local
+
     def to_physical(self, x):
         """Logical (V, ...) -> padded (N * S, ...); padding rows are zero. np or jnp."""
         xp = _xp(x)
