@@ -497,6 +497,17 @@ def fused_update(
     )
 
 
+def rounding(plan: _backend.TablePlan, step: _backend.RowStep, axis: str):
+    """fused_update's `rounding` for this table and step: None unless it rounds
+    stochastically."""
+    if not plan.config.stochastic_rounding:
+        return None
+    assert step.step is not None
+    key = _storage.step_key(_storage.table_seed(plan.name), step.step)
+    shard = lax.axis_index(axis).astype(jnp.int32)
+    return (plan.layout, jnp.stack([lax.bitcast_convert_type(key, jnp.int32), shard]))
+
+
 class PallasBackend(_backend.Backend):
     """The fused kernels above for float32 tables with a sparse optimizer (bfloat16 ones
     too in the interpreter). A batch whose activations would fill more than half of VMEM
@@ -580,12 +591,6 @@ class PallasBackend(_backend.Backend):
         )
         stream = stream.sorted()
         names = [s.name for s in storage.stored]
-        rounding = None
-        if plan.config.stochastic_rounding:
-            assert step.step is not None
-            key = _storage.step_key(_storage.table_seed(plan.name), step.step)
-            shard = lax.axis_index(axis).astype(jnp.int32)
-            rounding = (plan.layout, jnp.stack([lax.bitcast_convert_type(key, jnp.int32), shard]))
         new = fused_update(
             [table] + [slots[s] for s in names],
             storage.packings,
@@ -600,7 +605,7 @@ class PallasBackend(_backend.Backend):
             vmem=plan.vmem,
             out_bits=stream.out_bits,
             rows_packing=storage.rows_packing,
-            rounding=rounding,
+            rounding=rounding(plan, step, axis),
             interpret=self.interpret,
         )
         return new[0], dict(zip(names, new[1:]))

@@ -210,35 +210,23 @@ def _reference(table, features, grads=None):
     return reference.row_gradients(_V, [p + (grads[k],) for p, k in zip(parts, ["multi", "seq"])])
 
 
-# Owner routing (ids sent to their rows' owners): 8 devices with 16 ids per owner and round,
-# so that skewed devices run several rounds, and 4 devices with the default capacity.
-ROUTED = [("div", 8, 16), ("mod", 4, None)]
+# Owner routing (ids sent to their rows' owners), on the XLA ops and the Pallas kernels: 16
+# ids per owner and round, so that skewed devices run several rounds, or the default capacity.
+ROUTED = [("div", 8, 16, "xla"), ("mod", 4, None, "xla"), ("mod", 4, 16, "pallas_interpret")]
 
 
-@pytest.mark.parametrize("strategy,num_shards", MESHES)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("strategy,num_shards,max_ids,backend", ROUTED)
 @pytest.mark.parametrize("opt_key", list(OPTIMIZERS))
-def test_optimizer_on_backend_matches_reference(
-    opt_key, backend, strategy, num_shards, rng, monkeypatch
+def test_optimizer_routed_to_owners_matches_reference(
+    opt_key, strategy, num_shards, max_ids, backend, rng, monkeypatch
 ):
-    _skip_unavailable(backend)
-    # Small Pallas blocks: rows carried from block to block, packed rows re-read.
     monkeypatch.setattr(_pallas, "_BLOCK", 8)
     optimizer = OPTIMIZERS[opt_key][0]
-    emb = jte.Embedding(
-        _spec(optimizer, strategy, OPTIMIZERS[opt_key][3]), make_mesh(num_shards), backend=backend
-    )
-    assert emb.backends == {"t": backend}
-    _check_two_steps(emb, opt_key, rng)
-
-
-@pytest.mark.parametrize("strategy,num_shards,max_ids", ROUTED)
-@pytest.mark.parametrize("opt_key", list(OPTIMIZERS))
-def test_optimizer_routed_to_owners_matches_reference(opt_key, strategy, num_shards, max_ids, rng):
-    optimizer = OPTIMIZERS[opt_key][0]
     spec = _spec(optimizer, strategy, OPTIMIZERS[opt_key][3])
-    emb = jte.Embedding(spec, make_mesh(num_shards), routing="owner", max_ids_per_shard=max_ids)
-    assert emb.routing == {"t": "owner"}
+    emb = jte.Embedding(
+        spec, make_mesh(num_shards), routing="owner", backend=backend, max_ids_per_shard=max_ids
+    )
+    assert emb.routing == {"t": "owner"} and emb.backends == {"t": backend}
     _check_two_steps(emb, opt_key, rng)
 
 
