@@ -68,9 +68,7 @@ def supported(layout) -> str | None:
 class _Local:
     """One device's pairs of one table, sorted by key, and their distinct rows."""
 
-    def __init__(
-        self, plan: _backend.TablePlan, inputs: list, axis: str, k: int = 1, positions=False
-    ):
+    def __init__(self, plan: _backend.TablePlan, inputs: list, axis: str, k: int = 1):
         s = plan.layout.rows_per_shard
         self.n = lax.axis_size(axis)
         self.s = s
@@ -90,33 +88,28 @@ class _Local:
             parts.append((f, first, rows))
             first += _streams.round_up(rows, k)  # Whole lane-dense rows per feature.
         self.rows, self.parts = first, parts
-        pairs = (jnp.concatenate(keys), jnp.concatenate(outs), jnp.concatenate(scales))
-        m = pairs[0].shape[0]
-        self.pairs = m
         # (key, output row, scale) order: each row's pairs in one canonical order.
-        position = (lax.iota(jnp.int32, m),) if positions else ()
-        self.keys, self.out, self.scale, *position = lax.sort(
-            pairs + position, num_keys=3, is_stable=False
+        self.keys, self.out, self.scale = lax.sort(
+            (jnp.concatenate(keys), jnp.concatenate(outs), jnp.concatenate(scales)),
+            num_keys=3,
+            is_stable=False,
         )
+        m = self.keys.shape[0]
+        self.pairs = m
         starts = jnp.concatenate([jnp.ones((1,), bool), self.keys[1:] != self.keys[:-1]])
         # Pair i's distinct row: segment[i]; distinct row j's key: uniq[j] (NONE past them).
         self.segment = jnp.cumsum(starts, dtype=jnp.int32) - 1
-        self.sorted = (self.keys, self.segment)
-        if positions:
-            # The same pairs in position order, where output rows ascend.
-            self.by_position = (pairs[0], lax.sort((position[0], self.segment), num_keys=1)[1])
-            self.position_out, self.position_scale = pairs[1], pairs[2]
         self.uniq = lax.sort(jnp.where(starts, self.keys, NONE), is_stable=False)
         # bounds[p]: index of owner p's first distinct row; bounds[N]: distinct rows.
         self.bounds = _count_below(self.uniq, jnp.arange(self.n + 1, dtype=jnp.int32) * s)
         self.counts = self.bounds[1:] - self.bounds[:-1]
 
-    def per_owner(self, keys, values):
-        """values[owner of each key] (NONE keys: the last owner's value), as a sum of
-        steps over the owners' first keys rather than a gather."""
+    def per_owner(self, values):
+        """values[owner of pair i] for every pair (NONE keys: the last owner's value),
+        as a sum of steps over the sorted keys rather than a gather."""
         steps = jnp.concatenate([values[:1], values[1:] - values[:-1]])
         starts = jnp.arange(self.n, dtype=jnp.int32) * self.s
-        return jnp.sum(jnp.where(keys[:, None] >= starts[None, :], steps[None, :], 0), axis=1)
+        return jnp.sum(jnp.where(self.keys[:, None] >= starts[None, :], steps[None, :], 0), axis=1)
 
 
 def _count_below(sorted_keys, limits):
@@ -147,19 +140,14 @@ class _Round:
         owner_start = (jnp.arange(n, dtype=jnp.int32) * local.s)[:, None]
         self.local_rows = jnp.where(self.valid, (window - owner_start).reshape(-1), NOT_MINE)
         self.sent = sent + n_send
-        self.local, self.n_send = local, n_send
-        self.pair_slot, self.pair_in_round = self.slots(local.sorted)
-
-    def slots(self, pairs):
-        """(slot, in round) of pairs (keys, distinct row index), in any order: whether a
-        pair's row is sent this round, and where: its distinct row's place among owner
-        p's pending rows, offset by p·Cd (0 when not sent)."""
-        keys, segment = pairs
-        local, n = self.local, self.local.n
-        rank = segment - local.per_owner(keys, self.first)
-        in_round = (keys < NONE) & (rank >= 0) & (rank < local.per_owner(keys, self.n_send))
-        offset = local.per_owner(keys, jnp.arange(n, dtype=jnp.int32) * self.cd)
-        return jnp.where(in_round, offset + rank, 0), in_round
+        # Pair i's slot in this round, if its row is sent now: its distinct row's place
+        # among owner p's pending rows, offset by p·Cd.
+        rank = local.segment - local.per_owner(self.first)
+        in_round = (local.keys < NONE) & (rank >= 0) & (rank < local.per_owner(n_send))
+        self.pair_slot = jnp.where(
+            in_round, local.per_owner(jnp.arange(n, dtype=jnp.int32) * cd) + rank, 0
+        )
+        self.pair_in_round = in_round
 
     def rows_of(self, x):
         """(N·Cd, ...) the rows of `x` (one per distinct row, as `uniq`) this round sends,
@@ -285,12 +273,12 @@ class _Kernels(_XlaRows):
         return self._lookup(table, storage.packing, keys, slot, None, count, rows.shape[0])
 
     def combine(self, local: _Local, r: _Round, back, acc):
-        # In key order the slots of this round's pairs ascend; a pair of another round
-        # repeats the slot before it with scale 0: ascending keys without a sort.
-        keys = lax.cummax(jnp.where(r.pair_in_round, r.pair_slot, 0))
-        scale = jnp.where(r.pair_in_round, local.scale, 0.0)
-        m = jnp.int32(local.pairs)
-        return acc + self._lookup(back, self.packing, keys, local.out, scale, m, local.rows)
+        keys, out, scale = lax.sort(
+            (jnp.where(r.pair_in_round, r.pair_slot, NOT_MINE), local.out, local.scale),
+            num_keys=3,
+        )
+        count = jnp.sum(r.pair_in_round, dtype=jnp.int32)
+        return acc + self._lookup(back, self.packing, keys, out, scale, count, local.rows)
 
     def zeros(self, rows: int):
         return jnp.zeros((rows // self.k, self.k * self.packing.padded_width), jnp.float32)
@@ -302,12 +290,13 @@ class _Kernels(_XlaRows):
         return _streams.packed(grad_rows, self.packing)
 
     def send(self, local: _Local, r: _Round, g_uniq):
-        # In position order output rows ascend: they key the gradient rows read; pairs of
-        # other rounds add 0 to slot 0.
-        slot, in_round = r.slots(local.by_position)
-        scale = jnp.where(in_round, local.position_scale, 0.0)
-        n, m = r.valid.shape[0], jnp.int32(local.pairs)
-        return self._lookup(g_uniq, self.packing, local.position_out, slot, scale, m, n)
+        keys, slot, scale = lax.sort(
+            (jnp.where(r.pair_in_round, local.out, NOT_MINE), r.pair_slot, local.scale),
+            num_keys=3,
+        )
+        count = jnp.sum(r.pair_in_round, dtype=jnp.int32)
+        n = r.valid.shape[0]
+        return self._lookup(g_uniq, self.packing, keys, slot, scale, count, n)
 
     def owner_update(self, table, slots, rows, grads, step, axis):
         keys, slot = lax.sort((rows, lax.iota(jnp.int32, rows.shape[0])), num_keys=2)
@@ -333,12 +322,12 @@ class _Kernels(_XlaRows):
         return new[0], dict(zip(names, new[1:]))
 
 
-def _row_work(plan: _backend.TablePlan, inputs: list, axis: str, positions: bool = False):
+def _row_work(plan: _backend.TablePlan, inputs: list, axis: str):
     """(local pairs, Cd, row work): the Pallas kernels when the table's backend is theirs
     and the rows they hold in VMEM fit (`_pallas.fits_vmem`), else XLA ops."""
     if isinstance(plan.backend, _pallas.PallasBackend):
         k = plan.storage.rows_packing.per_row
-        local = _Local(plan, inputs, axis, k, positions)
+        local = _Local(plan, inputs, axis, k)
         cd = capacity(plan, local.pairs, local.n, k)
         lanes = k * plan.storage.rows_packing.padded_width
         rows = max(local.n * cd, local.rows) // k
@@ -371,7 +360,7 @@ def update(
 ):
     """(table, slots) after one sparse step by owner routing: every distinct row of the
     global batch is updated once, at its owner, with the sum of its gradients."""
-    local, cd, work = _row_work(plan, inputs, axis, positions=True)
+    local, cd, work = _row_work(plan, inputs, axis)
     parts = []
     for f, _, rows in local.parts:
         g = grads[f.path].astype(jnp.float32).reshape(rows, -1)
