@@ -201,6 +201,8 @@ class Embedding:
             name: (backend.get(name, "auto") if isinstance(backend, Mapping) else backend)
             for name in tables
         }
+        if isinstance(backend, Mapping):  # Names that are not tables: choose() says so.
+            asked.update({k: v for k, v in backend.items() if k not in tables})
         routings = _routing.choose(
             tables,
             dict(routing) if isinstance(routing, Mapping) else routing,
@@ -211,7 +213,7 @@ class Embedding:
         )
         # Owner-routed tables do their row work with the Pallas kernels or XLA ops.
         asked = {
-            n: "xla" if routings[n] == "owner" and b == "auto" and platform != "tpu" else b
+            n: "xla" if routings.get(n) == "owner" and b == "auto" and platform != "tpu" else b
             for n, b in asked.items()
         }
         backends = _backend.choose(spec, asked, storages, platform, auto_order=auto_order)
