@@ -91,7 +91,7 @@ class Embedding:
     Args:
         spec: The EmbeddingSpec.
         mesh: A `jax.sharding.Mesh` (Auto or Explicit axes). Default: every device on one
-            axis named "shard".
+            Auto axis named "shard".
         axis: The mesh axis the tables' rows and the batch are split over. Default: the
             mesh's only axis; required for a multi-axis mesh.
         backend: Who does each table's shard-local row work: "auto" (default), "xla",
@@ -138,7 +138,12 @@ class Embedding:
                 f"Embedding: spec must be a jte.EmbeddingSpec, got {type(spec).__name__}."
             )
         if mesh is None:
-            mesh = jax.make_mesh((jax.device_count(),), ("shard",))
+            # Auto axes: with Explicit ones (jax.make_mesh's default) every array the user
+            # gets back carries its sharding in its type, and plain eager code such as
+            # `acts["f"][0]` or `jax.grad` of a model outside `jit` fails to type-check.
+            mesh = jax.make_mesh(
+                (jax.device_count(),), ("shard",), axis_types=(jax.sharding.AxisType.Auto,)
+            )
         if axis is None:
             if len(mesh.axis_names) != 1:
                 raise ValueError(
