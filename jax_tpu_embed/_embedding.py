@@ -211,7 +211,9 @@ class Embedding:
         self._replicated = NamedSharding(mesh, P())
         self._init_fns = None
         self._lookup_jit = jax.jit(self._lookup)
-        self._apply_jit = jax.jit(self._apply)
+        # The state is donated: the update writes the touched rows in place instead of
+        # copying every table and slot on each call (which made an eager call O(V)).
+        self._apply_jit = jax.jit(self._apply, donate_argnums=0)
 
     @property
     def backends(self) -> dict[str, str]:
@@ -499,6 +501,11 @@ class Embedding:
 
         Each row in the batch gets exactly one update from the sum of its gradients (across
         examples and across features sharing its table); other rows and slots are untouched.
+
+        The state given is consumed (its buffers are donated and updated in place, as in a
+        jitted training loop): use the returned state from then on. Copy it first
+        (`jax.tree.map(jnp.copy, state)`) to keep the old one. Inside `jit`, donation is
+        the outer function's business.
         """
         flat = self._prepare(features, act_grads)
         grads = dict(_config.flatten_features(act_grads)) if isinstance(act_grads, dict) else None
