@@ -31,6 +31,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 from typing import Any
 
 import jax
@@ -140,6 +141,9 @@ def restore(
     Raises:
         CheckpointNotFoundError (a FileNotFoundError and a ValueError): `directory` does not
             exist, holds no complete checkpoint, or has no checkpoint for `step`.
+        CheckpointCorruptError (a ValueError): the step exists but a file of it is truncated,
+            missing or garbage; the message names the step and the file or item, and lists
+            the earlier steps that may be restored instead.
         ValueError: a table's vocabulary size, dim or slots differ from `emb`'s (the message
             names each such table), or tables are missing or extra.
     """
@@ -163,25 +167,35 @@ def restore(
                 f"checkpoint.restore: {path} has no checkpoint for step {step}; its steps "
                 f"are {steps}."
             )
-        meta = manager.restore(
-            step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
-        ).metadata
+        earlier = [s for s in steps if s < step]
+        with _reading(path, step, "metadata/metadata", earlier):
+            meta = manager.restore(
+                step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
+            ).metadata
         _check_compatible(emb, meta, f"{path}/{step}")
-        items = {"embedding": ocp.args.StandardRestore(_embedding_target(emb), strict=False)}
+        with _reading(path, step, "embedding", earlier):
+            stored = manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    embedding=ocp.args.StandardRestore(_embedding_target(emb), strict=False)
+                ),
+            ).embedding
+        dense = None
         if meta["has_dense"]:
-            if dense_target is None:
-                stored = manager.item_metadata(step)["dense"]
-                target = _dense_target_from_metadata(emb, stored)
-            else:
-                target = _dense_target(emb, dense_target)
-            items["dense"] = ocp.args.StandardRestore(target)
+            hint = "" if dense_target is None else "dense_target does not match it, or "
+            with _reading(path, step, "dense", earlier, hint):
+                if dense_target is None:
+                    target = _dense_target_from_metadata(emb, manager.item_metadata(step)["dense"])
+                else:
+                    target = _dense_target(emb, dense_target)
+                dense = manager.restore(
+                    step, args=ocp.args.Composite(dense=ocp.args.StandardRestore(target))
+                ).dense
         elif dense_target is not None:
             raise ValueError(
                 f"checkpoint.restore: dense_target was given but the checkpoint "
                 f"{path}/{step} holds no dense state."
             )
-        restored = manager.restore(step, args=ocp.args.Composite(**items))
-    stored = restored.embedding
     tables, slots = {}, {}
     for name, plan in emb.table_plans.items():
         storage = plan.storage
@@ -196,7 +210,49 @@ def restore(
         }
     step_array = jax.device_put(jnp.asarray(meta["step"], jnp.int32), NamedSharding(emb.mesh, P()))
     state = _embedding.EmbeddingState(tables, slots, step_array)
-    return state, (restored.dense if meta["has_dense"] else None)
+    return state, dense
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint step that exists but cannot be read: a file of it is truncated, missing
+    or not what orbax wrote. Earlier steps may still restore (the message lists them)."""
+
+
+@contextlib.contextmanager
+def _reading(path: str, step: int, item: str, earlier: list[int], hint: str = ""):
+    """Turns any failure to read `item` of a step into a CheckpointCorruptError that names
+    the step, the file or item, what went wrong, and the earlier steps to fall back on."""
+    try:
+        yield
+    except (CheckpointNotFoundError, CheckpointCorruptError):
+        raise
+    except Exception as e:
+        root = e  # Tensorstore's own words are at the end of the chain.
+        while root.__cause__ is not None:
+            root = root.__cause__
+        where = f"{path}/{step}/{item}"
+        files = re.findall(r'local file "([^"]+)"', str(e) + str(root))
+        if files and files[-1].rstrip("/") != where:
+            where += f" (file {files[-1]})"
+        fallback = (
+            f"Earlier steps that may be restored: {earlier} "
+            f"(checkpoint.restore(..., step={earlier[-1]}))."
+            if earlier
+            else "There is no earlier step to fall back on."
+        )
+        raise CheckpointCorruptError(
+            f"checkpoint.restore: step {step} is corrupt or incomplete ({hint}a file was "
+            f"truncated, deleted or overwritten): reading {where} failed with "
+            f"{type(root).__name__}: {_summary(root)}. {fallback}"
+        ) from e
+
+
+def _summary(e: BaseException) -> str:
+    """The first line of an error, without tensorstore's spec dump."""
+    text = str(e).split("See full TensorStore details")[0].strip()
+    text = text.splitlines()[0] if text else repr(e)
+    text = text.rstrip(".")
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 def all_steps(directory: str | os.PathLike) -> list[int]:

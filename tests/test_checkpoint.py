@@ -53,8 +53,13 @@ def _cached_emb(strategy, num_shards, kind):
 
 
 @functools.cache
-def _init(emb, seed=0):
+def _cached_init(emb, seed):
     return emb.init(jax.random.key(seed))
+
+
+def _init(emb, seed=0):
+    # A copy: apply_gradients consumes the state it is given.
+    return jax.tree.map(jnp.copy, _cached_init(emb, seed))
 
 
 def _batch(rng):
@@ -466,3 +471,64 @@ def test_multi_slot_optimizers_restore_every_slot_by_name(tmp_path, save_on, res
     for name, want in saver.export(state).items():
         np.testing.assert_array_equal(tables[name], want, err_msg=name)
     assert int(restored.step) == 3
+
+
+def _data_files(item_dir):
+    """The files holding an orbax item's array chunks."""
+    return [os.path.join(r, f) for r, _, fs in os.walk(item_dir) for f in fs if r.endswith("/d")]
+
+
+def _truncate(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+
+
+_CORRUPTIONS = {
+    "truncated metadata": (lambda d: _truncate(f"{d}/1/metadata/metadata"), "1/metadata/metadata"),
+    "truncated array data": (
+        lambda d: [_truncate(f) for f in _data_files(f"{d}/1/embedding")],
+        "1/embedding",
+    ),
+    "deleted array data": (
+        lambda d: [os.remove(f) for f in _data_files(f"{d}/1/embedding")],
+        "1/embedding",
+    ),
+    "garbage manifest": (
+        lambda d: open(f"{d}/1/embedding/manifest.ocdbt", "wb").write(b"garbage!" * 8),
+        "1/embedding/manifest.ocdbt",
+    ),
+    "deleted item": (lambda d: __import__("shutil").rmtree(f"{d}/1/embedding"), "1/embedding"),
+}
+
+
+@pytest.mark.parametrize("corruption", list(_CORRUPTIONS))
+def test_corrupt_step_names_step_and_file_and_earlier_steps(tmp_path, corruption):
+    emb = _emb("div", 2, "auto")
+    state = _init(emb)
+    want = emb.export(state)
+    checkpoint.save(tmp_path, emb, state)
+    state = _train(emb, state, [_batch(np.random.default_rng(0))])
+    checkpoint.save(tmp_path, emb, state)
+    corrupt, where = _CORRUPTIONS[corruption]
+    corrupt(str(tmp_path))
+    with pytest.raises(checkpoint.CheckpointCorruptError) as info:
+        checkpoint.restore(tmp_path, emb)
+    message = str(info.value)
+    assert "step 1 is corrupt or incomplete" in message, message
+    assert where in message, message
+    assert "Earlier steps that may be restored: [0]" in message, message
+    assert isinstance(info.value, ValueError)
+    # The earlier step still restores, bit for bit.
+    restored, _ = checkpoint.restore(tmp_path, emb, step=0)
+    for name, table in emb.export(restored).items():
+        np.testing.assert_array_equal(table, want[name])
+
+
+def test_corrupt_only_step_says_nothing_earlier(tmp_path):
+    emb = _emb("div", 2, "auto")
+    checkpoint.save(tmp_path, emb, _init(emb))
+    _truncate(f"{tmp_path}/0/metadata/metadata")
+    with pytest.raises(checkpoint.CheckpointCorruptError, match="no earlier step"):
+        checkpoint.restore(tmp_path, emb)
