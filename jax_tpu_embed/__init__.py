@@ -3,6 +3,10 @@
 import jax_tpu_embed as jte
 """
 
+from . import _platforms
+
+_platforms.skip_tpu_probe_without_chips()  # Before anything asks JAX for its devices.
+
 from . import _multihost as multihost  # noqa: F401  (public: jte.multihost)
 from . import checkpoint as checkpoint
 from . import compat as compat
