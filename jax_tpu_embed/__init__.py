@@ -3,15 +3,12 @@
 import jax_tpu_embed as jte
 """
 
-from . import _platforms
-
-_platforms.skip_tpu_probe_without_chips()  # Before anything asks JAX for its devices.
-
 from . import _multihost as multihost  # noqa: F401  (public: jte.multihost)
 from . import checkpoint as checkpoint
 from . import compat as compat
 from . import flax as flax
 from . import serving as serving
+from . import _platforms
 from ._config import EmbeddingSpec as EmbeddingSpec
 from ._config import FeatureConfig as FeatureConfig
 from ._config import TableConfig as TableConfig
@@ -34,3 +31,6 @@ from ._train import TrainStep as TrainStep
 from ._train import make_train_step as make_train_step
 
 __version__ = "0.1.0"
+
+# Importing the modules above asks JAX for no device; this must come before anything does.
+_platforms.skip_tpu_probe_without_chips()
