@@ -4,11 +4,11 @@ import jax_tpu_embed as jte
 """
 
 from . import _multihost as multihost  # noqa: F401  (public: jte.multihost)
+from . import _platforms
 from . import checkpoint as checkpoint
 from . import compat as compat
 from . import flax as flax
 from . import serving as serving
-from . import _platforms
 from ._config import EmbeddingSpec as EmbeddingSpec
 from ._config import FeatureConfig as FeatureConfig
 from ._config import TableConfig as TableConfig
