@@ -11,18 +11,22 @@ restorable and is never seen as a step.
 
 On disk, `directory/<step>/` holds three orbax items:
 
-- `embedding`: {"tables": {name: (R, D)}, "slots": {name: {slot: (R, D) or (R,)}}}; rows
-  [0, V) are the table's rows in natural id order, rows [V, R) are zeros (R = V rounded up to
-  a multiple of the saving mesh size, so that every device writes an equal slice).
+- `embedding`: {"tables": {name: (V, D)}, "slots": {name: {slot: (V, D) or (V,)}}}: exactly
+  the logical rows in natural id order, so any orbax user reads them without knowing the
+  mesh (`ocp.StandardCheckpointer().restore(f"{directory}/{step}/embedding")`). Checkpoints
+  of earlier versions hold them padded with zero rows to a multiple of the saving mesh size;
+  they restore as before (rows past V are dropped).
 - `metadata`: JSON: the step, each table's vocabulary_size, dim, dtype and slots.
 - `dense`: the `dense` pytree, when one was given.
 
 No host gathers a whole table: tables are brought to logical row order on the devices,
-sharded, and every host writes only the slices its devices hold; restore reads each device's
-slice of the logical rows and converts them back on the devices. The conversion holds a
-transient second copy of the tables in device memory while saving (none for "div" tables
-whose V is a multiple of N: their layout already is the logical one), and while restoring
-the read copies are freed one table at a time as they are converted.
+split evenly over them (rows over the devices when N divides V, else rows over a divisor of
+V and columns over a divisor of D), and every host writes only the slices its devices hold;
+restore reads each device's slice of the logical rows and converts them back on the
+devices. The conversion holds a transient second copy of the tables in device memory while
+saving (none for "div" tables whose V is a multiple of N: their layout already is the
+logical one), and while restoring the read copies are freed one table at a time as they are
+converted.
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ def save(
     embedding = {"tables": {}, "slots": {}}
     for name, plan in emb.table_plans.items():
         storage = plan.storage
-        table, riders = storage.split_row(_to_logical(emb, storage, None, state.tables[name]))
+        table, riders = _to_logical(emb, storage, None, state.tables[name])
         embedding["tables"][name] = table
         embedding["slots"][name] = {
             s.name: riders[s.name]
@@ -327,18 +331,47 @@ def _row_sharding(emb, auto: bool, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P(emb.axis, *([None] * (ndim - 1))))
 
 
+def _exact_sharding(mesh: jax.sharding.Mesh, shape: tuple) -> NamedSharding:
+    """A sharding of a logical (V, D) or (V,) array over `mesh`'s devices that splits it
+    evenly: rows over g devices (g divides V) and columns over h (h divides D), g·h dividing
+    N and as large as possible (row splits first); the other devices hold replicas.
+    jax.Arrays cannot be split unevenly, and an exact (V, D) is what any orbax user reads
+    without knowing the mesh; this keeps each device's part about 1/N of it whenever V or D
+    allows (a V prime to N with a D that N does not divide is the bad case)."""
+    devices = mesh.devices.reshape(-1)
+    n = devices.size
+    best = (1, 1)
+    for g in range(n, 0, -1):
+        if n % g or shape[0] % g:
+            continue
+        rest = n // g
+        h = 1
+        if len(shape) == 2:
+            h = max(c for c in range(1, rest + 1) if rest % c == 0 and shape[1] % c == 0)
+        if g * h > best[0] * best[1]:
+            best = (g, h)
+    g, h = best
+    exact = jax.sharding.Mesh(devices.reshape(g, h, n // (g * h)), ("rows", "cols", "replicas"))
+    return NamedSharding(exact, P("rows", "cols") if len(shape) == 2 else P("rows"))
+
+
 @functools.cache
-def _logical_fn(
-    storage: _storage.TableStorage, slot: _optimizers.SlotSpec | None, sharding: NamedSharding
-):
-    layout = storage.layout
+def _logical_fn(storage: _storage.TableStorage, slot: _optimizers.SlotSpec | None, mesh):
+    """Jitted: a stored array -> its logical rows, exactly (V, ...) with `_exact_sharding`;
+    for the table's array (slot None) (table (V, D), {rider: (V, D)})."""
+    v, d = storage.layout.vocabulary_size, storage.dim
+    if slot is not None:
+        shape = (v, d) if slot.rank == 2 else (v,)
+        return jax.jit(
+            functools.partial(storage.array_to_logical, slot),
+            out_shardings=_exact_sharding(mesh, shape),
+        )
 
     def fn(physical):
-        logical = storage.array_to_logical(slot, physical)  # (V, ...)
-        pad = [(0, layout.padded_rows - layout.vocabulary_size)] + [(0, 0)] * (logical.ndim - 1)
-        return jnp.pad(logical, pad)
+        return storage.split_row(storage.array_to_logical(None, physical))
 
-    return jax.jit(fn, out_shardings=sharding)
+    exact = _exact_sharding(mesh, (v, d))
+    return jax.jit(fn, out_shardings=(exact, {s.name: exact for s in storage.riders}))
 
 
 @functools.cache
@@ -351,14 +384,14 @@ def _physical_fn(
     return jax.jit(fn, out_shardings=sharding)
 
 
-def _to_logical(emb, storage: _storage.TableStorage, slot, array: jax.Array) -> jax.Array:
-    """A stored array (the table's for slot None) -> logical rows padded with zeros to
-    N * S, row-sharded."""
-    ndim = 2 if slot is None else slot.rank
+def _to_logical(emb, storage: _storage.TableStorage, slot, array: jax.Array):
+    """A stored array -> its logical rows, exactly (V, ...), evenly sharded over `emb`'s
+    devices (see `_exact_sharding`); for the table's array (slot None) (table, {rider:
+    rows})."""
     array = jax.device_put(array, _row_sharding(emb, True, array.ndim))
-    if storage.is_identity(slot):
-        return array  # Already logical, unpadded: no copy.
-    return _logical_fn(storage, slot, _row_sharding(emb, True, ndim))(array)
+    if storage.is_identity(slot):  # Already logical, unpadded and row-sharded: no copy.
+        return array if slot is not None else (array, {})
+    return _logical_fn(storage, slot, _auto_twin(emb))(array)
 
 
 def _to_physical(emb, storage: _storage.TableStorage, slot, stored) -> jax.Array:
@@ -385,7 +418,7 @@ def _metadata(emb, step: int, has_dense: bool) -> dict:
                 "vocabulary_size": plan.config.vocabulary_size,
                 "dim": plan.config.dim,
                 "dtype": jnp.dtype(plan.config.dtype).name,
-                "stored_rows": plan.layout.padded_rows,
+                "stored_rows": plan.config.vocabulary_size,
                 "slots": _slot_info(plan),
             }
             for name, plan in emb.table_plans.items()

@@ -532,3 +532,56 @@ def test_corrupt_only_step_says_nothing_earlier(tmp_path):
     _truncate(f"{tmp_path}/0/metadata/metadata")
     with pytest.raises(checkpoint.CheckpointCorruptError, match="no earlier step"):
         checkpoint.restore(tmp_path, emb)
+
+
+@pytest.mark.parametrize("strategy,num_shards", [("mod", 8), ("div", 3)])
+def test_items_are_exactly_v_by_d_for_any_orbax_reader(tmp_path, strategy, num_shards):
+    """Tables and slots are stored as exactly (V, D) / (V,) in natural row order (V = 13 and
+    11, not multiples of the mesh size): plain orbax reads them without knowing the mesh."""
+    import orbax.checkpoint as ocp
+
+    emb = _emb(strategy, num_shards)
+    state = _train(emb, _init(emb), [_batch(np.random.default_rng(2))])
+    tables, slots = emb.export(state), emb.export_slots(state)
+    step = checkpoint.save(tmp_path, emb, state)
+    stored = ocp.StandardCheckpointer().restore(tmp_path / str(step) / "embedding")
+    assert set(stored["tables"]) == set(tables)
+    for name, table in tables.items():
+        got = np.asarray(stored["tables"][name])
+        assert got.shape == table.shape == (emb.spec.tables()[name].vocabulary_size, table.shape[1])
+        np.testing.assert_array_equal(got, table)
+        assert set(stored["slots"][name]) == set(slots[name])
+        for slot, value in slots[name].items():
+            assert stored["slots"][name][slot].shape == value.shape
+            np.testing.assert_array_equal(np.asarray(stored["slots"][name][slot]), value)
+    restored, _ = checkpoint.restore(tmp_path, _emb("div", 2, "auto"))
+    _assert_same_state(emb, state, _emb("div", 2, "auto"), restored, exact=True)
+
+
+def test_padded_checkpoints_of_earlier_versions_still_restore(tmp_path):
+    """Earlier versions stored rows padded with zeros to a multiple of the saving mesh size."""
+    import orbax.checkpoint as ocp
+
+    emb = _emb("mod", 8)
+    state = _train(emb, _init(emb), [_batch(np.random.default_rng(3))])
+    tables, slots = emb.export(state), emb.export_slots(state)
+
+    def padded(x):
+        return np.pad(x, [(0, 16 - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+
+    item = {
+        "tables": {n: padded(t) for n, t in tables.items()},
+        "slots": {n: {s: padded(v) for s, v in own.items()} for n, own in slots.items()},
+    }
+    meta = checkpoint._metadata(emb, int(state.step), False)
+    for info in meta["tables"].values():
+        info["stored_rows"] = 16
+    with ocp.CheckpointManager(tmp_path) as manager:
+        manager.save(
+            int(state.step),
+            args=ocp.args.Composite(
+                embedding=ocp.args.StandardSave(item), metadata=ocp.args.JsonSave(meta)
+            ),
+        )
+    restored, _ = checkpoint.restore(tmp_path, _emb("div", 3))
+    _assert_same_state(emb, state, _emb("div", 3), restored, exact=True)
