@@ -457,7 +457,8 @@ def _state_only_report(emb, topo: Topology, oom: str, seconds: float) -> Compile
         table_bytes=tables,
         slot_bytes=slots,
         compile_seconds=seconds,
-        oom=f"{oom} (one array alone exceeds HBM, so the compiler placed nothing: the figures are the state's own)",
+        oom=f"{oom} (one array alone exceeds HBM, so the compiler placed nothing: the "
+        "figures are the state's own)",
     )
 
 

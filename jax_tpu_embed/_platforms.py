@@ -32,7 +32,7 @@ def _tpu_chips() -> int:
 def _other_plugins() -> bool:
     """Whether any PJRT plugin (GPU, ...) is installed besides the built-in CPU and TPU."""
     try:
-        import jax_plugins  # noqa: F401  (the namespace package JAX discovers plugins in)
+        import jax_plugins  # noqa: F401  # pyright: ignore[reportMissingImports]
 
         return True
     except ImportError:

@@ -164,9 +164,8 @@ def restore(
                 f"checkpoint.restore: {path} holds no complete checkpoint (no finished step "
                 f"directory; saves cut short are ignored)."
             )
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
+        step = steps[-1] if step is None else step
+        if step not in steps:
             raise CheckpointNotFoundError(
                 f"checkpoint.restore: {path} has no checkpoint for step {step}; its steps "
                 f"are {steps}."

@@ -311,7 +311,7 @@ def test_default_mesh_works_eagerly(rng):
 
     model = Model(jte.flax.Embed(spec))
     variables = model.init(jax.random.key(1), batch)
-    outputs = model.apply(variables, batch)
+    outputs: Any = model.apply(variables, batch)
     assert outputs.shape == (B,) and float(outputs[0]) == float(np.asarray(outputs)[0])
 
     def loss(params):
@@ -319,7 +319,7 @@ def test_default_mesh_works_eagerly(rng):
 
     grads = jax.grad(loss)(variables["params"])
     eps = 1e-3
-    w = variables["params"]["head"]["bias"]
+    w: Any = variables["params"]["head"]["bias"]
     bumped = {"head": {**variables["params"]["head"], "bias": w + eps}}
     numeric = (loss(bumped) - loss(variables["params"])) / eps
     np.testing.assert_allclose(grads["head"]["bias"][0], numeric, rtol=2e-2)
