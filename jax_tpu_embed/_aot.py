@@ -309,10 +309,11 @@ class CompileReport:
 
 
 def init_temp_bytes(emb) -> dict[str, int]:
-    """{table name: per-device temporary bytes of the program `emb.init` runs for it}.
+    """{table name: per-device temporary bytes of initialising it (`emb.init_programs`)}.
 
-    `init` runs one program per table in turn, so its peak is the state made so far plus
-    one table's temporaries: at most the whole state plus the largest of these.
+    `init` fills the tables one after another (a default-initialised one in row blocks), so
+    its peak is the state made so far plus one table's temporaries: at most the whole state
+    plus the largest of these.
     """
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     out = {}

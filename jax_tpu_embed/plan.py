@@ -227,7 +227,8 @@ def _result(
             "hbm_bytes": hbm,
             "bytes_accessed": r.bytes_accessed * per_chip,
             "flops": r.flops * per_chip,
-            # `init` runs one program per table: the state plus one table's temporaries.
+            # `init` fills the tables one after another (in row blocks, or one program per
+            # table with its own initializer): the state plus one table's temporaries.
             "init_peak_bytes": init_peak,
             "init_temp_bytes": {n: t * per_chip for n, t in init_temps.items()},
         },
