@@ -7,7 +7,9 @@ from . import _multihost as multihost  # noqa: F401  (public: jte.multihost)
 from . import _platforms
 from . import checkpoint as checkpoint
 from . import compat as compat
+from . import data as data
 from . import flax as flax
+from . import nnx as nnx
 from . import serving as serving
 from ._config import EmbeddingSpec as EmbeddingSpec
 from ._config import FeatureConfig as FeatureConfig
@@ -18,13 +20,17 @@ from ._embedding import Embedding as Embedding
 from ._embedding import EmbeddingState as EmbeddingState
 from ._inputs import Weighted as Weighted
 from ._inputs import pad_ragged as pad_ragged
+from ._optax import FromOptax as FromOptax
 from ._optimizers import FTRL as FTRL
 from ._optimizers import SGD as SGD
 from ._optimizers import Adagrad as Adagrad
 from ._optimizers import AdagradMomentum as AdagradMomentum
 from ._optimizers import Adam as Adam
 from ._optimizers import CustomOptimizer as CustomOptimizer
+from ._optimizers import Momentum as Momentum
 from ._optimizers import Optimizer as Optimizer
+from ._optimizers import ProximalAdagrad as ProximalAdagrad
+from ._optimizers import RMSProp as RMSProp
 from ._optimizers import RowwiseAdagrad as RowwiseAdagrad
 from ._train import TrainState as TrainState
 from ._train import TrainStep as TrainStep

@@ -51,6 +51,8 @@ class TablePlan:
         on_tpu: The mesh is made of TPUs: passes over each shard's share of the pairs, and ids
             flattened as the TPU stores them (`_streams`).
         vmem: VMEM bytes per TensorCore of the mesh's TPUs (sizes the Pallas kernels).
+        routing: "gather" (every device sees the global batch's ids: `_streams`) or
+            "owner" (ids travel to the rows' owners: `_routing`).
     """
 
     name: str
@@ -62,6 +64,7 @@ class TablePlan:
     max_unique: int | None = None
     on_tpu: bool = False
     vmem: int = 16 << 20
+    routing: str = "gather"
 
     @property
     def layout(self):
@@ -109,6 +112,7 @@ class RowStep:
     learning_rate: jax.Array
     multiplier: jax.Array | None
     clipping_limit: float | None
+    step: jax.Array | None = None  # The step's int32 number (keys stochastic rounding).
 
 
 def row_step(plan: TablePlan, spec: _config.EmbeddingSpec, step) -> RowStep:
@@ -133,7 +137,7 @@ def row_step(plan: TablePlan, spec: _config.EmbeddingSpec, step) -> RowStep:
         out = opt.update_row(g, row, list(values[1:]), lr, tuple(s[1 : 1 + len(hps)]))
         return [opt.finish_row(out[0], row, lr)] + list(out[1:])
 
-    return RowStep(jnp.stack(scalars), row_fn, lr, multiplier, limit)
+    return RowStep(jnp.stack(scalars), row_fn, lr, multiplier, limit, jnp.asarray(step, jnp.int32))
 
 
 class Backend:

@@ -44,6 +44,11 @@ class TableConfig:
         name: Unique table name; an unnamed table takes the path of the first feature (in
             sorted flattened order) that uses it.
         dtype: Storage dtype, float32 or bfloat16. Lookups and updates compute in float32.
+        stochastic_rounding: bfloat16 tables only (and their default): each updated row is
+            rounded up or down to bfloat16 with probability proportional to the distance,
+            from random bits keyed by (table name, step, row), so results do not depend on
+            the mesh, the partition strategy or the backend. False rounds to nearest, which
+            loses updates smaller than half a bfloat16 step. Slots stay float32.
     """
 
     vocabulary_size: int
@@ -53,6 +58,7 @@ class TableConfig:
     combiner: str = "mean"
     name: str | None = None
     dtype: Any = jnp.float32
+    stochastic_rounding: bool | None = None
 
     def __post_init__(self):
         where = f"TableConfig(name={self.name!r})"
@@ -89,6 +95,19 @@ class TableConfig:
         if dtype not in [jnp.dtype(d) for d in _DTYPES]:
             raise ValueError(f"{where}: dtype must be float32 or bfloat16, got {dtype}.")
         object.__setattr__(self, "dtype", dtype)
+        sr = self.stochastic_rounding
+        if sr is not None and not isinstance(sr, (bool, np.bool_)):
+            raise TypeError(f"{where}: stochastic_rounding must be a bool or None, got {sr!r}.")
+        if sr and dtype != jnp.dtype(jnp.bfloat16):
+            raise ValueError(
+                f"{where}: stochastic_rounding=True needs dtype bfloat16 (a float32 table "
+                f"stores its updates exactly), got dtype {dtype}."
+            )
+        object.__setattr__(
+            self,
+            "stochastic_rounding",
+            bool(dtype == jnp.dtype(jnp.bfloat16) if sr is None else sr),
+        )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -15,6 +15,7 @@ The format (YAML shown; TOML has the same structure, see configs/example_small.t
         dim: 32                      # required, int > 0
         combiner: sum                # sum | mean (default) | sqrtn
         dtype: bfloat16              # float32 (default) | bfloat16
+        stochastic_rounding: true    # bfloat16 only; default true for bfloat16
         initializer: {name: truncated_normal, stddev: 0.05}   # or just "zeros"
         optimizer: {name: sgd, learning_rate: 0.1}            # overrides the global one
       items: {vocabulary_size: 5000, dim: 16}
@@ -27,7 +28,8 @@ The format (YAML shown; TOML has the same structure, see configs/example_small.t
         slate: {table: items, output_shape: [4, 8]}
 
 Optimizers (`name`, then the arguments of the jte class): sgd, adagrad, adagrad_momentum,
-adam, ftrl, rowwise_adagrad (the class names, e.g. "RowwiseAdagrad", work too). A
+adam, ftrl, rowwise_adagrad, momentum, rmsprop, proximal_adagrad (the class names, e.g.
+"RowwiseAdagrad", work too). A
 learning_rate may be a number or an optax schedule: {schedule: cosine_decay_schedule,
 init_value: 0.1, decay_steps: 1000} (any function of optax.schedules, with its arguments).
 `clipvalue: [min, max]` becomes a pair.
@@ -68,7 +70,16 @@ _TOP_KEYS = (
     "clipping_limit",
     "pipeline_execution",
 )
-_TABLE_KEYS = ("vocabulary_size", "dim", "combiner", "name", "dtype", "initializer", "optimizer")
+_TABLE_KEYS = (
+    "vocabulary_size",
+    "dim",
+    "combiner",
+    "name",
+    "dtype",
+    "stochastic_rounding",
+    "initializer",
+    "optimizer",
+)
 _FEATURE_KEYS = ("table", "max_sequence_length", "output_shape", "name")
 
 _OPTIMIZERS = {
@@ -78,6 +89,9 @@ _OPTIMIZERS = {
     "adam": _optimizers.Adam,
     "ftrl": _optimizers.FTRL,
     "rowwise_adagrad": _optimizers.RowwiseAdagrad,
+    "momentum": _optimizers.Momentum,
+    "rmsprop": _optimizers.RMSProp,
+    "proximal_adagrad": _optimizers.ProximalAdagrad,
 }
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
@@ -281,6 +295,9 @@ def _table(w: _Where, key: str, name: str, t) -> _config.TableConfig:
     dtype = t.get("dtype", "float32")
     if dtype not in _DTYPES:
         raise w.error(f"{key}.dtype", f"must be one of {list(_DTYPES)}, got {dtype!r}.")
+    rounding = t.get("stochastic_rounding")
+    if rounding is not None and not isinstance(rounding, bool):
+        raise w.error(f"{key}.stochastic_rounding", f"must be true or false, got {rounding!r}.")
     initializer = None
     if t.get("initializer") is not None:
         initializer = _initializer(w, f"{key}.initializer", t["initializer"], dim)
@@ -296,6 +313,7 @@ def _table(w: _Where, key: str, name: str, t) -> _config.TableConfig:
             combiner=combiner,
             name=name,
             dtype=_DTYPES[dtype],
+            stochastic_rounding=rounding,
         )
     except (ValueError, TypeError) as e:
         raise w.error(key, str(e)) from e

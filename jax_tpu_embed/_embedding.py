@@ -23,6 +23,7 @@ from . import (
     _multihost,
     _optimizers,
     _pallas,
+    _routing,
     _storage,
     _streams,
 )
@@ -144,6 +145,17 @@ class Embedding:
         max_unique_ids_per_shard: How many distinct rows of a table one shard updates per
             pass (int or {table name: int}); a pass stops early at that many. Default:
             max_ids_per_shard. `id_counts` measures both on real batches.
+        routing: How a table's ids reach the devices that own its rows: "gather" (every
+            device all-gathers the global batch's ids and keeps the pairs it owns; per
+            device work grows with the number of devices), "owner" (each device sends
+            its own examples' distinct ids to their owners with all_to_all and gets rows
+            back; per-device work stays proportional to the per-device batch), "auto"
+            (default: "owner" on TPU meshes of 64 or more devices, else "gather"), or
+            {table name: one of these}. "owner" does its row work with the Pallas kernels
+            ("pallas", "pallas_interpret") or XLA ops ("xla"; the default off TPU).
+            Results agree to float32 rounding; `routing` (the attribute) says what was
+            chosen. With "owner", max_ids_per_shard bounds the ids one shard receives per
+            round; more rounds run when a skewed batch needs them (`id_counts`).
         cpu_kernels: Deprecated: backend="auto" uses the C++ kernels on CPU meshes;
             False means backend="xla" for them.
         tpu_kernels: Deprecated: True is backend="pallas", False leaves the Pallas kernels
@@ -160,6 +172,7 @@ class Embedding:
         lane_width: int | None = None,
         max_ids_per_shard: int | Mapping[str, int] | None = None,
         max_unique_ids_per_shard: int | Mapping[str, int] | None = None,
+        routing: str | Mapping[str, str] = "auto",
         cpu_kernels: bool | None = None,
         tpu_kernels: bool | str | None = None,
     ):
@@ -218,7 +231,25 @@ class Embedding:
                     f"{storages[name].layout.rows_per_shard} rows per shard; "
                     f"at most 2**30 are supported: use more shards."
                 )
-        backends = _backend.choose(spec, backend, storages, platform, auto_order=auto_order)
+        tables = spec.tables()
+        asked = {
+            name: (backend.get(name, "auto") if isinstance(backend, Mapping) else backend)
+            for name in tables
+        }
+        routings = _routing.choose(
+            tables,
+            dict(routing) if isinstance(routing, Mapping) else routing,
+            {name: str(b) for name, b in asked.items()},
+            {name: st.layout for name, st in storages.items()},
+            platform,
+            self.num_shards,
+        )
+        # Owner-routed tables do their row work with the Pallas kernels or XLA ops.
+        asked = {
+            n: "xla" if routings[n] == "owner" and b == "auto" and platform != "tpu" else b
+            for n, b in asked.items()
+        }
+        backends = _backend.choose(spec, asked, storages, platform, auto_order=auto_order)
         vmem = _pallas.vmem_bytes(mesh.devices.flat[0].device_kind)
         self.table_plans: dict[str, _backend.TablePlan] = {
             name: _backend.TablePlan(
@@ -231,6 +262,7 @@ class Embedding:
                 max_unique=max_unique.get(name),
                 on_tpu=platform == "tpu",
                 vmem=vmem,
+                routing=routings[name],
             )
             for name, table in spec.tables().items()
         }
@@ -250,6 +282,11 @@ class Embedding:
     def backends(self) -> dict[str, str]:
         """{table name: the backend doing its row work}, fixed at construction."""
         return {name: plan.backend.name for name, plan in self.table_plans.items()}
+
+    @property
+    def routing(self) -> dict[str, str]:
+        """{table name: "gather" | "owner"}, how its ids reach its rows' owners."""
+        return {name: plan.routing for name, plan in self.table_plans.items()}
 
     def storage(self, table_name: str) -> _storage.TableStorage:
         """How a table and its slots are stored on the devices (see `_storage`)."""
@@ -589,8 +626,10 @@ class Embedding:
         "owned_pairs": the most pairs with a valid id any one shard owns; "unique_rows": the
         most distinct rows any one shard owns; "passes": the most update passes any shard
         runs with this Embedding's settings (1 unless they are below the other two; always 1
-        on the Pallas and C++ kernels, which walk every pair in one call)}}.
-        Host-side: features are NumPy arrays or fully addressable jax.Arrays.
+        on the Pallas and C++ kernels, which walk every pair in one call; with
+        routing="owner", the exchange rounds: more than 1 when a device holds more distinct
+        ids for one owner than a round carries, max_ids_per_shard / N)}}. Host-side:
+        features are NumPy arrays or fully addressable jax.Arrays.
         """
         flat = _inputs.flatten_inputs(self.spec, features)
         _inputs.check_batch(flat, self.num_shards)
@@ -737,14 +776,18 @@ class Embedding:
         out = {}
         for name, inputs in self._inputs(feats).items():
             plan = self.table_plans[name]
-            out.update(plan.backend.lookup(plan, tables[name], inputs, self.axis))
+            if plan.routing == "owner":
+                out.update(_routing.lookup(plan, tables[name], inputs, self.axis))
+            else:
+                out.update(plan.backend.lookup(plan, tables[name], inputs, self.axis))
         return out
 
     def _update_local(self, tables, slots, feats, grads, step):
         tables, slots = dict(tables), dict(slots)
         for name, inputs in self._inputs(feats).items():
             plan = self.table_plans[name]
-            tables[name], slots[name] = plan.backend.update(
+            update = _routing.update if plan.routing == "owner" else plan.backend.update
+            tables[name], slots[name] = update(
                 plan,
                 tables[name],
                 slots[name],

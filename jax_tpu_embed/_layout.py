@@ -86,11 +86,12 @@ class TableLayout:
         return shard * q + jnp.minimum(shard, r), q + (shard < r)
 
     def global_ids(self, shard, local):
-        """The global ids of local rows `local` of shard `shard` (jnp; `shard` may be
-        traced). Rows at or past the shard's size are padding; their ids mean nothing."""
-        start, _ = self.shard_start_and_size(shard)
+        """The global ids of local rows `local` of shard `shard` (traceable; the inverse of
+        owner_and_local)."""
         if self.strategy == "mod":
-            return start + self.num_shards * local
+            return local * self.num_shards + shard
+        q, r = divmod(self.vocabulary_size, self.num_shards)
+        start = jnp.where(shard < r, shard * (q + 1), r * (q + 1) + (shard - r) * q)
         return start + local
 
     def to_physical(self, x):

@@ -352,6 +352,99 @@ class RowwiseAdagrad(_Extras):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class Momentum(_Extras):
+    """TF's ApplyMomentum: m = k·m + g; w -= lr·m, or with Nesterov w -= lr·(g + k·m).
+
+    TF1's MomentumParameters has no default momentum; 0.9 is the usual choice."""
+
+    learning_rate: Scalar = 0.01
+    momentum: float = 0.9
+    use_nesterov: bool = False
+
+    def __post_init__(self):
+        self._check()
+        _check_scalar("Momentum", "momentum", self.momentum, low=0)
+
+    def slot_specs(self):
+        return (SlotSpec("momenta", 2, 0.0),)
+
+    def update_row(self, gradient, row, slots, learning_rate, hyperparameters):
+        (m,) = slots
+        m = self.momentum * m + gradient
+        if self.use_nesterov:
+            return row - (gradient * learning_rate + m * self.momentum * learning_rate), m
+        return row - learning_rate * m, m
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RMSProp(_Extras):
+    """TF's ApplyRMSProp (centered: ApplyCenteredRMSProp), slots start at 0:
+    ms += (g² - ms)·(1 - rho); [mg += (g - mg)·(1 - rho)];
+    mom = momentum·mom + lr·g/√(ms [- mg²] + ε); w -= mom.
+
+    Defaults are tf.compat.v1.train.RMSPropOptimizer's (TF1's RMSPropParameters has none)."""
+
+    learning_rate: Scalar = 0.001
+    rho: float = 0.9
+    momentum: float = 0.0
+    epsilon: float = 1e-10
+    centered: bool = False
+
+    def __post_init__(self):
+        self._check()
+        _check_scalar("RMSProp", "rho", self.rho, low=0, high=1)
+        _check_scalar("RMSProp", "momentum", self.momentum, low=0)
+        _check_scalar("RMSProp", "epsilon", self.epsilon, low=0, low_open=True)
+
+    def slot_specs(self):
+        specs = (SlotSpec("ms", 2, 0.0), SlotSpec("mom", 2, 0.0))
+        return specs + (SlotSpec("mg", 2, 0.0),) if self.centered else specs
+
+    def update_row(self, gradient, row, slots, learning_rate, hyperparameters):
+        ms, mom, *mg = slots
+        ms = ms + (gradient * gradient - ms) * (1.0 - self.rho)
+        denom = ms + self.epsilon
+        if self.centered:
+            mg = [mg[0] + (gradient - mg[0]) * (1.0 - self.rho)]
+            denom = ms - mg[0] * mg[0] + self.epsilon
+        mom = self.momentum * mom + learning_rate * gradient * jax.lax.rsqrt(denom)
+        return (row - mom, ms, mom, *mg)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProximalAdagrad(_Extras):
+    """TF's ApplyProximalAdagrad: a += g²; η = lr/√a; p = w - η·g;
+    w = sign(p)·max(|p| - η·l1, 0)/(1 + η·l2)."""
+
+    learning_rate: Scalar = 0.001
+    initial_accumulator_value: float = 0.1
+    l1_regularization_strength: float = 0.0
+    l2_regularization_strength: float = 0.0
+
+    def __post_init__(self):
+        self._check()
+        name = "ProximalAdagrad"
+        _check_scalar(
+            name, "initial_accumulator_value", self.initial_accumulator_value, low=0, low_open=True
+        )
+        _check_scalar(name, "l1_regularization_strength", self.l1_regularization_strength, low=0)
+        _check_scalar(name, "l2_regularization_strength", self.l2_regularization_strength, low=0)
+
+    def slot_specs(self):
+        return (SlotSpec("accumulators", 2, self.initial_accumulator_value),)
+
+    def update_row(self, gradient, row, slots, learning_rate, hyperparameters):
+        (accumulator,) = slots
+        accumulator = accumulator + gradient * gradient
+        eta = learning_rate * jax.lax.rsqrt(accumulator)
+        prox = row - gradient * eta
+        l1, l2 = self.l1_regularization_strength, self.l2_regularization_strength
+        if l1 > 0:
+            prox = jnp.sign(prox) * jnp.maximum(jnp.abs(prox) - eta * l1, 0.0)
+        return prox / (1.0 + l2 * eta), accumulator
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class CustomOptimizer(Optimizer):
     """A user's per-row update, vmapped over the touched rows (TF's CustomOptimizer).
 

@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _backend, _layout, _streams, _xla_backend
+from . import _backend, _layout, _storage, _streams, _xla_backend
 
 _BLOCK = 1024  # Pairs per grid step (SMEM block of keys, output rows and scales).
 _SMALLEST_VMEM = 16 << 20  # v4's, per TensorCore: the default when the chip is unknown.
@@ -341,6 +341,7 @@ def fused_update(
     vmem: int,
     out_bits: int = 0,
     rows_packing: _layout.Packing | None = None,
+    rounding: tuple | None = None,
     interpret: bool = False,
 ):
     """Sums each row's gradient and applies `row_fn` to it in place; returns new arrays.
@@ -357,6 +358,9 @@ def fused_update(
         row_fn: fn(g (D,), [one value per array: (width,) or ()], scalars) -> new values,
             for one row (vmapped over a leading axis of one inside the kernel).
         planned: (pairs, distinct rows) per shard and step: sizes the cost estimate only.
+        rounding: None, or (layout, (2,) int32 [step key, shard]): the table (arrays[0], a
+            bfloat16 one without riders) is rounded stochastically with the bits of
+            (step key, global row, lane), as `_xla_backend.stochastic_rows` does.
     """
     n = len(arrays)
     rows_packing = rows_packing or packings[0]
@@ -367,6 +371,9 @@ def fused_update(
 
     def kernel(count_ref, *refs):
         scalars_ref, grads_hbm, *refs = pairs.bind(refs)
+        round_ref = None
+        if rounding is not None:
+            round_ref, *refs = refs
         hbm = refs[n : 2 * n]  # The aliased outputs; refs[:n] are the same buffers.
         bufs, tmps = refs[2 * n : 3 * n], refs[3 * n : 4 * n]
         grads_ref, gacc, phys, counts, state, sem = refs[4 * n :]
@@ -389,6 +396,12 @@ def fused_update(
             values = [v if p.rank == 2 else v.reshape(1) for v, p in zip(values, packings)]
             s = [scalars_ref[j] for j in range(scalars.shape[0])]
             new = jax.vmap(lambda g, vals: row_fn(g, vals, s))(gacc[...], values)
+            if round_ref is not None:
+                assert rounding is not None
+                key = lax.bitcast_convert_type(round_ref[0], jnp.uint32)
+                ids = rounding[0].global_ids(round_ref[1], row)
+                bits = _storage.random_bits(key, jnp.reshape(ids, (1,)), new[0].shape[1])
+                new[0] = _storage.round_stochastically(new[0], bits)
             for r, j, v, p in zip(arrays_, slots, new, packings):
                 r.write(j, row, v if p.rank == 2 else v.reshape(1, 1))
 
@@ -445,6 +458,7 @@ def fused_update(
                 pl.BlockSpec(memory_space=pltpu.SMEM),
                 _HBM,
             ]
+            + [pl.BlockSpec(memory_space=pltpu.SMEM)] * (rounding is not None)
             + [_HBM] * n,
             out_specs=[_HBM] * n,
             scratch_shapes=(
@@ -463,7 +477,9 @@ def fused_update(
         out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
         # Operand indices count the scalar-prefetch operand, the pair arrays, the scalars
         # and the gradients: the arrays follow them.
-        input_output_aliases={len(pairs.arrays) + 3 + a: a for a in range(n)},
+        input_output_aliases={
+            len(pairs.arrays) + 3 + (rounding is not None) + a: a for a in range(n)
+        },
         compiler_params=_params(vmem),
         cost_estimate=pl.CostEstimate(
             flops=4 * planned[0] * dim,
@@ -471,21 +487,32 @@ def fused_update(
             bytes_accessed=(2 * planned[1] * row_bytes + pairs.bytes * planned[0] + grads.size * 4),
         ),
         interpret=interpret,
-    )(jnp.reshape(count, (1,)).astype(jnp.int32), *pairs.arrays, scalars, grads, *arrays)
+    )(
+        jnp.reshape(count, (1,)).astype(jnp.int32),
+        *pairs.arrays,
+        scalars,
+        grads,
+        *([] if rounding is None else [rounding[1]]),
+        *arrays,
+    )
 
 
 class PallasBackend(_backend.Backend):
-    """The fused kernels above for float32 tables with a sparse optimizer. A batch whose
-    activations would fill more than half of VMEM (`fits_vmem`) runs the XLA passes."""
+    """The fused kernels above for float32 tables with a sparse optimizer (bfloat16 ones
+    too in the interpreter). A batch whose activations would fill more than half of VMEM
+    (`fits_vmem`) runs the XLA passes."""
 
     def __init__(self, interpret: bool = False):
         self.interpret = interpret
         self.name = "pallas_interpret" if interpret else "pallas"
 
     def unusable(self, table, optimizer, storage, platform):
-        if jnp.dtype(table.dtype) != jnp.float32:
+        if not self.interpret and jnp.dtype(table.dtype) != jnp.float32:
+            # Mosaic tiles bfloat16 VMEM buffers 16 rows to 8 sublanes: the one-row DMAs at
+            # any row offset do not compile. The interpreter has no tiling.
             return (
-                f"the Pallas kernels take float32 tables; this one is {jnp.dtype(table.dtype).name}"
+                f"the Pallas TPU kernels take float32 tables; this one is "
+                f"{jnp.dtype(table.dtype).name} (backend='pallas_interpret' takes it)"
             )
         if optimizer.dense_update:
             return (
@@ -553,6 +580,12 @@ class PallasBackend(_backend.Backend):
         )
         stream = stream.sorted()
         names = [s.name for s in storage.stored]
+        rounding = None
+        if plan.config.stochastic_rounding:
+            assert step.step is not None
+            key = _storage.step_key(_storage.table_seed(plan.name), step.step)
+            shard = lax.axis_index(axis).astype(jnp.int32)
+            rounding = (plan.layout, jnp.stack([lax.bitcast_convert_type(key, jnp.int32), shard]))
         new = fused_update(
             [table] + [slots[s] for s in names],
             storage.packings,
@@ -567,6 +600,7 @@ class PallasBackend(_backend.Backend):
             vmem=plan.vmem,
             out_bits=stream.out_bits,
             rows_packing=storage.rows_packing,
+            rounding=rounding,
             interpret=self.interpret,
         )
         return new[0], dict(zip(names, new[1:]))

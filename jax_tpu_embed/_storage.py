@@ -22,9 +22,11 @@ Init, export, restore, checkpoints, serving, planning and the backends all go th
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from . import _layout, _optimizers
 
@@ -245,3 +247,43 @@ class TableStorage:
         table = size(table_shape, self.dtype)
         riders = table * len(self.riders) // (1 + len(self.riders))
         return table - riders, riders + sum(size(s, jnp.float32) for s in slot_shapes.values())
+
+
+# ------------------------------------------------------------------ stochastic rounding
+
+
+def _mix(x):
+    """A 32-bit integer hash (lowbias32): every output bit depends on every input bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def table_seed(name: str) -> int:
+    """The table's key in the rounding stream: its name, so it is the same on every mesh."""
+    return zlib.crc32(name.encode()) & 0xFFFFFFFF
+
+
+def step_key(seed: int, step):
+    """uint32 key of (table, step), the part of the stream shared by a step's rows."""
+    return _mix(jnp.uint32(seed) ^ _mix(jnp.asarray(step).astype(jnp.uint32)))
+
+
+def random_bits(key, rows, width: int):
+    """(R, width) uint32 random bits, a counter-based stream of (key, global row, lane):
+    no state, the same bits for a row whatever shard or backend updates it."""
+    rows = jnp.asarray(rows).astype(jnp.uint32)[:, None]
+    lanes = lax.broadcasted_iota(jnp.int32, (1, width), 1).astype(jnp.uint32)
+    return _mix(_mix(key ^ _mix(rows)) ^ (lanes + jnp.uint32(0x9E3779B9)))
+
+
+def round_stochastically(x, bits):
+    """float32 x -> bfloat16, rounded away from zero with probability (distance to the
+    nearer-to-zero neighbour) / (spacing): the low 16 random bits are added to the low 16
+    bits of x, the carry decides, and the low bits are dropped. NaN stays NaN."""
+    u = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    u = (u + (bits & jnp.uint32(0xFFFF))) & jnp.uint32(0xFFFF0000)
+    out = lax.bitcast_convert_type(u, jnp.float32)
+    return jnp.where(jnp.isnan(x), x, out).astype(jnp.bfloat16)

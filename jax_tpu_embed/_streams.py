@@ -328,14 +328,16 @@ def id_counts(table_plans: dict, feature_plans: list, flat: dict, num_shards: in
                     f"several processes; pass the global batch as NumPy."
                 )
         ids, _ = _inputs.normalize(f.config, leaf)
-        ids_by_table.setdefault(f.table, []).append(np.asarray(ids).reshape(-1))
+        # (N, b·L): each device's pairs, for owner routing's rounds.
+        ids_by_table.setdefault(f.table, []).append(np.asarray(ids).reshape(num_shards, -1))
         out_rows[f.table] = out_rows.get(f.table, 0) + (
             ids.size if f.config.is_sequence else ids.shape[0]
         )
     out = {}
     for name, parts in ids_by_table.items():
         plan = table_plans[name]
-        ids = np.concatenate(parts)
+        per_device = np.concatenate(parts, axis=1)
+        ids = per_device.reshape(-1)
         m = ids.shape[0]
         c = capacity(plan, m, num_shards)
         cu = unique_capacity(plan, c)
@@ -346,11 +348,11 @@ def id_counts(table_plans: dict, feature_plans: list, flat: dict, num_shards: in
             rows, counts = np.unique(valid[owner == p], return_counts=True)
             owned, unique = max(owned, int(counts.sum())), max(unique, len(rows))
             passes = max(passes, passes_needed(counts, c, cu))
-        single = plan.backend.single_pass(plan, out_rows[name])
-        out[name] = {
-            "pairs": m,
-            "owned_pairs": owned,
-            "unique_rows": unique,
-            "passes": 1 if single else passes,
-        }
+        if plan.routing == "owner":
+            from . import _routing  # It builds on this module.
+
+            passes = _routing.rounds_needed(plan, per_device, num_shards)
+        elif plan.backend.single_pass(plan, out_rows[name]):
+            passes = 1
+        out[name] = {"pairs": m, "owned_pairs": owned, "unique_rows": unique, "passes": passes}
     return out

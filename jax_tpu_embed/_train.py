@@ -16,8 +16,20 @@ pipeline_execution_with_tensor_core; every update is still applied once, in orde
 step counter it would have had. With no id shared by consecutive batches, both agree.
 
 Non-finite values: when the loss, an activation gradient or a dense gradient of a step is NaN
-or infinite, the whole step is skipped: no table, slot, parameter or optimizer state changes,
-`state.step` does not advance, `metrics["skipped"]` is 1 and `state.skipped` counts it.
+or infinite, the whole step is skipped: no table, slot, parameter, optimizer state, model state
+(batch statistics) or rng changes, `state.step` does not advance, `metrics["skipped"]` is 1 and
+`state.skipped` counts it.
+
+Micro-batches (`accumulate_steps=k > 1`): every batch leaf has a leading axis of k
+micro-batches. One lookup embeds all k (the activations of the whole batch are (B, D) per
+feature, as small as their gradients, which the update needs anyway); the model's forward and
+backward passes then run one micro-batch at a time in a `lax.scan`, so the model's own
+intermediate activations are one micro-batch's. Dense gradients are summed over the
+micro-batches; the k micro-batches' ids and activation gradients are concatenated into one
+`apply_gradients` call, which sums the gradients of each row across all of them before the
+optimizer runs once per touched row. For a loss that sums over examples this is one step on
+the concatenated batch. The concatenation puts each device's rows of the k micro-batches next
+to each other (example order b-major), so it moves no data between devices.
 """
 
 from __future__ import annotations
@@ -33,13 +45,15 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _embedding, _inputs
+from . import _config, _embedding, _inputs
 
 Nested = Any
-# discover(params, batch) -> {name: (Embedding, features)}: which embeddings a batch feeds.
-Discover = Callable[[Any, Any], dict]
-# loss(params, {name: activations}, batch) -> loss or (loss, aux).
-Loss = Callable[[Any, dict, Any], Any]
+# discover(params, batch, model_state, rng) -> {name: (Embedding, features)}: which embeddings
+# a batch feeds.
+Discover = Callable[[Any, Any, Any, Any], dict]
+# loss(params, {name: activations}, batch, model_state, rng) -> (loss or (loss, aux),
+# new model_state).
+Loss = Callable[[Any, dict, Any, Any, Any], tuple]
 
 
 @functools.partial(
@@ -63,7 +77,16 @@ class Pending:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["step", "params", "opt_state", "embedding", "pending", "skipped"],
+    data_fields=[
+        "step",
+        "params",
+        "opt_state",
+        "embedding",
+        "pending",
+        "skipped",
+        "model_state",
+        "rng",
+    ],
     meta_fields=[],
 )
 @dataclasses.dataclass
@@ -80,6 +103,11 @@ class TrainState:
             collection (`jte.flax.make_train_step`).
         pending: `Pending` with `spec.pipeline_execution=True`, else None.
         skipped: int32 scalar, steps skipped because of non-finite values.
+        model_state: State the model updates without gradients (flax "batch_stats" and
+            other mutable collections; with NNX, every variable but params and tables, rng
+            counters included); None when there is none.
+        rng: A PRNG key for the model's random streams (dropout); split every applied step,
+            so each step draws new masks. None when the step uses no randomness.
     """
 
     step: jax.Array
@@ -88,6 +116,8 @@ class TrainState:
     embedding: Any
     pending: Pending | None
     skipped: jax.Array
+    model_state: Any = None
+    rng: Any = None
 
 
 def _after_lookup(grads: jax.Array, acts: jax.Array) -> jax.Array:
@@ -152,6 +182,79 @@ def _dense_sharding(x, replicated: NamedSharding) -> NamedSharding:
     return sharding
 
 
+def _shape(x) -> tuple:
+    """Shape of an array, a jax.ShapeDtypeStruct or a Python scalar."""
+    return tuple(x.shape) if hasattr(x, "shape") else tuple(jnp.shape(x))
+
+
+def first_micro_batch(batch, k: int):
+    """Micro-batch 0 of a batch of k (arrays or jax.ShapeDtypeStruct leaves)."""
+    _check_micro_batches(batch, k)
+
+    def first(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+        return x[0]
+
+    return jax.tree.map(first, batch)
+
+
+def _check_micro_batches(batch, k: int) -> None:
+    """Every leaf of a batch of k micro-batches has a leading axis of k."""
+    bad = [
+        f"{jax.tree_util.keystr(path) or 'the batch'} has shape {_shape(x)}"
+        for path, x in jax.tree_util.tree_leaves_with_path(batch)
+        if len(_shape(x)) < 1 or _shape(x)[0] != k
+    ]
+    if bad:
+        raise ValueError(
+            f"accumulate_steps={k}: every batch leaf needs a leading axis of {k} "
+            f"micro-batches, (k, b, ...); {'; '.join(bad[:5])}."
+        )
+
+
+def _check_batch_leading(emb: _embedding.Embedding) -> None:
+    """Micro-batches are concatenated along the batch axis of each activation."""
+    fixed = sorted(
+        path
+        for path, f in _config.flatten_features(emb.spec.features)
+        if f.output_shape is not None
+    )
+    if fixed:
+        raise ValueError(
+            f"accumulate_steps > 1: features {fixed} have an output_shape, whose activation "
+            f"has no batch axis to concatenate micro-batches along; drop output_shape and "
+            f"reshape the activations in the model, or use accumulate_steps=1."
+        )
+
+
+def _reshape_on(x, shape, emb: _embedding.Embedding):
+    """x.reshape(shape), split over emb's batch axis (Explicit meshes need to be told)."""
+    sharding = NamedSharding(emb.mesh, P(emb.axis))
+    if _embedding._is_explicit(emb.mesh):
+        return jax.lax.reshape(x, shape, out_sharding=sharding)
+    return jax.lax.with_sharding_constraint(x.reshape(shape), sharding)
+
+
+def _merge(x, emb: _embedding.Embedding):
+    """(k, b, ...) micro-batches -> (b·k, ...) one batch, example order b-major.
+
+    b-major rather than k-major: each device's b/N rows of every micro-batch end up next to
+    each other, so the result is split over the batch axis without moving data.
+    """
+    x = jnp.asarray(x)
+    k, b = x.shape[:2]
+    x = _constrain(x, NamedSharding(emb.mesh, P(None, emb.axis)))
+    return _reshape_on(jnp.moveaxis(x, 0, 1), (b * k,) + x.shape[2:], emb)
+
+
+def _split(x, k: int, emb: _embedding.Embedding):
+    """The inverse of `_merge`: (b·k, ...) -> (k, b, ...)."""
+    b = x.shape[0] // k
+    x = _reshape_on(x, (b, k) + x.shape[1:], emb)
+    return _constrain(jnp.moveaxis(x, 1, 0), NamedSharding(emb.mesh, P(None, emb.axis)))
+
+
 def _unaliased(tree):
     """`tree` with every array appearing once: a donated buffer may not be passed twice."""
     seen = set()
@@ -207,9 +310,20 @@ class TrainStep:
         unpack: Callable[[Any], dict],
         pack: Callable[[Any, dict], Any],
         donate: bool = True,
+        accumulate_steps: int = 1,
     ):
+        if (
+            isinstance(accumulate_steps, bool)
+            or not isinstance(accumulate_steps, int)
+            or accumulate_steps < 1
+        ):
+            raise ValueError(
+                f"make_train_step: accumulate_steps must be an int >= 1 (the number of "
+                f"micro-batches along each batch leaf's leading axis), got {accumulate_steps!r}."
+            )
         self._discover, self._loss, self.tx = discover, loss, tx
         self._unpack, self._pack = unpack, pack
+        self.accumulate_steps = accumulate_steps
         self.embeddings: dict[str, _embedding.Embedding] = {}
         self.trace_count = 0
         donate_argnums = (0,) if donate else ()
@@ -237,11 +351,33 @@ class TrainStep:
 
     # --------------------------------------------------------------- building
 
-    def _found(self, params, batch) -> tuple[dict, dict]:
-        found = self._discover(params, batch)
+    def _found(self, params, batch, model_state=None, rng=None) -> tuple[dict, dict]:
+        found = self._discover(params, batch, model_state, rng)
         embs = {n: e for n, (e, _) in found.items()}
         self.embeddings.update(embs)
         return embs, {n: f for n, (_, f) in found.items()}
+
+    def _features(self, params, batch, model_state, rng) -> tuple[dict, dict]:
+        """({name: Embedding}, {name: features}) of a batch; with micro-batches, the features
+        of all k micro-batches concatenated into one batch of k·b examples (`_merge`)."""
+        k = self.accumulate_steps
+        if k == 1:
+            return self._found(params, batch, model_state, rng)
+        _check_micro_batches(batch, k)
+        embs = {}
+
+        def one(micro, key):
+            e, f = self._found(params, micro, model_state, key)
+            embs.update(e)
+            return f
+
+        # `rng` holds one key per micro-batch here.
+        stacked = jax.vmap(one)(batch, rng)
+        for emb in embs.values():
+            _check_batch_leading(emb)
+        return embs, {
+            n: jax.tree.map(lambda x, e=embs[n]: _merge(x, e), stacked[n]) for n in stacked
+        }
 
     def _pipelined(self, embs: dict) -> list[str]:
         return sorted(n for n, e in embs.items() if e.spec.pipeline_execution)
@@ -278,12 +414,20 @@ class TrainStep:
         )
         return Pending(features, grads, valid)
 
-    def _make_state(self, params, embedding, example_batch, abstract: bool) -> TrainState:
+    def _make_state(
+        self,
+        params,
+        embedding,
+        example_batch,
+        abstract: bool,
+        model_state: Any = None,
+        rng: Any = None,
+    ) -> TrainState:
         states = self._unpack(embedding)
         embs, features = {}, {}
 
-        def probe(p, b):
-            e, f = self._found(p, b)
+        def probe(p, b, m, r):
+            e, f = self._features(p, b, m, self._micro_keys(r))
             embs.update(e)
             return f
 
@@ -295,7 +439,7 @@ class TrainStep:
                     "pipelined step keeps one batch's update pending)."
                 )
         else:
-            features = jax.eval_shape(probe, params, example_batch)
+            features = jax.eval_shape(probe, params, example_batch, model_state, rng)
         missing = sorted(set(embs) - set(states))
         if missing:
             raise ValueError(
@@ -324,16 +468,21 @@ class TrainStep:
                 embedding,
                 self._pending_like(embs, features, True),
                 scalar,
+                jax.tree.map(abstract_of, model_state),
+                jax.tree.map(abstract_of, rng),
             )
 
         # A copy, so that donating the state never deletes the caller's arrays (device_put
         # alone may alias the caller's buffer on one device, even with may_alias=False).
-        params = jax.tree.map(
-            lambda x: jax.device_put(
-                jnp.copy(x) if isinstance(x, jax.Array) else x, _dense_sharding(x, replicated)
-            ),
-            params,
-        )
+        def placed(tree):
+            return jax.tree.map(
+                lambda x: jax.device_put(
+                    jnp.copy(x) if isinstance(x, jax.Array) else x, _dense_sharding(x, replicated)
+                ),
+                tree,
+            )
+
+        params = placed(params)
         step = jax.device_put(jnp.array(first.step, jnp.int32, copy=True), replicated)
         skipped = jax.device_put(jnp.zeros((), jnp.int32), replicated)
         # On the mesh like the step's outputs, so the second step does not retrace.
@@ -341,14 +490,80 @@ class TrainStep:
             lambda x: jax.device_put(x, _dense_sharding(x, replicated)), self.tx.init(params)
         )
         state = TrainState(
-            step, params, opt_state, embedding, self._pending_like(embs, features, False), skipped
+            step,
+            params,
+            opt_state,
+            embedding,
+            self._pending_like(embs, features, False),
+            skipped,
+            placed(model_state),
+            placed(rng),
         )
         return _unaliased(state)
 
+    def _micro_keys(self, key):
+        """The key of each micro-batch (k keys), or the step's key when k == 1."""
+        if key is None or self.accumulate_steps == 1:
+            return key
+        return jax.random.split(key, self.accumulate_steps)
+
     # ------------------------------------------------------------------- step
 
+    def _grads(self, params, acts, batch, model_state, key):
+        """Loss, d(loss)/d(params), d(loss)/d(acts), aux and the new model state of one
+        (micro-)batch."""
+
+        def loss_of(params, acts):
+            out, new_model_state = self._loss(params, acts, batch, model_state, key)
+            loss: Any
+            loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+            if (
+                not hasattr(loss, "shape")
+                or jnp.shape(loss) != ()
+                or not jnp.issubdtype(jnp.result_type(loss), jnp.floating)
+            ):
+                raise ValueError(
+                    f"loss_fn must return a float scalar loss, or (loss, aux); got "
+                    f"{type(loss).__name__} with shape {jnp.shape(loss)} and dtype "
+                    f"{jnp.result_type(loss)}. Reduce over the batch (e.g. jnp.mean)."
+                )
+            return loss.astype(jnp.float32), (aux, new_model_state)
+
+        loss, vjp_fn, (aux, new_model_state) = jax.vjp(loss_of, params, acts, has_aux=True)
+        dparams, dacts = vjp_fn(jnp.ones_like(loss))
+        return loss, dparams, dacts, aux, new_model_state
+
+    def _accumulated_grads(self, params, acts, batch, model_state, keys, embs, first):
+        """`_grads` summed over k micro-batches, one at a time (lax.scan); the activation
+        gradients come back concatenated like the features (`_merge`)."""
+        k = self.accumulate_steps
+        micro_acts = {n: jax.tree.map(lambda a, e=embs[n]: _split(a, k, e), acts[n]) for n in acts}
+
+        def body(carry, xs):
+            dparams_sum, loss_sum, model_state = carry
+            micro, macts, key = xs
+            loss, dparams, dacts, aux, model_state = self._grads(
+                params, macts, micro, model_state, key
+            )
+            dparams_sum = jax.tree.map(jnp.add, dparams_sum, dparams)
+            return (dparams_sum, loss_sum + loss, model_state), (dacts, aux)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        init = (zeros, jnp.zeros((), jnp.float32), model_state)
+        (dparams, loss, model_state), (dacts, aux) = jax.lax.scan(
+            body, init, (batch, micro_acts, keys)
+        )
+        dacts = {n: jax.tree.map(lambda g, e=embs[n]: _merge(g, e), dacts[n]) for n in dacts}
+        return loss, dparams, dacts, aux, model_state
+
     def _step(self, state: TrainState, batch):
-        embs, features = self._found(state.params, batch)
+        k = self.accumulate_steps
+        if state.rng is None:
+            step_key = next_rng = None
+        else:
+            next_rng, step_key = jax.random.split(state.rng)
+        keys = self._micro_keys(step_key)
+        embs, features = self._features(state.params, batch, state.model_state, keys)
         states = self._unpack(state.embedding)
         if set(states) != set(embs):
             raise ValueError(
@@ -365,28 +580,18 @@ class TrainStep:
                 f"this step's init."
             )
         first = embs[sorted(embs)[0]]
-        batch = self._shard_batch(batch, first, _batch_size(features))
+        # With micro-batches the merged features hold k·b examples; the batch is (k, b, ...).
+        batch = self._shard_batch(batch, first, _batch_size(features) // k, lead=int(k > 1))
 
         acts = {n: embs[n].lookup(states[n], features[n]) for n in embs}
-
-        def loss_of(params, acts):
-            out = self._loss(params, acts, batch)
-            loss: Any
-            loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
-            if (
-                not hasattr(loss, "shape")
-                or jnp.shape(loss) != ()
-                or not jnp.issubdtype(jnp.result_type(loss), jnp.floating)
-            ):
-                raise ValueError(
-                    f"loss_fn must return a float scalar loss, or (loss, aux); got "
-                    f"{type(loss).__name__} with shape {jnp.shape(loss)} and dtype "
-                    f"{jnp.result_type(loss)}. Reduce over the batch (e.g. jnp.mean)."
-                )
-            return loss.astype(jnp.float32), aux
-
-        loss, vjp_fn, aux = jax.vjp(loss_of, state.params, acts, has_aux=True)
-        dparams, dacts = vjp_fn(jnp.ones_like(loss))
+        if k == 1:
+            loss, dparams, dacts, aux, model_state = self._grads(
+                state.params, acts, batch, state.model_state, step_key
+            )
+        else:
+            loss, dparams, dacts, aux, model_state = self._accumulated_grads(
+                state.params, acts, batch, state.model_state, keys, embs, first
+            )
         ok = _all_finite(loss, dacts, dparams)
 
         # Sparse updates: this batch's, or in a pipelined step the previous batch's.
@@ -422,6 +627,8 @@ class TrainStep:
         keep_new = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
         params = jax.tree.map(keep_new, params, state.params)
         opt_state = jax.tree.map(keep_new, opt_state, state.opt_state)
+        model_state = jax.tree.map(keep_new, model_state, state.model_state)
+        rng = None if state.rng is None else keep_new(next_rng, state.rng)
 
         new_state = TrainState(
             step=state.step + ok.astype(jnp.int32),
@@ -430,6 +637,8 @@ class TrainStep:
             embedding=self._pack(state.embedding, new_states),
             pending=pending,
             skipped=state.skipped + (~ok).astype(jnp.int32),
+            model_state=model_state,
+            rng=rng,
         )
         invalid = sum(
             jnp.sum(jnp.stack(list(embs[n].invalid_id_counts(features[n]).values()))) for n in embs
@@ -444,15 +653,16 @@ class TrainStep:
         self.trace_count += 1  # Counted once the trace succeeded.
         return new_state, metrics
 
-    def _shard_batch(self, batch, emb: _embedding.Embedding, batch_size: int):
-        """Every array of the batch with leading dimension B is split over the mesh axis."""
-        sharding = NamedSharding(emb.mesh, P(emb.axis))
+    def _shard_batch(self, batch, emb: _embedding.Embedding, batch_size: int, lead: int = 0):
+        """Every array of the batch with dimension B after `lead` leading axes (the
+        micro-batch axis) is split over the mesh axis along that dimension."""
+        sharding = NamedSharding(emb.mesh, P(*([None] * lead), emb.axis))
 
         def shard(x):
             if (
                 hasattr(x, "shape")
-                and len(x.shape) >= 1
-                and x.shape[0] == batch_size
+                and len(x.shape) >= 1 + lead
+                and x.shape[lead] == batch_size
                 and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
             ):
                 return _constrain(jnp.asarray(x), sharding)
@@ -500,6 +710,7 @@ class EmbeddingTrainStep(TrainStep):
         tx: optax.GradientTransformation,
         features_fn: Callable | None = None,
         donate: bool = True,
+        accumulate_steps: int = 1,
     ):
         if not isinstance(emb, _embedding.Embedding):
             raise TypeError(
@@ -513,8 +724,8 @@ class EmbeddingTrainStep(TrainStep):
         self.embedding = emb
         name = self._NAME
 
-        def discover(params, batch):
-            del params
+        def discover(params, batch, model_state, rng):
+            del params, model_state, rng
             if features_fn is not None:
                 return {name: (emb, features_fn(batch))}
             if not isinstance(batch, dict) or "features" not in batch:
@@ -526,11 +737,15 @@ class EmbeddingTrainStep(TrainStep):
 
         super().__init__(
             discover=discover,
-            loss=lambda params, acts, batch: loss_fn(params, acts[name], batch),
+            loss=lambda params, acts, batch, model_state, rng: (
+                loss_fn(params, acts[name], batch),
+                model_state,
+            ),
             tx=tx,
             unpack=lambda e: {name: e},
             pack=lambda e, states: states[name],
             donate=donate,
+            accumulate_steps=accumulate_steps,
         )
         self.embeddings = {name: emb}
 
@@ -576,6 +791,7 @@ def make_train_step(
     *,
     features_fn: Callable | None = None,
     donate: bool = True,
+    accumulate_steps: int = 1,
 ) -> EmbeddingTrainStep:
     """Builds one jitted, state-donating train step.
 
@@ -589,10 +805,23 @@ def make_train_step(
         features_fn: fn(batch) -> the features (mirroring the spec). Default:
             `batch["features"]`.
         donate: Donate the state to the step (default), so tables are updated in place.
+        accumulate_steps: k > 1: every batch leaf has a leading axis of k micro-batches,
+            (k, b, ...); the model runs one micro-batch at a time, dense and row gradients
+            are summed over all k, and one dense and one sparse update (one per touched row)
+            follow: for a loss summed over examples, one step on the concatenated batch.
+            `loss_fn` sees one micro-batch; metrics["loss"] is the sum of the k losses and
+            metrics["aux"] has a leading axis of k.
 
     Returns:
         `step(state, batch) -> (state, metrics)`, with `step.init(key, params, ...)` making the
         first state and `step.flush(state)` applying a pipelined step's pending update. Every
         array in the batch whose leading dimension is B is split over the mesh axis.
     """
-    return EmbeddingTrainStep(emb, loss_fn, tx, features_fn=features_fn, donate=donate)
+    return EmbeddingTrainStep(
+        emb,
+        loss_fn,
+        tx,
+        features_fn=features_fn,
+        donate=donate,
+        accumulate_steps=accumulate_steps,
+    )

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _backend, _layout, _streams
+from . import _backend, _layout, _storage, _streams
 from ._streams import NOT_MINE
 
 
@@ -222,5 +222,16 @@ def apply_rows(
     s = [step.scalars[j] for j in range(step.scalars.shape[0])]
     row_fn = storage.stored_row_fn(step.row_fn)
     new = jax.vmap(lambda g_r, v_r: row_fn(g_r, v_r, s))(g, values)
+    if plan.config.stochastic_rounding:
+        new[0] = stochastic_rows(plan, new[0], rows_idx, step, axis)
     table, *new_slots = [a.write(v) for a, v in zip(access, new)]
     return table, dict(zip(names, new_slots))
+
+
+def stochastic_rows(plan: _backend.TablePlan, rows, local, step: _backend.RowStep, axis):
+    """New float32 rows (U, D) of the local rows `local` -> bfloat16, stochastically rounded
+    with the bits of (table, step, global row); bfloat16 tables hold no riders."""
+    assert step.step is not None and not plan.storage.riders
+    key = _storage.step_key(_storage.table_seed(plan.name), step.step)
+    ids = plan.layout.global_ids(lax.axis_index(axis), local)
+    return _storage.round_stochastically(rows, _storage.random_bits(key, ids, rows.shape[1]))

@@ -3,11 +3,21 @@
     jte.checkpoint.save(directory, emb, state, dense={"params": params, "opt": opt_state})
     state, dense = jte.checkpoint.restore(directory, emb2)        # latest step, any mesh
 
+    jte.checkpoint.save(directory, emb, state, blocking=False)    # returns once on the host
+    ...                                                           # training goes on
+    jte.checkpoint.wait()                                         # the save is on disk
+
 Checkpoints speak in logical rows, so one written on N shards with "mod" restores on M shards
 with "div". Each save is one orbax step directory named after `state.step`; earlier ones are
 kept. Orbax writes a step into a temporary directory and renames it only once every file is
 written, so a save cut short (killed process, full disk) leaves the previous checkpoints
 restorable and is never seen as a step.
+
+`save(..., blocking=False)` returns once the arrays are copied to host memory (so the train
+step may donate and overwrite them) and lets orbax write in a background thread; the same
+temporary-directory-then-rename commit keeps a save killed part-way invisible. `wait()` joins
+the saves in flight; `restore`, `all_steps` and the next `save` to the same directory join its
+save first, and so does interpreter exit.
 
 On disk, `directory/<step>/` holds three orbax items:
 
@@ -31,11 +41,13 @@ converted.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
 import os
 import re
+import threading
 from typing import Any
 
 import jax
@@ -68,6 +80,7 @@ def save(
     state: _embedding.EmbeddingState,
     *,
     dense: Any = None,
+    blocking: bool = True,
 ) -> int:
     """Writes `state` (and `dense`) as the checkpoint of step `state.step` under `directory`.
 
@@ -77,9 +90,11 @@ def save(
         emb: The Embedding that `state` belongs to.
         state: Its state; tables and slots are stored in logical rows.
         dense: Optional pytree of arrays (e.g. flax params and optax state) saved alongside.
+        blocking: True: return once the checkpoint is complete on disk. False: return once
+            the arrays are on the host, orbax writing them in the background; `wait()` joins.
 
     Returns:
-        The step saved. Returns once the checkpoint is complete on disk (synchronous).
+        The step saved (complete on disk only when `blocking`).
 
     Raises:
         ValueError: `state` does not match `emb`'s tables, or `directory` already holds a
@@ -87,6 +102,7 @@ def save(
     """
     ocp = _orbax()
     path = _path(directory)
+    wait(path)  # One save in flight per directory: orbax's manager keeps the steps in order.
     _check_state(emb, state)
     step = int(jax.device_get(state.step))
     embedding = {"tables": {}, "slots": {}}
@@ -106,7 +122,7 @@ def save(
     }
     if dense is not None:
         items["dense"] = ocp.args.StandardSave(dense)
-    with _manager(path, read_only=False) as manager:
+    with _manager(path, read_only=False, asynchronous=not blocking) as manager:
         try:
             manager.save(step, args=ocp.args.Composite(**items), force=True)
         except ocp.checkpoint_manager.StepAlreadyExistsError as e:  # pyright: ignore[reportAttributeAccessIssue]
@@ -114,8 +130,48 @@ def save(
                 f"checkpoint.save: {path} already holds a checkpoint for step "
                 f"{step}; delete it or save from a state with another step."
             ) from e
-        manager.wait_until_finished()
+        if blocking:
+            manager.wait_until_finished()
+        else:
+            _PENDING[path] = manager  # Kept open (not closed on exit) until `wait`.
+            _join_at_exit()
     return step
+
+
+# Directory -> the CheckpointManager whose save is still being written (blocking=False).
+_PENDING: dict[str, Any] = {}
+
+
+def wait(directory: str | os.PathLike | None = None) -> None:
+    """Blocks until the saves started with `blocking=False` are complete on disk.
+
+    Args:
+        directory: Only the save under this directory; None: every save in flight.
+
+    Raises:
+        Whatever error the background write met (e.g. a full disk), from the save it was in.
+    """
+    paths = list(_PENDING) if directory is None else [_path(directory)]
+    for path in paths:
+        manager = _PENDING.pop(path, None)
+        if manager is not None:
+            try:
+                manager.wait_until_finished()
+            finally:
+                manager.close()
+
+
+@functools.cache
+def _join_at_exit() -> None:
+    """Makes interpreter exit join the saves in flight, so a script that ends right after an
+    async save still writes it.
+
+    Not `atexit`: by then Python has shut down the thread pools orbax writes with. threading's
+    exit hooks run before that, newest first; this one is registered after orbax (and so
+    concurrent.futures) was imported, so it runs before the pools' shutdown.
+    """
+    register = getattr(threading, "_register_atexit", atexit.register)
+    register(wait)
 
 
 def restore(
@@ -153,6 +209,7 @@ def restore(
     """
     ocp = _orbax()
     path = _path(directory)
+    wait(path)
     if not _exists(path):
         raise CheckpointNotFoundError(
             f"checkpoint.restore: checkpoint directory {path} does not exist."
@@ -164,7 +221,8 @@ def restore(
                 f"checkpoint.restore: {path} holds no complete checkpoint (no finished step "
                 f"directory; saves cut short are ignored)."
             )
-        step = steps[-1] if step is None else step
+        if step is None:
+            step = int(steps[-1])
         if step not in steps:
             raise CheckpointNotFoundError(
                 f"checkpoint.restore: {path} has no checkpoint for step {step}; its steps "
@@ -261,6 +319,7 @@ def _summary(e: BaseException) -> str:
 def all_steps(directory: str | os.PathLike) -> list[int]:
     """The steps of the complete checkpoints under `directory`, ascending ([] if none)."""
     path = _path(directory)
+    wait(path)
     if not _exists(path):
         return []
     with _manager(path, read_only=True) as manager:
@@ -292,7 +351,9 @@ class _QuietAbsl(logging.Filter):
 
 
 @contextlib.contextmanager
-def _manager(path: str, read_only: bool):
+def _manager(path: str, read_only: bool, asynchronous: bool = False):
+    """A CheckpointManager for `path`, closed on exit unless `asynchronous` (then `wait`
+    closes it once its save is written)."""
     ocp = _orbax()
     quiet = _QuietAbsl()
     log = logging.getLogger("absl")
@@ -301,7 +362,7 @@ def _manager(path: str, read_only: bool):
         options = ocp.CheckpointManagerOptions(
             read_only=read_only,
             create=not read_only,
-            enable_async_checkpointing=False,
+            enable_async_checkpointing=asynchronous,
             # A save killed mid-way leaves "<step>.orbax-checkpoint-tmp-*"; the next save
             # clears it.
             cleanup_tmp_directories=not read_only,
@@ -311,8 +372,16 @@ def _manager(path: str, read_only: bool):
             "metadata": ocp.JsonCheckpointHandler(),
             "dense": ocp.StandardCheckpointHandler(),
         }
-        with ocp.CheckpointManager(path, options=options, item_handlers=handlers) as manager:
+        # Any, as the `with` statement typed it before: orbax's restore results are
+        # attribute-style Composites that its Mapping annotation does not describe.
+        manager: Any = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
+        try:
             yield manager
+        except BaseException:
+            manager.close()
+            raise
+        if not asynchronous:
+            manager.close()
     finally:
         log.removeFilter(quiet)
 

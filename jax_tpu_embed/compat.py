@@ -40,6 +40,10 @@ __all__ = [
     "AdagradParameters",
     "AdamParameters",
     "StochasticGradientDescentParameters",
+    "FtrlParameters",
+    "MomentumParameters",
+    "RMSPropParameters",
+    "ProximalAdagradParameters",
     "EmbeddingConfigSpec",
 ]
 
@@ -459,7 +463,194 @@ class StochasticGradientDescentParameters(_OptimizationParameters):
         )
 
 
-_SUPPORTED_OPTIMIZERS = (AdagradParameters, AdamParameters, StochasticGradientDescentParameters)
+class FtrlParameters(_OptimizationParameters):
+    """TF1's `tf.tpu.experimental.FtrlParameters`; becomes `jte.FTRL`."""
+
+    def __init__(
+        self,
+        learning_rate: float,
+        learning_rate_power: float = -0.5,
+        initial_accumulator_value: float = 0.1,
+        l1_regularization_strength: float = 0.0,
+        l2_regularization_strength: float = 0.0,
+        use_gradient_accumulation: bool = True,
+        clip_weight_min: float | None = None,
+        clip_weight_max: float | None = None,
+        weight_decay_factor: float | None = None,
+        multiply_weight_decay_factor_by_learning_rate: bool | None = None,
+        multiply_linear_by_learning_rate: bool = False,
+        beta: float = 0,
+        allow_zero_accumulator: bool = False,
+        clip_gradient_min: float | None = None,
+        clip_gradient_max: float | None = None,
+    ):
+        super().__init__(
+            learning_rate,
+            use_gradient_accumulation,
+            clip_weight_min,
+            clip_weight_max,
+            weight_decay_factor,
+            multiply_weight_decay_factor_by_learning_rate,
+            clip_gradient_min,
+            clip_gradient_max,
+        )
+        self.learning_rate_power = learning_rate_power
+        self.initial_accumulator_value = initial_accumulator_value
+        self.initial_linear_value = 0.0
+        self.l1_regularization_strength = l1_regularization_strength
+        self.l2_regularization_strength = l2_regularization_strength
+        self.multiply_linear_by_learning_rate = multiply_linear_by_learning_rate
+        self.beta = beta
+        self.allow_zero_accumulator = allow_zero_accumulator
+        self.to_optimizer()  # Checks every value now, naming the field and its range.
+
+    def to_optimizer(self, learning_rate=None):
+        return _optimizers.FTRL(
+            learning_rate=self.learning_rate if learning_rate is None else learning_rate,
+            learning_rate_power=self.learning_rate_power,
+            l1_regularization_strength=self.l1_regularization_strength,
+            l2_regularization_strength=self.l2_regularization_strength,
+            beta=self.beta,
+            initial_accumulator_value=self.initial_accumulator_value,
+            multiply_linear_by_learning_rate=bool(self.multiply_linear_by_learning_rate),
+            allow_zero_accumulator=bool(self.allow_zero_accumulator),
+            **self._extras(),
+        )
+
+
+class MomentumParameters(_OptimizationParameters):
+    """TF1's `tf.tpu.experimental.MomentumParameters`; becomes `jte.Momentum`."""
+
+    def __init__(
+        self,
+        learning_rate: float,
+        momentum: float,
+        use_nesterov: bool = False,
+        use_gradient_accumulation: bool = True,
+        clip_weight_min: float | None = None,
+        clip_weight_max: float | None = None,
+        weight_decay_factor: float | None = None,
+        multiply_weight_decay_factor_by_learning_rate: bool | None = None,
+        clip_gradient_min: float | None = None,
+        clip_gradient_max: float | None = None,
+    ):
+        super().__init__(
+            learning_rate,
+            use_gradient_accumulation,
+            clip_weight_min,
+            clip_weight_max,
+            weight_decay_factor,
+            multiply_weight_decay_factor_by_learning_rate,
+            clip_gradient_min,
+            clip_gradient_max,
+        )
+        self.momentum = momentum
+        self.use_nesterov = use_nesterov
+        self.to_optimizer()
+
+    def to_optimizer(self, learning_rate=None):
+        return _optimizers.Momentum(
+            learning_rate=self.learning_rate if learning_rate is None else learning_rate,
+            momentum=self.momentum,
+            use_nesterov=bool(self.use_nesterov),
+            **self._extras(),
+        )
+
+
+class RMSPropParameters(_OptimizationParameters):
+    """TF1's `tf.tpu.experimental.RMSPropParameters`; becomes `jte.RMSProp` (not centered:
+    TF1's has no `centered`; use `jte.RMSProp(centered=True)` for it)."""
+
+    def __init__(
+        self,
+        learning_rate: float,
+        rho: float,
+        momentum: float,
+        epsilon: float,
+        use_gradient_accumulation: bool = True,
+        clip_weight_min: float | None = None,
+        clip_weight_max: float | None = None,
+        weight_decay_factor: float | None = None,
+        multiply_weight_decay_factor_by_learning_rate: bool | None = None,
+        clip_gradient_min: float | None = None,
+        clip_gradient_max: float | None = None,
+    ):
+        super().__init__(
+            learning_rate,
+            use_gradient_accumulation,
+            clip_weight_min,
+            clip_weight_max,
+            weight_decay_factor,
+            multiply_weight_decay_factor_by_learning_rate,
+            clip_gradient_min,
+            clip_gradient_max,
+        )
+        self.rho = rho
+        self.momentum = momentum
+        self.epsilon = epsilon
+        self.to_optimizer()
+
+    def to_optimizer(self, learning_rate=None):
+        return _optimizers.RMSProp(
+            learning_rate=self.learning_rate if learning_rate is None else learning_rate,
+            rho=self.rho,
+            momentum=self.momentum,
+            epsilon=self.epsilon,
+            **self._extras(),
+        )
+
+
+class ProximalAdagradParameters(_OptimizationParameters):
+    """TF1's `tf.tpu.experimental.ProximalAdagradParameters`; becomes `jte.ProximalAdagrad`."""
+
+    def __init__(
+        self,
+        learning_rate: float,
+        initial_accumulator: float = 0.1,
+        l1_regularization_strength: float = 0.0,
+        l2_regularization_strength: float = 0.0,
+        use_gradient_accumulation: bool = True,
+        clip_weight_min: float | None = None,
+        clip_weight_max: float | None = None,
+        weight_decay_factor: float | None = None,
+        multiply_weight_decay_factor_by_learning_rate: bool | None = None,
+        clip_gradient_min: float | None = None,
+        clip_gradient_max: float | None = None,
+    ):
+        super().__init__(
+            learning_rate,
+            use_gradient_accumulation,
+            clip_weight_min,
+            clip_weight_max,
+            weight_decay_factor,
+            multiply_weight_decay_factor_by_learning_rate,
+            clip_gradient_min,
+            clip_gradient_max,
+        )
+        self.initial_accumulator = initial_accumulator
+        self.l1_regularization_strength = l1_regularization_strength
+        self.l2_regularization_strength = l2_regularization_strength
+        self.to_optimizer()
+
+    def to_optimizer(self, learning_rate=None):
+        return _optimizers.ProximalAdagrad(
+            learning_rate=self.learning_rate if learning_rate is None else learning_rate,
+            initial_accumulator_value=self.initial_accumulator,
+            l1_regularization_strength=self.l1_regularization_strength,
+            l2_regularization_strength=self.l2_regularization_strength,
+            **self._extras(),
+        )
+
+
+_SUPPORTED_OPTIMIZERS = (
+    AdagradParameters,
+    AdamParameters,
+    StochasticGradientDescentParameters,
+    FtrlParameters,
+    MomentumParameters,
+    RMSPropParameters,
+    ProximalAdagradParameters,
+)
 
 
 # ------------------------------------------------------------------------ the config spec

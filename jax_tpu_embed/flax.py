@@ -22,9 +22,8 @@ batch)` runs the model for evaluation.
 
 from __future__ import annotations
 
-import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -196,9 +195,12 @@ def _features_arg(args, kwargs):
 class FlaxTrainStep(_train.TrainStep):
     """The step `jte.flax.make_train_step` returns.
 
-    `state.params` is the model's "params" collection and `state.embedding` its "embedding"
-    collection. Every `Embed` of the model takes part; each must be called once per forward
-    pass (give one layer all the features that share its tables).
+    `state.params` is the model's "params" collection, `state.embedding` its "embedding"
+    collection and `state.model_state` its other collections ("batch_stats", ...; None when
+    there are none), which the model updates as it runs (they are mutable in the step).
+    `state.rng` feeds the rng streams (default "dropout"): a new key every step. Every
+    `Embed` of the model takes part; each must be called once per forward pass (give one
+    layer all the features that share its tables).
     """
 
     def __init__(
@@ -208,15 +210,43 @@ class FlaxTrainStep(_train.TrainStep):
         tx: optax.GradientTransformation,
         method: Callable | str | None = None,
         donate: bool = True,
+        accumulate_steps: int = 1,
+        rng_streams: Sequence[str] = ("dropout",),
+        apply_kwargs: dict | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"jte.flax.make_train_step: model must be a flax.linen Module, "
                 f"got {type(model).__name__}."
             )
+        if isinstance(rng_streams, str) or not all(isinstance(r, str) for r in rng_streams):
+            raise TypeError(
+                f"jte.flax.make_train_step: rng_streams must be a sequence of stream names "
+                f"such as ('dropout',), got {rng_streams!r}."
+            )
         self.model, self.method = model, method
+        self.rng_streams = tuple(rng_streams)
+        kwargs = dict(apply_kwargs or {})
+        self.apply_kwargs = kwargs
 
-        def discover(params, batch):
+        def run(params, batch, model_state, rng, interceptor):
+            """The model's outputs and its updated other collections."""
+            mutable = sorted(model_state or {})
+            with nn.intercept_methods(interceptor):
+                out = model.apply(
+                    {"params": params, **(model_state or {})},
+                    batch,
+                    method=method,
+                    rngs=self._rngs(rng),
+                    mutable=mutable or False,
+                    **kwargs,
+                )
+            if not mutable:
+                return out, model_state
+            outputs, updated = out
+            return outputs, {**model_state, **updated}
+
+        def discover(params, batch, model_state, rng):
             """Runs the model once to see which features reach which Embed.
 
             The Embeds return zeros here, and nothing of this pass reaches the step's
@@ -240,21 +270,19 @@ class FlaxTrainStep(_train.TrainStep):
                 shapes = jax.eval_shape(emb.lookup, emb.abstract_state(), features)
                 return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
-            with nn.intercept_methods(interceptor):
-                model.apply({"params": params}, batch, method=method)
+            run(params, batch, model_state, rng, interceptor)
             if not found:
                 raise ValueError("jte.flax.make_train_step: the model calls no jte.flax.Embed.")
             return found
 
-        def loss(params, acts, batch):
+        def loss(params, acts, batch, model_state, rng):
             def interceptor(next_fun, args, kwargs, context):
                 if not _is_embed_call(context):
                     return next_fun(*args, **kwargs)
                 return acts[_path_name(context.module.path)]
 
-            with nn.intercept_methods(interceptor):
-                outputs = model.apply({"params": params}, batch, method=method)
-            return loss_fn(outputs, batch)
+            outputs, model_state = run(params, batch, model_state, rng, interceptor)
+            return loss_fn(outputs, batch), model_state
 
         super().__init__(
             discover=discover,
@@ -263,50 +291,101 @@ class FlaxTrainStep(_train.TrainStep):
             unpack=embedding_states,
             pack=replace_embedding_states,
             donate=donate,
+            accumulate_steps=accumulate_steps,
         )
         self._predict_jit = None
 
-    def _split_variables(self, variables: dict) -> tuple[Any, dict]:
-        other = sorted(set(variables) - {"params", COLLECTION})
-        if other:
-            raise ValueError(
-                f"jte.flax.make_train_step: the model has variable collections "
-                f"{other}; only 'params' and {COLLECTION!r} are supported."
-            )
+    def _rngs(self, rng) -> dict | None:
+        if rng is None:
+            return None
+        return {s: jax.random.fold_in(rng, i) for i, s in enumerate(self.rng_streams)}
+
+    def _split_variables(self, variables: dict) -> tuple[Any, dict, dict | None]:
         if COLLECTION not in variables:
             raise ValueError("jte.flax.make_train_step: the model has no jte.flax.Embed.")
-        return variables.get("params", {}), variables[COLLECTION]
+        other = {k: v for k, v in variables.items() if k not in ("params", COLLECTION)}
+        return variables.get("params", {}), variables[COLLECTION], other or None
 
-    def init(self, key: jax.Array, batch: Any) -> _train.TrainState:
+    def _init_rngs(self, key) -> tuple[Any, Any]:
+        """(rngs of model.init, the train state's rng) from the key given to `init`."""
+        if isinstance(key, dict):
+            if "params" not in key:
+                raise ValueError(f"init: a dict of keys needs a 'params' key; got {sorted(key)}.")
+            base = key["params"]
+            init_rngs = dict(key)
+        else:
+            base = key
+            init_rngs = {"params": key}
+        if not self.rng_streams:
+            return init_rngs, None
+        for i, s in enumerate(self.rng_streams):
+            init_rngs.setdefault(s, jax.random.fold_in(base, 2 + i))
+        train_rng = jax.random.fold_in(base, 1)
+        if isinstance(key, dict) and "train" in key:
+            train_rng = init_rngs.pop("train")
+        if jnp.issubdtype(jnp.result_type(train_rng), jax.dtypes.prng_key):
+            # Raw key data in the state: NumPy and orbax handle it like any uint32 array.
+            train_rng = jax.random.key_data(train_rng)
+        return init_rngs, train_rng
+
+    def _model_init(self, rngs, batch):
+        return self.model.init(rngs, batch, method=self.method, **self.apply_kwargs)
+
+    def init(self, key: Any, batch: Any) -> _train.TrainState:
         """The initial TrainState: `model.init(key, batch)`, then the optax state.
 
         Args:
-            key: The rng of `model.init` (streams "params" and, if given as a dict,
-                "embedding").
-            batch: One batch; it fixes the shapes the step expects.
+            key: The rng of `model.init` (stream "params"; the tables draw from it unless a
+                dict of keys gives an "embedding" stream). The train state's rng (dropout)
+                is derived from it (or taken from a dict's "train" entry).
+            batch: One batch (with accumulate_steps=k, k micro-batches); it fixes the
+                shapes the step expects.
         """
+        init_rngs, rng = self._init_rngs(key)
         # One compiled program rather than one per table, slot and layer.
-        init = jax.jit(functools.partial(self.model.init, method=self.method))
-        params, collection = self._split_variables(init(key, batch))
-        return self._make_state(params, collection, batch, abstract=False)
+        init = jax.jit(self._model_init)
+        params, collection, model_state = self._split_variables(
+            init(init_rngs, self._first_micro(batch))
+        )
+        return self._make_state(
+            params, collection, batch, abstract=False, model_state=model_state, rng=rng
+        )
+
+    def _first_micro(self, batch):
+        if self.accumulate_steps == 1:
+            return batch
+        return _train.first_micro_batch(batch, self.accumulate_steps)
 
     def abstract_state(self, batch: Any) -> _train.TrainState:
         """The TrainState as jax.ShapeDtypeStruct leaves with shardings; allocates nothing."""
+        rngs_and_rng = jax.eval_shape(lambda: self._init_rngs(jax.random.key(0)))
         variables = jax.eval_shape(
-            lambda b: self.model.init(jax.random.key(0), b, method=self.method), batch
+            lambda b: self._model_init(self._init_rngs(jax.random.key(0))[0], b),
+            self._first_micro(batch),
         )
-        params, collection = self._split_variables(variables)
-        jax.eval_shape(lambda p, b: self._found(p, b)[1], params, batch)  # Finds the Embeds.
+        params, collection, model_state = self._split_variables(variables)
+        rng = rngs_and_rng[1]
+        jax.eval_shape(
+            lambda p, b, m, r: self._features(p, b, m, self._micro_keys(r))[1],
+            params,
+            batch,
+            model_state,
+            rng,
+        )  # Finds the Embeds.
         collection = replace_embedding_states(
             collection,
             {n: self.embeddings[n].abstract_state() for n in embedding_states(collection)},
         )
-        return self._make_state(params, collection, batch, abstract=True)
+        return self._make_state(
+            params, collection, batch, abstract=True, model_state=model_state, rng=rng
+        )
 
-    def predict(self, state: _train.TrainState, batch: Any) -> Any:
+    def predict(self, state: _train.TrainState, batch: Any, **kwargs) -> Any:
         """The model's outputs on `batch` (jitted, batch split over the mesh as in the step).
 
-        For evaluation; the state is not donated. A pipelined state must be flushed first.
+        For evaluation; the state is not donated and nothing in it changes. `kwargs` go to
+        `model.apply` (e.g. train=False), replacing the step's `apply_kwargs`. A pipelined
+        state must be flushed first.
         """
         if state.pending is not None and bool(state.pending.valid):
             raise ValueError(
@@ -315,18 +394,21 @@ class FlaxTrainStep(_train.TrainStep):
             )
         if self._predict_jit is None:
 
-            def predict(state, batch):
-                embs, features = self._found(state.params, batch)
+            def predict(state, batch, kwargs):
+                embs, features = self._found(state.params, batch, state.model_state, state.rng)
                 first = embs[sorted(embs)[0]]
                 batch = self._shard_batch(batch, first, _train._batch_size(features))
-                return self.model.apply(self.variables(state), batch, method=self.method)
+                return self.model.apply(
+                    self.variables(state), batch, method=self.method, **dict(kwargs)
+                )
 
-            self._predict_jit = jax.jit(predict)
-        return self._predict_jit(state, batch)
+            self._predict_jit = jax.jit(predict, static_argnums=2)
+        return self._predict_jit(state, batch, tuple(sorted(kwargs.items())))
 
     def variables(self, state: _train.TrainState) -> dict:
-        """{"params", "embedding"} for `model.apply` (flush a pipelined state first)."""
-        return {"params": state.params, COLLECTION: state.embedding}
+        """{"params", "embedding", other collections} for `model.apply` (flush a pipelined
+        state first)."""
+        return {"params": state.params, COLLECTION: state.embedding, **(state.model_state or {})}
 
 
 def make_train_step(
@@ -336,19 +418,40 @@ def make_train_step(
     *,
     method: Callable | str | None = None,
     donate: bool = True,
+    accumulate_steps: int = 1,
+    rng_streams: Sequence[str] = ("dropout",),
+    apply_kwargs: dict | None = None,
 ) -> FlaxTrainStep:
     """One jitted, state-donating train step for a flax model containing `Embed` layers.
 
     Args:
         model: A flax.linen Module; `model.apply(variables, batch, method=method)` gives the
-            outputs. Its variables must be "params" and "embedding" only.
+            outputs. Collections other than "params" and "embedding" (e.g. "batch_stats")
+            are mutable in the step and kept in `state.model_state`.
         loss_fn: fn(outputs, batch) -> float scalar loss, or (loss, aux).
         tx: The optax optimizer of "params".
         method: As for `model.apply`.
         donate: Donate the state to the step (default), so tables are updated in place.
+        accumulate_steps: k > 1: batches of k micro-batches (see `jte.make_train_step`);
+            the model runs on one micro-batch at a time, its collections (batch
+            statistics) updated after each.
+        rng_streams: The rng streams the model draws from in training (`nn.Dropout` uses
+            "dropout"); each step (and micro-batch) gets new keys from `state.rng`.
+        apply_kwargs: Keyword arguments of `model.apply` in init and in the step, e.g.
+            {"train": True}; `predict(state, batch, train=False)` gives its own.
 
     Returns:
         `step(state, batch) -> (state, metrics)` (see `jte.TrainStep`), with
-        `step.init(key, batch)`, `step.flush(state)` and `step.variables(state)`.
+        `step.init(key, batch)`, `step.flush(state)`, `step.predict(state, batch)` and
+        `step.variables(state)`.
     """
-    return FlaxTrainStep(model, loss_fn, tx, method=method, donate=donate)
+    return FlaxTrainStep(
+        model,
+        loss_fn,
+        tx,
+        method=method,
+        donate=donate,
+        accumulate_steps=accumulate_steps,
+        rng_streams=rng_streams,
+        apply_kwargs=apply_kwargs,
+    )

@@ -8,8 +8,9 @@ As a script (the test starts two, with JAX_PLATFORMS=cpu and 4 CPU devices each)
 it joins JAX's multi-controller runtime on 127.0.0.1:P (gloo CPU collectives) and runs
 `train` for every case (strategy:mesh[:inputs[:start]], its arguments) over a mesh of all
 global devices, each process feeding only its rows of the global batch; process 0 writes
-DIR/<case with _ for :>.npz. Imported by the test (one process, 8 devices), `train` gives the
-single-process result of the same training.
+DIR/<case with _ for :>.npz. The case "criteo" instead reads DIR/criteo_{0,1}.tsv with
+`jte.data.criteo` (`read_criteo`), one file per process. Imported by the test (one process,
+8 devices), `train` gives the single-process result of the same training.
 
 jax_tpu_embed never touches a device at import, so importing it before
 `jax.distributed.initialize` is fine.
@@ -118,15 +119,22 @@ def initial_values():
     return tables, slots
 
 
-def train(strategy: str, mesh_kind: str, inputs: str = "local", start: str = "init") -> dict:
+def train(
+    strategy: str,
+    mesh_kind: str,
+    inputs: str = "local",
+    start: str = "init",
+    routing: str = "auto",
+) -> dict:
     """Trains STEPS steps; {"table/t", "slot/t/s", "acts/<step>/<feature>": np.ndarray}.
 
     inputs="local": every process feeds only its rows of each global batch, as global
     jax.Arrays (in one process: all rows). "numpy": every process passes the whole global
     batch as NumPy arrays. start="init": `emb.init(key)`; "restore": `emb.restore_tables`
-    from `initial_values()` (no table-initializer compiles: the cheaper start).
+    from `initial_values()` (no table-initializer compiles: the cheaper start). routing:
+    the Embedding's ("owner": ids travel to their rows' owners with all_to_all).
     """
-    emb = jte.Embedding(make_spec(strategy), make_mesh(mesh_kind))
+    emb = jte.Embedding(make_spec(strategy), make_mesh(mesh_kind), routing=routing)
     if start == "init":
         state = emb.init(jax.random.key(0))
     else:
@@ -159,6 +167,28 @@ def train(strategy: str, mesh_kind: str, inputs: str = "local", start: str = "in
     for name, slots in emb.export_slots(state).items():
         for slot, value in slots.items():
             out[f"slot/{name}/{slot}"] = np.asarray(value)
+    return out
+
+
+CRITEO_VOCAB = [97] * 26
+CRITEO_BATCH = 16
+
+
+def read_criteo(directory: str) -> dict:
+    """Every global batch of `jte.data.criteo` over directory/criteo_{0,1}.tsv, gathered: each
+    process reads its own file and feeds its rows of the batch over an 8-device mesh."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    paths = [os.path.join(directory, f"criteo_{i}.tsv") for i in range(2)]
+    sharding = NamedSharding(make_mesh("explicit"), P("shard"))
+    batches = jte.data.criteo(paths, CRITEO_BATCH, CRITEO_VOCAB, sharding=sharding)
+    out = {"meta/files": _gather_rows(np.array([paths.index(f) for f in batches.files]))}
+    for i, batch in enumerate(batches):
+        assert batch["labels"].sharding == sharding and batch["labels"].shape == (CRITEO_BATCH,)
+        out[f"labels/{i}"] = _gather(batch["labels"])
+        out[f"dense/{i}"] = _gather(batch["dense"])
+        out[f"ids/{i}"] = np.stack([_gather(batch["sparse"][f"C{j + 1}"]) for j in range(26)], 1)
     return out
 
 
@@ -196,7 +226,7 @@ def main(argv=None) -> int:
 
     for case in args.cases.split(","):
         t0 = time.perf_counter()
-        result = train(*case.split(":"))
+        result = read_criteo(args.out) if case == "criteo" else train(*case.split(":"))
         if jax.process_index() == 0:
             # Written whole, then renamed: the test reads each case as soon as it appears.
             path = os.path.join(args.out, case.replace(":", "_") + ".npz")

@@ -113,6 +113,35 @@ def optimizer_step(name, hp, w, slots, g, lr):
                 np.abs(z) <= l1, 0.0, (np.sign(z) * l1 - z) / ((n2**p + beta) / lr + 2 * l2)
             )
         return new, {"accumulators": n2, "linears": z}
+    if name == "momentum":  # TF's ApplyMomentum.
+        m = hp["momentum"] * s["momenta"] + g
+        upd = g + hp["momentum"] * m if hp["use_nesterov"] else m
+        return w - lr * upd, {"momenta": m}
+    if name == "rmsprop":  # TF's ApplyRMSProp / ApplyCenteredRMSProp.
+        rho = hp["rho"]
+        ms = s["ms"] + (g * g - s["ms"]) * (1 - rho)
+        out = {"ms": ms}
+        denom = ms + hp["epsilon"]
+        if hp["centered"]:
+            mg = s["mg"] + (g - s["mg"]) * (1 - rho)
+            denom = ms - mg * mg + hp["epsilon"]
+            out["mg"] = mg
+        mom = hp["momentum"] * s["mom"] + lr * g / np.sqrt(denom)
+        out["mom"] = mom
+        return w - mom, out
+    if name == "proximal_adagrad":  # TF's ApplyProximalAdagrad.
+        a = s["accumulators"] + g * g
+        eta = lr / np.sqrt(a)
+        p = w - eta * g
+        p = np.sign(p) * np.maximum(np.abs(p) - eta * hp["l1"], 0.0)
+        return p / (1 + eta * hp["l2"]), {"accumulators": a}
+    if name == "optax_adam":  # optax.adam with one count per row (lazy, bias-corrected).
+        b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
+        c = s["0_count"] + 1
+        m = b1 * s["0_mu"] + (1 - b1) * g
+        v = b2 * s["0_nu"] + (1 - b2) * g * g
+        m_hat, v_hat = m / (1 - b1**c), v / (1 - b2**c)
+        return w - lr * m_hat / (np.sqrt(v_hat) + eps), {"0_count": c, "0_mu": m, "0_nu": v}
     if name == "momentum_custom":  # tests/test_optimizers.py's CustomOptimizer.
         v = hp["beta"] * s["velocity"] + g
         return w - lr * v, {"velocity": v, "count": s["count"] + 1.0}

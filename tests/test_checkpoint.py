@@ -585,3 +585,142 @@ def test_padded_checkpoints_of_earlier_versions_still_restore(tmp_path):
         )
     restored, _ = checkpoint.restore(tmp_path, _emb("div", 3))
     _assert_same_state(emb, state, _emb("div", 3), restored, exact=True)
+
+
+def test_async_save_survives_donation_and_wait_completes_it(tmp_path):
+    """blocking=False returns with the arrays on the host: the caller may delete (donate) the
+    state's buffers at once, and `wait` then finishes a checkpoint of the saved values. "div"
+    with V a multiple of N is the case where the saved tables are the state's own buffers."""
+    spec = jte.EmbeddingSpec(
+        {"f": jte.FeatureConfig(jte.TableConfig(32, 5, name="t", combiner="sum"))},
+        jte.Adagrad(0.3),
+    )
+    emb = jte.Embedding(spec, make_mesh(8))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 32, (B, 3))
+    state = emb.init(jax.random.key(1))
+    state = emb.apply_gradients(state, {"f": ids}, {"f": rng.standard_normal((B, 5), np.float32)})
+    want_tables, want_slots = emb.export(state), emb.export_slots(state)
+    dense = {"w": jnp.arange(6.0).reshape(2, 3)}
+    assert checkpoint.save(tmp_path, emb, state, dense=dense, blocking=False) == 1
+    for leaf in jax.tree.leaves((state, dense)):
+        leaf.delete()  # What a donating train step does to its input state.
+    checkpoint.wait()
+    assert checkpoint.all_steps(tmp_path) == [1]
+    restored, got_dense = checkpoint.restore(tmp_path, emb)
+    np.testing.assert_array_equal(emb.export(restored)["t"], want_tables["t"])
+    got_slots = emb.export_slots(restored)["t"]
+    assert got_slots.keys() == want_slots["t"].keys() and got_slots
+    for slot, want in want_slots["t"].items():
+        np.testing.assert_array_equal(got_slots[slot], want)
+    np.testing.assert_array_equal(got_dense["w"], np.arange(6.0).reshape(2, 3))
+
+
+def test_async_saves_in_a_row_are_joined_in_order(tmp_path):
+    emb = _emb("mod", 4)
+    state = _init(emb)
+    saved = {}
+    for step in range(3):
+        state = _train(emb, state, [_batch(np.random.default_rng(step))])
+        saved[int(state.step)] = emb.export(state)
+        checkpoint.save(tmp_path / "a", emb, state, blocking=False)  # Joins the previous.
+    checkpoint.save(tmp_path / "b", emb, state, blocking=False)  # Another directory.
+    assert checkpoint.all_steps(tmp_path / "a") == [1, 2, 3]  # Joins the pending save.
+    checkpoint.wait(tmp_path / "b")
+    checkpoint.wait()  # Nothing left: returns at once.
+    for step, want in saved.items():
+        got, _ = checkpoint.restore(tmp_path / "a", emb, step=step)
+        np.testing.assert_array_equal(emb.export(got)["users"], want["users"])
+    assert checkpoint.all_steps(tmp_path / "b") == [3]
+    with pytest.raises(ValueError, match="already holds a checkpoint for step 3"):
+        checkpoint.save(tmp_path / "a", emb, state, blocking=False)
+
+
+_ASYNC_SAVE_THEN_TRAIN = textwrap.dedent("""
+    checkpoint.save(sys.argv[1], emb, state, blocking=False)  # Returns before it is written.
+    while True:  # Training goes on while orbax writes.
+        state = jte.EmbeddingState({"big": state.tables["big"] + 1.0}, state.slots, state.step)
+        state.tables["big"].block_until_ready()
+""")
+
+
+def test_async_save_killed_part_way_leaves_previous_checkpoint_restorable(tmp_path):
+    """The process goes on training after save(blocking=False) and is SIGKILLed while orbax
+    still writes: the step being written never appears, the previous one restores."""
+    directory = tmp_path / "ckpt"
+    code = _KILLED_SAVER.replace(
+        "checkpoint.save(sys.argv[1], emb, state)  # ~64 MB: killed while it writes.\n"
+        'print("finished", flush=True)\n',
+        _ASYNC_SAVE_THEN_TRAIN,
+    )
+    assert "blocking=False" in code
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(directory)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "saved"
+        assert proc.stdout.readline().strip() == "saving"
+        deadline = time.monotonic() + 60
+        partial = []
+        while not partial and proc.poll() is None and time.monotonic() < deadline:
+            partial = [n for n in os.listdir(directory) if n.startswith("1.") and "tmp" in n]
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        assert partial, "the save of step 1 finished before it could be interrupted"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert "1" not in os.listdir(directory)  # Step 1 never became a checkpoint.
+    spec = jte.EmbeddingSpec(
+        {"f": jte.FeatureConfig(jte.TableConfig(250_000, 64, name="big"))}, jte.SGD(0.1)
+    )
+    emb = jte.Embedding(spec, make_mesh(2))
+    assert checkpoint.all_steps(directory) == [0]
+    state, _ = checkpoint.restore(directory, emb)
+    np.testing.assert_array_equal(
+        emb.export(state)["big"], emb.export(emb.init(jax.random.key(0)))["big"]
+    )
+
+
+_ASYNC_SAVE_THEN_EXIT = textwrap.dedent("""
+    import os, sys
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    import jax_tpu_embed as jte
+    from jax_tpu_embed import checkpoint
+    spec = jte.EmbeddingSpec(
+        {"f": jte.FeatureConfig(jte.TableConfig(250_000, 64, name="big"))}, jte.SGD(0.1))
+    emb = jte.Embedding(spec, jax.make_mesh((1,), ("shard",)))
+    checkpoint.save(sys.argv[1], emb, emb.init(jax.random.key(0)), blocking=False)
+""")
+
+
+def test_async_save_is_completed_when_the_script_ends(tmp_path):
+    """A script whose last line is an async save still writes it: interpreter exit joins."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.run(
+        [sys.executable, "-c", _ASYNC_SAVE_THEN_EXIT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    spec = jte.EmbeddingSpec(
+        {"f": jte.FeatureConfig(jte.TableConfig(250_000, 64, name="big"))}, jte.SGD(0.1)
+    )
+    emb = jte.Embedding(spec, make_mesh(2))
+    assert checkpoint.all_steps(tmp_path) == [0]
+    state, _ = checkpoint.restore(tmp_path, emb)
+    np.testing.assert_array_equal(
+        emb.export(state)["big"], emb.export(emb.init(jax.random.key(0)))["big"]
+    )

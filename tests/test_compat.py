@@ -12,6 +12,10 @@ from jax_tpu_embed.compat import (
     AdagradParameters,
     AdamParameters,
     EmbeddingConfigSpec,
+    FtrlParameters,
+    MomentumParameters,
+    ProximalAdagradParameters,
+    RMSPropParameters,
     StochasticGradientDescentParameters,
     categorical_column_with_identity,
     embedding_column,
@@ -406,6 +410,29 @@ def test_optimization_parameters_map_to_jte_optimizers():
     sgd = StochasticGradientDescentParameters(0.3, clip_weight_min=0.0).to_optimizer()
     assert isinstance(sgd, jte.SGD) and (sgd.learning_rate, sgd.clip_weight_min) == (0.3, 0.0)
     assert AdagradParameters(0.1).initial_accumulator == 0.1  # TF1's default.
+    ftrl = FtrlParameters(0.2, l1_regularization_strength=0.1, beta=0.5).to_optimizer()
+    assert isinstance(ftrl, jte.FTRL) and (
+        ftrl.learning_rate_power,
+        ftrl.initial_accumulator_value,
+        ftrl.l1_regularization_strength,
+        ftrl.beta,
+    ) == (-0.5, 0.1, 0.1, 0.5)
+    mom = MomentumParameters(0.1, 0.7, use_nesterov=True, clip_gradient_min=-1.0).to_optimizer()
+    assert isinstance(mom, jte.Momentum)
+    assert (mom.momentum, mom.use_nesterov, mom.clipvalue) == (0.7, True, (-1.0, float("inf")))
+    rms = RMSPropParameters(0.1, 0.8, 0.5, 1e-6).to_optimizer()
+    assert isinstance(rms, jte.RMSProp)
+    assert (rms.rho, rms.momentum, rms.epsilon, rms.centered) == (0.8, 0.5, 1e-6, False)
+    prox = ProximalAdagradParameters(0.1, l2_regularization_strength=0.2).to_optimizer()
+    assert isinstance(prox, jte.ProximalAdagrad)
+    assert (prox.initial_accumulator_value, prox.l1_regularization_strength) == (0.1, 0.0)
+    assert prox.l2_regularization_strength == 0.2
+    # The new parameters are accepted by EmbeddingConfigSpec.
+    spec = EmbeddingConfigSpec(
+        feature_columns=[embedding_column(categorical_column_with_identity("a", 10), 4)],
+        optimization_parameters=MomentumParameters(0.1, 0.9),
+    ).to_spec()
+    assert isinstance(spec.optimizer, jte.Momentum)
 
 
 @pytest.mark.parametrize(
@@ -434,5 +461,31 @@ def test_optimization_parameters_map_to_jte_optimizers():
     ],
 )
 def test_optimization_parameter_errors(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: FtrlParameters(0.1, learning_rate_power=0.5), r"FTRL: learning_rate_power .*<= 0"),
+        (
+            lambda: FtrlParameters(0.1, initial_accumulator_value=-1.0),
+            r"FTRL: initial_accumulator_value must be > 0, got -1.0",
+        ),
+        (lambda: MomentumParameters(0.1, -0.5), r"Momentum: momentum must be >= 0, got -0.5"),
+        (lambda: RMSPropParameters(0.1, 1.5, 0.0, 1e-6), r"RMSProp: rho must be <= 1, got 1.5"),
+        (lambda: RMSPropParameters(0.1, 0.9, 0.0, 0.0), r"RMSProp: epsilon must be > 0, got 0.0"),
+        (
+            lambda: ProximalAdagradParameters(0.1, l1_regularization_strength=-0.1),
+            r"ProximalAdagrad: l1_regularization_strength must be >= 0, got -0.1",
+        ),
+        (
+            lambda: ProximalAdagradParameters(0.1, initial_accumulator=0.0),
+            r"ProximalAdagrad: initial_accumulator_value must be > 0, got 0.0",
+        ),
+    ],
+)
+def test_new_optimization_parameter_errors(make, match):
     with pytest.raises(ValueError, match=match):
         make()

@@ -284,6 +284,13 @@ _DELETE = object()
         (_mutate(["partition_strategy"], "hash"), "partition_strategy", "'hash'"),
         (_mutate(["clipping_limit"], 0), "clipping_limit", "0"),
         (_mutate(["pipeline_execution"], "yes"), "pipeline_execution", "'yes'"),
+        (
+            _mutate(["tables", "users", "stochastic_rounding"], "yes"),
+            "tables.users.stochastic_rounding",
+            "'yes'",
+        ),
+        (_mutate(["tables", "users", "stochastic_rounding"], True), "tables.users", "float32"),
+        (_mutate(["optimizer"], {"name": "rmsprop", "rho": 2.0}), "optimizer", "rho must be <= 1"),
         (_mutate(["partition_stratgy"], "div"), "partition_stratgy", "'partition_strategy'"),
         (_mutate(["optimizer"], _DELETE), "optimizer", "None"),
         (_mutate(["tables"], 8), "tables", "8"),
@@ -314,3 +321,18 @@ def test_file_errors(tmp_path):
     scalar = _write(tmp_path, "42\n", "scalar.yaml")
     with pytest.raises(ValueError, match=r"scalar.yaml: the top level must be a mapping"):
         jte.load_spec(scalar)
+
+
+def test_bf16_rounding_and_the_new_optimizers(tmp_path):
+    data = copy.deepcopy(BASE)
+    data["tables"]["users"].update(dtype="bfloat16", stochastic_rounding=False)
+    data["tables"]["items"].update(dtype="bfloat16")
+    data["optimizer"] = {"name": "rmsprop", "learning_rate": 0.1, "centered": True}
+    data["tables"]["users"]["optimizer"] = {"name": "ProximalAdagrad", "learning_rate": 0.1}
+    data["tables"]["items"]["optimizer"] = {"name": "momentum", "use_nesterov": True}
+    spec = jte.load_spec(_write(tmp_path, data))
+    users, items = spec.tables()["users"], spec.tables()["items"]
+    assert (users.stochastic_rounding, items.stochastic_rounding) == (False, True)
+    assert isinstance(spec.optimizer, jte.RMSProp) and spec.optimizer.centered
+    assert isinstance(users.optimizer, jte.ProximalAdagrad)
+    assert isinstance(items.optimizer, jte.Momentum) and items.optimizer.use_nesterov

@@ -717,13 +717,18 @@ def test_backend_choice():
         "f32": "pallas_interpret",
         "bf16": "xla",
     }
+    # The interpreted kernels take bfloat16 tables too (tests/test_bf16.py); the TPU ones
+    # do not.
+    assert jte.Embedding(mixed, make_mesh(2), backend="pallas_interpret").backends == {
+        "f32": "pallas_interpret",
+        "bf16": "pallas_interpret",
+    }
     with pytest.raises(
         ValueError,
-        match="table 'bf16' cannot use backend 'pallas_interpret': "
-        "the Pallas kernels take float32 tables; this one "
-        "is bfloat16",
+        match="table 'bf16' cannot use backend 'pallas': the Pallas TPU kernels take float32 "
+        "tables; this one is bfloat16",
     ):
-        jte.Embedding(mixed, make_mesh(2), backend="pallas_interpret")
+        jte.Embedding(mixed, make_mesh(2), backend={"bf16": "pallas"})
     with pytest.raises(
         ValueError,
         match="table 'f32' cannot use backend 'pallas': it needs a "
@@ -747,7 +752,7 @@ def test_backend_choice():
     assert legacy.backends == {"f32": "xla", "bf16": "xla"}
     with pytest.warns(DeprecationWarning):
         legacy = jte.Embedding(mixed, make_mesh(2), tpu_kernels="interpret", lane_width=128)
-    assert legacy.backends == {"f32": "pallas_interpret", "bf16": "xla"}
+    assert legacy.backends == {"f32": "pallas_interpret", "bf16": "pallas_interpret"}
     with (
         pytest.raises(
             ValueError, match="tpu_kernels must be None, True, False or 'interpret', got 'yes'"

@@ -323,3 +323,97 @@ def test_default_mesh_works_eagerly(rng):
     bumped = {"head": {**variables["params"]["head"], "bias": w + eps}}
     numeric = (loss(bumped) - loss(variables["params"])) / eps
     np.testing.assert_allclose(grads["head"]["bias"][0], numeric, rtol=2e-2)
+
+
+# ------------------------------------------------------- dropout and batch statistics
+
+
+class Regularized(nn.Module):
+    """BatchNorm and Dropout between the embeddings and the head, switched by `train`."""
+
+    embed: jte.flax.Embed
+
+    @nn.compact
+    def __call__(self, batch, train: bool = True):
+        acts = self.embed(batch["features"])
+        x = jnp.concatenate([acts["history"], acts["item"], acts["user"]], axis=-1)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        x = nn.Dropout(0.2, deterministic=not train)(x)
+        return nn.Dense(1, name="head")(jnp.tanh(x))[:, 0]
+
+
+def learnable_batch(rng, v_item=20):
+    batch = make_batch(rng, v_item=v_item)
+    batch["y"] = np.sin(batch["features"]["user"][:, 0]).astype(np.float32)
+    return batch
+
+
+def test_dropout_and_batch_stats_train_and_touch_only_batch_rows():
+    """The dropout key advances every step, batch statistics are updated, the loss falls,
+    rows outside the batches do not change (bit for bit), and predict(train=False) is
+    deterministic with the running statistics."""
+    rng = np.random.default_rng(12)
+    batches = [learnable_batch(rng) for _ in range(4)]
+    # Auto axes: linen's nn.Dropout draws its mask without a sharding, which Explicit axes
+    # reject (flax.nnx.Dropout passes one).
+    model = Regularized(jte.flax.Embed(make_spec(), make_mesh(2, "auto")))
+    step = jte.flax.make_train_step(model, mse, optax.adam(0.02), apply_kwargs={"train": True})
+    state = step.init(jax.random.key(0), batches[0])
+    assert state.model_state is not None and set(state.model_state) == {"batch_stats"}
+    assert set(state.params) == {"BatchNorm_0", "head"}
+    emb = model.embed.embedding
+    before = emb.export(jte.flax.embedding_states(state.embedding)["embed"])
+    stats_before = jax.device_get(state.model_state)
+    keys, losses = set(), []
+    for i in range(40):
+        keys.add(tuple(np.asarray(state.rng).ravel()))
+        state, m = step(state, batches[i % 4])
+        losses.append(float(m["loss"]))
+    assert len(keys) == 40  # A new dropout key every step.
+    assert np.mean(losses[-4:]) < 0.5 * np.mean(losses[:4])
+    stats = jax.device_get(state.model_state)
+    assert not np.allclose(
+        stats["batch_stats"]["BatchNorm_0"]["mean"],
+        stats_before["batch_stats"]["BatchNorm_0"]["mean"],
+    )
+    after = emb.export(jte.flax.embedding_states(state.embedding)["embed"])
+    for name, rows in (
+        ("user", np.unique(np.concatenate([b["features"]["user"].ravel() for b in batches]))),
+        (
+            "item",
+            np.unique(
+                np.concatenate(
+                    [
+                        np.r_[b["features"]["item"], b["features"]["history"].ravel()]
+                        for b in batches
+                    ]
+                )
+            ),
+        ),
+    ):
+        rows = rows[rows >= 0]
+        untouched = np.setdiff1d(np.arange(len(before[name])), rows)
+        np.testing.assert_array_equal(after[name][untouched], before[name][untouched])
+        assert not np.array_equal(after[name][rows], before[name][rows])
+    assert step.trace_count == 1
+    out = step.predict(state, batches[0], train=False)
+    np.testing.assert_array_equal(out, step.predict(state, batches[0], train=False))
+    want: Any = model.apply(step.variables(state), batches[0], train=False)
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+
+
+def test_dropout_needs_no_key_from_the_user_and_can_be_switched_off():
+    """Without rng_streams the step has no key; a model with dropout then fails at init
+    with flax's own error rather than silently using one key."""
+    rng = np.random.default_rng(13)
+    batch = learnable_batch(rng)
+    model = Regularized(jte.flax.Embed(make_spec(), make_mesh(2)))
+    plain = jte.flax.make_train_step(model, mse, optax.sgd(0.1), apply_kwargs={"train": False})
+    state = plain.init(jax.random.key(0), batch)  # No dropout in eval mode: no key needed.
+    assert state.rng is not None
+    none = jte.flax.make_train_step(
+        model, mse, optax.sgd(0.1), rng_streams=(), apply_kwargs={"train": False}
+    )
+    assert none.init(jax.random.key(0), batch).rng is None
+    with pytest.raises(TypeError, match="rng_streams"):
+        jte.flax.make_train_step(model, mse, optax.sgd(0.1), rng_streams="dropout")

@@ -21,13 +21,24 @@ from jax.sharding import PartitionSpec as P
 
 import _multihost_worker as worker  # tests/ is on sys.path (rootdir conftest).
 import jax_tpu_embed as jte
+from criteo_files import write_criteo
 from jax_tpu_embed import _multihost as multihost
+from test_data import reference
 
-# strategy:mesh[:inputs[:start]] (see worker.train). Each strategy runs on an Explicit and an
-# Auto mesh; "interleaved" gives each process non-contiguous rows of the batch; "numpy" feeds
-# every process the whole global batch as NumPy arrays instead of its rows as global
-# jax.Arrays; "restore" starts from restore_tables instead of init (and saves compiles).
-CASES = ("div:explicit", "mod:auto", "div:interleaved:local:restore", "mod:explicit:numpy:restore")
+# strategy:mesh[:inputs[:start[:routing]]] (see worker.train). Each strategy runs on an
+# Explicit and an Auto mesh; "interleaved" gives each process non-contiguous rows of the
+# batch; "numpy" feeds every process the whole global batch as NumPy arrays instead of its
+# rows as global jax.Arrays; "restore" starts from restore_tables instead of init (and saves
+# compiles); "owner" routes ids to their rows' owners across the processes (all_to_all over
+# gloo). "criteo": jte.data.criteo over two files, one per process (worker.read_criteo).
+CASES = (
+    "div:explicit",
+    "mod:auto",
+    "div:interleaved:local:restore",
+    "mod:explicit:numpy:restore",
+    "div:explicit:local:restore:owner",
+)
+JOB_CASES = CASES + ("criteo",)
 NUM_PROCESSES = 2
 JOB_TIMEOUT_S = 180  # Whole job; a normal run takes well under a minute on 2 cores.
 
@@ -78,7 +89,7 @@ class _Job:
                             "--out",
                             str(out),
                             "--cases",
-                            ",".join(CASES),
+                            ",".join(JOB_CASES),
                         ],
                         stdout=f,
                         stderr=subprocess.STDOUT,
@@ -131,7 +142,10 @@ def _tail(path: Path, chars: int = 6000) -> str:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    j = _Job(tmp_path_factory.mktemp("multihost"))
+    out = tmp_path_factory.mktemp("multihost")
+    for i in range(NUM_PROCESSES):  # One Criteo file per process, for the "criteo" case.
+        write_criteo(out / f"criteo_{i}.tsv", 40, seed=10 + i)
+    j = _Job(out)
     yield j
     j.stop()
 
@@ -158,6 +172,26 @@ def test_two_processes_match_one(job, case):
     np.testing.assert_array_equal(np.sort(rows.ravel()), np.arange(worker.B))
     if case.split(":")[2:3] == ["numpy"]:  # Only the global batch passes the NumPy check.
         assert got["meta/same_check"].tolist() == [False, True]
+
+
+def test_each_process_reads_its_own_criteo_file(job):
+    """Process p reads criteo_p.tsv and its rows land at its devices' positions of each
+    global batch (rows [0, 8) from process 0, [8, 16) from process 1 on the explicit mesh)."""
+    got = job.result("criteo")
+    assert got["meta/files"].ravel().tolist() == [0, 1]
+    half = worker.CRITEO_BATCH // 2
+    want = [
+        reference(
+            write_criteo(job.out / f"check_{i}.tsv", 40, seed=10 + i), vocab=worker.CRITEO_VOCAB
+        )
+        for i in range(NUM_PROCESSES)
+    ]
+    assert sorted(k for k in got if k.startswith("labels/")) == [f"labels/{i}" for i in range(5)]
+    for i in range(5):
+        rows = slice(i * half, (i + 1) * half)
+        for k, key in enumerate(("labels", "dense", "ids")):
+            expected = np.concatenate([w[k][rows] for w in want])
+            np.testing.assert_allclose(got[f"{key}/{i}"], expected, rtol=1e-6, err_msg=key)
 
 
 def test_workers_exit_cleanly(job):

@@ -14,6 +14,7 @@ from typing import Any
 import chex
 import jax
 import numpy as np
+import optax
 import pytest
 
 import jax_tpu_embed as jte
@@ -105,6 +106,48 @@ OPTIMIZERS = {
         dict(epsilon=1e-8),
         True,
     ),
+    "momentum": (
+        jte.Momentum(0.1, momentum=0.8),
+        "momentum",
+        dict(momentum=0.8, use_nesterov=False),
+        False,
+    ),
+    "momentum_nesterov+extras": (
+        jte.Momentum(0.1, momentum=0.8, use_nesterov=True, **_EXTRAS),
+        "momentum",
+        dict(momentum=0.8, use_nesterov=True),
+        True,
+    ),
+    "rmsprop": (
+        jte.RMSProp(0.05, rho=0.8, momentum=0.5, epsilon=1e-3),
+        "rmsprop",
+        dict(rho=0.8, momentum=0.5, epsilon=1e-3, centered=False),
+        False,
+    ),
+    "rmsprop_centered+extras": (
+        jte.RMSProp(0.05, rho=0.8, momentum=0.5, epsilon=1e-3, centered=True, **_EXTRAS),
+        "rmsprop",
+        dict(rho=0.8, momentum=0.5, epsilon=1e-3, centered=True),
+        True,
+    ),
+    "proximal_adagrad": (
+        jte.ProximalAdagrad(
+            0.2,
+            initial_accumulator_value=0.5,
+            l1_regularization_strength=0.05,
+            l2_regularization_strength=0.3,
+        ),
+        "proximal_adagrad",
+        dict(l1=0.05, l2=0.3),
+        False,
+    ),
+    # The reference's learning rate is the transform's (FromOptax's own is unused).
+    "optax_adam": (
+        jte.FromOptax(optax.adam(0.05, b1=0.8, b2=0.9, eps=1e-3)),
+        "optax_adam",
+        dict(b1=0.8, b2=0.9, eps=1e-3, lr=0.05),
+        False,
+    ),
     "custom": (
         jte.CustomOptimizer(
             _momentum,
@@ -167,6 +210,11 @@ def _reference(table, features, grads=None):
     return reference.row_gradients(_V, [p + (grads[k],) for p, k in zip(parts, ["multi", "seq"])])
 
 
+# Owner routing (ids sent to their rows' owners): 8 devices with 16 ids per owner and round,
+# so that skewed devices run several rounds, and 4 devices with the default capacity.
+ROUTED = [("div", 8, 16), ("mod", 4, None)]
+
+
 @pytest.mark.parametrize("strategy,num_shards", MESHES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("opt_key", list(OPTIMIZERS))
@@ -176,9 +224,26 @@ def test_optimizer_on_backend_matches_reference(
     _skip_unavailable(backend)
     # Small Pallas blocks: rows carried from block to block, packed rows re-read.
     monkeypatch.setattr(_pallas, "_BLOCK", 8)
-    optimizer, name, hp, extras = OPTIMIZERS[opt_key]
-    emb = jte.Embedding(_spec(optimizer, strategy, extras), make_mesh(num_shards), backend=backend)
+    optimizer = OPTIMIZERS[opt_key][0]
+    emb = jte.Embedding(
+        _spec(optimizer, strategy, OPTIMIZERS[opt_key][3]), make_mesh(num_shards), backend=backend
+    )
     assert emb.backends == {"t": backend}
+    _check_two_steps(emb, opt_key, rng)
+
+
+@pytest.mark.parametrize("strategy,num_shards,max_ids", ROUTED)
+@pytest.mark.parametrize("opt_key", list(OPTIMIZERS))
+def test_optimizer_routed_to_owners_matches_reference(opt_key, strategy, num_shards, max_ids, rng):
+    optimizer = OPTIMIZERS[opt_key][0]
+    spec = _spec(optimizer, strategy, OPTIMIZERS[opt_key][3])
+    emb = jte.Embedding(spec, make_mesh(num_shards), routing="owner", max_ids_per_shard=max_ids)
+    assert emb.routing == {"t": "owner"}
+    _check_two_steps(emb, opt_key, rng)
+
+
+def _check_two_steps(emb, opt_key, rng):
+    optimizer, name, hp, extras = OPTIMIZERS[opt_key]
     state = emb.init(jax.random.key(7))
     for _ in range(2):  # Slots written by the first step are read by the second.
         features = _batch(rng)
@@ -198,7 +263,7 @@ def test_optimizer_on_backend_matches_reference(
             table,
             slots,
             row_grads,
-            optimizer.learning_rate,
+            hp.get("lr", optimizer.learning_rate),
             **(_REF_EXTRAS if extras else {}),
         )
         got_t, got_s = emb.export(state)["t"], emb.export_slots(state)["t"]
@@ -254,3 +319,26 @@ def test_update_traces_once_per_input_structure(rng):
         features = _inputs(rng)
         state = step(state, features, _grads(rng, emb.lookup(state, features)))
     assert int(state.step) == 3
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: jte.Momentum(0.1, momentum=-0.1), r"Momentum: momentum must be >= 0, got -0.1"),
+        (lambda: jte.Momentum(0.0), r"Momentum: learning_rate must be > 0, got 0.0"),
+        (lambda: jte.RMSProp(rho=1.5), r"RMSProp: rho must be <= 1, got 1.5"),
+        (lambda: jte.RMSProp(momentum=-1.0), r"RMSProp: momentum must be >= 0, got -1.0"),
+        (lambda: jte.RMSProp(epsilon=0.0), r"RMSProp: epsilon must be > 0, got 0.0"),
+        (
+            lambda: jte.ProximalAdagrad(l2_regularization_strength=-2.0),
+            r"ProximalAdagrad: l2_regularization_strength must be >= 0, got -2.0",
+        ),
+        (
+            lambda: jte.ProximalAdagrad(initial_accumulator_value=float("nan")),
+            r"ProximalAdagrad: initial_accumulator_value must be a finite float, got nan",
+        ),
+    ],
+)
+def test_new_optimizers_name_field_value_and_range(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()

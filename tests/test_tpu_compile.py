@@ -1,7 +1,8 @@
 """The real train step, compiled by libtpu for real TPU topologies on this CPU-only machine.
 
 Per topology (v5e:2x2, v5p:2x2x1, v6e:2x2, v4:2x2x1), dim (16, 32, 64, 128, 256) and optimizer
-(Adagrad, Adam, a CustomOptimizer: SGD with momentum) the step — lookup, a tiny dense layer
+(Adagrad, Adam, a CustomOptimizer: SGD with momentum), and for bfloat16 tables with Adagrad on
+v5e:2x2 at dims 32-256, the step — lookup, a tiny dense layer
 and loss, d(loss)/d(activations) by jax.vjp, `emb.apply_gradients`, state donated — is compiled
 from `emb.abstract_state()` and abstract features, and the compiler's own reports must show:
 
@@ -45,6 +46,7 @@ from jax_tpu_embed import _aot  # noqa: E402
 
 TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2", "v4:2x2x1")
 DIMS = (16, 32, 64, 128, 256)
+BF16_DIMS = (32, 64, 128, 256)
 OPTIMIZERS = ("adagrad", "adam", "sgd_momentum")
 V = 8_000_000
 B = 128
@@ -78,9 +80,11 @@ class Case:
     topology: str
     dim: int
     optimizer: str
+    dtype: str = "float32"
 
     def __str__(self):
-        return f"{self.topology}-d{self.dim}-{self.optimizer}"
+        suffix = "" if self.dtype == "float32" else f"-{self.dtype}"
+        return f"{self.topology}-d{self.dim}-{self.optimizer}{suffix}"
 
 
 # Cases that fail while the engine stores a narrow table as a plain (N*S, D) array (measured
@@ -153,11 +157,15 @@ def _cases():
                     why = None
                 marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
                 yield pytest.param(case, id=str(case), marks=marks)
+    # bfloat16 tables (the XLA passes, with stochastic rounding) on one topology.
+    for dim in (64,) if quick else BF16_DIMS:
+        case = Case("v5e:2x2", dim, "adagrad", "bfloat16")
+        yield pytest.param(case, id=str(case))
 
 
 def _compile(case: Case) -> _aot.CompileReport:
     topo = _aot.topology(case.topology)
-    table = jte.TableConfig(V, case.dim, combiner="sum", name="t")
+    table = jte.TableConfig(V, case.dim, combiner="sum", name="t", dtype=case.dtype)
     spec = jte.EmbeddingSpec(
         {"multi": jte.FeatureConfig(table), "one": jte.FeatureConfig(table)},
         _optimizer(case.optimizer),
@@ -212,7 +220,8 @@ def _describe(case: Case, r: _aot.CompileReport) -> str:
 @pytest.mark.parametrize("case", list(_cases()))
 def test_train_step_compiles_within_limits(case, compiler):
     r = compiler.get(case)
-    shard = -(-V // len(r.topology.devices)) * case.dim * 4  # Logical f32 rows of one shard.
+    # Logical rows of one shard, in the table's dtype.
+    shard = -(-V // len(r.topology.devices)) * case.dim * {"float32": 4, "bfloat16": 2}[case.dtype]
     about = _describe(case, r)
     print(about)
     problems = []

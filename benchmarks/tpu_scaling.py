@@ -1,0 +1,165 @@
+"""Per-chip cost of the train step as the slice grows at a fixed per-chip batch (weak scaling).
+
+    python benchmarks/tpu_scaling.py                         # v5p slices of 4, 64, 256, 512 chips
+    python benchmarks/tpu_scaling.py --slices v5p:2x2x1 v5p:4x4x4 --routing owner gather
+    python benchmarks/tpu_scaling.py --json out.json
+
+No TPU needed: libtpu compiles the step from shapes (docs/design.md, "Compiling for TPUs").
+Setup: 8 tables x 1,000,000 rows x D=64, sum combiner, L=20 ids per example, Adagrad,
+1,024 examples per chip (global batch 1,024 x chips); the train step is lookup -> gradient ->
+apply_gradients (`_aot.train_step_fn`). For each slice and routing ("gather": every chip
+all-gathers the global batch's ids; "owner": ids travel to their rows' owners; "auto": what
+`Embedding` picks) it prints, per chip, the compiler's bytes accessed, the largest sort
+(elements), the largest collective and the temporaries, and each one's ratio to the
+smallest slice of the same routing.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import jax_tpu_embed as jte  # noqa: E402
+from jax_tpu_embed import _aot  # noqa: E402
+
+TABLES, V, D, L, PER_CHIP = 8, 1_000_000, 64, 20, 1024
+SLICES = ("v5p:2x2x1", "v5p:4x4x4", "v5p:4x8x8", "v5p:8x8x8")
+_SORT_RE = re.compile(r"=\s*\(?\s*\w+\[([\d,]*)\][^=]*?\bsort\(")
+
+
+def largest_sort(hlo: str) -> int:
+    """Elements of the largest sort in an HLO module text (its first operand's size)."""
+    best = 0
+    for line in hlo.splitlines():
+        m = _SORT_RE.search(line)
+        if m:
+            n = 1
+            for x in m.group(1).split(","):
+                if x:
+                    n *= int(x)
+            best = max(best, n)
+    return best
+
+
+def expected_unique(draws: int) -> float:
+    """E[distinct rows] of one table among `draws` ids of W1's power law (tpu_bytes.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from tpu_bytes import expected_unique_rows
+
+    return expected_unique_rows(V, draws)
+
+
+def embedding(topo: _aot.Topology, routing: str, sized: bool) -> jte.Embedding:
+    tables = [jte.TableConfig(V, D, combiner="sum", name=f"t{i}") for i in range(TABLES)]
+    spec = jte.EmbeddingSpec(
+        {f"t{i}": jte.FeatureConfig(t) for i, t in enumerate(tables)},
+        jte.Adagrad(learning_rate=0.05),
+    )
+    kw = {}
+    if sized:
+        # As a user sizes them from `id_counts` on real batches: with W1's power law a
+        # device's 20,480 ids per table hold E[U] distinct rows; owner routing sends up
+        # to 1.5 E[U] / N per owner and round, the all-gather path's kernels plan E[U] / N
+        # distinct rows per shard (their cost estimate only).
+        n = len(topo.devices)
+        u = expected_unique(PER_CHIP * (n // topo.chips) * L)
+        if routing == "gather":
+            kw["max_unique_ids_per_shard"] = int(np.ceil(expected_unique(PER_CHIP * n * L) / n))
+        else:
+            kw["max_ids_per_shard"] = int(np.ceil(1.5 * u))
+            kw["max_unique_ids_per_shard"] = int(np.ceil(u))
+    return jte.Embedding(spec, _aot.mesh(topo), routing=routing, **kw)
+
+
+def measure(slice_name: str, routing: str, sized: bool) -> dict:
+    topo = _aot.topology(slice_name)
+    emb = embedding(topo, routing, sized)
+    batch = PER_CHIP * topo.chips
+    r = _aot.compile_train_step(emb, batch, L, topo=topo)
+    biggest = max(r.collectives, key=lambda c: c.bytes, default=None)
+    return {
+        "slice": slice_name,
+        "chips": topo.chips,
+        "devices": len(topo.devices),
+        "global_batch": batch,
+        "routing": routing,
+        "sized": sized,
+        "chosen": sorted(set(emb.routing.values())),
+        "backends": sorted(set(emb.backends.values())),
+        "bytes_accessed_per_device": r.bytes_accessed,
+        "largest_sort": largest_sort(r.hlo),
+        "largest_collective": str(biggest) if biggest else "",
+        "largest_collective_bytes": biggest.bytes if biggest else 0,
+        "collective_bytes": sum(c.bytes for c in r.collectives),
+        "temp_bytes_per_device": r.temp_bytes,
+        "fits": r.fits,
+        "compile_seconds": round(r.compile_seconds, 1),
+    }
+
+
+def report(results: list[dict]) -> str:
+    mb = lambda x: f"{x / 1e6:,.1f} MB"
+    lines = [
+        f"{TABLES} tables x {V:,} rows x D={D}, sum, L={L}, Adagrad, {PER_CHIP:,} examples "
+        f"per chip; per chip, ratio to the smallest slice of the same routing",
+        "",
+        f"{'slice':<11s} {'chips':>5s} {'routing':>8s} {'bytes accessed':>15s} {'x':>6s} "
+        f"{'largest sort':>13s} {'x':>6s} {'largest collective':>19s} {'temps':>10s} "
+        f"{'compile':>8s}",
+    ]
+    first: dict[str, dict] = {}
+    for r in results:
+        base = first.setdefault(r["routing"], r)
+
+        def ratio(k, r=r, base=base):
+            return r[k] / base[k] if base[k] else float("nan")
+
+        lines.append(
+            f"{r['slice']:<11s} {r['chips']:>5d} {r['routing']:>8s} "
+            f"{mb(r['bytes_accessed_per_device']):>15s} "
+            f"{ratio('bytes_accessed_per_device'):>5.1f}x "
+            f"{r['largest_sort']:>13,d} {ratio('largest_sort'):>5.1f}x "
+            f"{mb(r['largest_collective_bytes']):>19s} {mb(r['temp_bytes_per_device']):>10s} "
+            f"{r['compile_seconds']:>7.1f}s"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--slices", nargs="+", default=list(SLICES))
+    parser.add_argument("--routing", nargs="+", default=["owner", "gather"])
+    parser.add_argument(
+        "--unsized",
+        action="store_true",
+        help="default capacities (2 m / N per owner and round) instead of sizing them "
+        "from the expected distinct rows of W1's id distribution",
+    )
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    results = []
+    for routing in args.routing:
+        for s in args.slices:
+            results.append(measure(s, routing, not args.unsized))
+            print(
+                f"  {s} {routing}: {results[-1]['bytes_accessed_per_device'] / 1e6:,.1f} MB",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(report(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

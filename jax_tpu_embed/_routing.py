@@ -1,0 +1,481 @@
+"""Owner routing: each device handles its own examples' ids and the rows it owns.
+
+The all-gather path (`_streams`) hands every device the ids of the global batch: per device
+and step its sort, pair lists and (B, D) partial activations grow with the number of
+devices N at a fixed per-device batch b. Owner routing keeps them at the per-device batch.
+Per device and table, with m = b·L local (id, position) pairs:
+
+1. Sort the local pairs by key = owner·S + local row (S rows per shard), which groups them
+   by owner and, within an owner, by row; number their distinct rows (at most m).
+2. Send each owner the distinct rows it owns, at most Cd per owner and round, in one
+   `all_to_all` of (N, Cd) row ids (plus, for the update, their (N, Cd, D) summed gradients).
+3. Lookup: the owner reads the N·Cd received rows and sends them back the same way; each
+   device combines the rows into its own activations. Update: the owner sums the gradients
+   of rows received from several devices and applies the optimizer once per distinct row.
+
+Skew: a device with more than Cd distinct rows for one owner runs more rounds; nothing is
+dropped. Rounds keep each row's update whole: in every round, for every owner p, the
+devices agree (`pmin`) on a threshold T_p, the smallest Cd-th pending row of any device
+(or none when every device has fewer than Cd pending), and each device sends its pending
+rows <= T_p: at most Cd, and every row <= T_p reaches its owner from every device in this
+very round, so the owner updates it exactly once. When Cd >= m, one round always
+suffices and runs as straight-line code.
+
+Per device and round the work is O(m + N·Cd) with Cd = `capacity` ~ 2m/N: proportional to
+the per-device batch, whatever N. docs/design.md compares the traffic of both paths.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _backend, _pallas, _streams, _xla_backend
+from ._streams import NOT_MINE
+
+# Sort key of "no row" (padding or an id outside the table): after every real key.
+NONE = int(np.iinfo(np.int32).max)
+
+
+def capacity(plan: _backend.TablePlan, pairs: int, num_shards: int, k: int = 1) -> int:
+    """Cd: distinct rows one device sends one owner per round.
+
+    `max_ids_per_shard` (C, the ids one shard handles per round) / N when set, else
+    2·m / N: twice the mean when a device's m pairs are all distinct, room for uneven
+    ownership. At least 8, a multiple of 8 and of `k` (lane-dense rows, see `_Kernels`);
+    when that is m or more, one round always suffices. An optimizer that updates every row
+    (`Adam(lazy_adam=False)`) takes one round of all m.
+    """
+    multiple = max(8, k)
+    if plan.optimizer.dense_update or num_shards == 1:
+        return _streams.round_up(pairs, multiple)
+    c = -(-plan.max_ids // num_shards) if plan.max_ids else -(-2 * pairs // num_shards)
+    return _streams.round_up(min(pairs, max(c, 8)), multiple)
+
+
+def supported(layout) -> str | None:
+    """Why owner routing cannot serve a table of this layout, or None."""
+    if layout.num_shards * layout.rows_per_shard >= NONE:
+        return (
+            f"its {layout.num_shards} x {layout.rows_per_shard} padded rows do not fit "
+            f"an int32 sort key"
+        )
+    return None
+
+
+class _Local:
+    """One device's pairs of one table, sorted by key, and their distinct rows."""
+
+    def __init__(self, plan: _backend.TablePlan, inputs: list, axis: str, k: int = 1):
+        s = plan.layout.rows_per_shard
+        self.n = lax.axis_size(axis)
+        self.s = s
+        keys, outs, scales, parts, first = [], [], [], [], 0
+        for f, ids, weights in inputs:
+            b, l = ids.shape
+            owner, local = plan.layout.owner_and_local(ids)
+            keys.append(jnp.where(ids >= 0, owner * s + local, NONE).reshape(-1))
+            example = lax.broadcasted_iota(jnp.int32, (b, l), 0)
+            if f.config.is_sequence:
+                out, rows = example * l + lax.broadcasted_iota(jnp.int32, (b, l), 1), b * l
+            else:
+                out, rows = example, b
+            outs.append((out + first).reshape(-1))
+            w = (ids >= 0).astype(jnp.float32) if weights is None else weights
+            scales.append(jnp.where(ids >= 0, _streams.feature_scale(f, w), 0.0).reshape(-1))
+            parts.append((f, first, rows))
+            first += _streams.round_up(rows, k)  # Whole lane-dense rows per feature.
+        self.rows, self.parts = first, parts
+        # (key, output row, scale) order: each row's pairs in one canonical order.
+        self.keys, self.out, self.scale = lax.sort(
+            (jnp.concatenate(keys), jnp.concatenate(outs), jnp.concatenate(scales)),
+            num_keys=3,
+            is_stable=False,
+        )
+        m = self.keys.shape[0]
+        self.pairs = m
+        starts = jnp.concatenate([jnp.ones((1,), bool), self.keys[1:] != self.keys[:-1]])
+        # Pair i's distinct row: segment[i]; distinct row j's key: uniq[j] (NONE past them).
+        self.segment = jnp.cumsum(starts, dtype=jnp.int32) - 1
+        self.uniq = lax.sort(jnp.where(starts, self.keys, NONE), is_stable=False)
+        # bounds[p]: index of owner p's first distinct row; bounds[N]: distinct rows.
+        self.bounds = _count_below(self.uniq, jnp.arange(self.n + 1, dtype=jnp.int32) * s)
+        self.counts = self.bounds[1:] - self.bounds[:-1]
+
+    def per_owner(self, values):
+        """values[owner of pair i] for every pair (NONE keys: the last owner's value),
+        as a sum of steps over the sorted keys rather than a gather."""
+        steps = jnp.concatenate([values[:1], values[1:] - values[:-1]])
+        starts = jnp.arange(self.n, dtype=jnp.int32) * self.s
+        return jnp.sum(jnp.where(self.keys[:, None] >= starts[None, :], steps[None, :], 0), axis=1)
+
+
+def _count_below(sorted_keys, limits):
+    """For each limit, how many sorted keys are < it (a compare-and-count: no gathers)."""
+    return jnp.sum(sorted_keys[None, :] < limits[:, None], axis=1, dtype=jnp.int32)
+
+
+class _Round:
+    """What one device sends in one round: per owner p, its pending distinct rows
+    bounds[p] + sent[p] ... + n_send[p] - 1, in slots p·Cd ... of the (N·Cd,) buffers."""
+
+    def __init__(self, local: _Local, sent, cd: int, axis: str, single: bool):
+        n = local.n
+        pending = local.counts - sent
+        self.first = local.bounds[:-1] + sent
+        self.cd = cd
+        window = windows(local.uniq, self.first, cd, NONE)  # (N, Cd) pending keys
+        if single:
+            n_send = pending
+        else:
+            nth = window[:, cd - 1]
+            threshold = lax.pmin(jnp.where(pending >= cd, nth, NONE), axis)
+            # Pending rows <= T_p: all rows below T_p + 1 minus those already sent.
+            below = _count_below(local.uniq, jnp.minimum(threshold, NONE - 1) + 1)
+            n_send = jnp.where(threshold == NONE, pending, jnp.minimum(pending, below - self.first))
+        slot = lax.iota(jnp.int32, cd)
+        self.valid = (slot[None, :] < n_send[:, None]).reshape(-1)  # (N·Cd,)
+        owner_start = (jnp.arange(n, dtype=jnp.int32) * local.s)[:, None]
+        self.local_rows = jnp.where(self.valid, (window - owner_start).reshape(-1), NOT_MINE)
+        self.sent = sent + n_send
+        # Pair i's slot in this round, if its row is sent now: its distinct row's place
+        # among owner p's pending rows, offset by p·Cd.
+        rank = local.segment - local.per_owner(self.first)
+        in_round = (local.keys < NONE) & (rank >= 0) & (rank < local.per_owner(n_send))
+        self.pair_slot = jnp.where(
+            in_round, local.per_owner(jnp.arange(n, dtype=jnp.int32) * cd) + rank, 0
+        )
+        self.pair_in_round = in_round
+
+    def rows_of(self, x):
+        """(N·Cd, ...) the rows of `x` (one per distinct row, as `uniq`) this round sends,
+        zero where a slot is empty."""
+        win = windows(x, self.first, self.cd, 0).reshape(-1, *x.shape[1:])
+        return jnp.where(self.valid.reshape(-1, *[1] * (x.ndim - 1)), win, 0)
+
+
+def windows(x, starts, size: int, fill):
+    """(len(starts), size, ...): x[s : s + size] for each start s, `fill` past the end.
+
+    One gather of contiguous windows: the TPU compiler charges a gather per index it
+    reads, so N windows of Cd cost far less than N·Cd single elements."""
+    x = jnp.concatenate([x, jnp.full((size, *x.shape[1:]), fill, x.dtype)])
+    return jax.vmap(lambda s: lax.dynamic_slice_in_dim(x, s, size))(starts)
+
+
+def _rounds(local: _Local, cd: int, axis: str, body, carry):
+    """Runs `carry = body(round, carry)` until every device has sent every distinct row."""
+    single = cd >= local.pairs
+    sent = jnp.zeros((local.n,), jnp.int32)
+    if single:
+        return body(_Round(local, sent, cd, axis, single=True), carry)
+
+    def step(state):
+        sent, carry, _ = state
+        r = _Round(local, sent, cd, axis, single=False)
+        carry = body(r, carry)
+        more = lax.pmax(jnp.any(r.sent < local.counts).astype(jnp.int32), axis)
+        return r.sent, carry, more > 0
+
+    return lax.while_loop(lambda state: state[2], step, (sent, carry, jnp.bool_(True)))[1]
+
+
+def _exchange(x, axis):
+    return lax.all_to_all(x, axis, 0, 0, tiled=True)
+
+
+def read_rows(plan: _backend.TablePlan, table, rows):
+    """(n, D) float32: the logical rows `rows` of this shard (>= NOT_MINE: zeros)."""
+    packing = plan.storage.packing
+    k, w = packing.per_row, packing.padded_width
+    phys = table.at[rows // k].get(mode="fill", fill_value=0).astype(jnp.float32)
+    if k > 1:
+        group = lax.iota(jnp.int32, k * w) // w
+        phys = jnp.where(group[None, :] == (rows % k)[:, None], phys, 0.0)
+        phys = phys.reshape(-1, k, w).sum(axis=1)
+    return phys[:, : plan.config.dim]
+
+
+class _XlaRows:
+    """The row work of owner routing in XLA ops: any mesh, any table; rows travel (n, D)."""
+
+    k = 1
+
+    def __init__(self, plan: _backend.TablePlan):
+        self.plan = plan
+
+    def owner_rows(self, table, rows):
+        return read_rows(self.plan, table, rows)
+
+    def combine(self, local: _Local, r: _Round, back, acc):
+        got = back[r.pair_slot] * jnp.where(r.pair_in_round, local.scale, 0.0)[:, None]
+        return acc.at[local.out].add(got)
+
+    def zeros(self, rows: int):
+        return jnp.zeros((rows, self.plan.config.dim), jnp.float32)
+
+    def unpack(self, acc, rows: int):
+        return acc
+
+    def gradients(self, local: _Local, grad_rows):
+        """Per distinct row of `local` (as `uniq`), its summed gradient (m, D)."""
+        g = local.scale[:, None] * grad_rows[local.out]  # NONE pairs have scale 0.
+        return jax.ops.segment_sum(
+            g, local.segment, num_segments=local.pairs, indices_are_sorted=True
+        )
+
+    def send(self, local: _Local, r: _Round, g_uniq):
+        return r.rows_of(g_uniq)
+
+    def owner_update(self, table, slots, rows, grads, step, axis):
+        rows, g_sum = owner_sum(rows, grads)
+        return _xla_backend.apply_rows(self.plan, table, slots, rows, g_sum, step, axis)
+
+
+class _Kernels(_XlaRows):
+    """The row work of owner routing in the Pallas kernels (`_pallas`), rows lane-dense
+    (k to a 128-lane row): the owner's reads and updates walk the received rows sorted,
+    and each device combines the rows it gets back (or spreads its gradients over the
+    rows it sends) with the pooled lookup kernel, whose cost is its pairs, not a tile per
+    row as XLA's gathers and scatters."""
+
+    def __init__(self, plan: _backend.TablePlan, pairs: int, received: int):
+        self.plan, self.packing = plan, plan.storage.rows_packing
+        self.k = self.packing.per_row
+        # The kernels' cost estimates: a round brings at most N·Cd rows to an owner, on
+        # average as many as each device sends; max_unique_ids_per_shard bounds the
+        # distinct ones.
+        planned = min(pairs, received)
+        self.planned = (planned, min(planned, plan.max_unique or planned))
+        self.interpret = bool(getattr(plan.backend, "interpret", False))
+
+    def _lookup(self, table, packing, keys, out, scale, count, rows: int):
+        return _pallas.pooled_lookup(
+            table,
+            packing,
+            keys,
+            out,
+            scale,
+            count,
+            rows,
+            planned=self.planned,
+            vmem=self.plan.vmem,
+            rows_packing=self.packing,
+            interpret=self.interpret,
+        )
+
+    def owner_rows(self, table, rows):
+        keys, slot = lax.sort((rows, lax.iota(jnp.int32, rows.shape[0])), num_keys=2)
+        count = jnp.sum(keys < NOT_MINE, dtype=jnp.int32)
+        storage = self.plan.storage
+        return self._lookup(table, storage.packing, keys, slot, None, count, rows.shape[0])
+
+    def combine(self, local: _Local, r: _Round, back, acc):
+        keys, out, scale = lax.sort(
+            (jnp.where(r.pair_in_round, r.pair_slot, NOT_MINE), local.out, local.scale),
+            num_keys=3,
+        )
+        count = jnp.sum(r.pair_in_round, dtype=jnp.int32)
+        return acc + self._lookup(back, self.packing, keys, out, scale, count, local.rows)
+
+    def zeros(self, rows: int):
+        return jnp.zeros((rows // self.k, self.k * self.packing.padded_width), jnp.float32)
+
+    def unpack(self, acc, rows: int):
+        return _streams.unpacked(acc, self.packing, rows)
+
+    def gradients(self, local: _Local, grad_rows):
+        return _streams.packed(grad_rows, self.packing)
+
+    def send(self, local: _Local, r: _Round, g_uniq):
+        keys, slot, scale = lax.sort(
+            (jnp.where(r.pair_in_round, local.out, NOT_MINE), r.pair_slot, local.scale),
+            num_keys=3,
+        )
+        count = jnp.sum(r.pair_in_round, dtype=jnp.int32)
+        n = r.valid.shape[0]
+        return self._lookup(g_uniq, self.packing, keys, slot, scale, count, n)
+
+    def owner_update(self, table, slots, rows, grads, step, axis):
+        keys, slot = lax.sort((rows, lax.iota(jnp.int32, rows.shape[0])), num_keys=2)
+        count = jnp.sum(keys < NOT_MINE, dtype=jnp.int32)
+        storage = self.plan.storage
+        names = [s.name for s in storage.stored]
+        new = _pallas.fused_update(
+            [table] + [slots[s] for s in names],
+            storage.packings,
+            keys,
+            slot,
+            None,
+            count,
+            grads,
+            step.scalars,
+            storage.stored_row_fn(step.row_fn),
+            planned=self.planned,
+            vmem=self.plan.vmem,
+            rows_packing=self.packing,
+            interpret=self.interpret,
+        )
+        return new[0], dict(zip(names, new[1:]))
+
+
+def _row_work(plan: _backend.TablePlan, inputs: list, axis: str):
+    """(local pairs, Cd, row work): the Pallas kernels when the table's backend is theirs
+    and the rows they hold in VMEM fit (`_pallas.fits_vmem`), else XLA ops."""
+    if isinstance(plan.backend, _pallas.PallasBackend):
+        k = plan.storage.rows_packing.per_row
+        local = _Local(plan, inputs, axis, k)
+        cd = capacity(plan, local.pairs, local.n, k)
+        lanes = k * plan.storage.rows_packing.padded_width
+        rows = max(local.n * cd, local.rows) // k
+        if _pallas.fits_vmem(rows, lanes, plan.vmem):
+            return local, cd, _Kernels(plan, local.pairs, local.n * cd)
+    local = _Local(plan, inputs, axis)
+    return local, capacity(plan, local.pairs, local.n), _XlaRows(plan)
+
+
+def lookup(plan: _backend.TablePlan, table, inputs: list, axis: str) -> dict:
+    """{feature path: this device's activations} by owner routing."""
+    local, cd, work = _row_work(plan, inputs, axis)
+
+    def body(r: _Round, acc):
+        back = _exchange(work.owner_rows(table, _exchange(r.local_rows, axis)), axis)
+        return work.combine(local, r, back, acc)
+
+    acc = work.unpack(_rounds(local, cd, axis, body, work.zeros(local.rows)), local.rows)
+    out = {}
+    for f, first, rows in local.parts:
+        part = acc[first : first + rows]
+        if f.config.is_sequence:
+            part = part.reshape(-1, f.config.max_sequence_length, part.shape[-1])
+        out[f.path] = part
+    return out
+
+
+def update(
+    plan: _backend.TablePlan, table, slots: dict, inputs: list, grads: dict, step, axis: str
+):
+    """(table, slots) after one sparse step by owner routing: every distinct row of the
+    global batch is updated once, at its owner, with the sum of its gradients."""
+    local, cd, work = _row_work(plan, inputs, axis)
+    parts = []
+    for f, _, rows in local.parts:
+        g = grads[f.path].astype(jnp.float32).reshape(rows, -1)
+        parts.append(jnp.pad(g, [(0, _streams.round_up(rows, work.k) - rows), (0, 0)]))
+    g = work.gradients(local, jnp.concatenate(parts))
+
+    def body(r: _Round, carry):
+        table, slots = carry
+        rows = _exchange(r.local_rows, axis)
+        sent = _exchange(work.send(local, r, g), axis)
+        return work.owner_update(table, slots, rows, sent, step, axis)
+
+    return _rounds(local, cd, axis, body, (table, slots))
+
+
+def owner_sum(rows, g):
+    """Sums the gradients of equal rows received from several devices.
+
+    Returns the distinct rows ascending, padded with distinct indices >= NOT_MINE that
+    gathers fill and scatters drop, and their summed gradients: `apply_rows`' input.
+    Sorted with the arrival slot riding along, so equal rows sum in a fixed order.
+    """
+    n = rows.shape[0]
+    keys, order = lax.sort((rows, lax.iota(jnp.int32, n)), num_keys=2, is_stable=False)
+    starts = jnp.concatenate([jnp.ones((1,), bool), keys[1:] != keys[:-1]])
+    segment = jnp.cumsum(starts, dtype=jnp.int32) - 1
+    g_sum = jax.ops.segment_sum(g[order], segment, num_segments=n, indices_are_sorted=True)
+    distinct = lax.sort(jnp.where(starts, keys, NONE), is_stable=False)
+    distinct = jnp.where(distinct < NOT_MINE, distinct, NOT_MINE + lax.iota(jnp.int32, n))
+    return distinct, g_sum
+
+
+def rounds_needed(plan: _backend.TablePlan, ids: np.ndarray, num_shards: int) -> int:
+    """Rounds `update` runs for this global batch of one table (NumPy, `id_counts`).
+
+    `ids`: (N, m) each device's pairs' global ids (-1: none)."""
+    layout = plan.layout
+    k = plan.storage.rows_packing.per_row if isinstance(plan.backend, _pallas.PallasBackend) else 1
+    cd = capacity(plan, ids.shape[1], num_shards, k)
+    if cd >= ids.shape[1]:
+        return 1
+    pending = []  # [device][owner] ascending distinct local keys not yet sent
+    for d in range(num_shards):
+        valid = np.unique(ids[d][ids[d] >= 0])
+        owner, local = layout.owner_and_local(valid)
+        pending.append([np.sort(local[owner == p]) for p in range(num_shards)])
+    rounds = 1
+    for p in range(num_shards):
+        queues = [pending[d][p] for d in range(num_shards)]
+        r = 0
+        while any(len(q) for q in queues) or r == 0:
+            r += 1
+            nth = [q[cd - 1] for q in queues if len(q) >= cd]
+            t = min(nth) if nth else None
+            queues = [q[q > t] if t is not None else q[:0] for q in queues]
+        rounds = max(rounds, r)
+    return rounds
+
+
+ROUTINGS = ("auto", "gather", "owner")
+# "auto" routes to owners from this many shards on TPU meshes; below, the all-gather path.
+# benchmarks/tpu_scaling.py measures both (docs/design.md).
+AUTO_OWNER_SHARDS = 64
+
+
+def choose(
+    tables: dict,
+    requested,
+    backends: dict[str, str],
+    layouts: dict,
+    platform: str,
+    num_shards: int,
+) -> dict[str, str]:
+    """{table name: "gather" | "owner"} for `requested` ("auto", a name or {table: name}).
+
+    `backends`: the backend each table asked for. Owner routing does its row work with
+    the Pallas kernels or XLA ops, not the C++ CPU kernels; "auto" routes a table to
+    owners on TPU meshes of AUTO_OWNER_SHARDS shards or more.
+    """
+    if isinstance(requested, dict):
+        unknown = sorted(set(requested) - set(tables))
+        if unknown:
+            raise ValueError(
+                f"Embedding: routing names {unknown}, which are not tables; the "
+                f"tables are {sorted(tables)}."
+            )
+        per_table = {name: requested.get(name, "auto") for name in tables}
+    else:
+        per_table = dict.fromkeys(tables, requested)
+    bad = sorted({r for r in per_table.values() if r not in ROUTINGS}, key=str)
+    if bad:
+        raise ValueError(
+            f"Embedding: routing must be one of {list(ROUTINGS)} (or a dict of them per "
+            f"table), got {bad[0]!r}."
+        )
+    out, problems = {}, []
+    for name, want in per_table.items():
+        why = supported(layouts[name])
+        if want == "auto":
+            owner = (
+                platform == "tpu"
+                and num_shards >= AUTO_OWNER_SHARDS
+                and backends[name] != "cpu"
+                and why is None
+            )
+            out[name] = "owner" if owner else "gather"
+            continue
+        if want == "owner":
+            if backends[name] == "cpu":
+                why = why or (
+                    "routing='owner' does its row work with the Pallas kernels or XLA "
+                    "ops; backend 'cpu' serves routing='gather' only"
+                )
+            if why is not None:
+                problems.append(f"table {name!r} cannot use routing 'owner': {why}")
+        out[name] = want
+    if problems:
+        raise ValueError("Embedding: " + "; ".join(problems) + ".")
+    return out
