@@ -134,7 +134,7 @@ def report(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--slices", nargs="+", default=list(SLICES))
     parser.add_argument("--routing", nargs="+", default=["owner", "gather"])
     parser.add_argument(

@@ -4,6 +4,7 @@ import jax_tpu_embed as jte
 """
 
 from . import _multihost as multihost  # noqa: F401  (public: jte.multihost)
+from . import _platforms
 from . import checkpoint as checkpoint
 from . import compat as compat
 from . import data as data
@@ -36,3 +37,6 @@ from ._train import TrainStep as TrainStep
 from ._train import make_train_step as make_train_step
 
 __version__ = "0.1.0"
+
+# Importing the modules above asks JAX for no device; this must come before anything does.
+_platforms.skip_tpu_probe_without_chips()

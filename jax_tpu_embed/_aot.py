@@ -309,10 +309,11 @@ class CompileReport:
 
 
 def init_temp_bytes(emb) -> dict[str, int]:
-    """{table name: per-device temporary bytes of the program `emb.init` runs for it}.
+    """{table name: per-device temporary bytes of initialising it (`emb.init_programs`)}.
 
-    `init` runs one program per table in turn, so its peak is the state made so far plus
-    one table's temporaries: at most the whole state plus the largest of these.
+    `init` fills the tables one after another (a default-initialised one in row blocks), so
+    its peak is the state made so far plus one table's temporaries: at most the whole state
+    plus the largest of these.
     """
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     out = {}
@@ -323,7 +324,13 @@ def init_temp_bytes(emb) -> dict[str, int]:
         except Exception as e:  # A table too big for HBM: measure it anyway.
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
-            compiled = lowered.compile(compiler_options={"xla_tpu_no_crash_on_oom": True})
+            try:
+                compiled = lowered.compile(compiler_options={"xla_tpu_no_crash_on_oom": True})
+            except Exception as e2:  # One array alone exceeds HBM: temporaries unknown.
+                if "RESOURCE_EXHAUSTED" not in str(e2):
+                    raise
+                out[name] = 0
+                continue
         out[name] = int(compiled.memory_analysis().temp_size_in_bytes)
     return out
 
@@ -372,12 +379,19 @@ def compile_train_step(
             for path in glob.glob(os.path.join(dump, "*")):
                 if os.path.isfile(path):
                     os.remove(path)
-            compiled = lowered.compile(
-                compiler_options={  # pyright: ignore[reportArgumentType]
-                    **options,
-                    "xla_tpu_no_crash_on_oom": True,
-                }
-            )
+            try:
+                compiled = lowered.compile(
+                    compiler_options={  # pyright: ignore[reportArgumentType]
+                        **options,
+                        "xla_tpu_no_crash_on_oom": True,
+                    }
+                )
+            except Exception as e2:
+                # One array alone larger than HBM (a table's shard): the compiler cannot
+                # place it at all, so only the state's own bytes are known.
+                if "RESOURCE_EXHAUSTED" not in str(e2):
+                    raise
+                return _state_only_report(emb, topo, oom, time.perf_counter() - start)
         seconds = time.perf_counter() - start
         assignment = _read_buffer_assignment(dump)
     hlo = compiled.as_text()
@@ -420,6 +434,32 @@ def compile_train_step(
         compile_seconds=seconds,
         oom=oom,
         hlo=hlo,
+    )
+
+
+def _state_only_report(emb, topo: Topology, oom: str, seconds: float) -> CompileReport:
+    """The report of a step the compiler refused outright: the state (donated, so counted
+    once) and nothing else; temporaries, traffic and collectives unknown."""
+    tables, slots = _state_shard_bytes(emb)
+    state = sum(tables.values()) + sum(slots.values())
+    return CompileReport(
+        topology=topo,
+        argument_bytes=state,
+        output_bytes=state,
+        alias_bytes=state,
+        temp_bytes=0,
+        code_bytes=0,
+        bytes_accessed=float("nan"),
+        flops=float("nan"),
+        collectives=[],
+        largest_temps=[],
+        aliased_state=[],
+        unaliased_state=[],
+        table_bytes=tables,
+        slot_bytes=slots,
+        compile_seconds=seconds,
+        oom=f"{oom} (one array alone exceeds HBM, so the compiler placed nothing: the "
+        "figures are the state's own)",
     )
 
 

@@ -50,8 +50,38 @@ class EmbeddingState:
     step: Any  # jax.Array; jax.ShapeDtypeStruct in abstract_state.
 
 
-def _default_initializer(dim: int):
-    return jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(dim))
+# Blocks of `init`: about this many bytes per array and device, at least this many rows.
+_INIT_BLOCK_BYTES = 4 << 20
+_INIT_BLOCK_ROWS_MIN = 1024
+
+
+def _mix32(x):
+    """murmur3's 32-bit finaliser: every input bit flips each output bit with p ~ 1/2."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _default_rows(key, ids, dim: int):
+    """The default initializer's rows `ids` ((n,) ints) of a table: (n, dim) float32 drawn
+    from a truncated normal (mean 0, stddev 1/sqrt(dim), cut at 2 stddev, as TensorFlow's).
+
+    Element (r, c) is a counter-based hash of (key, r, c) alone, so a row's value depends on
+    neither the mesh, the strategy nor how rows are grouped into blocks. A hash rather than
+    jax.random: threefry's 20 rounds per element made XLA take seconds to compile each
+    table's initialisation, and a demo with 26 tables spent most of its start-up there.
+    """
+    words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
+    k0, k1 = words[0], words[-1]
+    row = _mix32(_mix32(ids.astype(jnp.uint32) ^ k0) + k1)
+    col = jnp.arange(dim, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
+    bits = _mix32(_mix32(row[:, None] ^ col) + k0)
+    u = (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24)) + (0.5 / (1 << 24))  # (0, 1)
+    lo = jax.lax.erf(jnp.float32(-2.0 / math.sqrt(2.0)))
+    z = math.sqrt(2.0) * jax.lax.erf_inv(lo + u * (-2.0 * lo))  # Inverse CDF on [-2, 2].
+    return jnp.clip(z, -2.0, 2.0) / math.sqrt(dim)
 
 
 def _per_table(what: str, value, spec: _config.EmbeddingSpec) -> dict:
@@ -92,7 +122,7 @@ class Embedding:
     Args:
         spec: The EmbeddingSpec.
         mesh: A `jax.sharding.Mesh` (Auto or Explicit axes). Default: every device on one
-            axis named "shard".
+            Auto axis named "shard".
         axis: The mesh axis the tables' rows and the batch are split over. Default: the
             mesh's only axis; required for a multi-axis mesh.
         backend: Who does each table's shard-local row work: "auto" (default), "xla",
@@ -151,7 +181,12 @@ class Embedding:
                 f"Embedding: spec must be a jte.EmbeddingSpec, got {type(spec).__name__}."
             )
         if mesh is None:
-            mesh = jax.make_mesh((jax.device_count(),), ("shard",))
+            # Auto axes: with Explicit ones (jax.make_mesh's default) every array the user
+            # gets back carries its sharding in its type, and plain eager code such as
+            # `acts["f"][0]` or `jax.grad` of a model outside `jit` fails to type-check.
+            mesh = jax.make_mesh(
+                (jax.device_count(),), ("shard",), axis_types=(jax.sharding.AxisType.Auto,)
+            )
         if axis is None:
             if len(mesh.axis_names) != 1:
                 raise ValueError(
@@ -239,8 +274,11 @@ class Embedding:
         ]
         self._replicated = NamedSharding(mesh, P())
         self._init_fns = None
+        self._init_blocked = None
         self._lookup_jit = jax.jit(self._lookup)
-        self._apply_jit = jax.jit(self._apply)
+        # The state is donated: the update writes the touched rows in place instead of
+        # copying every table and slot on each call (which made an eager call O(V)).
+        self._apply_jit = jax.jit(self._apply, donate_argnums=0)
 
     @property
     def backends(self) -> dict[str, str]:
@@ -280,32 +318,127 @@ class Embedding:
     def init(self, key: jax.Array) -> EmbeddingState:
         """Initial tables and slots: the same logical values for every mesh and strategy.
 
-        One jitted program per table (its rows and slots), compiled once per Embedding and
-        run one after another, so the transient memory of initialisation is one table's, not
-        all of them at once. Works traced inside another jit too.
+        Tables with the default initializer and constant slot initializers (every built-in
+        optimizer) are drawn in blocks of rows on their own shards, all in one compiled
+        program: the transient memory is a block per array, and there is one compile however
+        many tables there are. Row r of such a table is drawn from `fold_in(table key, r)`, so
+        its value depends on neither the mesh, the strategy nor the block size. A table with
+        its own initializer (or a slot with a random one) is called with the logical shape,
+        as the API promises, in a program of its own. Works traced inside another jit too.
         """
-        programs = self.init_programs()
+        keys = {name: jax.random.fold_in(key, i) for i, name in enumerate(self.table_plans)}
         tables, slots = {}, {}
-        for i, name in enumerate(self.table_plans):
-            tables[name], slots[name] = programs[name](jax.random.fold_in(key, i))
+        blocked = {name: keys[name] for name in self.table_plans if self._blocked(name)}
+        if blocked:
+            for name, (table, table_slots) in self._init_blocked_fn()(blocked).items():
+                tables[name], slots[name] = table, table_slots
+        programs = self.init_programs()
+        for name in self.table_plans:
+            if name not in blocked:
+                tables[name], slots[name] = programs[name](keys[name])
+        tables = {name: tables[name] for name in self.table_plans}
+        slots = {name: slots[name] for name in self.table_plans}
         step = jnp.zeros((), jnp.int32)
         if not isinstance(key, jax.core.Tracer):
             step = jax.device_put(step, self._replicated)
         return EmbeddingState(tables, slots, step)
 
     def init_programs(self) -> dict:
-        """{table name: the jitted fn(key) -> (table, slots) that `init` runs for it}; for
-        compiling ahead of time (the planner checks initialisation fits HBM too)."""
+        """{table name: a jitted fn(table key) -> (table, slots) giving what `init` gives for
+        it}; for compiling ahead of time (the planner checks initialisation fits HBM too)."""
         if self._init_fns is None:
             shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state())
             self._init_fns = {
                 name: jax.jit(
-                    functools.partial(self._init_table, plan),
+                    functools.partial(
+                        self._init_table_blocked if self._blocked(name) else self._init_table,
+                        plan,
+                    ),
                     out_shardings=(shardings.tables[name], shardings.slots[name]),
                 )
                 for name, plan in self.table_plans.items()
             }
         return self._init_fns
+
+    def _blocked(self, name: str) -> bool:
+        """Whether `init` draws a table in row blocks: default initializer, constant slots."""
+        plan = self.table_plans[name]
+        return plan.config.initializer is None and not any(
+            callable(s.initializer) for s in plan.storage.slot_specs
+        )
+
+    def _init_blocked_fn(self):
+        if self._init_blocked is None:
+            shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state())
+            names = [n for n in self.table_plans if self._blocked(n)]
+
+            def fn(keys):
+                return {n: self._init_table_blocked(self.table_plans[n], keys[n]) for n in names}
+
+            self._init_blocked = jax.jit(
+                fn,
+                out_shardings={n: (shardings.tables[n], shardings.slots[n]) for n in names},
+            )
+        return self._init_blocked
+
+    def _init_table_blocked(self, plan: _backend.TablePlan, table_key):
+        """A table and its slots drawn block by block on their own shards (see `init`)."""
+        storage = plan.storage
+        row = P(self.axis)
+        fn = self._shard_map(
+            functools.partial(self._init_local, plan),
+            P(),
+            (row, {s.name: row for s in storage.stored}),
+        )
+        table, slots = fn(table_key)
+        return self._constrain(table), {n: self._constrain(x) for n, x in slots.items()}
+
+    def _init_local(self, plan: _backend.TablePlan, table_key):
+        """Inside shard_map: this shard's physical table and stored slots, written a block of
+        rows at a time into arrays of their final shape (so the transient is one block)."""
+        storage, layout = plan.storage, plan.storage.layout
+        shard = jax.lax.axis_index(self.axis)
+        _, size = layout.shard_start_and_size(shard)
+        constants = {s.name: float(s.initializer) for s in storage.slot_specs}
+
+        def rows(local, slot):
+            """Logical rows `local` of this shard; padding rows (past its size) are zero."""
+            valid = local < size
+            if slot is not None:
+                shape = (local.shape[0],) + ((plan.config.dim,) if slot.rank == 2 else ())
+                value = jnp.where(valid, jnp.float32(constants[slot.name]), 0.0)
+                return jnp.broadcast_to(value.reshape((-1,) + (1,) * (len(shape) - 1)), shape)
+            table = _default_rows(table_key, layout.global_ids(shard, local), plan.config.dim)
+            table = jnp.where(valid[:, None], table, 0.0).astype(plan.config.dtype)
+            return storage.join_row(table, {s.name: rows(local, s) for s in storage.riders})
+
+        table_shape, slot_shapes = storage.shapes()
+        arrays = [(None, table_shape)] + [(s, slot_shapes[s.name]) for s in storage.stored]
+        out = []
+        for slot, shape in arrays:
+            local_shape = (shape[0] // self.num_shards,) + tuple(shape[1:])
+            k = storage.block_granule(slot)
+            logical = local_shape[0] * k  # Logical rows the shard's physical rows hold.
+            lanes = math.prod(local_shape[1:])
+            block = max(_INIT_BLOCK_ROWS_MIN, _INIT_BLOCK_BYTES * k // (4 * lanes)) // 128 * 128
+            block = min(block, logical)  # Both multiples of k.
+
+            def body(b, array, slot=slot, block=block, logical=logical, k=k):
+                # The last block is moved back to end where the array ends: the rows it
+                # writes twice get the same values twice.
+                first = jnp.minimum(b * block, logical - block)
+                rows_ = rows(first + jnp.arange(block), slot)
+                physical = storage.block_to_physical(slot, rows_).astype(array.dtype)
+                at = (first // k,) + (0,) * (array.ndim - 1)
+                return jax.lax.dynamic_update_slice(array, physical, at)
+
+            dtype = plan.config.dtype if slot is None else jnp.float32
+            # The first block is peeled so that it fuses with the zeros under it: a zeros
+            # array shared by several loops would be materialised and copied into each.
+            array = body(0, jnp.zeros(local_shape, dtype))
+            blocks = -(-logical // block)
+            out.append(array if blocks == 1 else jax.lax.fori_loop(1, blocks, body, array))
+        return out[0], {s.name: x for s, x in zip(storage.stored, out[1:])}
 
     def _init_table(self, plan: _backend.TablePlan, table_key):
         storage = plan.storage
@@ -321,7 +454,10 @@ class Embedding:
         """The logical initial value of a table (slot None) or one slot."""
         shape = plan.storage.logical_shape(slot)
         if slot is None:
-            init = plan.config.initializer or _default_initializer(plan.config.dim)
+            if plan.config.initializer is None:
+                rows = jnp.arange(shape[0])
+                return _default_rows(key, rows, plan.config.dim).astype(plan.config.dtype)
+            init = plan.config.initializer
             return jnp.asarray(init(key, shape, jnp.float32)).astype(plan.config.dtype)
         return _optimizers.slot_initial_value(slot, key, shape)
 
@@ -535,6 +671,11 @@ class Embedding:
 
         Each row in the batch gets exactly one update from the sum of its gradients (across
         examples and across features sharing its table); other rows and slots are untouched.
+
+        The state given is consumed (its buffers are donated and updated in place, as in a
+        jitted training loop): use the returned state from then on. Copy it first
+        (`jax.tree.map(jnp.copy, state)`) to keep the old one. Inside `jit`, donation is
+        the outer function's business.
         """
         flat = self._prepare(features, act_grads)
         grads = dict(_config.flatten_features(act_grads)) if isinstance(act_grads, dict) else None

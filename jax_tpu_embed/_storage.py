@@ -171,6 +171,17 @@ class TableStorage:
             and not packing.packed
         )
 
+    def block_to_physical(self, slot: _optimizers.SlotSpec | None, rows):
+        """One shard's block of consecutive local logical rows (for slot None the table's,
+        riders joined with `join_row`) -> the physical rows holding them. The block must
+        start and end on a physical row: a multiple of `block_granule(slot)` rows."""
+        packing = self.packing if slot is None else self.slot_packing(slot)
+        return packing.pack(rows, 1)
+
+    def block_granule(self, slot: _optimizers.SlotSpec | None) -> int:
+        """Logical rows per physical row of the table array (slot None) or a stored slot."""
+        return (self.packing if slot is None else self.slot_packing(slot)).per_row
+
     def _array_to_physical(self, packing: _layout.Packing, logical):
         return packing.pack(self.layout.to_physical(logical), self.layout.num_shards)
 

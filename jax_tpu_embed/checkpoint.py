@@ -21,18 +21,22 @@ save first, and so does interpreter exit.
 
 On disk, `directory/<step>/` holds three orbax items:
 
-- `embedding`: {"tables": {name: (R, D)}, "slots": {name: {slot: (R, D) or (R,)}}}; rows
-  [0, V) are the table's rows in natural id order, rows [V, R) are zeros (R = V rounded up to
-  a multiple of the saving mesh size, so that every device writes an equal slice).
+- `embedding`: {"tables": {name: (V, D)}, "slots": {name: {slot: (V, D) or (V,)}}}: exactly
+  the logical rows in natural id order, so any orbax user reads them without knowing the
+  mesh (`ocp.StandardCheckpointer().restore(f"{directory}/{step}/embedding")`). Checkpoints
+  of earlier versions hold them padded with zero rows to a multiple of the saving mesh size;
+  they restore as before (rows past V are dropped).
 - `metadata`: JSON: the step, each table's vocabulary_size, dim, dtype and slots.
 - `dense`: the `dense` pytree, when one was given.
 
 No host gathers a whole table: tables are brought to logical row order on the devices,
-sharded, and every host writes only the slices its devices hold; restore reads each device's
-slice of the logical rows and converts them back on the devices. The conversion holds a
-transient second copy of the tables in device memory while saving (none for "div" tables
-whose V is a multiple of N: their layout already is the logical one), and while restoring
-the read copies are freed one table at a time as they are converted.
+split evenly over them (rows over the devices when N divides V, else rows over a divisor of
+V and columns over a divisor of D), and every host writes only the slices its devices hold;
+restore reads each device's slice of the logical rows and converts them back on the
+devices. The conversion holds a transient second copy of the tables in device memory while
+saving (none for "div" tables whose V is a multiple of N: their layout already is the
+logical one), and while restoring the read copies are freed one table at a time as they are
+converted.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import threading
 from typing import Any
 
@@ -103,7 +108,7 @@ def save(
     embedding = {"tables": {}, "slots": {}}
     for name, plan in emb.table_plans.items():
         storage = plan.storage
-        table, riders = storage.split_row(_to_logical(emb, storage, None, state.tables[name]))
+        table, riders = _to_logical(emb, storage, None, state.tables[name])
         embedding["tables"][name] = table
         embedding["slots"][name] = {
             s.name: riders[s.name]
@@ -196,6 +201,9 @@ def restore(
     Raises:
         CheckpointNotFoundError (a FileNotFoundError and a ValueError): `directory` does not
             exist, holds no complete checkpoint, or has no checkpoint for `step`.
+        CheckpointCorruptError (a ValueError): the step exists but a file of it is truncated,
+            missing or garbage; the message names the step and the file or item, and lists
+            the earlier steps that may be restored instead.
         ValueError: a table's vocabulary size, dim or slots differ from `emb`'s (the message
             names each such table), or tables are missing or extra.
     """
@@ -214,31 +222,41 @@ def restore(
                 f"directory; saves cut short are ignored)."
             )
         if step is None:
-            step = steps[-1]
-        elif step not in steps:
+            step = int(steps[-1])
+        if step not in steps:
             raise CheckpointNotFoundError(
                 f"checkpoint.restore: {path} has no checkpoint for step {step}; its steps "
                 f"are {steps}."
             )
-        meta = manager.restore(
-            step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
-        ).metadata
+        earlier = [s for s in steps if s < step]
+        with _reading(path, step, "metadata/metadata", earlier):
+            meta = manager.restore(
+                step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
+            ).metadata
         _check_compatible(emb, meta, f"{path}/{step}")
-        items = {"embedding": ocp.args.StandardRestore(_embedding_target(emb), strict=False)}
+        with _reading(path, step, "embedding", earlier):
+            stored = manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    embedding=ocp.args.StandardRestore(_embedding_target(emb), strict=False)
+                ),
+            ).embedding
+        dense = None
         if meta["has_dense"]:
-            if dense_target is None:
-                stored = manager.item_metadata(step)["dense"]
-                target = _dense_target_from_metadata(emb, stored)
-            else:
-                target = _dense_target(emb, dense_target)
-            items["dense"] = ocp.args.StandardRestore(target)
+            hint = "" if dense_target is None else "dense_target does not match it, or "
+            with _reading(path, step, "dense", earlier, hint):
+                if dense_target is None:
+                    target = _dense_target_from_metadata(emb, manager.item_metadata(step)["dense"])
+                else:
+                    target = _dense_target(emb, dense_target)
+                dense = manager.restore(
+                    step, args=ocp.args.Composite(dense=ocp.args.StandardRestore(target))
+                ).dense
         elif dense_target is not None:
             raise ValueError(
                 f"checkpoint.restore: dense_target was given but the checkpoint "
                 f"{path}/{step} holds no dense state."
             )
-        restored = manager.restore(step, args=ocp.args.Composite(**items))
-    stored = restored.embedding
     tables, slots = {}, {}
     for name, plan in emb.table_plans.items():
         storage = plan.storage
@@ -253,7 +271,49 @@ def restore(
         }
     step_array = jax.device_put(jnp.asarray(meta["step"], jnp.int32), NamedSharding(emb.mesh, P()))
     state = _embedding.EmbeddingState(tables, slots, step_array)
-    return state, (restored.dense if meta["has_dense"] else None)
+    return state, dense
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint step that exists but cannot be read: a file of it is truncated, missing
+    or not what orbax wrote. Earlier steps may still restore (the message lists them)."""
+
+
+@contextlib.contextmanager
+def _reading(path: str, step: int, item: str, earlier: list[int], hint: str = ""):
+    """Turns any failure to read `item` of a step into a CheckpointCorruptError that names
+    the step, the file or item, what went wrong, and the earlier steps to fall back on."""
+    try:
+        yield
+    except (CheckpointNotFoundError, CheckpointCorruptError):
+        raise
+    except Exception as e:
+        root = e  # Tensorstore's own words are at the end of the chain.
+        while root.__cause__ is not None:
+            root = root.__cause__
+        where = f"{path}/{step}/{item}"
+        files = re.findall(r'local file "([^"]+)"', str(e) + str(root))
+        if files and files[-1].rstrip("/") != where:
+            where += f" (file {files[-1]})"
+        fallback = (
+            f"Earlier steps that may be restored: {earlier} "
+            f"(checkpoint.restore(..., step={earlier[-1]}))."
+            if earlier
+            else "There is no earlier step to fall back on."
+        )
+        raise CheckpointCorruptError(
+            f"checkpoint.restore: step {step} is corrupt or incomplete ({hint}a file was "
+            f"truncated, deleted or overwritten): reading {where} failed with "
+            f"{type(root).__name__}: {_summary(root)}. {fallback}"
+        ) from e
+
+
+def _summary(e: BaseException) -> str:
+    """The first line of an error, without tensorstore's spec dump."""
+    text = str(e).split("See full TensorStore details")[0].strip()
+    text = text.splitlines()[0] if text else repr(e)
+    text = text.rstrip(".")
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 def all_steps(directory: str | os.PathLike) -> list[int]:
@@ -339,18 +399,47 @@ def _row_sharding(emb, auto: bool, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P(emb.axis, *([None] * (ndim - 1))))
 
 
+def _exact_sharding(mesh: jax.sharding.Mesh, shape: tuple) -> NamedSharding:
+    """A sharding of a logical (V, D) or (V,) array over `mesh`'s devices that splits it
+    evenly: rows over g devices (g divides V) and columns over h (h divides D), g·h dividing
+    N and as large as possible (row splits first); the other devices hold replicas.
+    jax.Arrays cannot be split unevenly, and an exact (V, D) is what any orbax user reads
+    without knowing the mesh; this keeps each device's part about 1/N of it whenever V or D
+    allows (a V prime to N with a D that N does not divide is the bad case)."""
+    devices = mesh.devices.reshape(-1)
+    n = devices.size
+    best = (1, 1)
+    for g in range(n, 0, -1):
+        if n % g or shape[0] % g:
+            continue
+        rest = n // g
+        h = 1
+        if len(shape) == 2:
+            h = max(c for c in range(1, rest + 1) if rest % c == 0 and shape[1] % c == 0)
+        if g * h > best[0] * best[1]:
+            best = (g, h)
+    g, h = best
+    exact = jax.sharding.Mesh(devices.reshape(g, h, n // (g * h)), ("rows", "cols", "replicas"))
+    return NamedSharding(exact, P("rows", "cols") if len(shape) == 2 else P("rows"))
+
+
 @functools.cache
-def _logical_fn(
-    storage: _storage.TableStorage, slot: _optimizers.SlotSpec | None, sharding: NamedSharding
-):
-    layout = storage.layout
+def _logical_fn(storage: _storage.TableStorage, slot: _optimizers.SlotSpec | None, mesh):
+    """Jitted: a stored array -> its logical rows, exactly (V, ...) with `_exact_sharding`;
+    for the table's array (slot None) (table (V, D), {rider: (V, D)})."""
+    v, d = storage.layout.vocabulary_size, storage.dim
+    if slot is not None:
+        shape = (v, d) if slot.rank == 2 else (v,)
+        return jax.jit(
+            functools.partial(storage.array_to_logical, slot),
+            out_shardings=_exact_sharding(mesh, shape),
+        )
 
     def fn(physical):
-        logical = storage.array_to_logical(slot, physical)  # (V, ...)
-        pad = [(0, layout.padded_rows - layout.vocabulary_size)] + [(0, 0)] * (logical.ndim - 1)
-        return jnp.pad(logical, pad)
+        return storage.split_row(storage.array_to_logical(None, physical))
 
-    return jax.jit(fn, out_shardings=sharding)
+    exact = _exact_sharding(mesh, (v, d))
+    return jax.jit(fn, out_shardings=(exact, {s.name: exact for s in storage.riders}))
 
 
 @functools.cache
@@ -363,14 +452,14 @@ def _physical_fn(
     return jax.jit(fn, out_shardings=sharding)
 
 
-def _to_logical(emb, storage: _storage.TableStorage, slot, array: jax.Array) -> jax.Array:
-    """A stored array (the table's for slot None) -> logical rows padded with zeros to
-    N * S, row-sharded."""
-    ndim = 2 if slot is None else slot.rank
+def _to_logical(emb, storage: _storage.TableStorage, slot, array: jax.Array):
+    """A stored array -> its logical rows, exactly (V, ...), evenly sharded over `emb`'s
+    devices (see `_exact_sharding`); for the table's array (slot None) (table, {rider:
+    rows})."""
     array = jax.device_put(array, _row_sharding(emb, True, array.ndim))
-    if storage.is_identity(slot):
-        return array  # Already logical, unpadded: no copy.
-    return _logical_fn(storage, slot, _row_sharding(emb, True, ndim))(array)
+    if storage.is_identity(slot):  # Already logical, unpadded and row-sharded: no copy.
+        return array if slot is not None else (array, {})
+    return _logical_fn(storage, slot, _auto_twin(emb))(array)
 
 
 def _to_physical(emb, storage: _storage.TableStorage, slot, stored) -> jax.Array:
@@ -397,7 +486,7 @@ def _metadata(emb, step: int, has_dense: bool) -> dict:
                 "vocabulary_size": plan.config.vocabulary_size,
                 "dim": plan.config.dim,
                 "dtype": jnp.dtype(plan.config.dtype).name,
-                "stored_rows": plan.layout.padded_rows,
+                "stored_rows": plan.config.vocabulary_size,
                 "slots": _slot_info(plan),
             }
             for name, plan in emb.table_plans.items()

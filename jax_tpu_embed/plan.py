@@ -6,8 +6,11 @@
 No TPU is needed: libtpu's compiler builds the per-device program of the train step (lookup,
 a tiny dense layer, loss, gradients, `apply_gradients`, state donated) from shapes alone, and
 reports per chip: table and slot bytes, temporaries, the total against the chip's HBM, and the
-compiler's "bytes accessed" and flops per step. Exit status: 0 if it fits, 1 if it does not,
-2 for bad input (unknown topology, batch not a multiple of the device count, bad config).
+compiler's "bytes accessed" and flops per step. Exit status: 0 if it fits, 1 if it does not
+(DOES NOT FIT, with the per-chip need and a slice to try; also when one table's shard alone is
+larger than a chip's HBM, which the compiler cannot place at all: then the figures are the
+state's own), 2 for bad input (unknown topology, batch not a multiple of the device count or
+contradicting a feature's output_shape, bad config).
 
 The config is the project's config file (`jte.load_config`, see jax_tpu_embed/_config_file.py)
 with an optional `inputs` section, read only here:
@@ -131,6 +134,7 @@ def plan(
         raise PlanError(f"no batch: pass --batch B or set inputs.batch in {config_path}.")
     if batch <= 0:
         raise PlanError(f"--batch must be > 0, got {batch}.")
+    _check_output_shapes(config.spec, batch, config_path)
     try:
         topo = _aot.topology(topology)
     except ValueError as e:
@@ -155,6 +159,27 @@ def plan(
     report = _aot.compile_train_step(emb, batch, lengths, topo=topo, allow_oom=True)
     init_temps = _aot.init_temp_bytes(emb)
     return _result(config_path, config.spec, emb, topo, batch, lengths, report, init_temps)
+
+
+def _check_output_shapes(spec: _config.EmbeddingSpec, batch: int, config_path: str) -> None:
+    """A feature's output_shape fixes its number of outputs: the batch (times T for a sequence
+    feature) must give that many."""
+    problems = []
+    for path, f in spec.flat_features:
+        if f.output_shape is None:
+            continue
+        outputs = batch * (f.max_sequence_length or 1)
+        want = math.prod(f.output_shape)
+        if want != outputs:
+            seq = f" x max_sequence_length {f.max_sequence_length}" if f.is_sequence else ""
+            fitting = want // (f.max_sequence_length or 1)
+            problems.append(
+                f"feature {path!r}: output_shape {tuple(f.output_shape)} has {want} outputs, "
+                f"but batch {batch}{seq} gives {outputs}"
+                + (f" (its output_shape needs batch {fitting})" if fitting > 0 else "")
+            )
+    if problems:
+        raise PlanError(f"{config_path}: " + "; ".join(problems) + ".")
 
 
 def _result(
@@ -202,7 +227,8 @@ def _result(
             "hbm_bytes": hbm,
             "bytes_accessed": r.bytes_accessed * per_chip,
             "flops": r.flops * per_chip,
-            # `init` runs one program per table: the state plus one table's temporaries.
+            # `init` fills the tables one after another (in row blocks, or one program per
+            # table with its own initializer): the state plus one table's temporaries.
             "init_peak_bytes": init_peak,
             "init_temp_bytes": {n: t * per_chip for n, t in init_temps.items()},
         },
@@ -302,6 +328,8 @@ def format_table(res: dict[str, Any]) -> str:
         f"largest: {res['collectives']['largest']}",
         f"compiled in {res['compile_seconds']} s",
     ]
+    if res["compiler_oom"]:
+        lines.append(f"compiler: {res['compiler_oom']}")
     return "\n".join(lines)
 
 

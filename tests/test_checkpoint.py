@@ -53,8 +53,13 @@ def _cached_emb(strategy, num_shards, kind):
 
 
 @functools.cache
-def _init(emb, seed=0):
+def _cached_init(emb, seed):
     return emb.init(jax.random.key(seed))
+
+
+def _init(emb, seed=0):
+    # A copy: apply_gradients consumes the state it is given.
+    return jax.tree.map(jnp.copy, _cached_init(emb, seed))
 
 
 def _batch(rng):
@@ -466,6 +471,120 @@ def test_multi_slot_optimizers_restore_every_slot_by_name(tmp_path, save_on, res
     for name, want in saver.export(state).items():
         np.testing.assert_array_equal(tables[name], want, err_msg=name)
     assert int(restored.step) == 3
+
+
+def _data_files(item_dir):
+    """The files holding an orbax item's array chunks."""
+    return [os.path.join(r, f) for r, _, fs in os.walk(item_dir) for f in fs if r.endswith("/d")]
+
+
+def _truncate(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+
+
+_CORRUPTIONS = {
+    "truncated metadata": (lambda d: _truncate(f"{d}/1/metadata/metadata"), "1/metadata/metadata"),
+    "truncated array data": (
+        lambda d: [_truncate(f) for f in _data_files(f"{d}/1/embedding")],
+        "1/embedding",
+    ),
+    "deleted array data": (
+        lambda d: [os.remove(f) for f in _data_files(f"{d}/1/embedding")],
+        "1/embedding",
+    ),
+    "garbage manifest": (
+        lambda d: open(f"{d}/1/embedding/manifest.ocdbt", "wb").write(b"garbage!" * 8),
+        "1/embedding/manifest.ocdbt",
+    ),
+    "deleted item": (lambda d: __import__("shutil").rmtree(f"{d}/1/embedding"), "1/embedding"),
+}
+
+
+@pytest.mark.parametrize("corruption", list(_CORRUPTIONS))
+def test_corrupt_step_names_step_and_file_and_earlier_steps(tmp_path, corruption):
+    emb = _emb("div", 2, "auto")
+    state = _init(emb)
+    want = emb.export(state)
+    checkpoint.save(tmp_path, emb, state)
+    state = _train(emb, state, [_batch(np.random.default_rng(0))])
+    checkpoint.save(tmp_path, emb, state)
+    corrupt, where = _CORRUPTIONS[corruption]
+    corrupt(str(tmp_path))
+    with pytest.raises(checkpoint.CheckpointCorruptError) as info:
+        checkpoint.restore(tmp_path, emb)
+    message = str(info.value)
+    assert "step 1 is corrupt or incomplete" in message, message
+    assert where in message, message
+    assert "Earlier steps that may be restored: [0]" in message, message
+    assert isinstance(info.value, ValueError)
+    # The earlier step still restores, bit for bit.
+    restored, _ = checkpoint.restore(tmp_path, emb, step=0)
+    for name, table in emb.export(restored).items():
+        np.testing.assert_array_equal(table, want[name])
+
+
+def test_corrupt_only_step_says_nothing_earlier(tmp_path):
+    emb = _emb("div", 2, "auto")
+    checkpoint.save(tmp_path, emb, _init(emb))
+    _truncate(f"{tmp_path}/0/metadata/metadata")
+    with pytest.raises(checkpoint.CheckpointCorruptError, match="no earlier step"):
+        checkpoint.restore(tmp_path, emb)
+
+
+@pytest.mark.parametrize("strategy,num_shards", [("mod", 8), ("div", 3)])
+def test_items_are_exactly_v_by_d_for_any_orbax_reader(tmp_path, strategy, num_shards):
+    """Tables and slots are stored as exactly (V, D) / (V,) in natural row order (V = 13 and
+    11, not multiples of the mesh size): plain orbax reads them without knowing the mesh."""
+    import orbax.checkpoint as ocp
+
+    emb = _emb(strategy, num_shards)
+    state = _train(emb, _init(emb), [_batch(np.random.default_rng(2))])
+    tables, slots = emb.export(state), emb.export_slots(state)
+    step = checkpoint.save(tmp_path, emb, state)
+    stored = ocp.StandardCheckpointer().restore(tmp_path / str(step) / "embedding")
+    assert set(stored["tables"]) == set(tables)
+    for name, table in tables.items():
+        got = np.asarray(stored["tables"][name])
+        assert got.shape == table.shape == (emb.spec.tables()[name].vocabulary_size, table.shape[1])
+        np.testing.assert_array_equal(got, table)
+        assert set(stored["slots"][name]) == set(slots[name])
+        for slot, value in slots[name].items():
+            assert stored["slots"][name][slot].shape == value.shape
+            np.testing.assert_array_equal(np.asarray(stored["slots"][name][slot]), value)
+    restored, _ = checkpoint.restore(tmp_path, _emb("div", 2, "auto"))
+    _assert_same_state(emb, state, _emb("div", 2, "auto"), restored, exact=True)
+
+
+def test_padded_checkpoints_of_earlier_versions_still_restore(tmp_path):
+    """Earlier versions stored rows padded with zeros to a multiple of the saving mesh size."""
+    import orbax.checkpoint as ocp
+
+    emb = _emb("mod", 8)
+    state = _train(emb, _init(emb), [_batch(np.random.default_rng(3))])
+    tables, slots = emb.export(state), emb.export_slots(state)
+
+    def padded(x):
+        return np.pad(x, [(0, 16 - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+
+    item = {
+        "tables": {n: padded(t) for n, t in tables.items()},
+        "slots": {n: {s: padded(v) for s, v in own.items()} for n, own in slots.items()},
+    }
+    meta = checkpoint._metadata(emb, int(state.step), False)
+    for info in meta["tables"].values():
+        info["stored_rows"] = 16
+    with ocp.CheckpointManager(tmp_path) as manager:
+        manager.save(
+            int(state.step),
+            args=ocp.args.Composite(
+                embedding=ocp.args.StandardSave(item), metadata=ocp.args.JsonSave(meta)
+            ),
+        )
+    restored, _ = checkpoint.restore(tmp_path, _emb("div", 3))
+    _assert_same_state(emb, state, _emb("div", 3), restored, exact=True)
 
 
 def test_async_save_survives_donation_and_wait_completes_it(tmp_path):

@@ -1,6 +1,7 @@
 """Lookups and sparse updates against the float64 NumPy reference, on 1-8 shards."""
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -11,6 +12,7 @@ import pytest
 import jax_tpu_embed as jte
 import reference
 from conftest import make_mesh
+from jax_tpu_embed import _embedding
 
 B = 16
 
@@ -493,7 +495,8 @@ def test_lane_packed_layout_gives_identical_results(opt_key, strategy, num_shard
 
 
 def _close(a, b):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    # FTRL's powers amplify a last-bit difference over two steps to a few dozen ulps.
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -684,7 +687,7 @@ def test_pallas_choice_and_fallback(rng):
     grads = _grads(rng, acts)
     for path, *_ in _FEATURES:
         np.testing.assert_allclose(_leaf(acts_small, path), _leaf(acts, path), rtol=1e-6, atol=1e-6)
-    a = emb.export(emb.apply_gradients(state, features, grads))
+    a = emb.export(emb.apply_gradients(jax.tree.map(jnp.copy, state), features, grads))
     b = small.export(small.apply_gradients(state, features, grads))
     for name in a:
         np.testing.assert_allclose(b[name], a[name], rtol=1e-6, atol=1e-7)
@@ -788,3 +791,94 @@ def test_packed_bfloat16_update_is_bit_identical_to_plain(opt_key, rng):
     np.testing.assert_array_equal(out[0][0].view(np.uint16), out[1][0].view(np.uint16))
     for name, value in out[0][1].items():
         np.testing.assert_array_equal(value, out[1][1][name])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+def test_eager_update_donates_the_state(backend, rng):
+    """An eager apply_gradients updates the given state's buffers in place (no O(V) copy of
+    every table and slot per call), and the given state is consumed."""
+    table = jte.TableConfig(4_000, 8, combiner="sum", name="t")
+    spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(0.1))
+    emb = jte.Embedding(spec, make_mesh(2), backend=backend)
+    state = emb.init(jax.random.key(0))
+    before, slots = emb.export(state)["t"], emb.export_slots(state)["t"]
+
+    def pointers(s):
+        return [
+            piece.data.unsafe_buffer_pointer()
+            for x in jax.tree.leaves((s.tables, s.slots))
+            for piece in x.addressable_shards
+        ]
+
+    old = pointers(state)
+    ids = rng.integers(0, 40, (16, 3)).astype(np.int32)
+    grads = {"f": rng.normal(size=(16, 8)).astype(np.float32)}
+    new = emb.apply_gradients(state, {"f": ids}, grads)
+    assert pointers(new) == old
+    assert all(x.is_deleted() for x in jax.tree.leaves((state.tables, state.slots)))
+    row_grads = reference.row_gradients(4_000, [(ids, None, "sum", 0, grads["f"])])
+    want, _ = reference.apply("adagrad", {}, before, slots, row_grads, 0.1)
+    np.testing.assert_allclose(emb.export(new)["t"], want, rtol=2e-5, atol=2e-6)
+
+
+def test_init_is_the_same_for_every_block_size_mesh_strategy_and_layout(monkeypatch):
+    """`init` draws rows in blocks on their own shards: the logical values depend on none of
+    the block size, the mesh, the strategy or the lane layout."""
+    ref = None
+    for block_bytes in (4 << 20, 1):  # One block per array; the smallest blocks (1,024 rows).
+        monkeypatch.setattr(_embedding, "_INIT_BLOCK_BYTES", block_bytes)
+        for strategy, n, lanes in [("div", 1, 0), ("mod", 3, 0), ("div", 8, 128), ("mod", 2, 128)]:
+            t = jte.TableConfig(5_003, 8, combiner="sum", name="t")
+            r = jte.TableConfig(2_500, 4, combiner="sum", name="r", dtype=jnp.bfloat16)
+            spec = jte.EmbeddingSpec(
+                {"t": jte.FeatureConfig(t), "r": jte.FeatureConfig(r, max_sequence_length=2)},
+                jte.FTRL(0.1, initial_accumulator_value=0.25),
+                partition_strategy=strategy,
+            )
+            emb = jte.Embedding(spec, make_mesh(n), lane_width=lanes)
+            state = emb.init(jax.random.key(3))
+            got = (emb.export(state), emb.export_slots(state))
+            for name, table in state.tables.items():  # Padding rows stay zero.
+                storage = emb.storage(name)
+                want = storage.to_physical(got[0][name], got[1][name])[0]
+                np.testing.assert_array_equal(np.asarray(table), want)
+            if ref is None:
+                ref = got
+                continue
+            for name in ref[0]:
+                np.testing.assert_array_equal(got[0][name], ref[0][name])
+                np.testing.assert_array_equal(got[1][name]["accumulators"], np.float32(0.25))
+                np.testing.assert_array_equal(got[1][name]["linears"], np.float32(0.0))
+    table = ref[0]["t"].astype(np.float64)
+    assert np.abs(table).max() <= 2 / np.sqrt(8) + 1e-6  # Cut at 2 stddev.
+    assert 0.85 / np.sqrt(8) < table.std() < 0.9 / np.sqrt(8)  # 0.88 stddev after the cut.
+    assert abs(table.mean()) < 0.01 and len(np.unique(table)) > 0.99 * table.size
+
+
+_RSS_SCRIPT = """
+import resource, sys
+import jax, jax_tpu_embed as jte
+t = jte.TableConfig(1_000_000, 64, combiner="sum", name="t")
+emb = jte.Embedding(jte.EmbeddingSpec({"f": jte.FeatureConfig(t)}, jte.Adagrad(0.1)))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+state = jax.block_until_ready(emb.init(jax.random.key(0)))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(peak - before, sum(x.nbytes for x in jax.tree.leaves((state.tables, state.slots))))
+"""
+
+
+def test_init_peak_memory_is_about_the_state():
+    """A 1M x 64 Adagrad table (512 MB of state with its slot): init's peak RSS grows by at
+    most 1.2 x the state + 256 MB (one logical copy and the physical one, or more, before)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr
+    grown, state = map(int, out.stdout.split())
+    assert state == 2 * 1_000_000 * 64 * 4
+    assert grown <= 1.2 * state + (256 << 20), (grown / 2**20, state / 2**20)

@@ -132,6 +132,38 @@ def test_config_that_does_not_fit_says_by_how_much_and_what_to_use(config, capsy
     assert "RESOURCE_EXHAUSTED" in res["compiler_oom"]
 
 
+# One 200M x 64 Adagrad table: a 25.6 GB array per v5e chip (16 GiB), which the compiler
+# cannot place even with xla_tpu_no_crash_on_oom.
+SHARD_OVER_HBM = """\
+optimizer: adagrad
+tables:
+  t: {vocabulary_size: 200000000, dim: 64, combiner: sum}
+features:
+  f: {table: t}
+inputs: {batch: 256}
+"""
+
+
+def test_table_shard_larger_than_hbm_does_not_fit(config, capsys):
+    code, out, err = _run(capsys, "--config", config(SHARD_OVER_HBM), "--topology", "v5e:2x2")
+    assert code == 1, err
+    assert "Traceback" not in err
+    assert "DOES NOT FIT: over by" in out
+    assert "try --topology v5e:2x4" in out
+    assert "total                     23.84 GiB" in out  # Table and accumulators per chip.
+    assert "one array alone exceeds HBM" in out
+
+
+def test_batch_contradicting_output_shape(config, capsys):
+    text = SMALL.replace("user: {table: users}", "user: {table: users, output_shape: [64, 8]}")
+    code, out, err = _run(
+        capsys, "--config", config(text), "--topology", "v5e:2x2", "--batch", "256"
+    )
+    assert code == 2 and not out, err
+    assert "feature 'user': output_shape (64, 8) has 512 outputs, but batch 256 gives 256" in err
+    assert "needs batch 512" in err
+
+
 def test_batch_not_a_multiple_of_the_devices(config, capsys):
     code, out, err = _run(
         capsys, "--config", config(SMALL), "--topology", "v5e:2x2", "--batch", "1001"
