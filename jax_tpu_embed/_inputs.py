@@ -263,9 +263,10 @@ def _dtype(x):
 ID_DTYPES = "a signed integer dtype (int32 or int64; -1 pads)"
 
 
-def check_batch(features_flat: dict[str, Any], num_shards: int) -> int:
+def check_batch(features_flat: dict[str, Any], num_shards: int, allow_empty: bool = False) -> int:
     """The common batch size B; static, so it is checked under jit too, with the ranks and
-    dtypes (an id cast from a float, bool or unsigned dtype would silently be another id)."""
+    dtypes (an id cast from a float, bool or unsigned dtype would silently be another id).
+    B = 0 is an error unless `allow_empty` (serving answers an empty request)."""
     problems = []
     sizes = {}
     for path, leaf in features_flat.items():
@@ -294,7 +295,7 @@ def check_batch(features_flat: dict[str, Any], num_shards: int) -> int:
         problems.append(f"all features must have the same batch size B, got {sizes}.")
     elif sizes:
         batch = next(iter(sizes.values()))
-        if batch == 0:
+        if batch == 0 and not allow_empty:
             problems.append(
                 f"the batch is empty (B=0); B must be a positive multiple of the mesh size "
                 f"{num_shards} along the sharding axis."

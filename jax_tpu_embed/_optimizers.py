@@ -403,7 +403,7 @@ class CustomOptimizer(Optimizer):
     # __init__ takes None for each of these and stores a tuple.
     slot_names: Sequence[str] = ()
     slot_initializers: Sequence[Any] = ()
-    hyperparameters: Sequence[Scalar] = ()  # type: ignore[assignment]  # TF's attribute.
+    hyperparameters: Sequence[Scalar] = ()  # TF's attribute, as given.
     slot_dims: Sequence[int] = ()
 
     def __init__(
