@@ -505,7 +505,7 @@ class CustomOptimizer(Optimizer):
 def slot_initial_value(spec: SlotSpec, key, shape, dtype=jnp.float32, table: str = ""):
     """A slot's initial logical value of `shape` ((V, D) or (V,))."""
     if callable(spec.initializer):
-        value = spec.initializer(key, shape, dtype)
+        value: Any = spec.initializer(key, shape, dtype)
         if tuple(jnp.shape(value)) != tuple(shape):
             raise ValueError(
                 f"Table {table!r}: the initializer of slot {spec.name!r} (slot_dims "
