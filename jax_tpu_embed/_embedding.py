@@ -634,25 +634,13 @@ class Embedding:
                 else (batch, f.table_config.dim)
             )
             local_grads[f.path] = self._batch_sharded(self._reshape(g, natural))
+        # Decided on the global arrays, so that every device skips the same tables; the row
+        # functions then keep a skipped table's rows (see _backend.row_step).
         ok = self._steps_ok(feats, local_grads, state.step)
-        for f in self.feature_plans:
-            # A skipped table sees no ids (nothing read or written) and zero gradients.
-            keep = ok[f.table]
-            ids, weights = feats[f.path]
-            feats[f.path] = (jnp.where(keep, ids, -1), weights)
-            local_grads[f.path] = jnp.where(keep, local_grads[f.path], 0)
         row, rep = P(self.axis), P()
-        tables, slots = self._shard_map(self._update_local, (row, row, row, row, rep), (row, row))(
-            state.tables, state.slots, feats, local_grads, state.step
-        )
-        for name, plan in self.table_plans.items():
-            if plan.optimizer.dense_update:
-                # Such tables update every row even without ids; keeping them costs a copy.
-                keep = ok[name]
-                tables[name] = jnp.where(keep, tables[name], state.tables[name])
-                slots[name] = jax.tree.map(
-                    lambda n, o, k=keep: jnp.where(k, n, o), slots[name], state.slots[name]
-                )
+        tables, slots = self._shard_map(
+            self._update_local, (row, row, row, row, rep, rep), (row, row)
+        )(state.tables, state.slots, feats, local_grads, state.step, ok)
         any_ok = functools.reduce(jnp.logical_or, ok.values())
         skipped = {name: (~keep).astype(jnp.int32) for name, keep in ok.items()}
         return EmbeddingState(tables, slots, state.step + any_ok.astype(jnp.int32)), skipped
@@ -691,7 +679,7 @@ class Embedding:
             out.update(plan.backend.lookup(plan, tables[name], inputs, self.axis))
         return out
 
-    def _update_local(self, tables, slots, feats, grads, step):
+    def _update_local(self, tables, slots, feats, grads, step, ok):
         tables, slots = dict(tables), dict(slots)
         for name, inputs in self._inputs(feats).items():
             plan = self.table_plans[name]
@@ -701,7 +689,7 @@ class Embedding:
                 slots[name],
                 inputs,
                 {i.feature.path: grads[i.feature.path] for i in inputs},
-                _backend.row_step(plan, self.spec, step),
+                _backend.row_step(plan, self.spec, step, ok[name]),
                 self.axis,
             )
         return tables, slots
