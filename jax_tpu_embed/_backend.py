@@ -109,7 +109,9 @@ class RowStep:
     learning_rate: jax.Array
     multiplier: jax.Array | None
     clipping_limit: float | None
-    ok: jax.Array | None = None  # False: the table is skipped this step (see `row_step`).
+    # False: the table is skipped this step; the backend then reads and writes none of its
+    # rows (its pair count or row indices say "none"), at no cost beyond the touched rows.
+    ok: jax.Array | None = None
 
 
 class StepValues(NamedTuple):
@@ -145,17 +147,13 @@ def step_values(plan: TablePlan, spec: _config.EmbeddingSpec, step) -> StepValue
 
 def row_step(plan: TablePlan, spec: _config.EmbeddingSpec, step, ok=None) -> RowStep:
     """The RowStep of `plan`'s table at `step` (an int32 scalar). `ok` (bool scalar, or None
-    for always): False makes every row function return the row and slots it was given, so
-    a skipped table keeps its bits at no cost beyond the rows the step touches anyway."""
+    for always): when False, each backend touches no row of the table (`RowStep.ok`)."""
     opt = plan.optimizer
     lr, hps, multiplier = step_values(plan, spec, step)
     scalars = [lr, *hps]
-    if ok is not None:
-        scalars.append(jnp.asarray(ok, jnp.float32))
     if multiplier is not None:
         scalars.append(multiplier)
     limit = spec.clipping_limit
-    ok_index = 1 + len(hps)
 
     def row_fn(g, values, s):
         lr, row = s[0], values[0].astype(jnp.float32)
@@ -164,12 +162,8 @@ def row_step(plan: TablePlan, spec: _config.EmbeddingSpec, step, ok=None) -> Row
         if limit is not None:
             g = jnp.clip(g, -limit, limit)
         g = opt.clip_gradient(g)
-        out = opt.update_row(g, row, list(values[1:]), lr, tuple(s[1:ok_index]))
-        out = [opt.finish_row(out[0], row, lr)] + list(out[1:])
-        if ok is not None:
-            keep = s[ok_index] > 0
-            out = [jnp.where(keep, new, old) for new, old in zip(out, [row, *values[1:]])]
-        return out
+        out = opt.update_row(g, row, list(values[1:]), lr, tuple(s[1 : 1 + len(hps)]))
+        return [opt.finish_row(out[0], row, lr)] + list(out[1:])
 
     return RowStep(jnp.stack(scalars), row_fn, lr, multiplier, limit, ok)
 
