@@ -113,17 +113,49 @@ class RowStep:
     multiplier: jax.Array | None
     clipping_limit: float | None
     step: jax.Array | None = None  # The step's int32 number (keys stochastic rounding).
+    # False: the table is skipped this step; the backend then reads and writes none of its
+    # rows (its pair count or row indices say "none"), at no cost beyond the touched rows.
+    ok: jax.Array | None = None
 
 
-def row_step(plan: TablePlan, spec: _config.EmbeddingSpec, step) -> RowStep:
-    """The RowStep of `plan`'s table at `step` (an int32 scalar)."""
+class StepValues(NamedTuple):
+    """A table's scalars at one step: its learning rate, then its hyperparameters and the
+    spec's gradient multiplier (None when the spec has none)."""
+
+    learning_rate: jax.Array
+    hyperparameters: tuple
+    multiplier: jax.Array | None
+
+    @property
+    def others(self) -> list:
+        return [*self.hyperparameters, *([] if self.multiplier is None else [self.multiplier])]
+
+
+def step_values(plan: TablePlan, spec: _config.EmbeddingSpec, step) -> StepValues:
+    """`plan`'s table's scalars at `step`. A function giving anything but a real scalar is a
+    ValueError at trace time naming the table and the function."""
     opt = plan.optimizer
-    hps = tuple(opt.hyperparameters())
-    lr = _optimizers.evaluate(opt.learning_rate, step)
-    scalars = [lr] + [_optimizers.evaluate(h, step) for h in hps]
+    where = f"Table {plan.name!r}: {type(opt).__name__}"
+    lr = _optimizers.evaluate(opt.learning_rate, step, f"{where} learning_rate(step)")
+    hps = tuple(
+        _optimizers.evaluate(h, step, f"{where} hyperparameters[{i}](step)")
+        for i, h in enumerate(opt.hyperparameter_values())
+    )
     multiplier = None
     if spec.gradient_multiplier_fn is not None:
-        multiplier = jnp.asarray(spec.gradient_multiplier_fn(step), jnp.float32)
+        multiplier = _optimizers.evaluate(
+            spec.gradient_multiplier_fn, step, "EmbeddingSpec: gradient_multiplier_fn(step)"
+        )
+    return StepValues(lr, hps, multiplier)
+
+
+def row_step(plan: TablePlan, spec: _config.EmbeddingSpec, step, ok=None) -> RowStep:
+    """The RowStep of `plan`'s table at `step` (an int32 scalar). `ok` (bool scalar, or None
+    for always): when False, each backend touches no row of the table (`RowStep.ok`)."""
+    opt = plan.optimizer
+    lr, hps, multiplier = step_values(plan, spec, step)
+    scalars = [lr, *hps]
+    if multiplier is not None:
         scalars.append(multiplier)
     limit = spec.clipping_limit
 
@@ -137,7 +169,9 @@ def row_step(plan: TablePlan, spec: _config.EmbeddingSpec, step) -> RowStep:
         out = opt.update_row(g, row, list(values[1:]), lr, tuple(s[1 : 1 + len(hps)]))
         return [opt.finish_row(out[0], row, lr)] + list(out[1:])
 
-    return RowStep(jnp.stack(scalars), row_fn, lr, multiplier, limit, jnp.asarray(step, jnp.int32))
+    return RowStep(
+        jnp.stack(scalars), row_fn, lr, multiplier, limit, jnp.asarray(step, jnp.int32), ok
+    )
 
 
 class Backend:

@@ -285,6 +285,9 @@ class CpuBackend(_backend.Backend):
         if not supports_update(plan.optimizer):
             rows, g_sum = sum_duplicates(keys, g)
             return _xla_backend.apply_rows(plan, table, slots, rows, g_sum, step, axis)
+        if step.ok is not None:
+            # The C++ update has no row function: a skipped table touches no row.
+            keys = jnp.where(step.ok, keys, _streams.NOT_MINE)
         names = [s.name for s in plan.storage.slot_specs]
         scale = None
         if len(inputs) == 1 and pooled is not None:

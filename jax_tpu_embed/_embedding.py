@@ -279,6 +279,8 @@ class Embedding:
         # The state is donated: the update writes the touched rows in place instead of
         # copying every table and slot on each call (which made an eager call O(V)).
         self._apply_jit = jax.jit(self._apply, donate_argnums=0)
+        self._skipped: dict[str, jax.Array] | None = None
+        self._add_counts = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
 
     @property
     def backends(self) -> dict[str, str]:
@@ -457,9 +459,16 @@ class Embedding:
             if plan.config.initializer is None:
                 rows = jnp.arange(shape[0])
                 return _default_rows(key, rows, plan.config.dim).astype(plan.config.dtype)
-            init = plan.config.initializer
-            return jnp.asarray(init(key, shape, jnp.float32)).astype(plan.config.dtype)
-        return _optimizers.slot_initial_value(slot, key, shape)
+            value = plan.config.initializer(key, shape, jnp.float32)
+            if tuple(jnp.shape(value)) != tuple(shape):
+                # Shapes are static: a wrong one would be padded or cut into the layout.
+                raise ValueError(
+                    f"Table {plan.name!r}: its initializer returned shape "
+                    f"{tuple(jnp.shape(value))}; expected (vocabulary_size, dim) = "
+                    f"{tuple(shape)}, the shape it was called with."
+                )
+            return jnp.asarray(value).astype(plan.config.dtype)
+        return _optimizers.slot_initial_value(slot, key, shape, table=plan.name)
 
     def _constrain(self, physical):
         # Said explicitly so that an init traced inside another jit keeps the row sharding.
@@ -665,17 +674,39 @@ class Embedding:
         return _config.unflatten(self._lookup_jit(state.tables, flat))
 
     def apply_gradients(
-        self, state: EmbeddingState, features: Nested, act_grads: Nested
-    ) -> EmbeddingState:
+        self,
+        state: EmbeddingState,
+        features: Nested,
+        act_grads: Nested,
+        *,
+        return_skipped: bool = False,
+    ) -> Any:
         """One sparse optimizer step from d(loss)/d(activations) of the global batch.
 
         Each row in the batch gets exactly one update from the sum of its gradients (across
         examples and across features sharing its table); other rows and slots are untouched.
 
+        A table is skipped (none of its rows or slots change) when a value of this step
+        is not finite: an activation gradient or a weight of one of its features, its
+        learning rate, a hyperparameter or the gradient multiplier; or when a learning-rate
+        function gives a negative value (0 for FTRL, which divides by it). `state.step`
+        advances unless every table was skipped. Skips are counted: in `skipped_updates`
+        for calls outside jit, and in the second return value with `return_skipped=True`.
+
         The state given is consumed (its buffers are donated and updated in place, as in a
         jitted training loop): use the returned state from then on. Copy it first
         (`jax.tree.map(jnp.copy, state)`) to keep the old one. Inside `jit`, donation is
         the outer function's business.
+
+        Args:
+            state: From `init` or `apply_gradients`.
+            features: As for `lookup`.
+            act_grads: Mirrors the features: real (float or int) arrays shaped like the
+                activations.
+            return_skipped: Also return {table name: int32 1 if skipped, else 0} (jittable).
+
+        Returns:
+            The new state, or (new state, skipped) with `return_skipped`.
         """
         flat = self._prepare(features, act_grads)
         grads = dict(_config.flatten_features(act_grads)) if isinstance(act_grads, dict) else None
@@ -684,7 +715,31 @@ class Embedding:
                 f"act_grads must mirror the features {sorted(flat)}, got "
                 f"{sorted(grads) if grads is not None else type(act_grads)}."
             )
-        return self._apply_jit(state, flat, grads)
+        for path, g in grads.items():
+            dtype = g.dtype if hasattr(g, "dtype") else np.asarray(g).dtype
+            if isinstance(g, _inputs.Weighted) or not (
+                jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+            ):
+                what = "a Weighted" if isinstance(g, _inputs.Weighted) else f"dtype {dtype}"
+                raise ValueError(
+                    f"act_grads[{path!r}] has {what}; gradients must be real numbers "
+                    f"(a float dtype such as float32, or an int dtype)."
+                )
+        new, skipped = self._apply_jit(state, flat, grads)
+        if not any(isinstance(x, jax.core.Tracer) for x in skipped.values()):
+            if self._skipped is None:
+                self._skipped = skipped
+            else:
+                self._skipped = self._add_counts(self._skipped, skipped)
+        return (new, skipped) if return_skipped else new
+
+    @property
+    def skipped_updates(self) -> dict[str, int]:
+        """{table name: how many calls of `apply_gradients` outside jit skipped it} (see
+        `apply_gradients`); inside jit, use its `return_skipped=True`."""
+        if self._skipped is None:
+            return dict.fromkeys(self.table_plans, 0)
+        return {n: int(np.asarray(x.addressable_data(0))) for n, x in self._skipped.items()}
 
     # Both below are traced once per input structure; they hold no Python state.
 
@@ -760,11 +815,35 @@ class Embedding:
                 else (batch, f.table_config.dim)
             )
             local_grads[f.path] = self._batch_sharded(self._reshape(g, natural))
+        # Decided on the global arrays, so that every device skips the same tables; the row
+        # functions then keep a skipped table's rows (see _backend.row_step).
+        ok = self._steps_ok(feats, local_grads, state.step)
         row, rep = P(self.axis), P()
-        tables, slots = self._shard_map(self._update_local, (row, row, row, row, rep), (row, row))(
-            state.tables, state.slots, feats, local_grads, state.step
-        )
-        return EmbeddingState(tables, slots, state.step + 1)
+        tables, slots = self._shard_map(
+            self._update_local, (row, row, row, row, rep, rep), (row, row)
+        )(state.tables, state.slots, feats, local_grads, state.step, ok)
+        any_ok = functools.reduce(jnp.logical_or, ok.values())
+        skipped = {name: (~keep).astype(jnp.int32) for name, keep in ok.items()}
+        return EmbeddingState(tables, slots, state.step + any_ok.astype(jnp.int32)), skipped
+
+    def _steps_ok(self, feats, grads, step) -> dict[str, jax.Array]:
+        """{table name: bool scalar}: whether this step's values for the table are usable
+        (see `apply_gradients`). Reductions over the (B, D) gradients and (B, L) weights
+        only, never over the table."""
+        ok = {}
+        for name, plan in self.table_plans.items():
+            values = _backend.step_values(plan, self.spec, step)
+            good = plan.optimizer.learning_rate_ok(values.learning_rate)
+            for v in values.others:
+                good = good & jnp.isfinite(v)
+            ok[name] = good
+        for f in self.feature_plans:
+            good = jnp.all(jnp.isfinite(grads[f.path]))
+            weights = feats[f.path][1]
+            if weights is not None:  # 0 wherever the id is -1 or invalid (ignored there).
+                good = good & jnp.all(jnp.isfinite(weights))
+            ok[f.table] = ok[f.table] & good
+        return ok
 
     # Inside shard_map: each table's backend does its shard-local row work.
 
@@ -784,7 +863,7 @@ class Embedding:
                 out.update(plan.backend.lookup(plan, tables[name], inputs, self.axis))
         return out
 
-    def _update_local(self, tables, slots, feats, grads, step):
+    def _update_local(self, tables, slots, feats, grads, step, ok):
         tables, slots = dict(tables), dict(slots)
         for name, inputs in self._inputs(feats).items():
             plan = self.table_plans[name]
@@ -795,7 +874,7 @@ class Embedding:
                 slots[name],
                 inputs,
                 {i.feature.path: grads[i.feature.path] for i in inputs},
-                _backend.row_step(plan, self.spec, step),
+                _backend.row_step(plan, self.spec, step, ok[name]),
                 self.axis,
             )
         return tables, slots

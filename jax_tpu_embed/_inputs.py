@@ -145,8 +145,10 @@ def validate(spec: _config.EmbeddingSpec, features, num_shards: int) -> None:
         if not _is_concrete(ids):
             continue
         ids = _host_value(ids)
-        if not np.issubdtype(ids.dtype, np.integer):
-            problems.append(f"Feature {path!r}: ids must have an integer dtype, got {ids.dtype}.")
+        if not np.issubdtype(ids.dtype, np.signedinteger):
+            problems.append(
+                f"Feature {path!r}: ids have dtype {ids.dtype}; they must have {ID_DTYPES}."
+            )
             continue
         if ids.ndim not in (1, 2):
             problems.append(f"Feature {path!r}: ids must be (B,) or (B, L), got shape {ids.shape}.")
@@ -254,29 +256,58 @@ def invalid_counts(spec: _config.EmbeddingSpec, features) -> dict[str, jax.Array
     return out
 
 
-def check_batch(features_flat: dict[str, Any], num_shards: int) -> int:
-    """The common batch size B; static, so it is checked under jit too."""
-    sizes = {p: int(np.shape(_split(leaf)[0])[0]) for p, leaf in features_flat.items()}
-    if len(set(sizes.values())) != 1:
-        raise ValueError(f"all features must have the same batch size B, got {sizes}.")
-    batch = next(iter(sizes.values()))
-    if batch % num_shards:
-        raise ValueError(
-            f"batch size B={batch} must be a multiple of the mesh size "
-            f"{num_shards} along the sharding axis."
-        )
+def _dtype(x):
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+ID_DTYPES = "a signed integer dtype (int32 or int64; -1 pads)"
+
+
+def check_batch(features_flat: dict[str, Any], num_shards: int, allow_empty: bool = False) -> int:
+    """The common batch size B; static, so it is checked under jit too, with the ranks and
+    dtypes (an id cast from a float, bool or unsigned dtype would silently be another id).
+    B = 0 is an error unless `allow_empty` (serving answers an empty request)."""
+    problems = []
+    sizes = {}
     for path, leaf in features_flat.items():
         ids, weights = _split(leaf)
-        if weights is not None and np.shape(weights) != np.shape(ids):
-            raise ValueError(
-                f"Feature {path!r}: weights shape {np.shape(weights)} differs "
-                f"from ids shape {np.shape(ids)}."
+        shape, dtype = np.shape(ids), _dtype(ids)
+        if not jnp.issubdtype(dtype, jnp.signedinteger):
+            problems.append(
+                f"Feature {path!r}: ids have dtype {dtype}; they must have {ID_DTYPES}."
             )
-        if len(np.shape(ids)) not in (1, 2):
-            raise ValueError(
-                f"Feature {path!r}: ids must be (B,) or (B, L), got shape {np.shape(ids)}."
+        if len(shape) not in (1, 2):
+            problems.append(f"Feature {path!r}: ids must be (B,) or (B, L), got shape {shape}.")
+            continue
+        sizes[path] = int(shape[0])
+        if weights is not None:
+            if np.shape(weights) != shape:
+                problems.append(
+                    f"Feature {path!r}: weights shape {np.shape(weights)} differs "
+                    f"from ids shape {shape}."
+                )
+            if not jnp.issubdtype(_dtype(weights), jnp.floating):
+                problems.append(
+                    f"Feature {path!r}: weights have dtype {_dtype(weights)}; they must be "
+                    f"real floats (e.g. float32)."
+                )
+    if len(set(sizes.values())) > 1:
+        problems.append(f"all features must have the same batch size B, got {sizes}.")
+    elif sizes:
+        batch = next(iter(sizes.values()))
+        if batch == 0 and not allow_empty:
+            problems.append(
+                f"the batch is empty (B=0); B must be a positive multiple of the mesh size "
+                f"{num_shards} along the sharding axis."
             )
-    return batch
+        elif batch % num_shards:
+            problems.append(
+                f"batch size B={batch} must be a multiple of the mesh size "
+                f"{num_shards} along the sharding axis."
+            )
+    if problems:
+        raise ValueError("Invalid features:\n  " + "\n  ".join(problems))
+    return next(iter(sizes.values()))
 
 
 def combiner_scale(weights: jax.Array, combiner: str) -> jax.Array:

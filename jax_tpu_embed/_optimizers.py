@@ -59,10 +59,23 @@ def _check_scalar(
         )
 
 
-def evaluate(value: Scalar, step: jax.Array) -> jax.Array:
-    """A float, or fn(step) evaluated on the int32 step; always a float32 scalar."""
+def evaluate(value: Scalar, step: jax.Array, what: str = "the value") -> jax.Array:
+    """A float, or fn(step) evaluated on the int32 step; always a float32 scalar.
+
+    A function's result must be a real scalar: its shape and dtype are static, so anything
+    else is a ValueError at trace time naming `what` (e.g. "table 't': Adagrad
+    learning_rate(step)"). Its value is checked by the caller (`step_values_ok`).
+    """
     if callable(value):
         value = value(step)
+        shape, dtype = jnp.shape(value), jnp.result_type(value)
+        if shape != () or not (
+            jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+        ):
+            raise ValueError(
+                f"{what} returned a {dtype} array of shape {shape}; it must return a real "
+                f"scalar (shape ()), one value for every row and lane."
+            )
     return jnp.asarray(value, jnp.float32)
 
 
@@ -74,9 +87,14 @@ class Optimizer:
     def slot_specs(self) -> tuple[SlotSpec, ...]:
         return ()
 
-    def hyperparameters(self) -> tuple[Scalar, ...]:
+    def hyperparameter_values(self) -> tuple[Scalar, ...]:
         """Values (floats or fn(step)) evaluated each step and passed to update_row."""
         return ()
+
+    def learning_rate_ok(self, learning_rate: jax.Array) -> jax.Array:
+        """Whether a learning rate computed inside jit may be used: finite and >= 0 (0 is
+        allowed, as a warmup schedule's first value; a constant must be > 0)."""
+        return jnp.isfinite(learning_rate) & (learning_rate >= 0)
 
     @property
     def dense_update(self) -> bool:
@@ -212,7 +230,8 @@ class AdagradMomentum(_Extras):
         _check_scalar("AdagradMomentum", "momentum", self.momentum)
         _check_scalar("AdagradMomentum", "exponent", self.exponent, low=0, low_open=True)
         _check_scalar("AdagradMomentum", "beta2", self.beta2, low=0, high=1)
-        _check_scalar("AdagradMomentum", "epsilon", self.epsilon, low=0)
+        # The accumulators start at 0: (0 + epsilon) ** (-1 / exponent) needs epsilon > 0.
+        _check_scalar("AdagradMomentum", "epsilon", self.epsilon, low=0, low_open=True)
 
     def slot_specs(self):
         return (SlotSpec("accumulators", 2, 0.0), SlotSpec("momenta", 2, 0.0))
@@ -298,6 +317,10 @@ class FTRL(_Extras):
             SlotSpec("linears", 2, 0.0),
         )
 
+    def learning_rate_ok(self, learning_rate):
+        # FTRL divides by the learning rate.
+        return jnp.isfinite(learning_rate) & (learning_rate > 0)
+
     def update_row(self, gradient, row, slots, learning_rate, hyperparameters):
         n, z = slots
         p = -self.learning_rate_power
@@ -340,7 +363,13 @@ class RowwiseAdagrad(_Extras):
         _check_scalar(
             "RowwiseAdagrad", "initial_accumulator_value", self.initial_accumulator_value, low=0
         )
-        _check_scalar("RowwiseAdagrad", "epsilon", self.epsilon, low=0, low_open=True)
+        _check_scalar("RowwiseAdagrad", "epsilon", self.epsilon, low=0)
+        if self.epsilon == 0 and self.initial_accumulator_value == 0:
+            # A touched row whose gradient is 0 would compute 0 / (√0 + 0).
+            raise ValueError(
+                "RowwiseAdagrad: epsilon and initial_accumulator_value are both 0, so a row "
+                "with a zero gradient divides by zero; make one of them > 0."
+            )
 
     def slot_specs(self):
         return (SlotSpec("accumulators", 1, self.initial_accumulator_value),)
@@ -467,7 +496,7 @@ class CustomOptimizer(Optimizer):
     # __init__ takes None for each of these and stores a tuple.
     slot_names: Sequence[str] = ()
     slot_initializers: Sequence[Any] = ()
-    hyperparameters_: Sequence[Scalar] = dataclasses.field(default=(), repr=False)
+    hyperparameters: Sequence[Scalar] = ()  # TF's attribute, as given.
     slot_dims: Sequence[int] = ()
 
     def __init__(
@@ -484,7 +513,7 @@ class CustomOptimizer(Optimizer):
         set_("learning_rate", learning_rate)
         set_("slot_names", tuple(slot_names) if slot_names is not None else ())
         set_("slot_initializers", tuple(slot_initializers) if slot_initializers is not None else ())
-        set_("hyperparameters_", tuple(hyperparameters) if hyperparameters is not None else ())
+        set_("hyperparameters", tuple(hyperparameters) if hyperparameters is not None else ())
         set_(
             "slot_dims", tuple(slot_dims) if slot_dims is not None else (2,) * len(self.slot_names)
         )
@@ -518,7 +547,7 @@ class CustomOptimizer(Optimizer):
         for name, init in zip(self.slot_names, self.slot_initializers):
             if not callable(init):
                 _check_scalar("CustomOptimizer", f"slot_initializers[{name!r}]", init)
-        for i, h in enumerate(self.hyperparameters_):
+        for i, h in enumerate(self.hyperparameters):
             _check_scalar("CustomOptimizer", f"hyperparameters[{i}]", h, allow_callable=True)
 
     def slot_specs(self):
@@ -527,8 +556,12 @@ class CustomOptimizer(Optimizer):
             for n, r, i in zip(self.slot_names, self.slot_dims, self.slot_initializers)
         )
 
-    def hyperparameters(self):
-        return self.hyperparameters_
+    def hyperparameter_values(self):
+        return self.hyperparameters
+
+    def learning_rate_ok(self, learning_rate):
+        # As for the constant: any finite value (a custom update may take a negative one).
+        return jnp.isfinite(learning_rate)
 
     def update_row(self, gradient, row, slots, learning_rate, hyperparameters):
         out = self.custom_computation(
@@ -539,13 +572,38 @@ class CustomOptimizer(Optimizer):
         if len(out) != 1 + len(slots):
             raise ValueError(
                 f"CustomOptimizer: custom_computation returned {len(out)} values; expected "
-                f"the new row plus one new value per slot ({1 + len(slots)})."
+                f"the new row plus one new value per slot ({1 + len(slots)}: "
+                f"{['new_row', *self.slot_names]})."
+            )
+        # Shapes are static: a wrong one would otherwise broadcast into every lane or fail
+        # deep inside the update. Written for ONE row: the row is (D,), a slot (D,) or ().
+        problems = []
+        for what, new, old in zip(
+            ["the new row", *(f"slot {n!r}" for n in self.slot_names)], out, [row, *slots]
+        ):
+            if jnp.shape(new) != jnp.shape(old):
+                dims = "" if what == "the new row" else f" (slot_dims {len(jnp.shape(old)) + 1})"
+                problems.append(
+                    f"{what} has shape {jnp.shape(new)}, expected {jnp.shape(old)}{dims}"
+                )
+        if problems:
+            raise ValueError(
+                "CustomOptimizer: custom_computation, written for ONE row, returned "
+                + "; ".join(problems)
+                + "."
             )
         return tuple(out)
 
 
-def slot_initial_value(spec: SlotSpec, key, shape, dtype=jnp.float32):
+def slot_initial_value(spec: SlotSpec, key, shape, dtype=jnp.float32, table: str = ""):
     """A slot's initial logical value of `shape` ((V, D) or (V,))."""
     if callable(spec.initializer):
-        return jnp.asarray(spec.initializer(key, shape, dtype), dtype)
+        value: Any = spec.initializer(key, shape, dtype)
+        if tuple(jnp.shape(value)) != tuple(shape):
+            raise ValueError(
+                f"Table {table!r}: the initializer of slot {spec.name!r} (slot_dims "
+                f"{spec.rank}) returned shape {tuple(jnp.shape(value))}; expected "
+                f"{tuple(shape)}, the shape it was called with."
+            )
+        return jnp.asarray(value, dtype)
     return jnp.full(shape, spec.initializer, dtype)

@@ -597,7 +597,8 @@ class PallasBackend(_backend.Backend):
             stream.keys,
             stream.out,
             stream.scale,
-            stream.count,
+            # A skipped table: the kernel walks no pair.
+            stream.count if step.ok is None else jnp.where(step.ok, stream.count, 0),
             grad_rows,
             step.scalars,
             storage.stored_row_fn(step.row_fn),

@@ -301,6 +301,8 @@ class _Kernels(_XlaRows):
     def owner_update(self, table, slots, rows, grads, step, axis):
         keys, slot = lax.sort((rows, lax.iota(jnp.int32, rows.shape[0])), num_keys=2)
         count = jnp.sum(keys < NOT_MINE, dtype=jnp.int32)
+        if step.ok is not None:  # A skipped table: the kernel walks no pair.
+            count = jnp.where(step.ok, count, 0)
         storage = self.plan.storage
         names = [s.name for s in storage.stored]
         new = _pallas.fused_update(

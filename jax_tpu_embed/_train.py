@@ -656,6 +656,13 @@ class TrainStep:
     def _shard_batch(self, batch, emb: _embedding.Embedding, batch_size: int, lead: int = 0):
         """Every array of the batch with dimension B after `lead` leading axes (the
         micro-batch axis) is split over the mesh axis along that dimension."""
+        if batch_size < 1 or batch_size % emb.num_shards:
+            # Said here: splitting the batch below would fail with a raw sharding error.
+            raise ValueError(
+                f"TrainStep: the batch has B={batch_size} examples, which mesh axis "
+                f"{emb.axis!r} of size {emb.num_shards} does not divide; B must be a positive "
+                f"multiple of {emb.num_shards} (drop or pad the remainder)."
+            )
         sharding = NamedSharding(emb.mesh, P(*([None] * lead), emb.axis))
 
         def shard(x):

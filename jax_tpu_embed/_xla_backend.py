@@ -217,6 +217,9 @@ def apply_rows(
         size = jnp.asarray(plan.layout.shard_sizes(), jnp.int32)[lax.axis_index(axis)]
         local = lax.iota(jnp.int32, num_rows)
         rows_idx = jnp.where(local < size, local, NOT_MINE + local)  # Padding stays as is.
+    if step.ok is not None:  # A skipped table: no row read or written.
+        none = NOT_MINE + lax.iota(jnp.int32, rows_idx.shape[0])  # Sorted and distinct.
+        rows_idx = jnp.where(step.ok, rows_idx, none)
     access = [_Rows(b, p, rows_idx) for b, p in zip(buffers, storage.packings)]
     values = [a.read() for a in access]
     s = [step.scalars[j] for j in range(step.scalars.shape[0])]

@@ -203,7 +203,7 @@ def export(
     """
     check_tables(spec, tables)
     flat = _inputs.flatten_inputs(spec, features)
-    _inputs.check_batch(flat, 1)
+    _inputs.check_batch(flat, 1, allow_empty=True)
     if polymorphic_batch:
         shaped = [p for p, f in spec.flat_features if f.output_shape is not None]
         if shaped:

@@ -67,7 +67,7 @@ def test_pad_ragged_errors(kw, match):
         ),
         (
             {"a": np.array([1.0, 2, 3, 4]), "g": {"b": np.zeros((4, 2), np.int32)}},
-            "Feature 'a': ids must have an integer dtype, got float64",
+            "Feature 'a': ids have dtype float64; they must have a signed integer dtype",
         ),
         (
             {"a": np.zeros((4, 2, 2), np.int32), "g": {"b": np.zeros((4, 2), np.int32)}},
