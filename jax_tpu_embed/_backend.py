@@ -233,6 +233,28 @@ def _implementations() -> dict[str, Backend]:
     }
 
 
+def per_table_choice(what: str, requested, tables, allowed) -> dict[str, str]:
+    """{table name: choice} from an Embedding argument `what`: one of `allowed` for every
+    table, or {table name: one of them} ("auto" for tables left out)."""
+    if isinstance(requested, Mapping):
+        unknown = sorted(set(requested) - set(tables))
+        if unknown:
+            raise ValueError(
+                f"Embedding: {what} names {unknown}, which are not tables; the "
+                f"tables are {sorted(tables)}."
+            )
+        per_table = {name: requested.get(name, "auto") for name in tables}
+    else:
+        per_table = dict.fromkeys(tables, requested)
+    bad = sorted({b for b in per_table.values() if b not in allowed}, key=str)
+    if bad:
+        raise ValueError(
+            f"Embedding: {what} must be one of {list(allowed)} (or a dict of them "
+            f"per table), got {bad[0]!r}."
+        )
+    return per_table
+
+
 def choose(
     spec: _config.EmbeddingSpec,
     requested: str | Mapping[str, str],
@@ -248,22 +270,7 @@ def choose(
     table cannot use is an error naming the table and the reason.
     """
     tables = spec.tables()
-    if isinstance(requested, Mapping):
-        unknown = sorted(set(requested) - set(tables))
-        if unknown:
-            raise ValueError(
-                f"Embedding: backend names {unknown}, which are not tables; the "
-                f"tables are {sorted(tables)}."
-            )
-        per_table = {name: requested.get(name, "auto") for name in tables}
-    else:
-        per_table = dict.fromkeys(tables, requested)
-    bad = sorted({b for b in per_table.values() if b not in NAMES}, key=str)
-    if bad:
-        raise ValueError(
-            f"Embedding: backend must be one of {list(NAMES)} (or a dict of them "
-            f"per table), got {bad[0]!r}."
-        )
+    per_table = per_table_choice("backend", requested, tables, NAMES)
     if auto_order is None:
         auto_order = {"tpu": ("pallas",), "cpu": ("cpu",)}.get(platform, ())
     impls = _implementations()

@@ -442,22 +442,7 @@ def choose(
     the Pallas kernels or XLA ops, not the C++ CPU kernels; "auto" routes a table to
     owners on TPU meshes of AUTO_OWNER_SHARDS shards or more.
     """
-    if isinstance(requested, dict):
-        unknown = sorted(set(requested) - set(tables))
-        if unknown:
-            raise ValueError(
-                f"Embedding: routing names {unknown}, which are not tables; the "
-                f"tables are {sorted(tables)}."
-            )
-        per_table = {name: requested.get(name, "auto") for name in tables}
-    else:
-        per_table = dict.fromkeys(tables, requested)
-    bad = sorted({r for r in per_table.values() if r not in ROUTINGS}, key=str)
-    if bad:
-        raise ValueError(
-            f"Embedding: routing must be one of {list(ROUTINGS)} (or a dict of them per "
-            f"table), got {bad[0]!r}."
-        )
+    per_table = _backend.per_table_choice("routing", requested, tables, ROUTINGS)
     out, problems = {}, []
     for name, want in per_table.items():
         why = supported(layouts[name])
