@@ -243,9 +243,9 @@ def per_table_choice(what: str, requested, tables, allowed) -> dict[str, str]:
                 f"Embedding: {what} names {unknown}, which are not tables; the "
                 f"tables are {sorted(tables)}."
             )
-        per_table = {name: requested.get(name, "auto") for name in tables}
+        per_table = {name: str(requested.get(name, "auto")) for name in tables}
     else:
-        per_table = dict.fromkeys(tables, requested)
+        per_table = {name: requested for name in tables}
     bad = sorted({b for b in per_table.values() if b not in allowed}, key=str)
     if bad:
         raise ValueError(
