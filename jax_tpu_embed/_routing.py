@@ -267,8 +267,7 @@ class _Kernels(_XlaRows):
         )
 
     def owner_rows(self, table, rows):
-        keys, slot = lax.sort((rows, lax.iota(jnp.int32, rows.shape[0])), num_keys=2)
-        count = jnp.sum(keys < NOT_MINE, dtype=jnp.int32)
+        keys, slot, count = _arrivals(rows)
         storage = self.plan.storage
         return self._lookup(table, storage.packing, keys, slot, None, count, rows.shape[0])
 
@@ -299,8 +298,7 @@ class _Kernels(_XlaRows):
         return self._lookup(g_uniq, self.packing, keys, slot, scale, count, n)
 
     def owner_update(self, table, slots, rows, grads, step, axis):
-        keys, slot = lax.sort((rows, lax.iota(jnp.int32, rows.shape[0])), num_keys=2)
-        count = jnp.sum(keys < NOT_MINE, dtype=jnp.int32)
+        keys, slot, count = _arrivals(rows)
         if step.ok is not None:  # A skipped table: the kernel walks no pair.
             count = jnp.where(step.ok, count, 0)
         storage = self.plan.storage
@@ -324,19 +322,35 @@ class _Kernels(_XlaRows):
         return new[0], dict(zip(names, new[1:]))
 
 
+def _arrivals(rows):
+    """The rows an owner received, sorted, each with its arrival slot, and how many are
+    real (NOT_MINE: an empty slot): the kernels' pairs."""
+    keys, slot = lax.sort((rows, lax.iota(jnp.int32, rows.shape[0])), num_keys=2)
+    return keys, slot, jnp.sum(keys < NOT_MINE, dtype=jnp.int32)
+
+
 def _row_work(plan: _backend.TablePlan, inputs: list, axis: str):
     """(local pairs, Cd, row work): the Pallas kernels when the table's backend is theirs
     and the rows they hold in VMEM fit (`_pallas.fits_vmem`), else XLA ops."""
+    n = lax.axis_size(axis)
+    k = _kernel_rows(plan)
+    if k:
+        pairs = sum(ids.size for _, ids, _ in inputs)
+        cd = capacity(plan, pairs, n, k)
+        rows = max(n * cd, _streams.output_rows(inputs, k)) // k
+        if not _pallas.fits_vmem(rows, k * plan.storage.rows_packing.padded_width, plan.vmem):
+            k = 0
+    local = _Local(plan, inputs, axis, max(k, 1))
+    cd = capacity(plan, local.pairs, n, max(k, 1))
+    return local, cd, (_Kernels(plan, local.pairs, n * cd) if k else _XlaRows(plan))
+
+
+def _kernel_rows(plan: _backend.TablePlan) -> int:
+    """k, the logical rows per lane-dense row, when the Pallas kernels may do the table's
+    row work; 0 when XLA ops do."""
     if isinstance(plan.backend, _pallas.PallasBackend):
-        k = plan.storage.rows_packing.per_row
-        local = _Local(plan, inputs, axis, k)
-        cd = capacity(plan, local.pairs, local.n, k)
-        lanes = k * plan.storage.rows_packing.padded_width
-        rows = max(local.n * cd, local.rows) // k
-        if _pallas.fits_vmem(rows, lanes, plan.vmem):
-            return local, cd, _Kernels(plan, local.pairs, local.n * cd)
-    local = _Local(plan, inputs, axis)
-    return local, capacity(plan, local.pairs, local.n), _XlaRows(plan)
+        return plan.storage.rows_packing.per_row
+    return 0
 
 
 def lookup(plan: _backend.TablePlan, table, inputs: list, axis: str) -> dict:
@@ -400,8 +414,7 @@ def rounds_needed(plan: _backend.TablePlan, ids: np.ndarray, num_shards: int) ->
 
     `ids`: (N, m) each device's pairs' global ids (-1: none)."""
     layout = plan.layout
-    k = plan.storage.rows_packing.per_row if isinstance(plan.backend, _pallas.PallasBackend) else 1
-    cd = capacity(plan, ids.shape[1], num_shards, k)
+    cd = capacity(plan, ids.shape[1], num_shards, max(_kernel_rows(plan), 1))
     if cd >= ids.shape[1]:
         return 1
     pending = []  # [device][owner] ascending distinct local keys not yet sent
