@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _config
+from . import _config, _platforms
 
 GiB = 1 << 30
 
@@ -466,15 +466,7 @@ def _state_only_report(emb, topo: Topology, oom: str, seconds: float) -> Compile
 def _topology_of(mesh_: Mesh) -> Topology:
     devices = tuple(mesh_.devices.flat)
     kind = devices[0].device_kind  # "TPU v5 lite", "TPU v5", "TPU v6 lite", "TPU v4"
-    generation = {
-        "TPU v4": "v4",
-        "TPU v5 lite": "v5e",
-        "TPU v5e": "v5e",
-        "TPU v5": "v5p",
-        "TPU v5p": "v5p",
-        "TPU v6 lite": "v6e",
-        "TPU v6e": "v6e",
-    }.get(kind)
+    generation = _platforms.tpu_generation(kind)
     if generation is None:
         raise ValueError(
             f"mesh devices are {kind!r}, not TPU devices of a known generation "

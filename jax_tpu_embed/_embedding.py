@@ -55,15 +55,6 @@ _INIT_BLOCK_BYTES = 4 << 20
 _INIT_BLOCK_ROWS_MIN = 1024
 
 
-def _mix32(x):
-    """murmur3's 32-bit finaliser: every input bit flips each output bit with p ~ 1/2."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
 def _default_rows(key, ids, dim: int):
     """The default initializer's rows `ids` ((n,) ints) of a table: (n, dim) float32 drawn
     from a truncated normal (mean 0, stddev 1/sqrt(dim), cut at 2 stddev, as TensorFlow's).
@@ -75,9 +66,9 @@ def _default_rows(key, ids, dim: int):
     """
     words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
     k0, k1 = words[0], words[-1]
-    row = _mix32(_mix32(ids.astype(jnp.uint32) ^ k0) + k1)
+    row = _storage.mix32(_storage.mix32(ids.astype(jnp.uint32) ^ k0) + k1)
     col = jnp.arange(dim, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
-    bits = _mix32(_mix32(row[:, None] ^ col) + k0)
+    bits = _storage.mix32(_storage.mix32(row[:, None] ^ col) + k0)
     u = (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24)) + (0.5 / (1 << 24))  # (0, 1)
     lo = jax.lax.erf(jnp.float32(-2.0 / math.sqrt(2.0)))
     z = math.sqrt(2.0) * jax.lax.erf_inv(lo + u * (-2.0 * lo))  # Inverse CDF on [-2, 2].

@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _backend, _layout, _storage, _streams, _xla_backend
+from . import _backend, _layout, _platforms, _storage, _streams, _xla_backend
 
 _BLOCK = 1024  # Pairs per grid step (SMEM block of keys, output rows and scales).
 _SMALLEST_VMEM = 16 << 20  # v4's, per TensorCore: the default when the chip is unknown.
@@ -48,15 +48,7 @@ _SMALLEST_VMEM = 16 << 20  # v4's, per TensorCore: the default when the chip is 
 def vmem_bytes(device_kind: str) -> int:
     """VMEM per TensorCore of a TPU by its device kind (pltpu.get_tpu_info_for_chip): 16 MiB
     on v4, 64 MiB on v5p, 128 MiB on v5e and v6e; 16 MiB if unknown."""
-    chip = {
-        "TPU v4": "v4",
-        "TPU v5 lite": "v5e",
-        "TPU v5e": "v5e",
-        "TPU v5": "v5p",
-        "TPU v5p": "v5p",
-        "TPU v6 lite": "v6e",
-        "TPU v6e": "v6e",
-    }.get(device_kind)
+    chip = _platforms.tpu_generation(device_kind)
     if chip is None:
         return _SMALLEST_VMEM
     return int(pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(chip), 1).vmem_capacity_bytes)

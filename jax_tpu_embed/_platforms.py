@@ -19,6 +19,22 @@ import os
 
 import jax
 
+# TPU generation by JAX device kind (real devices and libtpu's topology descriptions alike).
+_TPU_GENERATIONS = {
+    "TPU v4": "v4",
+    "TPU v5 lite": "v5e",
+    "TPU v5e": "v5e",
+    "TPU v5": "v5p",
+    "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e",
+    "TPU v6e": "v6e",
+}
+
+
+def tpu_generation(device_kind: str) -> str | None:
+    """ "v4", "v5e", "v5p" or "v6e" for a TPU device kind; None for anything else."""
+    return _TPU_GENERATIONS.get(device_kind)
+
 
 def _tpu_chips() -> int:
     try:

@@ -252,8 +252,9 @@ class TableStorage:
 # ------------------------------------------------------------------ stochastic rounding
 
 
-def _mix(x):
-    """A 32-bit integer hash (lowbias32): every output bit depends on every input bit."""
+def mix32(x):
+    """A 32-bit integer hash (lowbias32): every output bit depends on every input bit.
+    Counter-based randomness (initial values, stochastic rounding) is built on it."""
     x = x ^ (x >> 16)
     x = x * jnp.uint32(0x7FEB352D)
     x = x ^ (x >> 15)
@@ -268,7 +269,7 @@ def table_seed(name: str) -> int:
 
 def step_key(seed: int, step):
     """uint32 key of (table, step), the part of the stream shared by a step's rows."""
-    return _mix(jnp.uint32(seed) ^ _mix(jnp.asarray(step).astype(jnp.uint32)))
+    return mix32(jnp.uint32(seed) ^ mix32(jnp.asarray(step).astype(jnp.uint32)))
 
 
 def random_bits(key, rows, width: int):
@@ -276,7 +277,7 @@ def random_bits(key, rows, width: int):
     no state, the same bits for a row whatever shard or backend updates it."""
     rows = jnp.asarray(rows).astype(jnp.uint32)[:, None]
     lanes = lax.broadcasted_iota(jnp.int32, (1, width), 1).astype(jnp.uint32)
-    return _mix(_mix(key ^ _mix(rows)) ^ (lanes + jnp.uint32(0x9E3779B9)))
+    return mix32(mix32(key ^ mix32(rows)) ^ (lanes + jnp.uint32(0x9E3779B9)))
 
 
 def round_stochastically(x, bits):

@@ -39,34 +39,24 @@ import jax  # noqa: E402
 from . import _aot, _config, _config_file, _embedding  # noqa: E402
 
 # Slice shapes to suggest when a config does not fit, smallest first.
+_CUBES = (
+    "2x2x1",
+    "2x2x2",
+    "2x2x4",
+    "2x4x4",
+    "4x4x4",
+    "4x4x8",
+    "4x8x8",
+    "8x8x8",
+    "8x8x16",
+    "8x16x16",
+)
+_PLANES = ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
 _SLICES = {
-    "v4": (
-        "2x2x1",
-        "2x2x2",
-        "2x2x4",
-        "2x4x4",
-        "4x4x4",
-        "4x4x8",
-        "4x8x8",
-        "8x8x8",
-        "8x8x16",
-        "8x16x16",
-    ),
-    "v5p": (
-        "2x2x1",
-        "2x2x2",
-        "2x2x4",
-        "2x4x4",
-        "4x4x4",
-        "4x4x8",
-        "4x8x8",
-        "8x8x8",
-        "8x8x16",
-        "8x16x16",
-        "16x16x16",
-    ),
-    "v5e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
-    "v6e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+    "v4": _CUBES,
+    "v5p": _CUBES + ("16x16x16",),
+    "v5e": _PLANES,
+    "v6e": _PLANES,
 }
 
 
