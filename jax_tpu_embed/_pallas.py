@@ -215,6 +215,14 @@ class _BlockRows:
         self.buf[pl.ds(j, 1), :] = jnp.where(mine, moved, self.buf[pl.ds(j, 1), :])
 
 
+def _physical_reads(distinct: int, array, keys) -> int:
+    """The physical rows a kernel reads for `distinct` planned rows: each block reads its
+    distinct physical rows once, so no more than the array has, plus one re-read per block
+    (a row that spans two blocks). Packed or dense keys (the rows exchanged by owner
+    routing) reach this bound long before `distinct`."""
+    return min(distinct, array.shape[0] + _blocks(keys.shape[0]))
+
+
 def _row_bytes(packing: _layout.Packing, dtype) -> int:
     return packing.per_row * packing.padded_width * jnp.dtype(dtype).itemsize
 
@@ -307,7 +315,9 @@ def pooled_lookup(
             flops=2 * planned[0] * width,
             transcendentals=0,
             bytes_accessed=(
-                planned[1] * lanes * itemsize + pairs.bytes * planned[0] + rows // k * lanes * 4
+                _physical_reads(planned[1], table, keys) * lanes * itemsize
+                + pairs.bytes * planned[0]
+                + rows // k * lanes * 4
             ),
         ),
         interpret=interpret,
@@ -476,7 +486,11 @@ def fused_update(
         cost_estimate=pl.CostEstimate(
             flops=4 * planned[0] * dim,
             transcendentals=planned[1] * dim,
-            bytes_accessed=(2 * planned[1] * row_bytes + pairs.bytes * planned[0] + grads.size * 4),
+            bytes_accessed=(
+                2 * _physical_reads(planned[1], arrays[0], keys) * row_bytes
+                + pairs.bytes * planned[0]
+                + grads.size * 4
+            ),
         ),
         interpret=interpret,
     )(
