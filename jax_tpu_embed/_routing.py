@@ -440,7 +440,7 @@ def rounds_needed(plan: _backend.TablePlan, ids: np.ndarray, num_shards: int) ->
 ROUTINGS = ("auto", "gather", "owner")
 # "auto" routes to owners from this many shards on TPU meshes; below, the all-gather path.
 # benchmarks/tpu_scaling.py measures both (docs/design.md).
-AUTO_OWNER_SHARDS = 64
+AUTO_OWNER_SHARDS = 32
 
 
 def choose(

@@ -81,10 +81,12 @@ class Case:
     dim: int
     optimizer: str
     dtype: str = "float32"
+    routing: str = "auto"
 
     def __str__(self):
         suffix = "" if self.dtype == "float32" else f"-{self.dtype}"
-        return f"{self.topology}-d{self.dim}-{self.optimizer}{suffix}"
+        routed = "" if self.routing == "auto" else f"-{self.routing}"
+        return f"{self.topology}-d{self.dim}-{self.optimizer}{suffix}{routed}"
 
 
 # Cases that fail while the engine stores a narrow table as a plain (N*S, D) array (measured
@@ -170,7 +172,7 @@ def _compile(case: Case) -> _aot.CompileReport:
         {"multi": jte.FeatureConfig(table), "one": jte.FeatureConfig(table)},
         _optimizer(case.optimizer),
     )
-    emb = jte.Embedding(spec, _aot.mesh(topo))
+    emb = jte.Embedding(spec, _aot.mesh(topo), routing=case.routing)
     return _aot.compile_train_step(emb, B, {"multi": L, "one": 1}, topo=topo)
 
 
@@ -348,3 +350,43 @@ def test_sparse_core_moves_narrow_rows_without_table_copies():
         assert row[kernel]["table_sized_ops"] == [], row[kernel]
     assert any(op.startswith("copy") for op in row["gather_2d"]["table_sized_ops"])
     assert probe.measure_sparse_core("v5e:2x2", dims=(32,)) is None
+
+
+# Owner routing (the Pallas kernels doing the owners' row work) under the same limits.
+ROUTED_CASES = [Case("v5p:2x2x1", 64, "adagrad", routing="owner")]
+
+
+@pytest.mark.parametrize("case", ROUTED_CASES, ids=str)
+def test_routed_train_step_compiles_within_limits(case, compiler):
+    test_train_step_compiles_within_limits(case, compiler)
+
+
+def _per_chip_bytes(topology: str, routing: str, per_chip: int) -> float:
+    topo = _aot.topology(topology)
+    table = jte.TableConfig(1_000_000, 64, combiner="sum", name="t")
+    spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(learning_rate=0.05))
+    emb = jte.Embedding(spec, _aot.mesh(topo), routing=routing)
+    assert emb.routing == {"t": routing}
+    return _aot.compile_train_step(emb, per_chip * topo.chips, 20, topo=topo).bytes_accessed
+
+
+def test_owner_routing_per_chip_bytes_do_not_grow_with_the_slice():
+    """Weak scaling (fixed per-chip batch), 4 -> 16 chips: the all-gather path's bytes per
+    chip grow with the global batch, owner routing's stay flat."""
+    owner = [_per_chip_bytes(t, "owner", 256) for t in ("v5p:2x2x1", "v5p:2x2x4")]
+    gather = [_per_chip_bytes(t, "gather", 256) for t in ("v5p:2x2x1", "v5p:2x2x4")]
+    assert owner[1] <= 1.15 * owner[0], owner
+    assert gather[1] >= 1.35 * gather[0], gather  # 1.47x measured: the test can tell them apart.
+
+
+def test_auto_routing_follows_the_measured_crossover():
+    """routing="auto" takes owner routing on TPU slices of AUTO_OWNER_SHARDS devices or more
+    (benchmarks/tpu_scaling.py: 32 chips is where it moves fewer bytes than the all-gather)."""
+    from jax_tpu_embed import _routing
+
+    table = jte.TableConfig(1_000_000, 64, name="t")
+    spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(learning_rate=0.05))
+    for topology, want in (("v5p:2x2x4", "gather"), ("v5p:2x4x4", "owner")):
+        topo = _aot.topology(topology)
+        assert (len(topo.devices) >= _routing.AUTO_OWNER_SHARDS) == (want == "owner")
+        assert jte.Embedding(spec, _aot.mesh(topo)).routing == {"t": want}, topology
