@@ -269,6 +269,17 @@ def _operand(x, interpret: bool):
     return pltpu.bitcast(x, jnp.uint32), lambda y: pltpu.bitcast(y, x.dtype)
 
 
+def _physical_reads(distinct: int, array, keys) -> int:
+    """The physical rows a kernel reads for `distinct` planned rows: each block reads its
+    distinct physical rows once, so no more than the array has (rows of 32-bit words: a
+    16-bit array's pairs), plus one re-read per block (a row that spans two blocks). Packed
+    or dense keys (the rows exchanged by owner routing) reach this bound long before
+    `distinct`."""
+    itemsize = jnp.dtype(array.dtype).itemsize
+    rows = array.shape[0] * itemsize // jnp.dtype(_buffer_dtype(array.dtype)).itemsize
+    return min(distinct, rows + _blocks(keys.shape[0]))
+
+
 def _row_bytes(packing: _layout.Packing, dtype) -> int:
     """Bytes one DMA moves: a physical row of 32-bit words (a pair of 16-bit rows)."""
     return packing.per_row * packing.padded_width * jnp.dtype(_buffer_dtype(dtype)).itemsize
@@ -362,7 +373,7 @@ def pooled_lookup(
             flops=2 * planned[0] * width,
             transcendentals=0,
             bytes_accessed=(
-                planned[1] * _row_bytes(packing, table.dtype)
+                _physical_reads(planned[1], table, keys) * _row_bytes(packing, table.dtype)
                 + pairs.bytes * planned[0]
                 + rows // k * lanes * 4
             ),
@@ -534,7 +545,11 @@ def fused_update(
         cost_estimate=pl.CostEstimate(
             flops=4 * planned[0] * dim,
             transcendentals=planned[1] * dim,
-            bytes_accessed=(2 * planned[1] * row_bytes + pairs.bytes * planned[0] + grads.size * 4),
+            bytes_accessed=(
+                2 * _physical_reads(planned[1], arrays[0], keys) * row_bytes
+                + pairs.bytes * planned[0]
+                + grads.size * 4
+            ),
         ),
         interpret=interpret,
     )(
