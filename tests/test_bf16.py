@@ -79,22 +79,24 @@ def test_bf16_results_do_not_depend_on_mesh_or_strategy(rng):
 # Every optimizer the kernels take at a packed dim that is not a power of two (rows padded
 # to 64 lanes, two to a 128-lane row); Adagrad at dims 32-256, unpacked 200 among them.
 # Meshes of 4 give shards of 75 rows: odd physical row counts, padded to row pairs.
+# Owner routing once: the owners' kernels update the rows they receive.
 _KERNEL_CASES = [
-    pytest.param(key, 48, "mod", 8, True, id=f"{key}-d48")
+    pytest.param(key, 48, "mod", 8, True, "gather", id=f"{key}-d48")
     for key, (optimizer, *_) in OPTIMIZERS.items()
     if not optimizer.dense_update
 ] + [
-    pytest.param("adagrad", 32, "div", 4, True, id="adagrad-d32"),
-    pytest.param("adagrad+extras", 64, "mod", 4, False, id="adagrad+extras-d64-nearest"),
-    pytest.param("adagrad", 128, "div", 4, True, id="adagrad-d128"),
-    pytest.param("rmsprop", 200, "mod", 4, False, id="rmsprop-d200-nearest"),
-    pytest.param("adam", 256, "div", 8, True, id="adam-d256"),
+    pytest.param("adagrad", 32, "div", 4, True, "gather", id="adagrad-d32"),
+    pytest.param("adagrad+extras", 64, "mod", 4, False, "gather", id="adagrad+extras-d64-nearest"),
+    pytest.param("adagrad", 128, "div", 4, True, "gather", id="adagrad-d128"),
+    pytest.param("rmsprop", 200, "mod", 4, False, "gather", id="rmsprop-d200-nearest"),
+    pytest.param("adam", 256, "div", 8, True, "gather", id="adam-d256"),
+    pytest.param("adagrad", 48, "div", 4, True, "owner", id="adagrad-d48-owner"),
 ]
 
 
-@pytest.mark.parametrize("opt_key,dim,strategy,num_shards,stochastic", _KERNEL_CASES)
+@pytest.mark.parametrize("opt_key,dim,strategy,num_shards,stochastic,routing", _KERNEL_CASES)
 def test_bf16_pallas_kernels_round_like_the_xla_passes(
-    opt_key, dim, strategy, num_shards, stochastic, rng, monkeypatch
+    opt_key, dim, strategy, num_shards, stochastic, routing, rng, monkeypatch
 ):
     """The fused kernels (interpret mode, rows packed 128 lanes wide, bfloat16 rows moved in
     pairs of 32-bit words) round a new float32 row with the same bits as the XLA passes for
@@ -140,8 +142,10 @@ def test_bf16_pallas_kernels_round_like_the_xla_passes(
     ]
     out = []
     for backend in ("xla", "pallas_interpret"):
-        emb = jte.Embedding(spec, make_mesh(num_shards), backend=backend, lane_width=128)
-        assert emb.backends == {"t": backend}
+        emb = jte.Embedding(
+            spec, make_mesh(num_shards), backend=backend, lane_width=128, routing=routing
+        )
+        assert emb.backends == {"t": backend} and emb.routing == {"t": routing}
         state = emb.init(jax.random.key(4))
         for f, g in zip(batches, grads):
             state = emb.apply_gradients(state, f, g)
