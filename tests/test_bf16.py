@@ -10,7 +10,7 @@ import pytest
 import jax_tpu_embed as jte
 from conftest import make_mesh
 from jax_tpu_embed import _storage
-from test_optimizers import _batch, _spec
+from test_optimizers import _B, _SEQ, _SPEC_EXTRAS, _V, OPTIMIZERS, _batch, _spec
 
 _D = 128
 
@@ -76,37 +76,100 @@ def test_bf16_results_do_not_depend_on_mesh_or_strategy(rng):
         np.testing.assert_array_equal(t, first, err_msg=str(key))
 
 
-@pytest.mark.parametrize("strategy", ["div", "mod"])
-def test_bf16_pallas_kernels_round_like_the_xla_passes(strategy, rng, monkeypatch):
-    """The fused kernels (interpret mode, rows packed 128 lanes wide) draw the same bits
-    for the same (table, step, row) as the XLA passes: the same bfloat16 table."""
+# Every optimizer the kernels take at a packed dim that is not a power of two (rows padded
+# to 64 lanes, two to a 128-lane row); Adagrad at dims 32-256, unpacked 200 among them.
+# Meshes of 4 give shards of 75 rows: odd physical row counts, padded to row pairs.
+# Owner routing once: the owners' kernels update the rows they receive.
+_KERNEL_CASES = [
+    pytest.param(key, 48, "mod", 8, True, "gather", id=f"{key}-d48")
+    for key, (optimizer, *_) in OPTIMIZERS.items()
+    if not optimizer.dense_update
+] + [
+    pytest.param("adagrad", 32, "div", 4, True, "gather", id="adagrad-d32"),
+    pytest.param("adagrad+extras", 64, "mod", 4, False, "gather", id="adagrad+extras-d64-nearest"),
+    pytest.param("adagrad", 128, "div", 4, True, "gather", id="adagrad-d128"),
+    pytest.param("rmsprop", 200, "mod", 4, False, "gather", id="rmsprop-d200-nearest"),
+    pytest.param("adam", 256, "div", 8, True, "gather", id="adam-d256"),
+    pytest.param("adagrad", 48, "div", 4, True, "owner", id="adagrad-d48-owner"),
+]
+
+
+@pytest.mark.parametrize("opt_key,dim,strategy,num_shards,stochastic,routing", _KERNEL_CASES)
+def test_bf16_pallas_kernels_round_like_the_xla_passes(
+    opt_key, dim, strategy, num_shards, stochastic, routing, rng, monkeypatch
+):
+    """The fused kernels (interpret mode, rows packed 128 lanes wide, bfloat16 rows moved in
+    pairs of 32-bit words) round a new float32 row with the same bits as the XLA passes for
+    the same (table, step, row): where the backends' float32 rows agree, so do the bfloat16
+    tables, bit for bit.
+
+    Their float32 rows can differ by an ulp (float32 tables too): off TPU the XLA passes add
+    a row's gradients in position order and the kernels in (row, output row) order, and
+    XLA:CPU fuses some a·b + c into one rounding in one program and not in the other. The
+    combiner is "sum" and the gradients are multiples of 2^-6, so that every order gives the
+    same sums; what is left moves a stochastically rounded value one bfloat16 step with
+    probability about 2^-16 per ulp: at most a couple of such values are allowed.
+    """
+
     from jax_tpu_embed import _pallas
 
     monkeypatch.setattr(_pallas, "_BLOCK", 8)  # Rows carried across blocks.
-    spec = _with_bf16(_spec(jte.Adagrad(0.05), strategy, False))
+    optimizer, _, _, extras = OPTIMIZERS[opt_key]
+    table = jte.TableConfig(
+        _V,
+        dim,
+        combiner="sum",
+        name="t",
+        dtype=jnp.bfloat16,
+        stochastic_rounding=stochastic,
+    )
+    spec = jte.EmbeddingSpec(
+        {
+            "multi": jte.FeatureConfig(table),
+            "seq": jte.FeatureConfig(table, max_sequence_length=_SEQ),
+        },
+        optimizer,
+        partition_strategy=strategy,
+        **(_SPEC_EXTRAS if extras else {}),
+    )
     batches = [_batch(rng) for _ in range(2)]
     grads = [
         {
-            "multi": rng.normal(size=(16, 12)).astype(np.float32),
-            "seq": rng.normal(size=(16, 3, 12)).astype(np.float32),
+            "multi": rng.integers(-64, 65, (_B, dim)).astype(np.float32) / 64,
+            "seq": rng.integers(-64, 65, (_B, _SEQ, dim)).astype(np.float32) / 64,
         }
         for _ in range(2)
     ]
     out = []
     for backend in ("xla", "pallas_interpret"):
-        emb = jte.Embedding(spec, make_mesh(8), backend=backend)
-        assert emb.backends == {"t": backend}
+        emb = jte.Embedding(
+            spec, make_mesh(num_shards), backend=backend, lane_width=128, routing=routing
+        )
+        assert emb.backends == {"t": backend} and emb.routing == {"t": routing}
         state = emb.init(jax.random.key(4))
         for f, g in zip(batches, grads):
             state = emb.apply_gradients(state, f, g)
         acts = jax.tree.map(np.asarray, emb.lookup(state, batches[0]))
-        out.append((emb.export(state)["t"], emb.export_slots(state)["t"]["accumulators"], acts))
-    (t_xla, a_xla, acts_xla), (t_pallas, a_pallas, acts_pallas) = out
+        out.append((emb.export(state)["t"], emb.export_slots(state)["t"], acts))
+    (t_xla, s_xla, acts_xla), (t_pallas, s_pallas, acts_pallas) = out
     for k in acts_xla:  # The bfloat16 lookup kernel, too.
         np.testing.assert_allclose(acts_pallas[k], acts_xla[k], rtol=1e-5, atol=1e-6)
     assert t_pallas.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(t_pallas.view(np.uint16), t_xla.view(np.uint16))
-    np.testing.assert_allclose(a_pallas, a_xla, rtol=1e-6)
+    changed = t_xla.view(np.uint16) != _initial(spec, num_shards).view(np.uint16)
+    assert changed.any(axis=1).sum() > 10  # Many rows updated, not only a few.
+    bits_xla, bits_pallas = t_xla.view(np.int16), t_pallas.view(np.int16)
+    apart = np.argwhere(bits_pallas != bits_xla)
+    assert len(apart) <= 2, apart
+    for i, j in apart:  # Neighbours: one bfloat16 step apart.
+        assert abs(int(bits_pallas[i, j]) - int(bits_xla[i, j])) == 1, (i, j)
+    assert s_pallas.keys() == s_xla.keys()
+    for name in s_xla:
+        np.testing.assert_allclose(s_pallas[name], s_xla[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def _initial(spec, num_shards):
+    emb = jte.Embedding(spec, make_mesh(num_shards), backend="xla")
+    return emb.export(emb.init(jax.random.key(4)))["t"]
 
 
 def _with_bf16(spec, stochastic=True):

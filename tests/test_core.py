@@ -648,9 +648,9 @@ def test_id_counts_and_passes(rng):
 
 
 def test_pallas_choice_and_fallback(rng):
-    """Which tables the Pallas kernels take: float32 tables with a sparse update; a batch
-    whose activations overflow half of the chip's VMEM runs the XLA passes, with the same
-    results."""
+    """Which tables the Pallas kernels take: float32 and bfloat16 tables with a sparse
+    update; a batch whose activations overflow half of the chip's VMEM runs the XLA passes,
+    with the same results."""
     from jax_tpu_embed import _pallas
 
     assert _pallas.vmem_bytes("TPU v5") == 64 << 20  # v5p
@@ -717,18 +717,11 @@ def test_backend_choice():
         "f32": "pallas_interpret",
         "bf16": "xla",
     }
-    # The interpreted kernels take bfloat16 tables too (tests/test_bf16.py); the TPU ones
-    # do not.
+    # The kernels take bfloat16 tables too (tests/test_bf16.py, tests/test_tpu_compile.py).
     assert jte.Embedding(mixed, make_mesh(2), backend="pallas_interpret").backends == {
         "f32": "pallas_interpret",
         "bf16": "pallas_interpret",
     }
-    with pytest.raises(
-        ValueError,
-        match="table 'bf16' cannot use backend 'pallas': the Pallas TPU kernels take float32 "
-        "tables; this one is bfloat16",
-    ):
-        jte.Embedding(mixed, make_mesh(2), backend={"bf16": "pallas"})
     with pytest.raises(
         ValueError,
         match="table 'f32' cannot use backend 'pallas': it needs a "
