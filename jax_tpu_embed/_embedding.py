@@ -327,16 +327,17 @@ class Embedding:
         Tables with the default initializer and constant slot initializers (every built-in
         optimizer) are drawn in blocks of rows on their own shards, all in one compiled
         program: the transient memory is a block per array, and there is one compile however
-        many tables there are. Row r of such a table is drawn from `fold_in(table key, r)`, so
-        its value depends on neither the mesh, the strategy nor the block size. A table with
+        many tables there are. Row r of such a table is a hash of (table key, r), so its value
+        depends on neither the mesh, the strategy nor the block size. A table with
         its own initializer (or a slot with a random one) is called with the logical shape,
         as the API promises, in a program of its own. Works traced inside another jit too.
         """
-        keys = {name: jax.random.fold_in(key, i) for i, name in enumerate(self.table_plans)}
+        keys = self._table_keys(key)
         tables, slots = {}, {}
         blocked = {name: keys[name] for name in self.table_plans if self._blocked(name)}
         if blocked:
-            for name, (table, table_slots) in self._init_blocked_fn()(blocked).items():
+            program, per_table = self._init_blocked_fn()
+            for name, (table, table_slots) in program(blocked, per_table).items():
                 tables[name], slots[name] = table, table_slots
         programs = self.init_programs()
         for name in self.table_plans:
@@ -373,9 +374,9 @@ class Embedding:
             callable(s.initializer) for s in plan.storage.slot_specs
         )
 
-    def _init_blocked_fn(self):
-        """fn({name: table key}) -> {name: (table, slots)} of every blocked table: one
-        program, compiled once."""
+    def _init_blocked_fn(self) -> tuple:
+        """(jitted fn({name: table key}, per_table) -> {name: (table, slots)}, per_table):
+        every blocked table in one program (`per_table`: see `_per_table_rows`)."""
         if self._init_blocked is None:
             names = tuple(n for n in self.table_plans if self._blocked(n))
             shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state())
@@ -383,9 +384,21 @@ class Embedding:
                 functools.partial(self._draw_tables, names),
                 out_shardings={n: (shardings.tables[n], shardings.slots[n]) for n in names},
             )
-            per_table = self._per_table_rows(names)
-            self._init_blocked = lambda keys: program(keys, per_table)
+            self._init_blocked = (program, self._per_table_rows(names))
         return self._init_blocked
+
+    def _table_keys(self, key) -> dict:
+        return {name: jax.random.fold_in(key, i) for i, name in enumerate(self.table_plans)}
+
+    def _compile_init(self, key: jax.ShapeDtypeStruct) -> None:
+        """Compiles `init`'s program of the blocked tables for keys like `key` before `init`
+        is called (jax keeps it for the call), so that a caller can do it while it does
+        something else. Thread-safe."""
+        names = [n for n in self.table_plans if self._blocked(n)]
+        if names:
+            keys = jax.eval_shape(self._table_keys, key)
+            program, per_table = self._init_blocked_fn()
+            program.lower({n: keys[n] for n in names}, per_table).compile()
 
     def _init_table_blocked(self, plan: _backend.TablePlan, table_key):
         """A table and its slots drawn block by block on their own shards (see `init`)."""

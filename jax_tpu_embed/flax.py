@@ -22,6 +22,7 @@ batch)` runs the model for evaluation.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import weakref
 from collections.abc import Callable, Sequence
@@ -382,12 +383,20 @@ class FlaxTrainStep(_train.TrainStep):
         init_rngs, rng = self._init_rngs(key)
         layers: dict = {}
         # One program for the dense variables; the tables come from one `Embedding.init`
-        # program per layer, the same state `model.init` gives them.
-        variables, keys = jax.jit(functools.partial(self._model_init, layers=layers))(
-            init_rngs, self._first_micro(batch)
-        )
-        if not keys:
+        # program per layer, the same state `model.init` gives them. Both are compiled at
+        # once: XLA's compiles run outside the GIL, and are most of init's time.
+        micro = self._first_micro(batch)
+        traced = jax.jit(functools.partial(self._model_init, layers=layers)).trace(init_rngs, micro)
+        key_info = traced.out_info[1]
+        if not key_info:
             raise ValueError("jte.flax.make_train_step: the model has no jte.flax.Embed.")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            compiling = [
+                pool.submit(emb._compile_init, key_info[path]) for path, (emb, _) in layers.items()
+            ]
+            variables, keys = traced.lower().compile()(init_rngs, micro)
+            for done in compiling:
+                done.result()
         states = {path: layers[path][0].init(k) for path, k in keys.items()}
         params, collection, model_state = self._split_variables(
             {**variables, COLLECTION: _nested(states)}
