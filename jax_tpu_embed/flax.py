@@ -402,7 +402,7 @@ class FlaxTrainStep(_train.TrainStep):
             {**variables, COLLECTION: _nested(states)}
         )
         return self._make_state(
-            params, collection, batch, abstract=False, model_state=model_state, rng=rng
+            params, collection, batch, False, model_state=model_state, rng=rng, owned=True
         )
 
     def _first_micro(self, batch):
