@@ -386,15 +386,18 @@ class FlaxTrainStep(_train.TrainStep):
         # program per layer, the same state `model.init` gives them. Both are compiled at
         # once: XLA's compiles run outside the GIL, and are most of init's time.
         micro = self._first_micro(batch)
-        traced = jax.jit(functools.partial(self._model_init, layers=layers)).trace(init_rngs, micro)
-        key_info = traced.out_info[1]
+        dense_init = jax.jit(functools.partial(self._model_init, layers=layers))
+        key_info = dense_init.trace(init_rngs, micro).out_info[1]
         if not key_info:
             raise ValueError("jte.flax.make_train_step: the model has no jte.flax.Embed.")
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((key, batch)))
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             compiling = [
-                pool.submit(emb._compile_init, key_info[path]) for path, (emb, _) in layers.items()
+                pool.submit(emb._compile_init, key_info[path])
+                for path, (emb, _) in layers.items()
+                if not traced  # Inside another trace nothing is compiled here.
             ]
-            variables, keys = traced.lower().compile()(init_rngs, micro)
+            variables, keys = dense_init(init_rngs, micro)
             for done in compiling:
                 done.result()
         states = {path: layers[path][0].init(k) for path, k in keys.items()}

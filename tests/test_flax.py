@@ -310,6 +310,18 @@ def test_step_init_gives_model_init_variables():
         jax.tree.map(np.testing.assert_array_equal, state.embedding, want["embedding"])
 
 
+def test_step_init_traces_inside_another_transformation():
+    """Under eval_shape (or jit) init compiles nothing itself and gives abstract state."""
+    model = Model(jte.flax.Embed(make_spec(), make_mesh(2)))
+    step = jte.flax.make_train_step(model, mse, optax.adam(1e-3))
+    batch = make_batch(np.random.default_rng(13))
+    got = jax.eval_shape(lambda k: step.init(k, batch), jax.random.key(0))
+    want = step.abstract_state(batch)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for x, a in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert (x.shape, x.dtype) == (a.shape, a.dtype)
+
+
 class SumOfActivations(nn.Module):
     embed: jte.flax.Embed
 
