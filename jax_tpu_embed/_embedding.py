@@ -50,7 +50,8 @@ class EmbeddingState:
     step: Any  # jax.Array; jax.ShapeDtypeStruct in abstract_state.
 
 
-# Blocks of `init`: about this many bytes per array and device, at least this many rows.
+# `init` draws about this many bytes per device per round, and the largest table's blocks
+# have at least this many rows.
 _INIT_BLOCK_BYTES = 4 << 20
 _INIT_BLOCK_ROWS_MIN = 1024
 
@@ -416,7 +417,6 @@ class Embedding:
         granule = np.array([p.storage.block_granule(None) for p in plans])
         logical = granule * [p.storage.shapes()[0][0] // self.num_shards for p in plans]
         total = sum(int(n) * p.config.dim * 4 for n, p in zip(logical, plans))
-        # About _INIT_BLOCK_BYTES drawn per round, and blocks of at least a minimum size.
         rounds = max(
             1, min(-(-total // _INIT_BLOCK_BYTES), -(-logical.max() // _INIT_BLOCK_ROWS_MIN))
         )
