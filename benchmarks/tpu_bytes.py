@@ -2,14 +2,16 @@
 
     python benchmarks/tpu_bytes.py                      # W1 on v5p:2x2x1 at D = 32, 64, 128
     python benchmarks/tpu_bytes.py --dims 64 --topology v5e:2x2 --json out.json
+    python benchmarks/tpu_bytes.py --dims 32,64,128,256 --dtype bfloat16  # bf16 tables
 
 No TPU needed: libtpu compiles the step from shapes (shared/TPU_AOT.md). For each dim it prints
 the compiler's "bytes accessed" per step (cost_analysis of the per-device program, times the
 device count) next to the essential bytes of WORKLOADS.md,
 
-    essential = Σ_t U_t·D·4·4 + T·B·L·4
+    essential = Σ_t U_t·D·(s + 4)·2 + T·B·L·4
 
-(read and write each unique row and its Adagrad accumulator row; the int32 ids, counted per
+(read and write each unique row, s bytes a value: 4, or 2 for --dtype bfloat16, and its
+float32 Adagrad accumulator row; the int32 ids, counted per
 table as benchmarks/workloads.py does, which reproduces WORKLOADS.md's totals), their ratio
 (target <= 3x), per-device temporaries and every collective (op, shape, bytes per device).
 
@@ -57,12 +59,17 @@ def expected_unique_rows(
     return float(np.sum(-np.expm1(draws * np.log1p(-p))))
 
 
-def essential_bytes(dim: int, unique_per_table: float) -> float:
-    return TABLES * (unique_per_table * dim * 4 * 4 + B * L * 4)
+def essential_bytes(dim: int, unique_per_table: float, dtype: str = "float32") -> float:
+    value = jnp.dtype(dtype).itemsize
+    return TABLES * (unique_per_table * dim * (value + 4) * 2 + B * L * 4)
 
 
-def _embedding(topo: _aot.Topology, dim: int, max_unique: int | None = None) -> jte.Embedding:
-    tables = [jte.TableConfig(V, dim, combiner="sum", name=f"t{i}") for i in range(TABLES)]
+def _embedding(
+    topo: _aot.Topology, dim: int, max_unique: int | None = None, dtype: str = "float32"
+) -> jte.Embedding:
+    tables = [
+        jte.TableConfig(V, dim, combiner="sum", name=f"t{i}", dtype=dtype) for i in range(TABLES)
+    ]
     spec = jte.EmbeddingSpec(
         {f"t{i}": jte.FeatureConfig(t) for i, t in enumerate(tables)},
         jte.Adagrad(learning_rate=0.05),
@@ -126,7 +133,11 @@ def _parts(emb: jte.Embedding) -> dict[str, tuple[float, int]]:
 
 
 def measure(
-    topology: str, dims, parts: bool = True, max_unique: int | Literal["auto"] | None = "auto"
+    topology: str,
+    dims,
+    parts: bool = True,
+    max_unique: int | Literal["auto"] | None = "auto",
+    dtype: str = "float32",
 ) -> list[dict]:
     """max_unique: max_unique_ids_per_shard; "auto" (auto_max_unique) or None or an int."""
     topo = _aot.topology(topology)
@@ -136,11 +147,12 @@ def measure(
         max_unique = auto_max_unique(n)
     results = []
     for dim in dims:
-        emb = _embedding(topo, dim, max_unique)
+        emb = _embedding(topo, dim, max_unique, dtype)
         r = _aot.compile_train_step(emb, B, L, topo=topo)
-        essential = essential_bytes(dim, unique)
+        essential = essential_bytes(dim, unique, dtype)
         res = {
             "topology": topology,
+            "dtype": dtype,
             "devices": n,
             "dim": dim,
             "tables": TABLES,
@@ -176,9 +188,9 @@ def report(results: list[dict]) -> str:
     mb = lambda x: f"{x / 1e6:,.1f} MB"
     first = results[0]
     lines = [
-        f"W1 ({first['tables']} tables x {first['vocabulary_size']:,} rows, B={B}, L={L}, "
-        f"Adagrad) on {first['topology']} ({first['devices']} devices); expected unique "
-        f"rows per table and step U_t = {first['unique_rows_per_table']:,} "
+        f"W1 ({first['tables']} {first['dtype']} tables x {first['vocabulary_size']:,} rows, "
+        f"B={B}, L={L}, Adagrad) on {first['topology']} ({first['devices']} devices); "
+        f"expected unique rows per table and step U_t = {first['unique_rows_per_table']:,} "
         f"({first['tables'] * first['unique_rows_per_table']:,} in all); "
         f"max_unique_ids_per_shard={first['max_unique_ids_per_shard']}",
         "",
@@ -229,6 +241,7 @@ def main(argv=None) -> int:
     p.add_argument("--dims", default="32,64,128", help="comma-separated dims")
     p.add_argument("--no-parts", action="store_true", help="skip the lookup/update split")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--dtype", default="float32", help="the tables' dtype: float32 or bfloat16")
     p.add_argument(
         "--max-unique-ids-per-shard",
         default="auto",
@@ -238,7 +251,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     mu = a.max_unique_ids_per_shard
     mu = None if mu == "none" else mu if mu == "auto" else int(mu)
-    results = measure(a.topology, [int(d) for d in a.dims.split(",")], not a.no_parts, mu)
+    dims = [int(d) for d in a.dims.split(",")]
+    results = measure(a.topology, dims, not a.no_parts, mu, a.dtype)
     print(report(results))
     if a.json:
         with open(a.json, "w") as f:

@@ -8,10 +8,18 @@ at a time on one thread. On CPU meshes these replace them, shard by shard inside
 - `update`: sum duplicates, gradient multiplier and clipping, then SGD, Adagrad or
   RowwiseAdagrad and their extras (weight decay, weight clipping), in place on the donated
   table and slot, touching only the rows in the batch. Same formulas and operation order as
-  `_optimizers`; Adagrad's rsqrt(a) is computed as 1 / sqrt(a), which may differ from XLA's
-  in the last bit, and RowwiseAdagrad's mean(g²) sums in a different order.
+  `_optimizers`. XLA:CPU's compiled form of them differs from it in the last bit of some
+  float32 values: it fuses some multiply-adds (the kernels fuse Adagrad's a + g² as it does),
+  approximates rsqrt, vectorises RowwiseAdagrad's mean(g²) and rewrites divisions.
+  A bfloat16 table's row is widened to float32, updated, and rounded back as
+  `_xla_backend.apply_rows` rounds it: stochastically with the same bits of (table, step,
+  global row, lane), or to nearest even. A last-bit float32 difference changes the bfloat16
+  result only when it straddles a rounding boundary (odds about 2**-16 per value), so bfloat16
+  tables and Adagrad's slots come out bit-identical to backend="xla" in the tests; the
+  RowwiseAdagrad accumulator may differ in its last bit.
 - `pooled_lookup`: the gather and weighted sum of a non-sequence feature, without the
-  (B, L, D) intermediate.
+  (B, L, D) intermediate; bfloat16 rows are widened to float32 and summed in float32, in the
+  XLA lookup's order (bit-identical to it in the tests).
 
 The C++ source (csrc/cpu_kernels.cc) is compiled on first use with g++ into a cache directory
 keyed by the source and flags ($JTE_CACHE_DIR, else ~/.cache/jax_tpu_embed). Without g++, or
@@ -35,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _backend, _optimizers, _streams, _xla_backend
+from . import _backend, _optimizers, _storage, _streams, _xla_backend
 
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "cpu_kernels.cc"
 _TARGETS = {
@@ -46,7 +54,7 @@ _TARGETS = {
 }
 _KINDS = {_optimizers.SGD: 0, _optimizers.Adagrad: 1, _optimizers.RowwiseAdagrad: 2}
 # Must match `Flags` in the C++ source.
-_MULTIPLIER, _CLIP_LIMIT, _CLIP_VALUE, _DECAY, _DECAY_BY_LR, _W_MIN, _W_MAX = (
+_MULTIPLIER, _CLIP_LIMIT, _CLIP_VALUE, _DECAY, _DECAY_BY_LR, _W_MIN, _W_MAX, _STOCHASTIC = (
     1,
     2,
     4,
@@ -54,6 +62,7 @@ _MULTIPLIER, _CLIP_LIMIT, _CLIP_VALUE, _DECAY, _DECAY_BY_LR, _W_MIN, _W_MAX = (
     16,
     32,
     64,
+    128,
 )
 
 _lock = threading.Lock()
@@ -65,8 +74,10 @@ def _cpu_flags() -> list[str]:
         flags = pathlib.Path("/proc/cpuinfo").read_text()
     except OSError:
         flags = ""
-    # AVX2 only when this machine has it; never FMA, so that roundings match XLA's.
-    return ["-mavx2"] if " avx2" in flags else ["-march=x86-64-v2"] if " sse4_2" in flags else []
+    # AVX2 only when this machine has it. FMA too, as XLA:CPU uses it where the host has it;
+    # the source fuses a multiply and an add only where XLA's result needs it (-ffp-contract=off).
+    isa = ["-mavx2"] if " avx2" in flags else ["-march=x86-64-v2"] if " sse4_2" in flags else []
+    return isa + (["-mfma"] if " fma" in flags else [])
 
 
 def _build() -> pathlib.Path:
@@ -156,12 +167,14 @@ def update(
     multiplier: jax.Array | None,
     clipping_limit: float | None,
     scale: jax.Array | None = None,
+    rounding: jax.Array | None = None,
 ):
     """One sparse step, in place: (new table, new slots).
 
     Args:
         optimizer: SGD, Adagrad or RowwiseAdagrad (see `supports_update`).
-        table: (S, D) float32 shard; slots: () or one (S, D) / (S,) float32 shard.
+        table: (S, D) float32 or bfloat16 shard; slots: () or one (S, D) / (S,) float32
+            shard. A bfloat16 row is updated in float32 and rounded back to nearest even.
         keys: (M,) local row per position, >= 2**30 where this shard owns none.
         g: (M, D) float32 gradient per position; or, with `scale`, (M / L, D) gradients
             of which position p gets scale[p] * g[p // L] (a pooled feature's (B, D)
@@ -169,6 +182,9 @@ def update(
         scale: (M,) float32 or None.
         learning_rate, multiplier: float32 scalars (multiplier None: 1).
         clipping_limit: The spec's clipping limit, or None.
+        rounding: None, or (3,) int32 [step key's bits, first, stride] to round a bfloat16
+            table's new rows stochastically with the bits of (step key, global row, lane),
+            local row r being global row first + r * stride (see `stochastic_rounding`).
     """
     flags, clip_lo, clip_hi = 0, 0.0, 0.0
     if multiplier is not None:
@@ -187,6 +203,8 @@ def update(
         flags |= _W_MIN
     if optimizer.clip_weight_max is not None:
         flags |= _W_MAX
+    if rounding is not None:
+        flags |= _STOCHASTIC
     attrs = dict(
         kind=np.int32(_KINDS[type(optimizer)]),
         flags=np.int32(flags),
@@ -206,25 +224,41 @@ def update(
     )
     if scale is None:
         scale = jnp.ones(keys.shape, jnp.float32)  # 1 * g is exactly g.
+    if rounding is None:
+        rounding = jnp.zeros((3,), jnp.int32)  # Unread: the flag is off.
     buffers = (table,) + tuple(slots)
     n = len(buffers)
     out = jax.ffi.ffi_call(
         "jte_update_no_slot" if n == 1 else "jte_update_one_slot",
         tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers),
-        input_output_aliases={4 + i: i for i in range(n)},
+        input_output_aliases={5 + i: i for i in range(n)},
     )(
         keys.astype(jnp.int32),
         scale.astype(jnp.float32),
         g.astype(jnp.float32),
         scalars,
+        rounding.astype(jnp.int32),
         *buffers,
         **attrs,
     )
     return out[0], tuple(out[1:])
 
 
+def stochastic_rounding(plan: _backend.TablePlan, step: _backend.RowStep, axis: str):
+    """`update`'s `rounding` for this table and step: None unless it rounds stochastically.
+    The key and global rows are `_xla_backend.stochastic_rows`' own, so both backends draw
+    the same bits for a row."""
+    if not plan.config.stochastic_rounding:
+        return None
+    assert step.step is not None
+    key = _storage.step_key(_storage.table_seed(plan.name), step.step)
+    first, second = plan.layout.global_ids(lax.axis_index(axis), jnp.arange(2, dtype=jnp.int32))
+    return jnp.stack([lax.bitcast_convert_type(key, jnp.int32), first, second - first])
+
+
 def pooled_lookup(table: jax.Array, keys: jax.Array, scale: jax.Array) -> jax.Array:
-    """(B, D) = Σ_l scale[b, l] · table[keys[b, l]] over keys in [0, S); others skipped."""
+    """(B, D) = Σ_l scale[b, l] · table[keys[b, l]] over keys in [0, S); others skipped.
+    A bfloat16 table's rows are widened to float32 (exactly) before the products."""
     b = keys.shape[0]
     return jax.ffi.ffi_call(
         "jte_pooled_lookup",
@@ -233,17 +267,15 @@ def pooled_lookup(table: jax.Array, keys: jax.Array, scale: jax.Array) -> jax.Ar
 
 
 class CpuBackend(_backend.Backend):
-    """The kernels above for unpacked float32 tables on CPU meshes. Every position of the
-    global batch in one pass; optimizers other than SGD, Adagrad and RowwiseAdagrad sum
-    their duplicates here and update their rows with the XLA form."""
+    """The kernels above for unpacked float32 and bfloat16 tables on CPU meshes. Every
+    position of the global batch in one pass; optimizers other than SGD, Adagrad and
+    RowwiseAdagrad sum their duplicates here and update their rows with the XLA form."""
 
     name = "cpu"
 
     def unusable(self, table, optimizer, storage, platform):
         if platform != "cpu":
             return f"it needs a CPU mesh and this one is on {platform!r}"
-        if jnp.dtype(table.dtype) != jnp.float32:
-            return f"the C++ kernels take float32 tables; this one is {jnp.dtype(table.dtype).name}"
         if storage.lanes:
             return "the C++ kernels take unpacked tables (lane_width=0)"
         if not available():
@@ -260,7 +292,7 @@ class CpuBackend(_backend.Backend):
             mine, local = _streams.owned(plan.layout, ids_all, axis)
             scale = jnp.where(mine, _streams.feature_scale(f, w_all), 0.0)
             if f.config.is_sequence:
-                partial = jnp.take(table, local, axis=0) * scale[..., None]
+                partial = jnp.take(table, local, axis=0).astype(jnp.float32) * scale[..., None]
             else:
                 partial = pooled_lookup(table, jnp.where(mine, local, _streams.NOT_MINE), scale)
             out[f.path] = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
@@ -305,5 +337,6 @@ class CpuBackend(_backend.Backend):
             step.multiplier,
             step.clipping_limit,
             scale,
+            stochastic_rounding(plan, step, axis),
         )
         return table, dict(zip(names, new))

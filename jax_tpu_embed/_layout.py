@@ -144,11 +144,15 @@ class Packing:
             it is not packed).
         rank: 2 for (rows, D) arrays, 1 for (rows,) arrays.
         lanes: Physical row width to pack into (128 on TPU); 0 disables packing.
+        row_multiple: Each shard's physical rows are padded to a multiple of it: 2 for a
+            16-bit table on TPU, whose rows the TPU stores in pairs sharing 32-bit words
+            (the Pallas kernels move such a pair as one row of words).
     """
 
     width: int
     rank: int
     lanes: int = 0
+    row_multiple: int = 1
 
     @property
     def padded_width(self) -> int:
@@ -170,7 +174,12 @@ class Packing:
 
     def shard_rows(self, rows_per_shard: int) -> int:
         """Physical rows of one shard holding `rows_per_shard` logical rows."""
-        return -(-rows_per_shard // self.per_row)
+        rows = -(-rows_per_shard // self.per_row)
+        return -(-rows // self.row_multiple) * self.row_multiple
+
+    def is_identity(self, rows_per_shard: int) -> bool:
+        """Whether the physical rows of a shard are its logical rows, unpadded."""
+        return not self.packed and self.shard_rows(rows_per_shard) == rows_per_shard
 
     def physical_shape(self, layout: TableLayout) -> tuple:
         n = layout.num_shards * self.shard_rows(layout.rows_per_shard)
@@ -180,18 +189,18 @@ class Packing:
 
     def pack(self, x, num_shards: int):
         """(N * S, width) or (N * S,) shard-ordered rows -> the physical array. np or jnp."""
-        if not self.packed:
+        s = x.shape[0] // num_shards
+        if self.is_identity(s):
             return x
         xp = _xp(x)
         k, w = self.per_row, self.padded_width
-        x = x.reshape((num_shards, -1, self.width))
-        s = x.shape[1]
+        x = x.reshape((num_shards, s, self.width))
         x = xp.pad(x, [(0, 0), (0, self.shard_rows(s) * k - s), (0, w - self.width)])
-        return x.reshape((-1, k * w))
+        return x.reshape((-1, k * w) if self.packed or self.rank == 2 else (-1,))
 
     def unpack(self, x, num_shards: int, rows_per_shard: int):
         """The inverse of pack: physical -> (N * S, width) or (N * S,)."""
-        if not self.packed:
+        if self.is_identity(rows_per_shard):
             return x
         x = x.reshape((num_shards, -1, self.padded_width))[:, :rows_per_shard, : self.width]
         return x.reshape((-1, self.width) if self.rank == 2 else (-1,))

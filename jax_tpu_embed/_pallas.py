@@ -136,12 +136,22 @@ class _BlockRows:
     writes them all back the same way. Packed logical rows are read and written through
     their lane group (rotated to lane 0 and back). The list (`phys[a]`) and its length
     (`n[a]`) live in SMEM; `a` is the array's index among the kernel's arrays.
+
+    A bfloat16 array (`dtype`) is moved as 32-bit words: the TPU stores 16-bit arrays with
+    each pair of rows (2i, 2i + 1) interleaved in one row of 32-bit words (row 2i in the
+    low halves), so one of its rows alone is not a DMA that Mosaic can make. The array is
+    viewed as uint32 rows (half as many, `_operand`); each DMA moves a row pair into a
+    32-bit buffer, and `read` / `write` take or replace one row's halves in registers.
     """
 
-    def __init__(self, hbm, buf, tmp, phys, n, a: int, packing: _layout.Packing, sem):
+    def __init__(self, hbm, buf, tmp, phys, n, a: int, packing: _layout.Packing, sem, dtype):
+        self.sub = 4 // jnp.dtype(dtype).itemsize  # Rows per 32-bit word.
+        if jnp.dtype(hbm.dtype).itemsize < 4:  # On TPU: the words of the buffer, in place.
+            hbm = hbm.bitcast(jnp.uint32)
         self.hbm, self.buf, self.tmp, self.phys, self.n, self.a = hbm, buf, tmp, phys, n, a
         self.k, self.w, self.width = packing.per_row, packing.padded_width, packing.width
         self.lanes, self.sem = buf.shape[1], sem
+        self.per = self.k * self.sub  # Logical rows per buffer row.
 
     def _copy(self, j, to_hbm: bool):
         hbm, vmem = self.hbm.at[pl.ds(self.phys[self.a, j], 1)], self.buf.at[pl.ds(j, 1)]
@@ -157,7 +167,7 @@ class _BlockRows:
         self.n[self.a] = 0
 
         def add(key):
-            ph, j = key // self.k, self.n[self.a]
+            ph, j = key // self.per, self.n[self.a]
 
             @pl.when((j == 0) | (ph != self.phys[self.a, jnp.maximum(j - 1, 0)]))
             def _():
@@ -193,18 +203,34 @@ class _BlockRows:
 
     def slot_after(self, j, previous, key):
         """Buffer index of `key`'s physical row, given `previous` key's was j."""
-        return jnp.where((previous >= 0) & (key // self.k != previous // self.k), j + 1, j)
+        return jnp.where((previous >= 0) & (key // self.per != previous // self.per), j + 1, j)
+
+    def lanes_of(self, j, row):
+        """Buffer row j as (1, lanes) float32, logical row `row`'s lane group in place (and,
+        of a 16-bit array, `row`'s halves of the words)."""
+        x = self.buf[pl.ds(j, 1), :]
+        if self.sub == 1:
+            return x.astype(jnp.float32)
+        high = (row // self.k) % 2 == 1
+        x = jnp.where(high, x & jnp.uint32(0xFFFF0000), x << 16)
+        return lax.bitcast_convert_type(x, jnp.float32)
 
     def read(self, j, row):
-        """Logical row `row`'s lanes in buffer row j: (1, width) in the array's dtype."""
-        x = self.buf[pl.ds(j, 1), :]
+        """Logical row `row`'s lanes in buffer row j: (1, width) float32."""
+        x = self.lanes_of(j, row)
         if self.k > 1:
             x = pltpu.roll(x, (self.lanes - (row % self.k) * self.w) % self.lanes, 1)
         return x[:, : self.width]
 
     def write(self, j, row, value):
-        value = value.astype(self.buf.dtype)
+        if self.sub == 1:
+            value = value.astype(self.buf.dtype)
+        else:  # The bfloat16 bits (rounded to nearest unless already bfloat16), low half.
+            value = value.astype(jnp.bfloat16).astype(jnp.float32)
+            value = lax.bitcast_convert_type(value, jnp.uint32) >> 16
         if self.k == 1:
+            if self.sub > 1:
+                value = self._merge(row, self.buf[pl.ds(j, 1), : self.width], value)
             self.buf[pl.ds(j, 1), : self.width] = value
             return
         self.tmp[:, : self.width] = value
@@ -212,11 +238,51 @@ class _BlockRows:
         moved = pltpu.roll(self.tmp[...], shift, 1)
         lane = lax.broadcasted_iota(jnp.int32, (1, self.lanes), 1)
         mine = (lane >= shift) & (lane < shift + self.width)
-        self.buf[pl.ds(j, 1), :] = jnp.where(mine, moved, self.buf[pl.ds(j, 1), :])
+        old = self.buf[pl.ds(j, 1), :]
+        if self.sub > 1:
+            moved = self._merge(row, old, moved)
+        self.buf[pl.ds(j, 1), :] = jnp.where(mine, moved, old)
+
+    def _merge(self, row, old, new):
+        """The words `old` with `row`'s halves replaced by the low halves of `new`."""
+        high = (row // self.k) % 2 == 1
+        return jnp.where(
+            high, (old & jnp.uint32(0xFFFF)) | (new << 16), (old & jnp.uint32(0xFFFF0000)) | new
+        )
+
+
+def _buffer_dtype(dtype):
+    """VMEM row buffers are 32-bit: a 16-bit array's rows travel in pairs (_BlockRows)."""
+    return jnp.uint32 if jnp.dtype(dtype).itemsize < 4 else dtype
+
+
+def _operand(x, interpret: bool):
+    """A table or slot array as a kernel operand, and the inverse for its aliased output.
+
+    A 16-bit array is walked as rows of 32-bit words (_BlockRows). The TPU kernel views its
+    HBM buffer so in place (`Ref.bitcast`, no copy; the same view as an XLA op would be a
+    relayout copy of the whole array); Pallas' interpreter cannot write through a bitcast
+    ref, so it is given the same view (`pltpu.bitcast`) as an array instead.
+    """
+    if not interpret or jnp.dtype(x.dtype).itemsize == 4:
+        return x, lambda y: y
+    return pltpu.bitcast(x, jnp.uint32), lambda y: pltpu.bitcast(y, x.dtype)
+
+
+def _physical_reads(distinct: int, array, keys) -> int:
+    """The physical rows a kernel reads for `distinct` planned rows: each block reads its
+    distinct physical rows once, so no more than the array has (rows of 32-bit words: a
+    16-bit array's pairs), plus one re-read per block (a row that spans two blocks). Packed
+    or dense keys (the rows exchanged by owner routing) reach this bound long before
+    `distinct`."""
+    itemsize = jnp.dtype(array.dtype).itemsize
+    rows = array.shape[0] * itemsize // jnp.dtype(_buffer_dtype(array.dtype)).itemsize
+    return min(distinct, rows + _blocks(keys.shape[0]))
 
 
 def _row_bytes(packing: _layout.Packing, dtype) -> int:
-    return packing.per_row * packing.padded_width * jnp.dtype(dtype).itemsize
+    """Bytes one DMA moves: a physical row of 32-bit words (a pair of 16-bit rows)."""
+    return packing.per_row * packing.padded_width * jnp.dtype(_buffer_dtype(dtype)).itemsize
 
 
 def pooled_lookup(
@@ -259,7 +325,7 @@ def pooled_lookup(
             acc_ref[...] = jnp.zeros_like(acc_ref)
 
         here = jnp.clip(count_ref[0] - i * _BLOCK, 0, _BLOCK)
-        rows_ = _BlockRows(table_hbm, buf, None, phys, n, 0, packing, sem)
+        rows_ = _BlockRows(table_hbm, buf, None, phys, n, 0, packing, sem, table.dtype)
 
         @pl.when(here > 0)
         def _():
@@ -270,7 +336,7 @@ def pooled_lookup(
                 previous = jnp.where(p > 0, pairs.key(jnp.maximum(p - 1, 0)), -1)
                 j = rows_.slot_after(j, previous, key)
                 o = pairs.out(p)
-                row = buf[pl.ds(j, 1), :].astype(jnp.float32) * pairs.scale(p)
+                row = rows_.lanes_of(j, key) * pairs.scale(p)
                 if k > 1 or kt > 1:  # From key's lane group to o's.
                     row = pltpu.roll(row, (o % k * w - key % kt * wt) % lanes, 1)
                 start = o % k * w
@@ -285,7 +351,7 @@ def pooled_lookup(
         def _():
             pltpu.sync_copy(acc_ref, acc_hbm)  # One VMEM copy, not a double-buffered block.
 
-    itemsize = jnp.dtype(table.dtype).itemsize
+    operand = _operand(table, interpret)[0]
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -295,7 +361,7 @@ def pooled_lookup(
             out_specs=_HBM,
             scratch_shapes=[
                 pltpu.VMEM((rows // k, lanes), jnp.float32),
-                pltpu.VMEM((_BLOCK, lanes), table.dtype),
+                pltpu.VMEM((_BLOCK, lanes), _buffer_dtype(table.dtype)),
                 pltpu.SMEM((1, _BLOCK), jnp.int32),
                 pltpu.SMEM((1,), jnp.int32),
                 pltpu.SemaphoreType.DMA(()),
@@ -307,14 +373,16 @@ def pooled_lookup(
             flops=2 * planned[0] * width,
             transcendentals=0,
             bytes_accessed=(
-                planned[1] * lanes * itemsize + pairs.bytes * planned[0] + rows // k * lanes * 4
+                _physical_reads(planned[1], table, keys) * _row_bytes(packing, table.dtype)
+                + pairs.bytes * planned[0]
+                + rows // k * lanes * 4
             ),
         ),
         interpret=interpret,
     )(
         jnp.reshape(count, (1,)).astype(jnp.int32),
         *pairs.arrays,
-        table if interpret else _in_hbm(table),
+        operand if interpret else _in_hbm(operand),
     )
 
 
@@ -370,8 +438,8 @@ def fused_update(
         bufs, tmps = refs[2 * n : 3 * n], refs[3 * n : 4 * n]
         grads_ref, gacc, phys, counts, state, sem = refs[4 * n :]
         arrays_ = [
-            _BlockRows(h, b, t, phys, counts, a, p, sem)
-            for a, (h, b, t, p) in enumerate(zip(hbm, bufs, tmps, packings))
+            _BlockRows(h, b, t, phys, counts, a, p, sem, x.dtype)
+            for a, (h, b, t, p, x) in enumerate(zip(hbm, bufs, tmps, packings, arrays))
         ]
         i = pl.program_id(0)
         count = count_ref[0]
@@ -384,7 +452,7 @@ def fused_update(
             pltpu.sync_copy(grads_hbm, grads_ref)  # One VMEM copy, not double-buffered.
 
         def finish(row, slots):
-            values = [r.read(j, row).astype(jnp.float32) for r, j in zip(arrays_, slots)]
+            values = [r.read(j, row) for r, j in zip(arrays_, slots)]
             values = [v if p.rank == 2 else v.reshape(1) for v, p in zip(values, packings)]
             s = [scalars_ref[j] for j in range(scalars.shape[0])]
             new = jax.vmap(lambda g, vals: row_fn(g, vals, s))(gacc[...], values)
@@ -440,7 +508,8 @@ def fused_update(
                 r.put()
 
     row_bytes = sum(_row_bytes(p, a.dtype) for p, a in zip(packings, arrays))
-    return pl.pallas_call(
+    operands, restore = zip(*(_operand(a, interpret) for a in arrays))
+    new = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
@@ -454,8 +523,8 @@ def fused_update(
             + [_HBM] * n,
             out_specs=[_HBM] * n,
             scratch_shapes=(
-                [pltpu.VMEM((_BLOCK + 1, l), a.dtype) for l, a in zip(lanes, arrays)]
-                + [pltpu.VMEM((1, l), a.dtype) for l, a in zip(lanes, arrays)]
+                [pltpu.VMEM((_BLOCK + 1, l), _buffer_dtype(a.dtype)) for l, a in zip(lanes, arrays)]
+                + [pltpu.VMEM((1, l), _buffer_dtype(a.dtype)) for l, a in zip(lanes, arrays)]
                 + [
                     pltpu.VMEM(grads.shape, jnp.float32),
                     pltpu.VMEM((1, dim), jnp.float32),
@@ -466,7 +535,7 @@ def fused_update(
                 ]
             ),
         ),
-        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
+        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in operands],
         # Operand indices count the scalar-prefetch operand, the pair arrays, the scalars
         # and the gradients: the arrays follow them.
         input_output_aliases={
@@ -476,7 +545,11 @@ def fused_update(
         cost_estimate=pl.CostEstimate(
             flops=4 * planned[0] * dim,
             transcendentals=planned[1] * dim,
-            bytes_accessed=(2 * planned[1] * row_bytes + pairs.bytes * planned[0] + grads.size * 4),
+            bytes_accessed=(
+                2 * _physical_reads(planned[1], arrays[0], keys) * row_bytes
+                + pairs.bytes * planned[0]
+                + grads.size * 4
+            ),
         ),
         interpret=interpret,
     )(
@@ -485,8 +558,9 @@ def fused_update(
         scalars,
         grads,
         *([] if rounding is None else [rounding[1]]),
-        *arrays,
+        *operands,
     )
+    return [r(x) for r, x in zip(restore, new)]
 
 
 def rounding(plan: _backend.TablePlan, step: _backend.RowStep, axis: str):
@@ -501,22 +575,15 @@ def rounding(plan: _backend.TablePlan, step: _backend.RowStep, axis: str):
 
 
 class PallasBackend(_backend.Backend):
-    """The fused kernels above for float32 tables with a sparse optimizer (bfloat16 ones
-    too in the interpreter). A batch whose activations would fill more than half of VMEM
-    (`fits_vmem`) runs the XLA passes."""
+    """The fused kernels above for float32 and bfloat16 tables with a sparse optimizer. A
+    batch whose activations would fill more than half of VMEM (`fits_vmem`) runs the XLA
+    passes."""
 
     def __init__(self, interpret: bool = False):
         self.interpret = interpret
         self.name = "pallas_interpret" if interpret else "pallas"
 
     def unusable(self, table, optimizer, storage, platform):
-        if not self.interpret and jnp.dtype(table.dtype) != jnp.float32:
-            # Mosaic tiles bfloat16 VMEM buffers 16 rows to 8 sublanes: the one-row DMAs at
-            # any row offset do not compile. The interpreter has no tiling.
-            return (
-                f"the Pallas TPU kernels take float32 tables; this one is "
-                f"{jnp.dtype(table.dtype).name} (backend='pallas_interpret' takes it)"
-            )
         if optimizer.dense_update:
             return (
                 f"{type(optimizer).__name__}(lazy_adam=False) updates every row; the "

@@ -44,11 +44,13 @@ def capacity(plan: _backend.TablePlan, pairs: int, num_shards: int, k: int = 1) 
 
     `max_ids_per_shard` (C, the ids one shard handles per round) / N when set, else
     2·m / N: twice the mean when a device's m pairs are all distinct, room for uneven
-    ownership. At least 8, a multiple of 8 and of `k` (lane-dense rows, see `_Kernels`);
-    when that is m or more, one round always suffices. An optimizer that updates every row
-    (`Adam(lazy_adam=False)`) takes one round of all m.
+    ownership. A multiple of 8·k: each owner's Cd/k lane-dense rows (`_Kernels`) fill whole
+    (8, 128) tiles, so the (N·Cd/k, 128) buffers and their (N, Cd/k, 128) exchange share
+    one layout and the reshapes between them are free (otherwise each is a copy of the
+    buffer). When that is m or more, one round always suffices. An optimizer that updates
+    every row (`Adam(lazy_adam=False)`) takes one round of all m.
     """
-    multiple = max(8, k)
+    multiple = 8 * k
     if plan.optimizer.dense_update or num_shards == 1:
         return _streams.round_up(pairs, multiple)
     c = -(-plan.max_ids // num_shards) if plan.max_ids else -(-2 * pairs // num_shards)
@@ -438,7 +440,7 @@ def rounds_needed(plan: _backend.TablePlan, ids: np.ndarray, num_shards: int) ->
 ROUTINGS = ("auto", "gather", "owner")
 # "auto" routes to owners from this many shards on TPU meshes; below, the all-gather path.
 # benchmarks/tpu_scaling.py measures both (docs/design.md).
-AUTO_OWNER_SHARDS = 64
+AUTO_OWNER_SHARDS = 32
 
 
 def choose(

@@ -77,7 +77,8 @@ class TableStorage:
     @property
     def packing(self) -> _layout.Packing:
         """The table array's: D lanes per logical row, then the riders'."""
-        return _layout.Packing(self.dim * (1 + len(self.riders)), 2, self.lanes)
+        pairs = 2 if self.lanes and jnp.dtype(self.dtype).itemsize == 2 else 1
+        return _layout.Packing(self.dim * (1 + len(self.riders)), 2, self.lanes, pairs)
 
     @property
     def rows_packing(self) -> _layout.Packing:
@@ -168,7 +169,7 @@ class TableStorage:
         return (
             layout.strategy == "div"
             and layout.padded_rows == layout.vocabulary_size
-            and not packing.packed
+            and packing.is_identity(layout.rows_per_shard)
         )
 
     def block_to_physical(self, slot: _optimizers.SlotSpec | None, rows):
@@ -176,7 +177,8 @@ class TableStorage:
         riders joined with `join_row`) -> the physical rows holding them. The block must
         start and end on a physical row: a multiple of `block_granule(slot)` rows."""
         packing = self.packing if slot is None else self.slot_packing(slot)
-        return packing.pack(rows, 1)
+        # A block is not a shard: its physical rows are not padded to row_multiple.
+        return dataclasses.replace(packing, row_multiple=1).pack(rows, 1)
 
     def block_granule(self, slot: _optimizers.SlotSpec | None) -> int:
         """Logical rows per physical row of the table array (slot None) or a stored slot."""

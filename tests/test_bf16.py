@@ -10,7 +10,7 @@ import pytest
 import jax_tpu_embed as jte
 from conftest import make_mesh
 from jax_tpu_embed import _storage
-from test_optimizers import _batch, _spec
+from test_optimizers import _B, _SEQ, _SPEC_EXTRAS, _V, OPTIMIZERS, _batch, _spec
 
 _D = 128
 
@@ -76,46 +76,115 @@ def test_bf16_results_do_not_depend_on_mesh_or_strategy(rng):
         np.testing.assert_array_equal(t, first, err_msg=str(key))
 
 
-@pytest.mark.parametrize("strategy", ["div", "mod"])
-def test_bf16_pallas_kernels_round_like_the_xla_passes(strategy, rng, monkeypatch):
-    """The fused kernels (interpret mode, rows packed 128 lanes wide) draw the same bits
-    for the same (table, step, row) as the XLA passes: the same bfloat16 table."""
+# Every optimizer the kernels take at a packed dim that is not a power of two (rows padded
+# to 64 lanes, two to a 128-lane row); Adagrad at dims 32-256, unpacked 200 among them.
+# Meshes of 4 give shards of 75 rows: odd physical row counts, padded to row pairs.
+# Owner routing once: the owners' kernels update the rows they receive.
+_KERNEL_CASES = [
+    pytest.param(key, 48, "mod", 8, True, "gather", id=f"{key}-d48")
+    for key, (optimizer, *_) in OPTIMIZERS.items()
+    if not optimizer.dense_update
+] + [
+    pytest.param("adagrad", 32, "div", 4, True, "gather", id="adagrad-d32"),
+    pytest.param("adagrad+extras", 64, "mod", 4, False, "gather", id="adagrad+extras-d64-nearest"),
+    pytest.param("adagrad", 128, "div", 4, True, "gather", id="adagrad-d128"),
+    pytest.param("rmsprop", 200, "mod", 4, False, "gather", id="rmsprop-d200-nearest"),
+    pytest.param("adam", 256, "div", 8, True, "gather", id="adam-d256"),
+    pytest.param("adagrad", 48, "div", 4, True, "owner", id="adagrad-d48-owner"),
+]
+
+
+@pytest.mark.parametrize("opt_key,dim,strategy,num_shards,stochastic,routing", _KERNEL_CASES)
+def test_bf16_pallas_kernels_round_like_the_xla_passes(
+    opt_key, dim, strategy, num_shards, stochastic, routing, rng, monkeypatch
+):
+    """The fused kernels (interpret mode, rows packed 128 lanes wide, bfloat16 rows moved in
+    pairs of 32-bit words) round a new float32 row with the same bits as the XLA passes for
+    the same (table, step, row): where the backends' float32 rows agree, so do the bfloat16
+    tables, bit for bit.
+
+    Their float32 rows can differ by an ulp (float32 tables too): off TPU the XLA passes add
+    a row's gradients in position order and the kernels in (row, output row) order, and
+    XLA:CPU fuses some a·b + c into one rounding in one program and not in the other. The
+    combiner is "sum" and the gradients are multiples of 2^-6, so that every order gives the
+    same sums; what is left moves a stochastically rounded value one bfloat16 step with
+    probability about 2^-16 per ulp: at most a couple of such values are allowed.
+    """
+
     from jax_tpu_embed import _pallas
 
     monkeypatch.setattr(_pallas, "_BLOCK", 8)  # Rows carried across blocks.
-    spec = _with_bf16(_spec(jte.Adagrad(0.05), strategy, False))
+    optimizer, _, _, extras = OPTIMIZERS[opt_key]
+    table = jte.TableConfig(
+        _V,
+        dim,
+        combiner="sum",
+        name="t",
+        dtype=jnp.bfloat16,
+        stochastic_rounding=stochastic,
+    )
+    spec = jte.EmbeddingSpec(
+        {
+            "multi": jte.FeatureConfig(table),
+            "seq": jte.FeatureConfig(table, max_sequence_length=_SEQ),
+        },
+        optimizer,
+        partition_strategy=strategy,
+        **(_SPEC_EXTRAS if extras else {}),
+    )
     batches = [_batch(rng) for _ in range(2)]
     grads = [
         {
-            "multi": rng.normal(size=(16, 12)).astype(np.float32),
-            "seq": rng.normal(size=(16, 3, 12)).astype(np.float32),
+            "multi": rng.integers(-64, 65, (_B, dim)).astype(np.float32) / 64,
+            "seq": rng.integers(-64, 65, (_B, _SEQ, dim)).astype(np.float32) / 64,
         }
         for _ in range(2)
     ]
     out = []
     for backend in ("xla", "pallas_interpret"):
-        emb = jte.Embedding(spec, make_mesh(8), backend=backend)
-        assert emb.backends == {"t": backend}
+        emb = jte.Embedding(
+            spec, make_mesh(num_shards), backend=backend, lane_width=128, routing=routing
+        )
+        assert emb.backends == {"t": backend} and emb.routing == {"t": routing}
         state = emb.init(jax.random.key(4))
         for f, g in zip(batches, grads):
             state = emb.apply_gradients(state, f, g)
         acts = jax.tree.map(np.asarray, emb.lookup(state, batches[0]))
-        out.append((emb.export(state)["t"], emb.export_slots(state)["t"]["accumulators"], acts))
-    (t_xla, a_xla, acts_xla), (t_pallas, a_pallas, acts_pallas) = out
+        out.append((emb.export(state)["t"], emb.export_slots(state)["t"], acts))
+    (t_xla, s_xla, acts_xla), (t_pallas, s_pallas, acts_pallas) = out
     for k in acts_xla:  # The bfloat16 lookup kernel, too.
         np.testing.assert_allclose(acts_pallas[k], acts_xla[k], rtol=1e-5, atol=1e-6)
     assert t_pallas.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(t_pallas.view(np.uint16), t_xla.view(np.uint16))
-    np.testing.assert_allclose(a_pallas, a_xla, rtol=1e-6)
+    changed = t_xla.view(np.uint16) != _initial(spec, num_shards).view(np.uint16)
+    assert changed.any(axis=1).sum() > 10  # Many rows updated, not only a few.
+    bits_xla, bits_pallas = t_xla.view(np.int16), t_pallas.view(np.int16)
+    apart = np.argwhere(bits_pallas != bits_xla)
+    assert len(apart) <= 2, apart
+    for i, j in apart:  # Neighbours: one bfloat16 step apart.
+        assert abs(int(bits_pallas[i, j]) - int(bits_xla[i, j])) == 1, (i, j)
+    assert s_pallas.keys() == s_xla.keys()
+    for name in s_xla:
+        np.testing.assert_allclose(s_pallas[name], s_xla[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def _with_bf16(spec):
-    """The battery's spec with its table stored in bfloat16 (default rounding)."""
+def _initial(spec, num_shards):
+    emb = jte.Embedding(spec, make_mesh(num_shards), backend="xla")
+    return emb.export(emb.init(jax.random.key(4)))["t"]
+
+
+def _with_bf16(spec, stochastic=True):
+    """The battery's spec with its table stored in bfloat16 (rounded stochastically, the
+    default, or to nearest)."""
     old = spec.features["multi"].table
     table = jte.TableConfig(
-        old.vocabulary_size, old.dim, combiner=old.combiner, name=old.name, dtype=jnp.bfloat16
+        old.vocabulary_size,
+        old.dim,
+        combiner=old.combiner,
+        name=old.name,
+        dtype=jnp.bfloat16,
+        stochastic_rounding=None if stochastic else False,
     )
-    assert table.stochastic_rounding
+    assert table.stochastic_rounding == stochastic
     features = {
         k: jte.FeatureConfig(table, max_sequence_length=f.max_sequence_length)
         for k, f in spec.features.items()
@@ -153,3 +222,115 @@ def test_stochastic_rounding_config_errors(kw, error, match):
         jte.TableConfig(10, 4, name="t", **kw)
     assert not jte.TableConfig(10, 4).stochastic_rounding
     assert jte.TableConfig(10, 4, dtype=jnp.bfloat16).stochastic_rounding
+
+
+# The optimizers the C++ kernels update themselves (others sum duplicates there and update
+# with the XLA form): SGD, Adagrad with every extra, RowwiseAdagrad.
+_CPU_OPTIMIZERS = {
+    "sgd": (jte.SGD(0.3), False),
+    "adagrad+extras": (
+        jte.Adagrad(
+            0.2,
+            initial_accumulator_value=0.5,
+            clipvalue=(-0.5, 0.4),
+            weight_decay_factor=0.05,
+            multiply_weight_decay_factor_by_learning_rate=True,
+            clip_weight_min=-0.3,
+            clip_weight_max=0.25,
+        ),
+        True,
+    ),
+    "rowwise_adagrad": (jte.RowwiseAdagrad(0.2, initial_accumulator_value=0.1), False),
+}
+
+
+@pytest.mark.parametrize(
+    "strategy,num_shards,stochastic",
+    [("div", 1, True), ("mod", 1, True), ("div", 8, True), ("mod", 8, True), ("mod", 8, False)],
+)
+@pytest.mark.parametrize("opt_key", list(_CPU_OPTIMIZERS))
+def test_bf16_cpu_kernels_round_like_the_xla_passes(opt_key, strategy, num_shards, stochastic, rng):
+    """The C++ kernels widen bfloat16 rows, update them in float32 and round them back with
+    the same bits as the XLA passes: the same bfloat16 table, bit for bit, and the same
+    lookups. Adagrad's accumulator is bit-identical too; RowwiseAdagrad's may differ in its
+    last bit (XLA:CPU vectorises mean(g²))."""
+    from jax_tpu_embed import _cpu_kernels
+
+    if not _cpu_kernels.available():
+        pytest.skip("the C++ CPU kernels do not compile here")
+    optimizer, extras = _CPU_OPTIMIZERS[opt_key]
+    spec = _with_bf16(_spec(optimizer, strategy, extras), stochastic)
+    batches = [_batch(rng) for _ in range(3)]
+    grads = [
+        {
+            "multi": rng.normal(size=(16, 12)).astype(np.float32),
+            "seq": rng.normal(size=(16, 3, 12)).astype(np.float32),
+        }
+        for _ in range(3)
+    ]
+    out = []
+    for backend in ("xla", "auto"):
+        emb = jte.Embedding(spec, make_mesh(num_shards), backend=backend)
+        assert emb.backends == {"t": "xla" if backend == "xla" else "cpu"}
+        state = emb.init(jax.random.key(4))
+        for f, g in zip(batches, grads):
+            state = emb.apply_gradients(state, f, g)
+        acts = jax.tree.map(np.asarray, emb.lookup(state, batches[0]))
+        out.append((emb.export(state)["t"], emb.export_slots(state)["t"], acts))
+    (t_xla, s_xla, acts_xla), (t_cpu, s_cpu, acts_cpu) = out
+    assert t_cpu.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(t_cpu.view(np.uint16), t_xla.view(np.uint16))
+    for k in acts_xla:
+        np.testing.assert_array_equal(acts_cpu[k], acts_xla[k])
+    for name in s_xla:
+        if opt_key == "rowwise_adagrad":
+            np.testing.assert_allclose(s_cpu[name], s_xla[name], rtol=1e-6)
+        else:
+            np.testing.assert_array_equal(s_cpu[name], s_xla[name])
+
+
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_bf16_cpu_kernel_rounds_special_values_like_xla(stochastic, rng):
+    """SGD with lr 1 on a zero row writes x = -g: the kernel's bfloat16 rows are
+    `_storage.round_stochastically` of x with the bits of global row first + r * stride (or
+    XLA's convert), for infinities, float32's largest value and values on and near rounding
+    boundaries; NaN stays a quiet NaN. (XLA:CPU and the kernels run with subnormals flushed
+    to zero, so x cannot be one.)"""
+    from jax_tpu_embed import _cpu_kernels
+
+    if not _cpu_kernels.available():
+        pytest.skip("the C++ CPU kernels do not compile here")
+    special = np.array(
+        [0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x3F808000, 0x3F818000, 0x3F80FFFF]
+        + [0xBF808000, 0x3F7F8000, 0x00000000],
+        np.uint32,
+    ).view(np.float32)
+    rows, d, first, stride = 40, 11, 5, 3
+    x = (rng.normal(size=(rows, d)) * rng.choice([1e-3, 1.0, 1e4], (rows, 1))).astype(np.float32)
+    x.reshape(-1)[: special.size] = special
+    keys = rng.permutation(rows).astype(np.int32)  # Distinct rows, in any order.
+    key = _storage.step_key(_storage.table_seed("t"), 7)
+    rounding = None
+    if stochastic:
+        rounding = jnp.stack(
+            [jax.lax.bitcast_convert_type(key, jnp.int32), jnp.int32(first), jnp.int32(stride)]
+        )
+
+    def run(g):
+        table = jnp.zeros((rows, d), jnp.bfloat16)
+        new, _ = _cpu_kernels.update(
+            jte.SGD(1.0), table, (), keys, g, jnp.float32(1.0), None, None, None, rounding
+        )
+        return new
+
+    got = np.asarray(jax.jit(run)(-x[keys]))
+    if stochastic:
+        bits = _storage.random_bits(key, first + stride * np.arange(rows), d)
+        want = np.asarray(jax.jit(_storage.round_stochastically)(x, bits))
+    else:
+        want = np.asarray(jax.jit(lambda v: v.astype(jnp.bfloat16))(x))
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    # NaN: XLA's convert makes every NaN the quiet NaN of its sign, as the kernel does.
+    nan = np.full((rows, d), np.nan, np.float32)
+    got = np.asarray(jax.jit(run)(nan)).view(np.uint16)
+    assert set(np.unique(got & 0x7FFF)) == {0x7FC0}

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_tpu_embed as jte
 from conftest import make_mesh
-from jax_tpu_embed import _layout
+from jax_tpu_embed import _layout, _storage
 
 T = jte.TableConfig(10, 4)
 
@@ -291,6 +291,25 @@ def test_lane_packing_round_trip(width, rank, k, w):
     assert phys.shape == packing.physical_shape(layout)
     np.testing.assert_array_equal(packing.unpack(phys, 4, layout.rows_per_shard), x)
     assert _layout.Packing(width, rank, lanes=0).pack(x, 4) is x
+
+
+@pytest.mark.parametrize("width,k", [(64, 2), (128, 1), (200, 1)])
+def test_row_pairs_pad_each_shard_to_an_even_number_of_physical_rows(width, k):
+    """A 16-bit table on TPU (row_multiple=2): shards of 73 logical rows (37 or 73 physical
+    rows) hold 38 or 74, the padding row zero and dropped on the way back."""
+    packing = _layout.Packing(width, 2, lanes=128, row_multiple=2)
+    layout = _layout.TableLayout(292, 4, "div")
+    rows = {2: 38, 1: 74}[k]
+    assert packing.shard_rows(73) == rows and packing.per_row == k
+    assert not packing.is_identity(73)
+    x = np.arange(292 * width, dtype=np.float32).reshape(292, width) + 1.0
+    phys = packing.pack(x, 4)
+    assert phys.shape == packing.physical_shape(layout) == (4 * rows, k * width)
+    np.testing.assert_array_equal(phys.reshape(4, rows, -1)[:, -1], 0.0)
+    np.testing.assert_array_equal(packing.unpack(phys, 4, 73), x)
+    storage = _storage.TableStorage(layout, width, jnp.dtype(jnp.bfloat16), (), lanes=128)
+    assert storage.packing == packing and not storage.is_identity(None)
+    assert storage.block_to_physical(None, x[:8]).shape == (8 // k, k * width)
 
 
 @pytest.mark.parametrize(

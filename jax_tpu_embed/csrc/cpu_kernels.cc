@@ -6,10 +6,15 @@
 // the donated table and slot (touching only the rows in the batch), and `PooledLookup` is the
 // gather + weighted sum of the XLA lookup for non-sequence features.
 //
+// Tables are float32 or bfloat16 (raw uint16 bits); slots are float32. A bfloat16 row is
+// widened to float32 exactly, and its update is rounded back as `_xla_backend.apply_rows`
+// rounds it: stochastically with the bits of `_storage.random_bits` (mix32 ported below),
+// or to nearest even as XLA's convert does.
+//
 // Keys are shard-local rows; keys >= 2**30 mark positions this shard does not own. Gradients
 // of one row are summed in position order starting from +0.0f, as XLA's scatter-add does, so
-// the sums are bit-identical. Built with -ffp-contract=off: no fused multiply-adds, so each
-// operation rounds as XLA's does.
+// the sums are bit-identical. Built with -ffp-contract=off: a multiply and an add are fused
+// only where written (MulAdd), where XLA:CPU fuses them too on a host with FMA.
 
 #include <algorithm>
 #include <cmath>
@@ -154,6 +159,57 @@ ffi::Error SumDuplicatesImpl(ffi::Buffer<ffi::S32> keys, ffi::Buffer<ffi::F32> g
   return ffi::Error::Success();
 }
 
+// bfloat16 <-> float32 on raw bits. XLA's convert turns every NaN into the quiet NaN of its
+// sign; `_storage.round_stochastically` keeps NaN as NaN, through the same convert.
+inline float Widen(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+inline uint32_t Bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+inline uint16_t NanToBf16(uint32_t u) { return uint16_t(((u >> 16) & 0x8000u) | 0x7FC0u); }
+
+inline uint16_t RoundNearestEven(float x) {
+  uint32_t u = Bits(x);
+  if (std::isnan(x)) return NanToBf16(u);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// `_storage.mix32` (lowbias32) in uint32 arithmetic.
+inline uint32_t Mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
+// `_storage.round_stochastically(x, random_bits(key, [row], D))` for one row's lane `lane`,
+// with `row_mix` = mix32(key ^ mix32(global row)).
+inline uint16_t RoundStochastically(float x, uint32_t row_mix, uint32_t lane) {
+  uint32_t u = Bits(x);
+  if (std::isnan(x)) return NanToBf16(u);
+  uint32_t bits = Mix32(row_mix ^ (lane + 0x9E3779B9u));
+  return uint16_t((u + (bits & 0xFFFFu)) >> 16);
+}
+
+// x * y + z as XLA:CPU computes it where it fuses the two: rounded once on a machine with
+// FMA (the kernels are built with -mfma there, as XLA targets the host), twice without.
+inline float MulAdd(float x, float y, float z) {
+#ifdef __FMA__
+  return std::fma(x, y, z);
+#else
+  return x * y + z;
+#endif
+}
+
 // Optimizer kinds and the flags of the gradient and row extras (see _cpu_kernels.py).
 enum Kind { kSGD = 0, kAdagrad = 1, kRowwiseAdagrad = 2 };
 enum Flags {
@@ -164,6 +220,7 @@ enum Flags {
   kDecayByLr = 16,
   kWeightMin = 32,
   kWeightMax = 64,
+  kStochastic = 128,
 };
 
 struct Params {
@@ -171,14 +228,44 @@ struct Params {
   float eps, clip_limit, clip_lo, clip_hi, decay, w_min, w_max;
 };
 
+// How a bfloat16 table's new rows are rounded: rounding[0] is the step key's bits; local row
+// r is global row rounding[1] + r * rounding[2] ("div": first row, 1; "mod": shard, N).
+struct Rounding {
+  uint32_t key;
+  int32_t first, stride;
+};
+
+inline void LoadRow(const float* w, int64_t d, float* out) {
+  std::memcpy(out, w, sizeof(float) * size_t(d));
+}
+inline void LoadRow(const uint16_t* w, int64_t d, float* out) {
+  for (int64_t c = 0; c < d; ++c) out[c] = Widen(w[c]);
+}
+
+inline void StoreRow(const float* v, int64_t d, int32_t, int32_t, const Rounding&, float* w) {
+  std::memcpy(w, v, sizeof(float) * size_t(d));
+}
+inline void StoreRow(const float* v, int64_t d, int32_t r, int32_t flags, const Rounding& rd,
+                     uint16_t* w) {
+  if (flags & kStochastic) {
+    // Global ids are below 2**31, so int32 arithmetic as in `_layout.global_ids`.
+    uint32_t row = uint32_t(rd.first + r * rd.stride);
+    uint32_t row_mix = Mix32(rd.key ^ Mix32(row));
+    for (int64_t c = 0; c < d; ++c) w[c] = RoundStochastically(v[c], row_mix, uint32_t(c));
+  } else {
+    for (int64_t c = 0; c < d; ++c) w[c] = RoundNearestEven(v[c]);
+  }
+}
+
+template <typename T>
 void UpdateRows(const int32_t* keys, int64_t m, const float* scale, const float* g,
-                int64_t per, int64_t d, const float* scalars, float* table, float* slot, int64_t s_rows,
-                const Params& p) {
+                int64_t per, int64_t d, const float* scalars, T* table, float* slot,
+                int64_t s_rows, const Params& p, const Rounding& rd) {
   Segments s = Segment(keys, m, /*mine_only=*/true);
   const float lr = scalars[0], mult = scalars[1];
   float decay = p.decay;
   if (p.flags & kDecayByLr) decay = decay * lr;
-  std::vector<float> gs(d), upd(d);
+  std::vector<float> gs(d), upd(d), row(d);
   for (size_t j = 0; j < s.key.size(); ++j) {
     int32_t r = s.key[j];
     if (r < 0 || r >= s_rows) continue;  // Gathers fill, scatters drop: no effect.
@@ -190,18 +277,22 @@ void UpdateRows(const int32_t* keys, int64_t m, const float* scale, const float*
         gs[c] = std::min(std::max(gs[c], -p.clip_limit), p.clip_limit);
     if (p.flags & kClipValue)
       for (int64_t c = 0; c < d; ++c) gs[c] = std::min(std::max(gs[c], p.clip_lo), p.clip_hi);
-    float* w = table + int64_t(r) * d;
+    T* stored = table + int64_t(r) * d;
+    LoadRow(stored, d, row.data());
+    const float* w = row.data();
     if (p.kind == kSGD) {
       for (int64_t c = 0; c < d; ++c) upd[c] = w[c] - lr * gs[c];
     } else if (p.kind == kAdagrad) {
       float* a = slot + int64_t(r) * d;
       for (int64_t c = 0; c < d; ++c) {
-        float acc = a[c] + gs[c] * gs[c];
+        float acc = MulAdd(gs[c], gs[c], a[c]);
         a[c] = acc;
         // XLA's rsqrt(acc) as 1/sqrt(acc): may differ from it in the last bit.
         upd[c] = w[c] - lr * gs[c] * (1.0f / std::sqrt(acc));
       }
     } else {
+      // XLA:CPU vectorises mean(g²) and multiplies by 1 / D: the accumulator may differ
+      // from it in the last bit.
       float sq = 0.0f;
       for (int64_t c = 0; c < d; ++c) sq += gs[c] * gs[c];
       float acc = slot[r] + sq / float(d);
@@ -215,8 +306,31 @@ void UpdateRows(const int32_t* keys, int64_t m, const float* scale, const float*
       for (int64_t c = 0; c < d; ++c) upd[c] = std::max(upd[c], p.w_min);
     if (p.flags & kWeightMax)
       for (int64_t c = 0; c < d; ++c) upd[c] = std::min(upd[c], p.w_max);
-    std::memcpy(w, upd.data(), sizeof(float) * size_t(d));
+    StoreRow(upd.data(), d, r, p.flags, rd, stored);
   }
+}
+
+// The table's dtype picks UpdateRows' row type; the other arguments as UpdateRows takes them.
+ffi::Error UpdateTable(ffi::Buffer<ffi::S32> keys, ffi::Buffer<ffi::F32> scale,
+                       ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> scalars,
+                       ffi::Buffer<ffi::S32> rounding, ffi::AnyBuffer table_in, void* table,
+                       float* slot, const Params& p) {
+  int64_t m = keys.element_count();
+  auto dims = table_in.dimensions();
+  int64_t rows = int64_t(g.dimensions()[0]);
+  int64_t per = rows > 0 ? m / rows : 1;  // Positions per gradient row.
+  const int32_t* rw = rounding.typed_data();
+  Rounding rd{uint32_t(rw[0]), rw[1], rw[2]};
+  if (table_in.element_type() == ffi::DataType::F32) {
+    UpdateRows(keys.typed_data(), m, scale.typed_data(), g.typed_data(), per, dims[1],
+               scalars.typed_data(), static_cast<float*>(table), slot, dims[0], p, rd);
+  } else if (table_in.element_type() == ffi::DataType::BF16) {
+    UpdateRows(keys.typed_data(), m, scale.typed_data(), g.typed_data(), per, dims[1],
+               scalars.typed_data(), static_cast<uint16_t*>(table), slot, dims[0], p, rd);
+  } else {
+    return ffi::Error::InvalidArgument("jte update: tables must be float32 or bfloat16");
+  }
+  return ffi::Error::Success();
 }
 
 #define JTE_PARAMS_ATTRS                                                                \
@@ -224,59 +338,45 @@ void UpdateRows(const int32_t* keys, int64_t m, const float* scale, const float*
       "clip_limit").Attr<float>("clip_lo").Attr<float>("clip_hi").Attr<float>("decay") \
       .Attr<float>("w_min").Attr<float>("w_max")
 
+// XLA passes the same buffer in and out when it honours the alias (donated state);
+// otherwise it hands a fresh output that must start as a copy of the input.
+void CopyUnlessAliased(const ffi::AnyBuffer& in, void* out) {
+  if (out != in.untyped_data()) std::memcpy(out, in.untyped_data(), in.size_bytes());
+}
+
 ffi::Error UpdateNoSlotImpl(ffi::Buffer<ffi::S32> keys, ffi::Buffer<ffi::F32> scale,
-                            ffi::Buffer<ffi::F32> g,
-                            ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::F32> table_in,
-                            ffi::ResultBuffer<ffi::F32> table, int32_t kind, int32_t flags,
+                            ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> scalars,
+                            ffi::Buffer<ffi::S32> rounding, ffi::AnyBuffer table_in,
+                            ffi::Result<ffi::AnyBuffer> table, int32_t kind, int32_t flags,
                             float eps, float clip_limit, float clip_lo, float clip_hi,
                             float decay, float w_min, float w_max) {
-  if (table->typed_data() != table_in.typed_data())
-    std::memcpy(table->typed_data(), table_in.typed_data(), table_in.size_bytes());
-  int64_t m = keys.element_count();
-  auto dims = table_in.dimensions();
+  CopyUnlessAliased(table_in, table->untyped_data());
   Params p{kind, flags, eps, clip_limit, clip_lo, clip_hi, decay, w_min, w_max};
-  int64_t rows = int64_t(g.dimensions()[0]);
-  int64_t per = rows > 0 ? m / rows : 1;  // Positions per gradient row.
-  UpdateRows(keys.typed_data(), m, scale.typed_data(), g.typed_data(), per, dims[1],
-             scalars.typed_data(),
-             table->typed_data(), nullptr, dims[0], p);
-  return ffi::Error::Success();
+  return UpdateTable(keys, scale, g, scalars, rounding, table_in, table->untyped_data(),
+                     nullptr, p);
 }
 
 ffi::Error UpdateOneSlotImpl(ffi::Buffer<ffi::S32> keys, ffi::Buffer<ffi::F32> scale,
-                             ffi::Buffer<ffi::F32> g,
-                             ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::F32> table_in,
-                             ffi::Buffer<ffi::F32> slot_in, ffi::ResultBuffer<ffi::F32> table,
+                             ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> scalars,
+                             ffi::Buffer<ffi::S32> rounding, ffi::AnyBuffer table_in,
+                             ffi::Buffer<ffi::F32> slot_in, ffi::Result<ffi::AnyBuffer> table,
                              ffi::ResultBuffer<ffi::F32> slot, int32_t kind, int32_t flags,
                              float eps, float clip_limit, float clip_lo, float clip_hi,
                              float decay, float w_min, float w_max) {
-  // XLA passes the same buffer in and out when it honours the alias (donated state);
-  // otherwise it hands a fresh output that must start as a copy of the input.
-  if (table->typed_data() != table_in.typed_data())
-    std::memcpy(table->typed_data(), table_in.typed_data(), table_in.size_bytes());
+  CopyUnlessAliased(table_in, table->untyped_data());
   if (slot->typed_data() != slot_in.typed_data())
     std::memcpy(slot->typed_data(), slot_in.typed_data(), slot_in.size_bytes());
-  int64_t m = keys.element_count();
-  auto dims = table_in.dimensions();
   Params p{kind, flags, eps, clip_limit, clip_lo, clip_hi, decay, w_min, w_max};
-  int64_t rows = int64_t(g.dimensions()[0]);
-  int64_t per = rows > 0 ? m / rows : 1;  // Positions per gradient row.
-  UpdateRows(keys.typed_data(), m, scale.typed_data(), g.typed_data(), per, dims[1],
-             scalars.typed_data(),
-             table->typed_data(), slot->typed_data(), dims[0], p);
-  return ffi::Error::Success();
+  return UpdateTable(keys, scale, g, scalars, rounding, table_in, table->untyped_data(),
+                     slot->typed_data(), p);
 }
 
-ffi::Error PooledLookupImpl(ffi::Buffer<ffi::S32> keys, ffi::Buffer<ffi::F32> scale,
-                            ffi::Buffer<ffi::F32> table, ffi::ResultBuffer<ffi::F32> out) {
-  auto kd = keys.dimensions();
-  int64_t b = kd[0], l = kd.size() > 1 ? kd[1] : 1;
-  auto td = table.dimensions();
-  int64_t s_rows = td[0], d = td[1];
-  const int32_t* k = keys.typed_data();
-  const float* w = scale.typed_data();
-  const float* t = table.typed_data();
-  float* o = out->typed_data();
+// One example at a time: out[b] = Σ_l scale[b, l] · float32(table[keys[b, l]]), in position
+// order from +0.0f, as the XLA lookup's scatter-add sums them.
+template <typename T>
+void PooledLookupRows(const int32_t* k, const float* w, const T* t, int64_t b, int64_t l,
+                      int64_t s_rows, int64_t d, float* o) {
+  std::vector<float> row(d);
   for (int64_t i = 0; i < b; ++i) {
     float* oi = o + i * d;
     for (int64_t c = 0; c < d; ++c) oi[c] = 0.0f;
@@ -284,9 +384,28 @@ ffi::Error PooledLookupImpl(ffi::Buffer<ffi::S32> keys, ffi::Buffer<ffi::F32> sc
       int32_t r = k[i * l + j];
       if (r < 0 || r >= s_rows) continue;  // Not this shard's: its scale is 0.
       float sc = w[i * l + j];
-      const float* row = t + int64_t(r) * d;
+      LoadRow(t + int64_t(r) * d, d, row.data());
       for (int64_t c = 0; c < d; ++c) oi[c] += sc * row[c];
     }
+  }
+}
+
+ffi::Error PooledLookupImpl(ffi::Buffer<ffi::S32> keys, ffi::Buffer<ffi::F32> scale,
+                            ffi::AnyBuffer table, ffi::ResultBuffer<ffi::F32> out) {
+  auto kd = keys.dimensions();
+  int64_t b = kd[0], l = kd.size() > 1 ? kd[1] : 1;
+  auto td = table.dimensions();
+  int64_t s_rows = td[0], d = td[1];
+  if (table.element_type() == ffi::DataType::F32) {
+    PooledLookupRows(keys.typed_data(), scale.typed_data(),
+                     static_cast<const float*>(table.untyped_data()), b, l, s_rows, d,
+                     out->typed_data());
+  } else if (table.element_type() == ffi::DataType::BF16) {
+    PooledLookupRows(keys.typed_data(), scale.typed_data(),
+                     static_cast<const uint16_t*>(table.untyped_data()), b, l, s_rows, d,
+                     out->typed_data());
+  } else {
+    return ffi::Error::InvalidArgument("jte pooled lookup: tables must be float32 or bfloat16");
   }
   return ffi::Error::Success();
 }
@@ -306,8 +425,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JteUpdateNoSlot, UpdateNoSlotImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>() JTE_PARAMS_ATTRS);
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>() JTE_PARAMS_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JteUpdateOneSlot, UpdateOneSlotImpl,
                               ffi::Ffi::Bind()
@@ -315,14 +435,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JteUpdateOneSlot, UpdateOneSlotImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>() JTE_PARAMS_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtePooledLookup, PooledLookupImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
