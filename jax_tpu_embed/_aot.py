@@ -311,9 +311,9 @@ class CompileReport:
 def init_temp_bytes(emb) -> dict[str, int]:
     """{table name: per-device temporary bytes of initialising it (`emb.init_programs`)}.
 
-    `init` fills the tables one after another (a default-initialised one in row blocks), so
-    its peak is the state made so far plus one table's temporaries: at most the whole state
-    plus the largest of these.
+    `init` fills the default-initialised tables together, a block of rows of each per round,
+    and the others one after another, so its peak is about the whole state plus the largest
+    of these.
     """
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     out = {}

@@ -50,7 +50,8 @@ class EmbeddingState:
     step: Any  # jax.Array; jax.ShapeDtypeStruct in abstract_state.
 
 
-# Blocks of `init`: about this many bytes per array and device, at least this many rows.
+# `init` draws about this many bytes per device per round, and the largest table's blocks
+# have at least this many rows.
 _INIT_BLOCK_BYTES = 4 << 20
 _INIT_BLOCK_ROWS_MIN = 1024
 
@@ -65,14 +66,27 @@ def _default_rows(key, ids, dim: int):
     table's initialisation, and a demo with 26 tables spent most of its start-up there.
     """
     words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
-    k0, k1 = words[0], words[-1]
+    return _default_rows_of(words[0], words[-1], ids, dim)
+
+
+def _default_rows_of(k0, k1, ids, dim: int):
+    """`_default_rows` from the key's first and last words: scalars, or (n,) (row i drawn
+    with key words k0[i], k1[i]), so that one computation draws rows of several tables."""
     row = _storage.mix32(_storage.mix32(ids.astype(jnp.uint32) ^ k0) + k1)
     col = jnp.arange(dim, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
-    bits = _storage.mix32(_storage.mix32(row[:, None] ^ col) + k0)
+    bits = _storage.mix32(_storage.mix32(row[:, None] ^ col) + jnp.reshape(k0, (-1, 1)))
     u = (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24)) + (0.5 / (1 << 24))  # (0, 1)
     lo = jax.lax.erf(jnp.float32(-2.0 / math.sqrt(2.0)))
     z = math.sqrt(2.0) * jax.lax.erf_inv(lo + u * (-2.0 * lo))  # Inverse CDF on [-2, 2].
     return jnp.clip(z, -2.0, 2.0) / math.sqrt(dim)
+
+
+def _constant_rows(plan: _backend.TablePlan, slot: _optimizers.SlotSpec, valid):
+    """Rows of a slot with a constant initial value: (n,) or (n, D) float32, zero where not
+    `valid` ((n,) bool: padding rows)."""
+    shape = valid.shape + ((plan.config.dim,) if slot.rank == 2 else ())
+    value = jnp.where(valid, jnp.float32(float(slot.initializer)), 0.0)
+    return jnp.broadcast_to(value.reshape(valid.shape + (1,) * (len(shape) - 1)), shape)
 
 
 def _per_table(what: str, value, spec: _config.EmbeddingSpec) -> dict:
@@ -314,16 +328,17 @@ class Embedding:
         Tables with the default initializer and constant slot initializers (every built-in
         optimizer) are drawn in blocks of rows on their own shards, all in one compiled
         program: the transient memory is a block per array, and there is one compile however
-        many tables there are. Row r of such a table is drawn from `fold_in(table key, r)`, so
-        its value depends on neither the mesh, the strategy nor the block size. A table with
+        many tables there are. Row r of such a table is a hash of (table key, r), so its value
+        depends on neither the mesh, the strategy nor the block size. A table with
         its own initializer (or a slot with a random one) is called with the logical shape,
         as the API promises, in a program of its own. Works traced inside another jit too.
         """
-        keys = {name: jax.random.fold_in(key, i) for i, name in enumerate(self.table_plans)}
+        keys = self._table_keys(key)
         tables, slots = {}, {}
         blocked = {name: keys[name] for name in self.table_plans if self._blocked(name)}
         if blocked:
-            for name, (table, table_slots) in self._init_blocked_fn()(blocked).items():
+            program, per_table = self._init_blocked_fn()
+            for name, (table, table_slots) in program(blocked, per_table).items():
                 tables[name], slots[name] = table, table_slots
         programs = self.init_programs()
         for name in self.table_plans:
@@ -360,78 +375,161 @@ class Embedding:
             callable(s.initializer) for s in plan.storage.slot_specs
         )
 
-    def _init_blocked_fn(self):
+    def _init_blocked_fn(self) -> tuple:
+        """(jitted fn({name: table key}, per_table) -> {name: (table, slots)}, per_table):
+        every blocked table in one program (`per_table`: see `_per_table_rows`)."""
         if self._init_blocked is None:
+            names = tuple(n for n in self.table_plans if self._blocked(n))
             shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state())
-            names = [n for n in self.table_plans if self._blocked(n)]
-
-            def fn(keys):
-                return {n: self._init_table_blocked(self.table_plans[n], keys[n]) for n in names}
-
-            self._init_blocked = jax.jit(
-                fn,
+            program = jax.jit(
+                functools.partial(self._draw_tables, names),
                 out_shardings={n: (shardings.tables[n], shardings.slots[n]) for n in names},
             )
+            self._init_blocked = (program, self._per_table_rows(names))
         return self._init_blocked
+
+    def _table_keys(self, key) -> dict:
+        return {name: jax.random.fold_in(key, i) for i, name in enumerate(self.table_plans)}
+
+    def _compile_init(self, key: jax.ShapeDtypeStruct) -> None:
+        """Compiles `init`'s program of the blocked tables for keys like `key` before `init`
+        is called (jax keeps it for the call), so that a caller can do it while it does
+        something else. Thread-safe."""
+        names = [n for n in self.table_plans if self._blocked(n)]
+        if names:
+            keys = jax.eval_shape(self._table_keys, key)
+            program, per_table = self._init_blocked_fn()
+            program.lower({n: keys[n] for n in names}, per_table).compile()
 
     def _init_table_blocked(self, plan: _backend.TablePlan, table_key):
         """A table and its slots drawn block by block on their own shards (see `init`)."""
-        storage = plan.storage
-        row = P(self.axis)
-        fn = self._shard_map(
-            functools.partial(self._init_local, plan),
-            P(),
-            (row, {s.name: row for s in storage.stored}),
+        names = (plan.name,)
+        return self._draw_tables(names, {plan.name: table_key}, self._per_table_rows(names))[
+            plan.name
+        ]
+
+    def _init_blocks(self, names: tuple) -> tuple:
+        """How `_init_local` splits the table arrays of `names` into rounds: (rounds,
+        {D: the tables of row width D}, and per table (T,) arrays: logical local rows
+        (padding included), rows per physical row, rows per round, and the first row of
+        its block in its width's draw)."""
+        plans = [self.table_plans[n] for n in names]
+        granule = np.array([p.storage.block_granule(None) for p in plans])
+        logical = granule * [p.storage.shapes()[0][0] // self.num_shards for p in plans]
+        total = sum(int(n) * p.config.dim * 4 for n, p in zip(logical, plans))
+        rounds = max(
+            1, min(-(-total // _INIT_BLOCK_BYTES), -(-logical.max() // _INIT_BLOCK_ROWS_MIN))
         )
-        table, slots = fn(table_key)
-        return self._constrain(table), {n: self._constrain(x) for n, x in slots.items()}
+        per_round = -(-logical // rounds)
+        block = np.minimum(logical, -(-per_round // granule) * granule)
+        groups: dict[int, list[int]] = {}
+        for j, p in enumerate(plans):
+            groups.setdefault(p.config.dim, []).append(j)
+        offset = np.zeros(len(plans), np.int64)
+        for members in groups.values():
+            offset[members] = np.cumsum(block[members]) - block[members]
+        return rounds, groups, logical, granule, block, offset
 
-    def _init_local(self, plan: _backend.TablePlan, table_key):
-        """Inside shard_map: this shard's physical table and stored slots, written a block of
-        rows at a time into arrays of their final shape (so the transient is one block)."""
-        storage, layout = plan.storage, plan.storage.layout
+    def _per_table_rows(self, names: tuple) -> tuple:
+        """Per table of `names`: int32 (1 + N,), [the first row of its block in its draw,
+        the rows each of the N shards holds]. Runtime inputs of `_init_local` rather than
+        constants, so that tables of one shape have the same code (XLA compiles it once)."""
+        offset = self._init_blocks(names)[-1]
+        return tuple(
+            np.concatenate([[o], self.table_plans[n].storage.layout.shard_sizes()]).astype(np.int32)
+            for n, o in zip(names, offset)
+        )
+
+    def _draw_tables(self, names: tuple, keys: dict, per_table: tuple) -> dict:
+        """{name: (table, slots)} of the blocked tables `names` (see `_init_local`)."""
+        words = jnp.stack([jax.random.key_data(keys[n]).reshape(-1) for n in names])
+        words = words.astype(jnp.uint32)
+        row = P(self.axis)
+        out_specs = {
+            n: (row, {s.name: row for s in self.table_plans[n].storage.stored}) for n in names
+        }
+        local = self._shard_map(functools.partial(self._init_local, names), (P(), P()), out_specs)(
+            jnp.stack([words[:, 0], words[:, -1]]), per_table
+        )
+        return {
+            n: (self._constrain(t), {k: self._constrain(x) for k, x in slots.items()})
+            for n, (t, slots) in local.items()
+        }
+
+    def _init_local(self, names: tuple, words, per_table: tuple):
+        """Inside shard_map: this shard's physical tables `names` and their stored slots.
+
+        The tables are written in rounds: in each, a block of rows of every table (about
+        1/rounds of it) is drawn by one computation for all of them (one per row width),
+        then copied into place. Drawn per table, the program held one draw per table, and
+        XLA took seconds to compile a demo's 26. `words`: (2, T) uint32, the first and last
+        word of each table's key; `per_table`: see `_per_table_rows`.
+        """
         shard = jax.lax.axis_index(self.axis)
-        _, size = layout.shard_start_and_size(shard)
-        constants = {s.name: float(s.initializer) for s in storage.slot_specs}
+        plans = [self.table_plans[n] for n in names]
+        rounds, groups, logical, granule, block, offset = self._init_blocks(names)
+        steps = [p.storage.layout.id_steps() for p in plans]
+        first_id = jnp.asarray(np.stack([f for f, _ in steps]).astype(np.int32))[:, shard]
+        stride = np.array([s for _, s in steps], np.int32)
 
-        def rows(local, slot):
-            """Logical rows `local` of this shard; padding rows (past its size) are zero."""
-            valid = local < size
-            if slot is not None:
-                shape = (local.shape[0],) + ((plan.config.dim,) if slot.rank == 2 else ())
-                value = jnp.where(valid, jnp.float32(constants[slot.name]), 0.0)
-                return jnp.broadcast_to(value.reshape((-1,) + (1,) * (len(shape) - 1)), shape)
-            table = _default_rows(table_key, layout.global_ids(shard, local), plan.config.dim)
-            table = jnp.where(valid[:, None], table, 0.0).astype(plan.config.dtype)
-            return storage.join_row(table, {s.name: rows(local, s) for s in storage.riders})
+        def first(r, j: Any = slice(None)):
+            """The first local row of table j's block in round r (of every table's: (T,)).
+            The last block ends where the array ends: the rows it writes twice get the same
+            values twice."""
+            r = jnp.clip(r, 0, rounds - 1)
+            return jnp.minimum(r * block[j], logical[j] - block[j]).astype(jnp.int32)
 
-        table_shape, slot_shapes = storage.shapes()
-        arrays = [(None, table_shape)] + [(s, slot_shapes[s.name]) for s in storage.stored]
-        out = []
-        for slot, shape in arrays:
-            local_shape = (shape[0] // self.num_shards,) + tuple(shape[1:])
-            k = storage.block_granule(slot)
-            logical = local_shape[0] * k  # Logical rows the shard's physical rows hold.
-            lanes = math.prod(local_shape[1:])
-            block = max(_INIT_BLOCK_ROWS_MIN, _INIT_BLOCK_BYTES * k // (4 * lanes)) // 128 * 128
-            block = min(block, logical)  # Both multiples of k.
+        def draw(r):
+            # Row i of a draw belongs to table `owner[i]`, its local row first + i - offset.
+            start = first_id + stride * (first(r) - offset.astype(np.int32))
+            out = {}
+            for dim, members in groups.items():
+                owner = np.repeat(np.array(members), block[members]).astype(np.int32)
+                ids = start[owner] + stride[owner] * np.arange(len(owner), dtype=np.int32)
+                out[dim] = _default_rows_of(words[0][owner], words[1][owner], ids, dim)
+            return out
 
-            def body(b, array, slot=slot, block=block, logical=logical, k=k):
-                # The last block is moved back to end where the array ends: the rows it
-                # writes twice get the same values twice.
-                first = jnp.minimum(b * block, logical - block)
-                rows_ = rows(first + jnp.arange(block), slot)
-                physical = storage.block_to_physical(slot, rows_).astype(array.dtype)
-                at = (first // k,) + (0,) * (array.ndim - 1)
-                return jax.lax.dynamic_update_slice(array, physical, at)
+        def write(arrays, drawn, r):
+            out = []
+            for j, (plan, array) in enumerate(zip(plans, arrays)):
+                storage = plan.storage
+                start = first(r, j)
+                local = start + jnp.arange(int(block[j]))
+                valid = local < per_table[j][1 + shard]
+                rows = jax.lax.dynamic_slice_in_dim(
+                    drawn[plan.config.dim], per_table[j][0], int(block[j])
+                )
+                rows = jnp.where(valid[:, None], rows, 0.0).astype(plan.config.dtype)
+                riders = {s.name: _constant_rows(plan, s, valid) for s in storage.riders}
+                physical = storage.block_to_physical(None, storage.join_row(rows, riders))
+                at = (start // int(granule[j]),) + (0,) * (array.ndim - 1)
+                out.append(jax.lax.dynamic_update_slice(array, physical.astype(array.dtype), at))
+            return out
 
-            dtype = plan.config.dtype if slot is None else jnp.float32
-            # The first block is peeled so that it fuses with the zeros under it: a zeros
-            # array shared by several loops would be materialised and copied into each.
-            array = body(0, jnp.zeros(local_shape, dtype))
-            blocks = -(-logical // block)
-            out.append(array if blocks == 1 else jax.lax.fori_loop(1, blocks, body, array))
-        return out[0], {s.name: x for s, x in zip(storage.stored, out[1:])}
+        def body(r, carry):
+            # Round r - 1 is written while round r is drawn: a draw written in its own round
+            # is fused into every table's write, and the program holds one draw per table.
+            arrays, drawn = carry
+            return write(arrays, drawn, r - 1), draw(r)
+
+        arrays = [
+            jnp.zeros((n // k,) + p.storage.shapes()[0][1:], p.config.dtype)
+            for n, k, p in zip(logical, granule, plans)
+        ]
+        drawn = {d: jnp.zeros((int(block[m].sum()), d), jnp.float32) for d, m in groups.items()}
+        # One pass more than rounds: the first writes nothing, the last draws nothing new.
+        arrays, _ = jax.lax.fori_loop(0, rounds + 1, body, (arrays, drawn))
+        out = {}
+        for j, (plan, table) in enumerate(zip(plans, arrays)):
+            slots = {}
+            for s in plan.storage.stored:
+                # Constants, computed where they are stored: no temporary, no blocks.
+                rows = plan.storage.shapes()[1][s.name][0] // self.num_shards
+                local = jnp.arange(rows * plan.storage.block_granule(s))
+                rows = _constant_rows(plan, s, local < per_table[j][1 + shard])
+                slots[s.name] = plan.storage.block_to_physical(s, rows).astype(jnp.float32)
+            out[plan.name] = (table, slots)
+        return out
 
     def _init_table(self, plan: _backend.TablePlan, table_key):
         storage = plan.storage

@@ -68,6 +68,14 @@ class TableLayout:
         local = _where(ids, ids < big, ids % (q + 1), rest % max(q, 1))
         return owner, local
 
+    def id_steps(self) -> tuple[np.ndarray, int]:
+        """((N,) first, stride): local row i of shard p holds global id first[p] + stride * i,
+        as `global_ids` says; NumPy, for every shard at once."""
+        p = np.arange(self.num_shards)
+        if self.strategy == "mod":
+            return p, self.num_shards
+        return np.cumsum(self.shard_sizes()) - self.shard_sizes(), 1
+
     def logical_ids(self, shard: int) -> np.ndarray:
         """The global ids shard `shard` holds, in its local order."""
         size = int(self.shard_sizes()[shard])

@@ -422,7 +422,10 @@ class TrainStep:
         abstract: bool,
         model_state: Any = None,
         rng: Any = None,
+        owned: bool = False,
     ) -> TrainState:
+        """The TrainState of these values; `owned`: params and model_state were made by the
+        step's own init, nobody else holds them, and they need no copy."""
         states = self._unpack(embedding)
         embs, features = {}, {}
 
@@ -474,15 +477,16 @@ class TrainStep:
 
         # A copy, so that donating the state never deletes the caller's arrays (device_put
         # alone may alias the caller's buffer on one device, even with may_alias=False).
-        def placed(tree):
+        def placed(tree, copy=True):
             return jax.tree.map(
                 lambda x: jax.device_put(
-                    jnp.copy(x) if isinstance(x, jax.Array) else x, _dense_sharding(x, replicated)
+                    jnp.copy(x) if copy and isinstance(x, jax.Array) else x,
+                    _dense_sharding(x, replicated),
                 ),
                 tree,
             )
 
-        params = placed(params)
+        params = placed(params, copy=not owned)
         step = jax.device_put(jnp.array(first.step, jnp.int32, copy=True), replicated)
         skipped = jax.device_put(jnp.zeros((), jnp.int32), replicated)
         # On the mesh like the step's outputs, so the second step does not retrace.
@@ -496,7 +500,7 @@ class TrainStep:
             embedding,
             self._pending_like(embs, features, False),
             skipped,
-            placed(model_state),
+            placed(model_state, copy=not owned),
             placed(rng),
         )
         return _unaliased(state)

@@ -22,6 +22,8 @@ batch)` runs the model for evaluation.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -192,6 +194,24 @@ def _features_arg(args, kwargs):
     raise TypeError("Embed.__call__ needs the features.")
 
 
+def _zero_activations(emb: _embedding.Embedding, features) -> Any:
+    """Zeros shaped as `emb.lookup`'s activations of `features`: what an Embed answers while
+    the model only runs to be looked at."""
+    shapes = jax.eval_shape(emb.lookup, emb.abstract_state(), features)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _nested(states: dict[tuple, _embedding.EmbeddingState]) -> dict:
+    """The "embedding" collection holding `states` ({layer path: state}) as flax nests it."""
+    collection: dict = {}
+    for path, state in states.items():
+        node = collection
+        for part in path:
+            node = node.setdefault(part, {})
+        node.update(tables=state.tables, slots=state.slots, step=state.step)
+    return collection
+
+
 class FlaxTrainStep(_train.TrainStep):
     """The step `jte.flax.make_train_step` returns.
 
@@ -267,8 +287,7 @@ class FlaxTrainStep(_train.TrainStep):
                 features = _features_arg(args, kwargs)
                 emb = context.module.embedding
                 found[name] = (emb, features)
-                shapes = jax.eval_shape(emb.lookup, emb.abstract_state(), features)
-                return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+                return _zero_activations(emb, features)
 
             run(params, batch, model_state, rng, interceptor)
             if not found:
@@ -328,8 +347,28 @@ class FlaxTrainStep(_train.TrainStep):
             train_rng = jax.random.key_data(train_rng)
         return init_rngs, train_rng
 
-    def _model_init(self, rngs, batch):
-        return self.model.init(rngs, batch, method=self.method, **self.apply_kwargs)
+    def _model_init(self, rngs, batch, layers: dict | None = None):
+        """`model.init` with every Embed answering zeros: the variables but the tables.
+
+        Each Embed's key is drawn as `Embed.__call__` draws it (same stream, path and
+        count), and `layers` (if given) gets {layer path: (its Embedding, that key)}. The
+        tables are drawn afterwards by `Embedding.init`, outside this program: traced in
+        it, every table's initialisation and first lookup were compiled into the model's
+        init, one copy per table.
+        """
+        found = {} if layers is None else layers
+
+        def interceptor(next_fun, args, kwargs, context):
+            if not _is_embed_call(context):
+                return next_fun(*args, **kwargs)
+            module = context.module
+            if module.path not in found:  # A second call is the step's error, not init's.
+                found[module.path] = (module.embedding, module.make_rng(COLLECTION))
+            return _zero_activations(module.embedding, _features_arg(args, kwargs))
+
+        with nn.intercept_methods(interceptor):
+            variables = self.model.init(rngs, batch, method=self.method, **self.apply_kwargs)
+        return variables, {path: key for path, (_, key) in found.items()}
 
     def init(self, key: Any, batch: Any) -> _train.TrainState:
         """The initial TrainState: `model.init(key, batch)`, then the optax state.
@@ -342,13 +381,31 @@ class FlaxTrainStep(_train.TrainStep):
                 shapes the step expects.
         """
         init_rngs, rng = self._init_rngs(key)
-        # One compiled program rather than one per table, slot and layer.
-        init = jax.jit(self._model_init)
+        layers: dict = {}
+        # One program for the dense variables; the tables come from one `Embedding.init`
+        # program per layer, the same state `model.init` gives them. Both are compiled at
+        # once: XLA's compiles run outside the GIL, and are most of init's time.
+        micro = self._first_micro(batch)
+        dense_init = jax.jit(functools.partial(self._model_init, layers=layers))
+        key_info = dense_init.trace(init_rngs, micro).out_info[1]
+        if not key_info:
+            raise ValueError("jte.flax.make_train_step: the model has no jte.flax.Embed.")
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((key, batch)))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            compiling = [
+                pool.submit(emb._compile_init, key_info[path])
+                for path, (emb, _) in layers.items()
+                if not traced  # Inside another trace nothing is compiled here.
+            ]
+            variables, keys = dense_init(init_rngs, micro)
+            for done in compiling:
+                done.result()
+        states = {path: layers[path][0].init(k) for path, k in keys.items()}
         params, collection, model_state = self._split_variables(
-            init(init_rngs, self._first_micro(batch))
+            {**variables, COLLECTION: _nested(states)}
         )
         return self._make_state(
-            params, collection, batch, abstract=False, model_state=model_state, rng=rng
+            params, collection, batch, False, model_state=model_state, rng=rng, owned=True
         )
 
     def _first_micro(self, batch):
@@ -359,11 +416,17 @@ class FlaxTrainStep(_train.TrainStep):
     def abstract_state(self, batch: Any) -> _train.TrainState:
         """The TrainState as jax.ShapeDtypeStruct leaves with shardings; allocates nothing."""
         rngs_and_rng = jax.eval_shape(lambda: self._init_rngs(jax.random.key(0)))
-        variables = jax.eval_shape(
-            lambda b: self._model_init(self._init_rngs(jax.random.key(0))[0], b),
+        layers: dict = {}
+        variables, _ = jax.eval_shape(
+            lambda b: self._model_init(self._init_rngs(jax.random.key(0))[0], b, layers),
             self._first_micro(batch),
         )
-        params, collection, model_state = self._split_variables(variables)
+        if not layers:
+            raise ValueError("jte.flax.make_train_step: the model has no jte.flax.Embed.")
+        states = {path: emb.abstract_state() for path, (emb, _) in layers.items()}
+        params, collection, model_state = self._split_variables(
+            {**variables, COLLECTION: _nested(states)}
+        )
         rng = rngs_and_rng[1]
         jax.eval_shape(
             lambda p, b, m, r: self._features(p, b, m, self._micro_keys(r))[1],

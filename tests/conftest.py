@@ -14,6 +14,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 import jax  # noqa: E402
+import jax.extend  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -27,6 +28,20 @@ def make_mesh(num_shards: int, kind: str = "explicit", axis: str = "shard"):
     if kind == "explicit":
         return jax.make_mesh((num_shards,), (axis,), devices=devices)
     return jax.sharding.Mesh(np.array(devices), (axis,))
+
+
+def count_primitive(jaxpr, name: str) -> int:
+    """Occurrences of primitive `name` in a jaxpr and in every jaxpr nested in it."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == name
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else [value]:
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    count += count_primitive(sub.jaxpr, name)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    count += count_primitive(sub, name)
+    return count
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 
 import jax_tpu_embed as jte
 import reference
-from conftest import make_mesh
+from conftest import count_primitive, make_mesh
 from jax_tpu_embed import _embedding
 
 B = 16
@@ -846,6 +846,58 @@ def test_init_is_the_same_for_every_block_size_mesh_strategy_and_layout(monkeypa
     assert np.abs(table).max() <= 2 / np.sqrt(8) + 1e-6  # Cut at 2 stddev.
     assert 0.85 / np.sqrt(8) < table.std() < 0.9 / np.sqrt(8)  # 0.88 stddev after the cut.
     assert abs(table.mean()) < 0.01 and len(np.unique(table)) > 0.99 * table.size
+
+
+def test_init_draws_every_table_in_one_computation(monkeypatch):
+    """26 tables of two widths (the demo's count): `init`'s program draws them with one
+    computation per width, in several rounds, and every table and slot is bit for bit what
+    the table's own program gives."""
+    monkeypatch.setattr(_embedding, "_INIT_BLOCK_BYTES", 64 << 10)  # A few rounds.
+    rng = np.random.default_rng(11)
+    tables = [
+        jte.TableConfig(int(v), 8 if i % 3 else 4, combiner="sum", name=f"t{i}")
+        for i, v in enumerate(rng.choice([64, 300, 1_000, 4_099], size=26))
+    ]
+    spec = jte.EmbeddingSpec(
+        {t.name: jte.FeatureConfig(t) for t in tables},
+        jte.FTRL(0.1, initial_accumulator_value=0.5),
+        partition_strategy="mod",
+    )
+    emb = jte.Embedding(spec, make_mesh(4))
+    key = jax.random.key(5)
+    keys = emb._table_keys(key)
+    program, per_table = emb._init_blocked_fn()
+    jaxpr = jax.make_jaxpr(program)(keys, per_table).jaxpr
+    assert count_primitive(jaxpr, "erf_inv") == 2
+    assert emb._init_blocks(tuple(emb.table_plans))[0] > 1
+    state = emb.init(key)
+    for name, fn in emb.init_programs().items():
+        table, slots = fn(keys[name])
+        np.testing.assert_array_equal(np.asarray(state.tables[name]), np.asarray(table))
+        for slot, value in slots.items():
+            np.testing.assert_array_equal(np.asarray(state.slots[name][slot]), np.asarray(value))
+    assert len(np.unique(emb.export(state)["t0"])) > 0.99 * emb.export(state)["t0"].size
+
+
+def test_layout_id_steps_match_global_ids():
+    for strategy in ("div", "mod"):
+        layout = (
+            jte.Embedding(
+                jte.EmbeddingSpec(
+                    {"f": jte.FeatureConfig(jte.TableConfig(103, 2, name="t"))},
+                    jte.SGD(0.1),
+                    partition_strategy=strategy,
+                ),
+                make_mesh(4),
+            )
+            .storage("t")
+            .layout
+        )
+        first, stride = layout.id_steps()
+        local = np.arange(layout.rows_per_shard)
+        for shard in range(4):
+            want = np.asarray(layout.global_ids(shard, local))
+            np.testing.assert_array_equal(first[shard] + stride * local, want)
 
 
 _RSS_SCRIPT = """

@@ -11,7 +11,7 @@ import pytest
 
 import jax_tpu_embed as jte
 import reference
-from conftest import make_mesh
+from conftest import count_primitive, make_mesh
 
 B, D = 16, 4
 
@@ -294,6 +294,83 @@ def test_abstract_state_matches_init():
     for x, a in zip(real_leaves, abstract_leaves):
         assert (x.shape, x.dtype) == (a.shape, a.dtype)
         assert x.sharding.is_equivalent_to(a.sharding, x.ndim)
+
+
+def test_step_init_gives_model_init_variables():
+    """step.init draws the tables outside model.init's program, with the keys the layer
+    draws: the same params and tables, bit for bit, as model.init (one key, or a dict of
+    keys with its own "embedding" stream)."""
+    model = Model(jte.flax.Embed(make_spec(), make_mesh(4, "auto")))
+    step = jte.flax.make_train_step(model, mse, optax.adam(1e-3))
+    batch = make_batch(np.random.default_rng(12))
+    for key in [jax.random.key(4), {"params": jax.random.key(5), "embedding": jax.random.key(6)}]:
+        state = step.init(key, batch)
+        want: Any = model.init(key if isinstance(key, dict) else {"params": key}, batch)
+        jax.tree.map(np.testing.assert_array_equal, state.params, want["params"])
+        jax.tree.map(np.testing.assert_array_equal, state.embedding, want["embedding"])
+
+
+def test_step_init_traces_inside_another_transformation():
+    """Under eval_shape (or jit) init compiles nothing itself and gives abstract state."""
+    model = Model(jte.flax.Embed(make_spec(), make_mesh(2)))
+    step = jte.flax.make_train_step(model, mse, optax.adam(1e-3))
+    batch = make_batch(np.random.default_rng(13))
+    got = jax.eval_shape(lambda k: step.init(k, batch), jax.random.key(0))
+    want = step.abstract_state(batch)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for x, a in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert (x.shape, x.dtype) == (a.shape, a.dtype)
+
+
+class SumOfActivations(nn.Module):
+    embed: jte.flax.Embed
+
+    @nn.compact
+    def __call__(self, batch):
+        x = sum(jax.tree.leaves(self.embed(batch["features"])))
+        return nn.Dense(1)(x)[:, 0]
+
+
+def _init_work(num_tables: int) -> tuple[int, int]:
+    """(XLA compiles of step.init, draws (erf_inv) in its model.init program) for a model
+    whose dense part is the same for any number of tables of distinct shapes."""
+    rng = np.random.default_rng(num_tables)
+    sizes = 40 + 8 * np.arange(num_tables)
+    spec = jte.EmbeddingSpec(
+        {
+            f"f{i}": jte.FeatureConfig(jte.TableConfig(int(v), D, combiner="sum", name=f"t{i}"))
+            for i, v in enumerate(sizes)
+        },
+        jte.Adagrad(learning_rate=0.1),
+    )
+    features = {f"f{i}": rng.integers(0, v, B).astype(np.int32) for i, v in enumerate(sizes)}
+    model = SumOfActivations(jte.flax.Embed(spec, make_mesh(2)))
+    step = jte.flax.make_train_step(model, mse, optax.sgd(0.1))
+    events = []
+
+    def listen(event: str, duration_secs: float, **kwargs: str | int) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(duration_secs)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        jax.block_until_ready(step.init(jax.random.key(0), {"features": features}))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    rngs = step._init_rngs(jax.random.key(0))[0]
+    jaxpr = jax.make_jaxpr(step._model_init)(rngs, {"features": features}).jaxpr
+    return len(events), count_primitive(jaxpr, "erf_inv")
+
+
+def test_init_compiles_the_same_programs_for_any_number_of_tables():
+    """The demo's init took 15 s: one compile, or a copy of a table's initialisation in
+    one program, per table. Counted rather than timed: step.init of a model with 26 tables
+    compiles as many programs as with 3 (the dense variables' and the tables'), and its
+    model.init program draws no table (test_core counts the tables' program's draws)."""
+    _init_work(2)  # Compiles what every init needs once (eager ops).
+    compiles, draws = _init_work(26)
+    assert (compiles, draws) == _init_work(3)
+    assert compiles <= 2 and draws == 1  # The Dense kernel's truncated normal.
 
 
 def test_default_mesh_works_eagerly(rng):
