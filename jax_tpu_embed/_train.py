@@ -489,9 +489,16 @@ class TrainStep:
         params = placed(params, copy=not owned)
         step = jax.device_put(jnp.array(first.step, jnp.int32, copy=True), replicated)
         skipped = jax.device_put(jnp.zeros((), jnp.int32), replicated)
-        # On the mesh like the step's outputs, so the second step does not retrace.
+        # On the mesh like the step's outputs, so the second step does not retrace. One
+        # program, not one per distinct leaf shape that optax's init makes eagerly (the
+        # mesh in context: params on Explicit axes carry it in their types).
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+            opt_state = self.tx.init(params)  # Traced in the caller's program.
+        else:
+            with jax.set_mesh(mesh):
+                opt_state = jax.jit(self.tx.init)(params)
         opt_state = jax.tree.map(
-            lambda x: jax.device_put(x, _dense_sharding(x, replicated)), self.tx.init(params)
+            lambda x: jax.device_put(x, _dense_sharding(x, replicated)), opt_state
         )
         state = TrainState(
             step,

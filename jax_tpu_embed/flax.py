@@ -201,6 +201,18 @@ def _zero_activations(emb: _embedding.Embedding, features) -> Any:
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
+# XLA:CPU options for a program that runs once on small arrays (the dense layers' init):
+# LLVM's heavier optimisations take much of its compile time and would save less than they
+# cost. Level 1 keeps the values bit for bit what model.init gives; level 0 does not (it
+# leaves multiply-adds unfused).
+_RUN_ONCE = {"xla_backend_optimization_level": 1}
+
+
+def _on_cpu(layers: dict) -> bool:
+    """Whether every layer's embedding lives on a CPU mesh ({path: (Embedding, key)})."""
+    return all(emb.mesh.devices.flat[0].platform == "cpu" for emb, _ in layers.values())
+
+
 def _nested(states: dict[tuple, _embedding.EmbeddingState]) -> dict:
     """The "embedding" collection holding `states` ({layer path: state}) as flax nests it."""
     collection: dict = {}
@@ -387,7 +399,8 @@ class FlaxTrainStep(_train.TrainStep):
         # once: XLA's compiles run outside the GIL, and are most of init's time.
         micro = self._first_micro(batch)
         dense_init = jax.jit(functools.partial(self._model_init, layers=layers))
-        key_info = dense_init.trace(init_rngs, micro).out_info[1]
+        traced_init = dense_init.trace(init_rngs, micro)
+        key_info = traced_init.out_info[1]
         if not key_info:
             raise ValueError("jte.flax.make_train_step: the model has no jte.flax.Embed.")
         traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((key, batch)))
@@ -397,7 +410,12 @@ class FlaxTrainStep(_train.TrainStep):
                 for path, (emb, _) in layers.items()
                 if not traced  # Inside another trace nothing is compiled here.
             ]
-            variables, keys = dense_init(init_rngs, micro)
+            if traced:
+                variables, keys = dense_init(init_rngs, micro)
+            else:
+                options = _RUN_ONCE if _on_cpu(layers) else None
+                compiled = traced_init.lower().compile(compiler_options=options)
+                variables, keys = compiled(init_rngs, micro)
             for done in compiling:
                 done.result()
         states = {path: layers[path][0].init(k) for path, k in keys.items()}
