@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding

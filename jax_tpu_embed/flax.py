@@ -205,7 +205,7 @@ def _zero_activations(emb: _embedding.Embedding, features) -> Any:
 # LLVM's heavier optimisations take much of its compile time and would save less than they
 # cost. Level 1 keeps the values bit for bit what model.init gives; level 0 does not (it
 # leaves multiply-adds unfused).
-_RUN_ONCE = {"xla_backend_optimization_level": 1}
+_RUN_ONCE: dict[str, Any] = {"xla_backend_optimization_level": 1}
 
 
 def _on_cpu(layers: dict) -> bool:
