@@ -53,6 +53,9 @@ class TablePlan:
         vmem: VMEM bytes per TensorCore of the mesh's TPUs (sizes the Pallas kernels).
         routing: "gather" (every device sees the global batch's ids: `_streams`) or
             "owner" (ids travel to the rows' owners: `_routing`).
+        members: For a stack of several tables in one array (`_storage.stack`), each
+            member's name, own layout and first local row in the stack's shards; () for
+            a table stored alone.
     """
 
     name: str
@@ -65,10 +68,20 @@ class TablePlan:
     on_tpu: bool = False
     vmem: int = 16 << 20
     routing: str = "gather"
+    members: tuple = ()
 
     @property
     def layout(self):
         return self.storage.layout
+
+    def owner_and_local(self, table: str, ids):
+        """(owner shard, local row in this plan's array) of ids of table `table`: its own
+        layout's, offset by its first row in the stack for a stacked table."""
+        for member in self.members:
+            if member.name == table:
+                owner, local = member.layout.owner_and_local(ids)
+                return owner, local + member.offset
+        return self.layout.owner_and_local(ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +223,12 @@ class Backend:
         """(new table, new {stored slot: array}) after one sparse step from this device's
         activation gradients {path: (b, D) or (b, L, D)}."""
         raise NotImplementedError
+
+    def fits(self, plan: TablePlan, inputs: list[Input], axis: str) -> bool:
+        """Whether one call of this backend does the row work of `inputs` as fast as
+        separate calls per table would (a stack's tables share calls while it does)."""
+        del plan, inputs, axis
+        return True
 
     def single_pass(self, plan: TablePlan, out_rows: int) -> bool:
         """Whether every update of a batch with `out_rows` output rows takes one pass over

@@ -289,7 +289,7 @@ class CpuBackend(_backend.Backend):
         out = {}
         for f, ids, weights in inputs:
             ids_all, w_all = _streams.gathered(ids, weights, axis)
-            mine, local = _streams.owned(plan.layout, ids_all, axis)
+            mine, local = _streams.owned(plan, f, ids_all, axis)
             scale = jnp.where(mine, _streams.feature_scale(f, w_all), 0.0)
             if f.config.is_sequence:
                 partial = jnp.take(table, local, axis=0).astype(jnp.float32) * scale[..., None]
@@ -302,7 +302,7 @@ class CpuBackend(_backend.Backend):
         keys, g, pooled = [], [], None
         for f, ids, weights in inputs:
             ids_all, w_all = _streams.gathered(ids, weights, axis)
-            mine, local = _streams.owned(plan.layout, ids_all, axis)
+            mine, local = _streams.owned(plan, f, ids_all, axis)
             scale = _streams.feature_scale(f, w_all)
             grad_all = lax.all_gather(grads[f.path], axis, tiled=True).astype(jnp.float32)
             if f.config.is_sequence:

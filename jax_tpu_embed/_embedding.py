@@ -161,6 +161,14 @@ class Embedding:
             Results agree to float32 rounding; `routing` (the attribute) says what was
             chosen. With "owner", max_ids_per_shard bounds the ids one shard receives per
             round; more rounds run when a skewed batch needs them (`id_counts`).
+        stacking: True (default): tables that agree on dim, float32 dtype, optimizer
+            (the same object), backend and routing share one array per stored array, each
+            shard holding its members' rows one block after another, so that one sort,
+            one exchange and one kernel serve them all where the kernels' memory allows.
+            Tables with stochastic rounding or an optimizer that updates every row stay
+            alone. Invisible but in `EmbeddingState`'s keys (`stacks`): export, checkpoints,
+            serving and `shard_rows` speak per-table logical rows. False: one array per
+            table.
         cpu_kernels: Deprecated: backend="auto" uses the C++ kernels on CPU meshes;
             False means backend="xla" for them.
         tpu_kernels: Deprecated: True is backend="pallas", False leaves the Pallas kernels
@@ -178,6 +186,7 @@ class Embedding:
         max_ids_per_shard: int | Mapping[str, int] | None = None,
         max_unique_ids_per_shard: int | Mapping[str, int] | None = None,
         routing: str | Mapping[str, str] = "auto",
+        stacking: bool = True,
         cpu_kernels: bool | None = None,
         tpu_kernels: bool | str | None = None,
     ):
@@ -273,6 +282,12 @@ class Embedding:
             )
             for name, table in spec.tables().items()
         }
+        self._stack_plans = self._make_stacks(bool(stacking))
+        self._stack_of = {
+            member: name
+            for name, plan in self._stack_plans.items()
+            for member in (plan.members and [m.name for m in plan.members] or [name])
+        }
         names = _config.table_names(spec)
         self.feature_plans = [
             _backend.FeaturePlan(p, f, names[id(f.table)]) for p, f in spec.flat_features
@@ -280,12 +295,89 @@ class Embedding:
         self._replicated = NamedSharding(mesh, P())
         self._init_fns = None
         self._init_blocked = None
+        self._stack_fns: dict = {}
         self._lookup_jit = jax.jit(self._lookup)
         # The state is donated: the update writes the touched rows in place instead of
         # copying every table and slot on each call (which made an eager call O(V)).
         self._apply_jit = jax.jit(self._apply, donate_argnums=0)
         self._skipped: dict[str, jax.Array] | None = None
         self._add_counts = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+
+    def _make_stacks(self, stacking: bool) -> dict[str, _backend.TablePlan]:
+        """{stack name: its plan}: a table stored alone is a stack of its own, under its
+        name; several tables sharing arrays are one under their names joined by "+"."""
+        groups: dict[tuple, list[str]] = {}
+        for name, plan in self.table_plans.items():
+            alone = (
+                not stacking
+                or jnp.dtype(plan.config.dtype) != jnp.float32
+                or plan.config.stochastic_rounding
+                or plan.optimizer.dense_update
+            )
+            key = (
+                (name,)
+                if alone
+                else (
+                    plan.config.dim,
+                    id(plan.optimizer),
+                    plan.backend.name,
+                    plan.routing,
+                    plan.max_ids is None,
+                    plan.max_unique is None,
+                )
+            )
+            groups.setdefault(key, []).append(name)
+        stacks = {}
+        for names in groups.values():
+            # Greedily, in spec order, while the stack's local rows fit the sort keys.
+            chunk: list[str] = []
+            for name in names + [None]:
+                if name is not None:
+                    rows = sum(self.table_plans[n].layout.rows_per_shard for n in chunk + [name])
+                    # A row's 128 lanes of padding, per member, for the alignment of blocks.
+                    rows += 128 * (len(chunk) + 1)
+                    if not chunk or self._stackable(rows):
+                        chunk.append(name)
+                        continue
+                stacks.update(self._stack(chunk))
+                chunk = [] if name is None else [name]
+        return {name: stacks[name] for name in sorted(stacks, key=self._first_table)}
+
+    def _first_table(self, stack_name: str) -> int:
+        return list(self.table_plans).index(stack_name.split("+")[0])
+
+    def _stackable(self, rows: int) -> bool:
+        return rows < _streams.NOT_MINE and self.num_shards * rows < _routing.NONE
+
+    def _stack(self, names: list[str]) -> dict[str, _backend.TablePlan]:
+        if len(names) == 1:
+            return {names[0]: self.table_plans[names[0]]}
+        plans = [self.table_plans[n] for n in names]
+        storage, members = _storage.stack([(n, p.storage) for n, p in zip(names, plans)])
+
+        def total(values):
+            return None if values[0] is None else sum(values)
+
+        name = "+".join(names)
+        return {
+            name: dataclasses.replace(
+                plans[0],
+                name=name,
+                storage=storage,
+                members=members,
+                max_ids=total([p.max_ids for p in plans]),
+                max_unique=total([p.max_unique for p in plans]),
+            )
+        }
+
+    @property
+    def stacks(self) -> dict[str, tuple[str, ...]]:
+        """{state key: the tables stored in its arrays}: `EmbeddingState.tables` and
+        `.slots` are keyed by these; a table stored alone is its own key."""
+        return {
+            name: tuple(m.name for m in plan.members) or (name,)
+            for name, plan in self._stack_plans.items()
+        }
 
     @property
     def backends(self) -> dict[str, str]:
@@ -310,42 +402,56 @@ class Embedding:
     def abstract_state(self) -> EmbeddingState:
         """The state as jax.ShapeDtypeStruct leaves with shardings; allocates nothing."""
         tables, slots = {}, {}
-        for name, plan in self.table_plans.items():
-            table_shape, slot_shapes = plan.storage.shapes()
-            tables[name] = jax.ShapeDtypeStruct(
-                table_shape, plan.config.dtype, sharding=self._rows(len(table_shape))
-            )
-            slots[name] = {
-                n: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self._rows(len(shape)))
-                for n, shape in slot_shapes.items()
-            }
+        for name, plan in self._stack_plans.items():
+            tables[name], slots[name] = self._abstract(plan.storage, plan.config.dtype)
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
         return EmbeddingState(tables, slots, step)
+
+    def _abstract(self, storage: _storage.TableStorage, dtype) -> tuple:
+        table_shape, slot_shapes = storage.shapes()
+        return jax.ShapeDtypeStruct(table_shape, dtype, sharding=self._rows(len(table_shape))), {
+            n: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self._rows(len(shape)))
+            for n, shape in slot_shapes.items()
+        }
+
+    def _shardings(self, plan: _backend.TablePlan) -> tuple:
+        return jax.tree.map(lambda a: a.sharding, self._abstract(plan.storage, plan.config.dtype))
 
     def init(self, key: jax.Array) -> EmbeddingState:
         """Initial tables and slots: the same logical values for every mesh and strategy.
 
         Tables with the default initializer and constant slot initializers (every built-in
-        optimizer) are drawn in blocks of rows on their own shards, all in one compiled
-        program: the transient memory is a block per array, and there is one compile however
-        many tables there are. Row r of such a table is a hash of (table key, r), so its value
-        depends on neither the mesh, the strategy nor the block size. A table with
-        its own initializer (or a slot with a random one) is called with the logical shape,
-        as the API promises, in a program of its own. Works traced inside another jit too.
+        optimizer) are drawn in blocks of rows on their own shards, straight into the
+        arrays of their stacks, all in one compiled program: the transient memory is a
+        block per array, and there is one compile however many tables there are. Row r of
+        such a table is a hash of (table key, r), so its value depends on neither the mesh,
+        the strategy nor the block size. A table with its own initializer (or a slot with a
+        random one) is called with the logical shape, as the API promises, in a program of
+        its own; a stack holding one is joined from its members' arrays. Works traced
+        inside another jit too.
         """
         keys = self._table_keys(key)
         tables, slots = {}, {}
-        blocked = {name: keys[name] for name in self.table_plans if self._blocked(name)}
-        if blocked:
+        names = self._blocked_tables()
+        if names:
             program, per_table = self._init_blocked_fn()
-            for name, (table, table_slots) in program(blocked, per_table).items():
+            for name, (table, table_slots) in program(
+                {n: keys[n] for n in names}, per_table
+            ).items():
                 tables[name], slots[name] = table, table_slots
         programs = self.init_programs()
-        for name in self.table_plans:
-            if name not in blocked:
-                tables[name], slots[name] = programs[name](keys[name])
-        tables = {name: tables[name] for name in self.table_plans}
-        slots = {name: slots[name] for name in self.table_plans}
+        own = {}
+        for name in self._stack_plans:
+            if name not in tables:
+                own.update({t: programs[t](keys[t]) for t in self.stacks[name]})
+        if own:
+            joined = self._join(
+                {t: x[0] for t, x in own.items()}, {t: x[1] for t, x in own.items()}
+            )
+            tables.update(joined[0])
+            slots.update(joined[1])
+        tables = {name: tables[name] for name in self._stack_plans}
+        slots = {name: slots[name] for name in self._stack_plans}
         step = jnp.zeros((), jnp.int32)
         if not isinstance(key, jax.core.Tracer):
             step = jax.device_put(step, self._replicated)
@@ -353,16 +459,16 @@ class Embedding:
 
     def init_programs(self) -> dict:
         """{table name: a jitted fn(table key) -> (table, slots) giving what `init` gives for
-        it}; for compiling ahead of time (the planner checks initialisation fits HBM too)."""
+        it, as the table would be stored alone}; for compiling ahead of time (the planner
+        checks initialisation fits HBM too)."""
         if self._init_fns is None:
-            shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state())
             self._init_fns = {
                 name: jax.jit(
                     functools.partial(
                         self._init_table_blocked if self._blocked(name) else self._init_table,
                         plan,
                     ),
-                    out_shardings=(shardings.tables[name], shardings.slots[name]),
+                    out_shardings=self._shardings(plan),
                 )
                 for name, plan in self.table_plans.items()
             }
@@ -375,15 +481,24 @@ class Embedding:
             callable(s.initializer) for s in plan.storage.slot_specs
         )
 
+    def _blocked_tables(self) -> tuple:
+        """The tables of the stacks whose every member `_blocked` (drawn by one program)."""
+        return tuple(
+            t
+            for name in self._stack_plans
+            if all(self._blocked(t) for t in self.stacks[name])
+            for t in self.stacks[name]
+        )
+
     def _init_blocked_fn(self) -> tuple:
-        """(jitted fn({name: table key}, per_table) -> {name: (table, slots)}, per_table):
-        every blocked table in one program (`per_table`: see `_per_table_rows`)."""
+        """(jitted fn({name: table key}, per_table) -> {stack: (table, slots)}, per_table):
+        every blocked stack in one program (`per_table`: see `_per_table_rows`)."""
         if self._init_blocked is None:
-            names = tuple(n for n in self.table_plans if self._blocked(n))
-            shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state())
+            names = self._blocked_tables()
+            targets = tuple(dict.fromkeys(self._stack_of[n] for n in names))
             program = jax.jit(
-                functools.partial(self._draw_tables, names),
-                out_shardings={n: (shardings.tables[n], shardings.slots[n]) for n in names},
+                functools.partial(self._draw_tables, names, targets),
+                out_shardings={t: self._shardings(self._stack_plans[t]) for t in targets},
             )
             self._init_blocked = (program, self._per_table_rows(names))
         return self._init_blocked
@@ -395,7 +510,7 @@ class Embedding:
         """Compiles `init`'s program of the blocked tables for keys like `key` before `init`
         is called (jax keeps it for the call), so that a caller can do it while it does
         something else. Thread-safe."""
-        names = [n for n in self.table_plans if self._blocked(n)]
+        names = self._blocked_tables()
         if names:
             keys = jax.eval_shape(self._table_keys, key)
             program, per_table = self._init_blocked_fn()
@@ -404,7 +519,7 @@ class Embedding:
     def _init_table_blocked(self, plan: _backend.TablePlan, table_key):
         """A table and its slots drawn block by block on their own shards (see `init`)."""
         names = (plan.name,)
-        return self._draw_tables(names, {plan.name: table_key}, self._per_table_rows(names))[
+        return self._draw_tables(names, None, {plan.name: table_key}, self._per_table_rows(names))[
             plan.name
         ]
 
@@ -440,24 +555,39 @@ class Embedding:
             for n, o in zip(names, offset)
         )
 
-    def _draw_tables(self, names: tuple, keys: dict, per_table: tuple) -> dict:
-        """{name: (table, slots)} of the blocked tables `names` (see `_init_local`)."""
+    def _targets(self, names: tuple, stacks: tuple | None) -> list:
+        """The arrays `_init_local` writes: [(name, plan, [(index in names, first local
+        row)])], one per stack of `stacks`, or one per table of `names` stored alone."""
+        if stacks is None:
+            return [(n, self.table_plans[n], [(j, 0)]) for j, n in enumerate(names)]
+        out = []
+        for stack in stacks:
+            plan = self._stack_plans[stack]
+            offsets = {m.name: m.offset for m in plan.members} or {stack: 0}
+            out.append((stack, plan, [(names.index(t), o) for t, o in offsets.items()]))
+        return out
+
+    def _draw_tables(self, names: tuple, stacks: tuple | None, keys: dict, per_table: tuple):
+        """{name: (table, slots)} of the blocked tables `names`, in the arrays of `stacks`
+        (None: each table alone) (see `_init_local`)."""
         words = jnp.stack([jax.random.key_data(keys[n]).reshape(-1) for n in names])
         words = words.astype(jnp.uint32)
         row = P(self.axis)
+        targets = self._targets(names, stacks)
         out_specs = {
-            n: (row, {s.name: row for s in self.table_plans[n].storage.stored}) for n in names
+            name: (row, {s.name: row for s in plan.storage.stored}) for name, plan, _ in targets
         }
-        local = self._shard_map(functools.partial(self._init_local, names), (P(), P()), out_specs)(
-            jnp.stack([words[:, 0], words[:, -1]]), per_table
-        )
+        local = self._shard_map(
+            functools.partial(self._init_local, names, targets), (P(), P()), out_specs
+        )(jnp.stack([words[:, 0], words[:, -1]]), per_table)
         return {
             n: (self._constrain(t), {k: self._constrain(x) for k, x in slots.items()})
             for n, (t, slots) in local.items()
         }
 
-    def _init_local(self, names: tuple, words, per_table: tuple):
-        """Inside shard_map: this shard's physical tables `names` and their stored slots.
+    def _init_local(self, names: tuple, targets: list, words, per_table: tuple):
+        """Inside shard_map: this shard's physical arrays of `targets` (`_targets`: the
+        tables `names`, alone or in their stacks) and their stored slots.
 
         The tables are written in rounds: in each, a block of rows of every table (about
         1/rounds of it) is drawn by one computation for all of them (one per row width),
@@ -471,6 +601,8 @@ class Embedding:
         steps = [p.storage.layout.id_steps() for p in plans]
         first_id = jnp.asarray(np.stack([f for f, _ in steps]).astype(np.int32))[:, shard]
         stride = np.array([s for _, s in steps], np.int32)
+        # Table j is written into array into[j][0] from its local row into[j][1] on.
+        into = {j: (t, o) for t, (_, _, members) in enumerate(targets) for j, o in members}
 
         def first(r, j: Any = slice(None)):
             """The first local row of table j's block in round r (of every table's: (T,)).
@@ -490,8 +622,8 @@ class Embedding:
             return out
 
         def write(arrays, drawn, r):
-            out = []
-            for j, (plan, array) in enumerate(zip(plans, arrays)):
+            arrays = list(arrays)
+            for j, plan in enumerate(plans):
                 storage = plan.storage
                 start = first(r, j)
                 local = start + jnp.arange(int(block[j]))
@@ -502,9 +634,12 @@ class Embedding:
                 rows = jnp.where(valid[:, None], rows, 0.0).astype(plan.config.dtype)
                 riders = {s.name: _constant_rows(plan, s, valid) for s in storage.riders}
                 physical = storage.block_to_physical(None, storage.join_row(rows, riders))
-                at = (start // int(granule[j]),) + (0,) * (array.ndim - 1)
-                out.append(jax.lax.dynamic_update_slice(array, physical.astype(array.dtype), at))
-            return out
+                t, o = into[j]
+                at = ((o + start) // int(granule[j]),) + (0,) * (arrays[t].ndim - 1)
+                arrays[t] = jax.lax.dynamic_update_slice(
+                    arrays[t], physical.astype(arrays[t].dtype), at
+                )
+            return arrays
 
         def body(r, carry):
             # Round r - 1 is written while round r is drawn: a draw written in its own round
@@ -513,22 +648,29 @@ class Embedding:
             return write(arrays, drawn, r - 1), draw(r)
 
         arrays = [
-            jnp.zeros((n // k,) + p.storage.shapes()[0][1:], p.config.dtype)
-            for n, k, p in zip(logical, granule, plans)
+            jnp.zeros(
+                (p.storage.shapes()[0][0] // self.num_shards,) + p.storage.shapes()[0][1:],
+                p.config.dtype,
+            )
+            for _, p, _ in targets
         ]
         drawn = {d: jnp.zeros((int(block[m].sum()), d), jnp.float32) for d, m in groups.items()}
         # One pass more than rounds: the first writes nothing, the last draws nothing new.
         arrays, _ = jax.lax.fori_loop(0, rounds + 1, body, (arrays, drawn))
         out = {}
-        for j, (plan, table) in enumerate(zip(plans, arrays)):
+        for (name, plan, members), table in zip(targets, arrays):
             slots = {}
             for s in plan.storage.stored:
                 # Constants, computed where they are stored: no temporary, no blocks.
                 rows = plan.storage.shapes()[1][s.name][0] // self.num_shards
                 local = jnp.arange(rows * plan.storage.block_granule(s))
-                rows = _constant_rows(plan, s, local < per_table[j][1 + shard])
+                valid = functools.reduce(
+                    jnp.logical_or,
+                    [(local >= o) & (local < o + per_table[j][1 + shard]) for j, o in members],
+                )
+                rows = _constant_rows(plan, s, valid)
                 slots[s.name] = plan.storage.block_to_physical(s, rows).astype(jnp.float32)
-            out[plan.name] = (table, slots)
+            out[name] = (table, slots)
         return out
 
     def _init_table(self, plan: _backend.TablePlan, table_key):
@@ -640,7 +782,70 @@ class Embedding:
                 for s in storage.stored
             }
         step_array = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
-        return EmbeddingState(new_tables, new_slots, step_array)
+        return EmbeddingState(*self._join(new_tables, new_slots), step_array)
+
+    # --------------------------------------------------- stacks <-> per-table arrays
+
+    def _join(self, tables: dict, slots: dict) -> tuple[dict, dict]:
+        """The state's (tables, slots), keyed by stack, from each table's physical arrays
+        as it would be stored alone ({table: array}, {table: {slot: array}}); a table
+        stored alone passes through, a stack is one concatenation per shard and array."""
+        out_tables, out_slots = {}, {}
+        for name, plan in self._stack_plans.items():
+            if not plan.members:
+                if name in tables:
+                    out_tables[name], out_slots[name] = tables[name], slots[name]
+                continue
+            members = [m.name for m in plan.members]
+            if not all(m in tables for m in members):
+                continue
+            out_tables[name], out_slots[name] = self._stack_fn(name, "join")(
+                {m: tables[m] for m in members}, {m: slots[m] for m in members}
+            )
+        return out_tables, out_slots
+
+    def _split(self, state: EmbeddingState) -> tuple[dict, dict]:
+        """The inverse of `_join`: each table's physical arrays as stored alone (a copy of
+        its rows for a stacked table)."""
+        tables, slots = {}, {}
+        for name, plan in self._stack_plans.items():
+            if not plan.members:
+                tables[name], slots[name] = state.tables[name], state.slots[name]
+                continue
+            t, s = self._stack_fn(name, "split")(state.tables[name], state.slots[name])
+            tables.update(t)
+            slots.update(s)
+        return tables, slots
+
+    def _stack_fn(self, stack: str, what: str):
+        """The jitted per-shard join or split of a stack's arrays (cached)."""
+        key = (stack, what)
+        if key not in self._stack_fns:
+            plan = self._stack_plans[stack]
+            storage, members = plan.storage, plan.members
+            row = P(self.axis)
+
+            def join(tables, slots):
+                parts = [tables[m.name] for m in members]
+                return _storage.join_local(storage, members, None, parts), {
+                    s.name: _storage.join_local(
+                        storage, members, s, [slots[m.name][s.name] for m in members]
+                    )
+                    for s in storage.stored
+                }
+
+            def split(table, slots):
+                return {m.name: table[m.rows(storage.packing)] for m in members}, {
+                    m.name: {
+                        s.name: slots[s.name][m.rows(storage.slot_packing(s))]
+                        for s in storage.stored
+                    }
+                    for m in members
+                }
+
+            fn = join if what == "join" else split
+            self._stack_fns[key] = jax.jit(self._shard_map(fn, (row, row), (row, row)))
+        return self._stack_fns[key]
 
     def _put(self, physical: np.ndarray) -> jax.Array:
         return jax.make_array_from_callback(
@@ -660,8 +865,9 @@ class Embedding:
         With several processes this gathers the tables onto every process (a collective):
         call it on every process, then write from one.
         """
+        tables = self._split(state)[0]
         return {
-            name: plan.storage.to_logical(self._fetch(state.tables[name]))[0]
+            name: plan.storage.to_logical(self._fetch(tables[name]))[0]
             for name, plan in self.table_plans.items()
         }
 
@@ -671,12 +877,13 @@ class Embedding:
         A collective with several processes, like `export`.
         """
         out = {}
+        tables, slots = self._split(state)
         for name, plan in self.table_plans.items():
             storage = plan.storage
             # The table's own array only when slots ride in it.
-            table = self._fetch(state.tables[name]) if storage.riders else None
+            table = self._fetch(tables[name]) if storage.riders else None
             out[name] = storage.to_logical(
-                table, {n: self._fetch(x) for n, x in state.slots[name].items()}
+                table, {n: self._fetch(x) for n, x in slots[name].items()}
             )[1]
         return out
 
@@ -692,9 +899,10 @@ class Embedding:
         storage = self.table_plans[table_name].storage
         if not 0 <= shard < self.num_shards:
             raise ValueError(f"shard_rows: shard must be in [0, {self.num_shards}), got {shard}.")
-        per_shard = storage.shard_rows()
+        stack = self._stack_plans[self._stack_of[table_name]]
+        array = state.tables[stack.name]
+        per_shard = array.shape[0] // self.num_shards
         start = shard * per_shard
-        array = state.tables[table_name]
         if array.is_fully_addressable:
             local = next(
                 np.asarray(piece.data)
@@ -705,6 +913,9 @@ class Embedding:
             # Several processes: all gather, whichever holds the shard; one that read its
             # own copy instead would leave the others waiting in the all-gather.
             local = self._fetch(array)[start : start + per_shard]
+        for member in stack.members:
+            if member.name == table_name:
+                local = local[member.rows(stack.storage.packing)]
         return storage.shard_table_rows(local, shard)
 
     # ---------------------------------------------------------------- compute
@@ -733,7 +944,9 @@ class Embedding:
         """
         flat = _inputs.flatten_inputs(self.spec, features)
         _inputs.check_batch(flat, self.num_shards)
-        return _streams.id_counts(self.table_plans, self.feature_plans, flat, self.num_shards)
+        return _streams.id_counts(
+            self.table_plans, self._stack_plans, self.feature_plans, flat, self.num_shards
+        )
 
     def _prepare(self, features, act_grads=None) -> dict:
         flat = _inputs.flatten_inputs(self.spec, features)
@@ -934,36 +1147,94 @@ class Embedding:
             ok[f.table] = ok[f.table] & good
         return ok
 
-    # Inside shard_map: each table's backend does its shard-local row work.
+    # Inside shard_map: each stack's backend does its shard-local row work.
 
     def _inputs(self, feats) -> dict[str, list[_backend.Input]]:
+        """{stack name: the Inputs of its tables' features}, in member order."""
         by_table: dict[str, list[_backend.Input]] = {}
         for f in self.feature_plans:
             by_table.setdefault(f.table, []).append(_backend.Input(f, *feats[f.path]))
-        return by_table
+        return {
+            name: [i for t in self.stacks[name] for i in by_table.get(t, [])]
+            for name in self._stack_plans
+            if any(t in by_table for t in self.stacks[name])
+        }
+
+    def _parts(self, plan: _backend.TablePlan, inputs: list) -> list:
+        """[(plan, inputs)]: the row work of a stack in as few calls as its kernels allow.
+
+        One call serves the whole stack when the kernels' resident blocks fit VMEM with all
+        its features; else consecutive members are grouped while they fit (a member alone
+        is one call, on the kernels or the XLA passes as it would be unstacked). Members'
+        rows are disjoint, so separate calls on the one array are the same update."""
+        if not plan.members:
+            return [(plan, inputs)]
+        fits = _routing.fits if plan.routing == "owner" else plan.backend.fits
+        if fits(plan, inputs, self.axis):
+            return [(plan, inputs)]
+        by_member = {m.name: m for m in plan.members}
+        groups: list[list] = []
+        for i in inputs:
+            if groups and groups[-1][-1].feature.table == i.feature.table:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        parts: list[list] = []
+        for group in groups:
+            if parts and fits(
+                self._part_plan(plan, parts[-1] + group, by_member), parts[-1] + group, self.axis
+            ):
+                parts[-1] = parts[-1] + group
+            else:
+                parts.append(group)
+        return [(self._part_plan(plan, part, by_member), part) for part in parts]
+
+    def _part_plan(self, plan: _backend.TablePlan, inputs: list, by_member: dict):
+        """The stack's plan for the members that `inputs` feed: their capacities summed."""
+        names = list(dict.fromkeys(i.feature.table for i in inputs))
+        if len(names) == len(plan.members):
+            return plan
+
+        def total(field):
+            values = [getattr(self.table_plans[n], field) for n in names]
+            return None if values[0] is None else sum(values)
+
+        return dataclasses.replace(
+            plan,
+            max_ids=total("max_ids"),
+            max_unique=total("max_unique"),
+            members=tuple(by_member[n] for n in names),
+        )
 
     def _lookup_local(self, tables, feats):
         out = {}
         for name, inputs in self._inputs(feats).items():
-            plan = self.table_plans[name]
-            if plan.routing == "owner":
-                out.update(_routing.lookup(plan, tables[name], inputs, self.axis))
-            else:
-                out.update(plan.backend.lookup(plan, tables[name], inputs, self.axis))
+            for plan, part in self._parts(self._stack_plans[name], inputs):
+                if plan.routing == "owner":
+                    out.update(_routing.lookup(plan, tables[name], part, self.axis))
+                else:
+                    out.update(plan.backend.lookup(plan, tables[name], part, self.axis))
         return out
 
     def _update_local(self, tables, slots, feats, grads, step, ok):
         tables, slots = dict(tables), dict(slots)
         for name, inputs in self._inputs(feats).items():
-            plan = self.table_plans[name]
-            update = _routing.update if plan.routing == "owner" else plan.backend.update
-            tables[name], slots[name] = update(
-                plan,
-                tables[name],
-                slots[name],
-                inputs,
-                {i.feature.path: grads[i.feature.path] for i in inputs},
-                _backend.row_step(plan, self.spec, step, ok[name]),
-                self.axis,
-            )
+            stack = self._stack_plans[name]
+            if stack.members:
+                # A skipped member's ids are none: the stack's other members still update.
+                inputs = [i._replace(ids=jnp.where(ok[i.feature.table], i.ids, -1)) for i in inputs]
+                keep = functools.reduce(jnp.logical_or, [ok[m.name] for m in stack.members])
+            else:
+                keep = ok[name]
+            for plan, part in self._parts(stack, inputs):
+                update = _routing.update if plan.routing == "owner" else plan.backend.update
+                tables[name], slots[name] = update(
+                    plan,
+                    tables[name],
+                    slots[name],
+                    part,
+                    {i.feature.path: grads[i.feature.path] for i in part},
+                    _backend.row_step(plan, self.spec, step, keep),
+                    self.axis,
+                )
         return tables, slots

@@ -77,7 +77,7 @@ class _Local:
         keys, outs, scales, parts, first = [], [], [], [], 0
         for f, ids, weights in inputs:
             b, l = ids.shape
-            owner, local = plan.layout.owner_and_local(ids)
+            owner, local = plan.owner_and_local(f.table, ids)
             keys.append(jnp.where(ids >= 0, owner * s + local, NONE).reshape(-1))
             example = lax.broadcasted_iota(jnp.int32, (b, l), 0)
             if f.config.is_sequence:
@@ -331,17 +331,29 @@ def _arrivals(rows):
     return keys, slot, jnp.sum(keys < NOT_MINE, dtype=jnp.int32)
 
 
+def fits(plan: _backend.TablePlan, inputs: list, axis: str) -> bool:
+    """Whether the Pallas kernels can do the row work of `inputs` in one call: the rows they
+    hold in VMEM (the exchanged rows, or the activations) fit (`_pallas.fits_vmem`).
+    True when XLA ops do the row work: they have no such limit."""
+    k = _kernel_rows(plan)
+    if not k:
+        return True
+    pairs = sum(ids.size for _, ids, _ in inputs)
+    rows = (
+        max(
+            lax.axis_size(axis) * capacity(plan, pairs, lax.axis_size(axis), k),
+            _streams.output_rows(inputs, k),
+        )
+        // k
+    )
+    return _pallas.fits_vmem(rows, k * plan.storage.rows_packing.padded_width, plan.vmem)
+
+
 def _row_work(plan: _backend.TablePlan, inputs: list, axis: str):
     """(local pairs, Cd, row work): the Pallas kernels when the table's backend is theirs
-    and the rows they hold in VMEM fit (`_pallas.fits_vmem`), else XLA ops."""
+    and the rows they hold in VMEM fit (`fits`), else XLA ops."""
     n = lax.axis_size(axis)
-    k = _kernel_rows(plan)
-    if k:
-        pairs = sum(ids.size for _, ids, _ in inputs)
-        cd = capacity(plan, pairs, n, k)
-        rows = max(n * cd, _streams.output_rows(inputs, k)) // k
-        if not _pallas.fits_vmem(rows, k * plan.storage.rows_packing.padded_width, plan.vmem):
-            k = 0
+    k = _kernel_rows(plan) if fits(plan, inputs, axis) else 0
     local = _Local(plan, inputs, axis, max(k, 1))
     cd = capacity(plan, local.pairs, n, max(k, 1))
     return local, cd, (_Kernels(plan, local.pairs, n * cd) if k else _XlaRows(plan))
@@ -411,19 +423,22 @@ def owner_sum(rows, g):
     return distinct, g_sum
 
 
-def rounds_needed(plan: _backend.TablePlan, ids: np.ndarray, num_shards: int) -> int:
-    """Rounds `update` runs for this global batch of one table (NumPy, `id_counts`).
+def rounds_needed(plan: _backend.TablePlan, owner: np.ndarray, local: np.ndarray) -> int:
+    """Rounds `update` runs for this global batch of one table or stack (NumPy,
+    `id_counts`).
 
-    `ids`: (N, m) each device's pairs' global ids (-1: none)."""
-    layout = plan.layout
-    cd = capacity(plan, ids.shape[1], num_shards, max(_kernel_rows(plan), 1))
-    if cd >= ids.shape[1]:
+    `owner`, `local`: (N, m) each device's pairs' owners and local rows in the plan's
+    array (owner -1: none)."""
+    num_shards, m = owner.shape
+    cd = capacity(plan, m, num_shards, max(_kernel_rows(plan), 1))
+    if cd >= m:
         return 1
     pending = []  # [device][owner] ascending distinct local keys not yet sent
     for d in range(num_shards):
-        valid = np.unique(ids[d][ids[d] >= 0])
-        owner, local = layout.owner_and_local(valid)
-        pending.append([np.sort(local[owner == p]) for p in range(num_shards)])
+        mine = owner[d] >= 0
+        keys = np.unique(owner[d][mine].astype(np.int64) * (1 << 31) + local[d][mine])
+        o, k = keys >> 31, keys & ((1 << 31) - 1)
+        pending.append([k[o == p] for p in range(num_shards)])
     rounds = 1
     for p in range(num_shards):
         queues = [pending[d][p] for d in range(num_shards)]

@@ -15,6 +15,12 @@ layout this module alone knows:
   than separate arrays would (Adagrad at every D <= 64). A touched row then costs one
   physical row, not 1 + S. Rank-1 slots and the rest keep arrays of their own (`stored`).
 
+Stacks (`stack`): tables with the same row form and optimizer may share one array per
+stored array, each shard holding its members' local rows one block after another. Each
+member keeps its own `TableStorage` (its layout, and the physical form it would have alone);
+the stack's arrays hold those forms at fixed offsets (`Member.rows`), so converting between
+them is a slice or a concatenation per shard.
+
 Init, export, restore, checkpoints, serving, planning and the backends all go through a
 `TableStorage`; none of them re-derives the physical form.
 """
@@ -22,6 +28,7 @@ Init, export, restore, checkpoints, serving, planning and the backends all go th
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 
 import jax.numpy as jnp
@@ -249,6 +256,75 @@ class TableStorage:
         table = size(table_shape, self.dtype)
         riders = table * len(self.riders) // (1 + len(self.riders))
         return table - riders, riders + sum(size(s, jnp.float32) for s in slot_shapes.values())
+
+
+# ------------------------------------------------------------------------------ stacks
+
+
+@dataclasses.dataclass(frozen=True)
+class StackLayout(_layout.TableLayout):
+    """The rows of a stack's shards: S = the members' blocks one after another, all real.
+    Ownership belongs to each member's own layout (`_backend.TablePlan.owner_and_local`),
+    never to the stack: asking the stack is a bug, and says so."""
+
+    def owner_and_local(self, ids):
+        raise TypeError("a stack's rows are owned by its members' layouts")
+
+    def global_ids(self, shard, local):
+        raise TypeError("a stack's rows have no global ids of their own")
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One table in a stack: its own storage, and its first local row in the stack's shards
+    (a multiple of every stored array's logical rows per physical row)."""
+
+    name: str
+    storage: TableStorage
+    offset: int
+
+    @property
+    def layout(self) -> _layout.TableLayout:
+        return self.storage.layout
+
+    def rows(self, packing: _layout.Packing) -> slice:
+        """The physical rows of one stack shard (of the array stored with `packing`) that
+        hold this member's shard of that array, as the member alone would store it."""
+        start = self.offset // packing.per_row
+        return slice(start, start + packing.shard_rows(self.layout.rows_per_shard))
+
+
+def stack(members: list[tuple[str, TableStorage]]) -> tuple[TableStorage, tuple[Member, ...]]:
+    """(the stack's storage, its members) for tables whose storages agree on everything but
+    their layout. Each member's block of rows starts on a physical row of every stored
+    array, so a member's part of a stack shard is its own physical shard, padded."""
+    first = members[0][1]
+    for name, storage in members:
+        if dataclasses.replace(storage, layout=first.layout) != first:
+            raise ValueError(f"table {name!r} is stored unlike {members[0][0]!r}; not stackable")
+    granule = math.lcm(*(p.per_row * p.row_multiple for p in first.packings))
+    out, offset = [], 0
+    for name, storage in members:
+        out.append(Member(name, storage, offset))
+        offset += -(-storage.layout.rows_per_shard // granule) * granule
+    n = first.layout.num_shards
+    layout = StackLayout(n * offset, n, "div")
+    return dataclasses.replace(first, layout=layout), tuple(out)
+
+
+def join_local(stacked: TableStorage, members, slot, parts: list):
+    """One shard of a stack's array (the table's for slot None, else the stored slot's)
+    from its members' shards of theirs, in member order. jnp or np."""
+    packing = stacked.packing if slot is None else stacked.slot_packing(slot)
+    xp = np if all(isinstance(x, np.ndarray) for x in parts) else jnp
+    pieces = []
+    for i, (member, x) in enumerate(zip(members, parts)):
+        rows = member.rows(packing)
+        end = members[i + 1].rows(packing).start if i + 1 < len(members) else None
+        end = packing.shard_rows(stacked.layout.rows_per_shard) if end is None else end
+        pad = [(0, end - rows.start - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+        pieces.append(xp.pad(x, pad))
+    return xp.concatenate(pieces)
 
 
 # ------------------------------------------------------------------ stochastic rounding

@@ -38,9 +38,10 @@ def gathered(ids, weights, axis):
     return ids_all, lax.all_gather(weights, axis, tiled=True)
 
 
-def owned(layout: _layout.TableLayout, ids_all, axis):
-    """(mine, local): which positions this shard owns and their local rows (0 elsewhere)."""
-    owner, local = layout.owner_and_local(ids_all)
+def owned(plan: TablePlan, feature: FeaturePlan, ids_all, axis):
+    """(mine, local): which positions of `feature`'s ids this shard owns and their local
+    rows in the plan's array (0 elsewhere)."""
+    owner, local = plan.owner_and_local(feature.table, ids_all)
     mine = (ids_all >= 0) & (owner == lax.axis_index(axis))
     return mine, jnp.where(mine, local, 0)
 
@@ -206,7 +207,7 @@ def build(plan: TablePlan, inputs: list, axis: str, *, fused: bool) -> Stream:
     items = []
     for f, ids, weights in inputs:
         ids_all, scale = _flat_pairs(f, ids, weights, axis, columns=plan.on_tpu)
-        mine, local = owned(plan.layout, ids_all, axis)
+        mine, local = owned(plan, f, ids_all, axis)
         b, l = ids.shape[0] * n, ids.shape[1]
         example, position = _position(
             lax.iota(jnp.int32, b * l), ids.shape[0], l, columns=plan.on_tpu
@@ -314,9 +315,12 @@ def scatter_parts(acc, stream: Stream, axis: str, packing=None) -> dict:
     return out
 
 
-def id_counts(table_plans: dict, feature_plans: list, flat: dict, num_shards: int) -> dict:
+def id_counts(
+    table_plans: dict, stacks: dict, feature_plans: list, flat: dict, num_shards: int
+) -> dict:
     """`Embedding.id_counts` on the host: per table, the pairs M, the most owned pairs and
-    distinct rows of any shard, and the passes the XLA backend would run on them."""
+    distinct rows of any shard, and the passes the table's stack runs on them (the XLA
+    passes' or owner routing's rounds; `stacks`: {stack name: its plan})."""
     ids_by_table: dict[str, list] = {}
     out_rows: dict[str, int] = {}
     for f in feature_plans:
@@ -336,23 +340,39 @@ def id_counts(table_plans: dict, feature_plans: list, flat: dict, num_shards: in
     out = {}
     for name, parts in ids_by_table.items():
         plan = table_plans[name]
-        per_device = np.concatenate(parts, axis=1)
-        ids = per_device.reshape(-1)
-        m = ids.shape[0]
-        c = capacity(plan, m, num_shards)
-        cu = unique_capacity(plan, c)
+        ids = np.concatenate(parts, axis=1).reshape(-1)
         valid = ids[(ids >= 0) & (ids < plan.config.vocabulary_size)]
         owner, _ = plan.layout.owner_and_local(valid)
-        owned = unique = passes = 0
+        owned = unique = 0
         for p in range(num_shards):
             rows, counts = np.unique(valid[owner == p], return_counts=True)
             owned, unique = max(owned, int(counts.sum())), max(unique, len(rows))
-            passes = max(passes, passes_needed(counts, c, cu))
+        out[name] = {"pairs": ids.shape[0], "owned_pairs": owned, "unique_rows": unique}
+    for plan in stacks.values():
+        names = [m.name for m in plan.members] or [plan.name]
+        names = [n for n in names if n in ids_by_table]
+        if not names:
+            continue
+        owners, locals_ = [], []
+        for n in names:
+            per_device = np.concatenate(ids_by_table[n], axis=1)
+            o, loc = plan.owner_and_local(n, np.maximum(per_device, 0))
+            owners.append(np.where(per_device >= 0, o, -1))
+            locals_.append(loc)
+        owner, local = np.concatenate(owners, axis=1), np.concatenate(locals_, axis=1)
         if plan.routing == "owner":
             from . import _routing  # It builds on this module.
 
-            passes = _routing.rounds_needed(plan, per_device, num_shards)
-        elif plan.backend.single_pass(plan, out_rows[name]):
+            passes = _routing.rounds_needed(plan, owner, local)
+        elif plan.backend.single_pass(plan, sum(out_rows[n] for n in names)):
             passes = 1
-        out[name] = {"pairs": m, "owned_pairs": owned, "unique_rows": unique, "passes": passes}
+        else:
+            c = capacity(plan, owner.size, num_shards)
+            cu = unique_capacity(plan, c)
+            passes = 0
+            for p in range(num_shards):
+                _, counts = np.unique(local[owner == p], return_counts=True)
+                passes = max(passes, passes_needed(counts, c, cu))
+        for n in names:
+            out[n]["passes"] = passes
     return out

@@ -106,14 +106,16 @@ def save(
     _check_state(emb, state)
     step = int(jax.device_get(state.step))
     embedding = {"tables": {}, "slots": {}}
+    physical, physical_slots = emb._split(state)  # Each table's arrays as stored alone.
     for name, plan in emb.table_plans.items():
         storage = plan.storage
-        table, riders = _to_logical(emb, storage, None, state.tables[name])
+        table, riders = _to_logical(emb, storage, None, physical.pop(name))
         embedding["tables"][name] = table
+        own = physical_slots.pop(name)
         embedding["slots"][name] = {
             s.name: riders[s.name]
             if s.name in riders
-            else _to_logical(emb, storage, s, state.slots[name][s.name])
+            else _to_logical(emb, storage, s, own[s.name])
             for s in storage.slot_specs
         }
     items = {
@@ -270,7 +272,7 @@ def restore(
             s.name: _to_physical(emb, storage, s, own.pop(s.name)) for s in storage.stored
         }
     step_array = jax.device_put(jnp.asarray(meta["step"], jnp.int32), NamedSharding(emb.mesh, P()))
-    state = _embedding.EmbeddingState(tables, slots, step_array)
+    state = _embedding.EmbeddingState(*emb._join(tables, slots), step_array)
     return state, dense
 
 

@@ -72,7 +72,9 @@ def test_every_config_in_configs_loads(path):
     assert isinstance(config.spec, jte.EmbeddingSpec)
     emb = jte.Embedding(config.spec, make_mesh(2))
     shapes = emb.abstract_state()  # Allocates nothing, even for huge tables.
-    assert set(shapes.tables) == set(config.spec.tables())
+    assert set(shapes.tables) == set(emb.stacks)
+    stacked = [t for members in emb.stacks.values() for t in members]
+    assert sorted(stacked) == sorted(config.spec.tables())
 
 
 def test_yaml_and_toml_examples_describe_the_same_spec():

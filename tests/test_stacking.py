@@ -1,0 +1,274 @@
+"""Table stacking: tables with one row form and optimizer share arrays (`Embedding.stacks`).
+
+Stacked and unstacked embeddings must be the same embedding: lookups and updates against the
+float64 reference and against `stacking=False`, on 1 to 8 devices, "div" and "mod", both
+routings and every backend; a skipped member leaves its rows alone while the others update;
+export, checkpoints and `shard_rows` speak per-table rows whatever the stacking; a stack whose
+kernels cannot hold all its features at once runs in parts with the same result.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_tpu_embed as jte
+import reference
+from conftest import make_mesh
+
+B = 16
+VOCAB = {"users": 37, "items": 50, "tags": 9}  # Stacked (dim 4), in this order.
+
+
+def _spec(strategy="div", optimizer=None):
+    users = jte.TableConfig(VOCAB["users"], 4, combiner="sum", name="users")
+    items = jte.TableConfig(VOCAB["items"], 4, combiner="mean", name="items")
+    tags = jte.TableConfig(VOCAB["tags"], 4, combiner="sqrtn", name="tags")
+    wide = jte.TableConfig(23, 6, combiner="sum", name="wide")  # Another dim: alone.
+    own = jte.TableConfig(13, 4, combiner="sum", name="own", optimizer=jte.SGD(0.2))
+    return jte.EmbeddingSpec(
+        {
+            "user": jte.FeatureConfig(users),
+            "history": jte.FeatureConfig(items, max_sequence_length=3),
+            "item": jte.FeatureConfig(items),
+            "tag": jte.FeatureConfig(tags),
+            "wide": jte.FeatureConfig(wide),
+            "own": jte.FeatureConfig(own),
+        },
+        optimizer or jte.Adagrad(0.3, initial_accumulator_value=0.2),
+        partition_strategy=strategy,
+    )
+
+
+def _features(rng):
+    def ids(vocab, shape, missing=0.2):
+        x = rng.integers(0, max(2, vocab // 3), shape)  # Few distinct ids: duplicates.
+        x[rng.random(shape) < missing] = -1
+        return x.astype(np.int32)
+
+    return {
+        "user": ids(VOCAB["users"], (B, 4)),
+        "history": ids(VOCAB["items"], (B, 3)),
+        "item": ids(VOCAB["items"], (B,), 0.0),
+        "tag": jte.Weighted(ids(VOCAB["tags"], (B, 2)), rng.uniform(0.5, 2, (B, 2)).astype("f4")),
+        "wide": ids(23, (B, 2)),
+        "own": ids(13, (B, 2)),
+    }
+
+
+# (feature, table, combiner, sequence length) for the reference.
+_FEATURES = [
+    ("user", "users", "sum", 0),
+    ("history", "items", "mean", 3),
+    ("item", "items", "mean", 0),
+    ("tag", "tags", "sqrtn", 0),
+    ("wide", "wide", "sum", 0),
+    ("own", "own", "sum", 0),
+]
+
+
+def _split(leaf):
+    if isinstance(leaf, jte.Weighted):
+        return np.asarray(leaf.ids), np.asarray(leaf.weights)
+    return np.asarray(leaf), None
+
+
+def _grads(rng, acts):
+    return {k: rng.normal(size=np.shape(v)).astype(np.float32) for k, v in acts.items()}
+
+
+def _reference_step(tables, slots, features, grads):
+    """(activations, tables, slots) of one float64 lookup and update."""
+    acts, contributions = {}, {}
+    for f, t, combiner, length in _FEATURES:
+        ids, weights = _split(features[f])
+        ids = ids if ids.ndim == 2 else ids[:, None]
+        acts[f] = reference.lookup(tables[t], ids, weights, combiner, length)
+        contributions.setdefault(t, []).append((ids, weights, combiner, length, grads[f]))
+    new_tables, new_slots = dict(tables), dict(slots)
+    for t, parts in contributions.items():
+        rows = reference.row_gradients(tables[t].shape[0], parts)
+        name, lr = ("sgd", 0.2) if t == "own" else ("adagrad", 0.3)
+        new_tables[t], new_slots[t] = reference.apply(name, {}, tables[t], slots[t], rows, lr)
+    return acts, new_tables, new_slots
+
+
+def _close(got, want, what):
+    for k in want:
+        np.testing.assert_allclose(
+            np.asarray(got[k]), want[k], rtol=2e-5, atol=2e-6, err_msg=f"{what} {k}"
+        )
+
+
+def test_stacks_group_tables_of_one_row_form_and_optimizer():
+    emb = jte.Embedding(_spec(), make_mesh(2))
+    assert {frozenset(v) for v in emb.stacks.values()} == {
+        frozenset({"users", "items", "tags"}),
+        frozenset({"wide"}),
+        frozenset({"own"}),
+    }
+    assert all(key == "+".join(members) for key, members in emb.stacks.items())
+    state = emb.init(jax.random.key(0))
+    assert set(state.tables) == set(state.slots) == set(emb.stacks)
+    assert set(emb.export(state)) == set(emb.backends) == set(emb.table_plans)
+    alone = jte.Embedding(_spec(), make_mesh(2), stacking=False)
+    assert alone.stacks == {t: (t,) for t in alone.table_plans}
+    # Per-table capacities: set for some members only, the tables keep apart.
+    some = jte.Embedding(_spec(), make_mesh(2), max_ids_per_shard={"users": 64})
+    assert "users" in some.stacks and "items+tags" in some.stacks, some.stacks
+    # Tables that round stochastically, or an optimizer touching every row, stay alone.
+    bf16 = jte.TableConfig(30, 4, dtype=jnp.bfloat16, name="b")
+    f32 = jte.TableConfig(30, 4, name="f")
+    spec = jte.EmbeddingSpec(
+        {"b": jte.FeatureConfig(bf16), "f": jte.FeatureConfig(f32), "g": jte.FeatureConfig(f32)},
+        jte.Adagrad(0.1),
+    )
+    assert jte.Embedding(spec, make_mesh(2)).stacks == {"b": ("b",), "f": ("f",)}
+    dense = jte.EmbeddingSpec(
+        {"a": jte.FeatureConfig(jte.TableConfig(30, 4, name="a")), "c": jte.FeatureConfig(f32)},
+        jte.Adam(0.1, lazy_adam=False),
+    )
+    assert len(jte.Embedding(dense, make_mesh(2)).stacks) == 2
+
+
+@pytest.mark.parametrize(
+    "strategy,num_shards,routing,backend",
+    [
+        ("div", 1, "gather", "xla"),
+        ("mod", 2, "gather", "cpu"),
+        ("div", 4, "gather", "pallas_interpret"),
+        ("mod", 8, "gather", "xla"),
+        ("div", 8, "owner", "xla"),
+        ("mod", 4, "owner", "pallas_interpret"),
+    ],
+)
+def test_stacked_tables_train_as_the_reference(strategy, num_shards, routing, backend, rng):
+    emb = jte.Embedding(_spec(strategy), make_mesh(num_shards), backend=backend, routing=routing)
+    assert len(emb.stacks) == 3
+    state = emb.init(jax.random.key(4))
+    for _ in range(2):
+        features = _features(rng)
+        tables, slots = emb.export(state), emb.export_slots(state)
+        acts = emb.lookup(state, features)
+        grads = _grads(rng, acts)
+        want_acts, want_tables, want_slots = _reference_step(tables, slots, features, grads)
+        _close(acts, want_acts, "lookup")
+        state = emb.apply_gradients(state, features, grads)
+        got_tables, got_slots = emb.export(state), emb.export_slots(state)
+        _close(got_tables, want_tables, "table")
+        for t in want_slots:
+            _close(got_slots[t], want_slots[t], f"slots of {t}")
+        for t, table in tables.items():
+            touched = np.any(want_tables[t] != table, axis=1)
+            np.testing.assert_array_equal(got_tables[t][~touched], table[~touched], err_msg=t)
+
+
+def test_a_skipped_member_keeps_its_rows_while_the_others_update(rng):
+    emb = jte.Embedding(_spec(), make_mesh(4))
+    state = emb.init(jax.random.key(1))
+    before = emb.export(state)
+    features = _features(rng)
+    grads = _grads(rng, emb.lookup(state, features))
+    grads["tag"][3, 1] = np.nan  # Only table "tags" is skipped.
+    state, skipped = emb.apply_gradients(state, features, grads, return_skipped=True)
+    assert {t: int(v) for t, v in skipped.items()} == {
+        "users": 0,
+        "items": 0,
+        "tags": 1,
+        "wide": 0,
+        "own": 0,
+    }
+    after = emb.export(state)
+    np.testing.assert_array_equal(after["tags"], before["tags"])
+    for t in ("users", "items"):
+        assert not np.array_equal(after[t], before[t]), t
+    assert int(state.step) == 1
+
+
+def test_export_checkpoint_and_shard_rows_speak_per_table_rows(tmp_path, rng):
+    from jax_tpu_embed import checkpoint
+
+    stacked = jte.Embedding(_spec("mod"), make_mesh(4))
+    state = stacked.init(jax.random.key(2))
+    features = _features(rng)
+    state = stacked.apply_gradients(state, features, _grads(rng, stacked.lookup(state, features)))
+    checkpoint.save(tmp_path, stacked, state)
+    plain = jte.Embedding(_spec("div"), make_mesh(2), stacking=False)
+    restored, _ = checkpoint.restore(tmp_path, plain)
+    for a, b in [(stacked.export, plain.export), (stacked.export_slots, plain.export_slots)]:
+        for x, y in zip(jax.tree.leaves(a(state)), jax.tree.leaves(b(restored))):
+            np.testing.assert_array_equal(x, y)
+    # Back again, through restore_tables, onto the stacked embedding.
+    again = stacked.restore_tables(plain.export(restored), plain.export_slots(restored), step=1)
+    for x, y in zip(jax.tree.leaves(again), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    for t in ("users", "items", "tags"):
+        want = stacked.export(state)[t][np.arange(VOCAB[t]) % 4 == 1]
+        np.testing.assert_array_equal(stacked.shard_rows(state, t, 1), want)
+
+
+def test_a_stack_too_large_for_one_kernel_call_runs_in_parts(monkeypatch, rng):
+    """Parts of whole members when a backend cannot take every feature in one call (the
+    Pallas kernels, when the features' blocks would overflow VMEM): the same results."""
+    from jax_tpu_embed import _backend, _inputs
+
+    emb = jte.Embedding(_spec(), make_mesh(2), backend="xla")
+    plain = jte.Embedding(_spec(), make_mesh(2), backend="xla", stacking=False)
+    one_table = lambda self, plan, inputs, axis: len({i.feature.table for i in inputs}) == 1
+    monkeypatch.setattr(_backend.Backend, "fits", one_table)
+    (name,) = [k for k in emb.stacks if "+" in k]
+    flat = _inputs.flatten_inputs(emb.spec, _features(rng))
+    parts = emb._parts(emb._stack_plans[name], emb._inputs(emb._normalized(flat))[name])
+    assert [[m.name for m in p.members] for p, _ in parts] == [[t] for t in emb.stacks[name]]
+    states = [e.init(jax.random.key(3)) for e in (emb, plain)]
+    for _ in range(2):
+        features = _features(rng)
+        grads = _grads(rng, emb.lookup(states[0], features))
+        states = [e.apply_gradients(s, features, grads) for e, s in zip((emb, plain), states)]
+    got, want = emb.export(states[0]), plain.export(states[1])
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_jit_step_on_batch_sharded_arrays(kind, rng):
+    mesh = make_mesh(8, kind)
+    results = []
+    for stacking in (True, False):
+        emb = jte.Embedding(_spec("mod"), mesh, stacking=stacking)
+        sharding = NamedSharding(mesh, P(emb.axis))
+        put = lambda tree, s=sharding: jax.tree.map(
+            lambda x: jax.device_put(np.asarray(x), s), tree
+        )
+
+        @jax.jit
+        def step(state, features, grads, emb=emb):
+            return emb.apply_gradients(state, features, grads), emb.lookup(state, features)
+
+        step_rng = np.random.default_rng(7)
+        state, acts = emb.init(jax.random.key(5)), None
+        for _ in range(2):
+            features = _features(step_rng)
+            grads = _grads(step_rng, emb.lookup(state, features))
+            state, acts = step(state, put(features), put(grads))
+        results.append((emb.export(state), emb.export_slots(state), acts))
+    for x, y in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
+def test_id_counts_report_the_rounds_of_the_stack(rng):
+    """Owner routing exchanges a stack's rows together: the rounds are the stack's, and
+    a capacity of a few rows per owner takes more of them than the whole batch's."""
+    features = _features(rng)
+    counts = {
+        c: jte.Embedding(_spec(), make_mesh(4), routing="owner", max_ids_per_shard=c).id_counts(
+            features
+        )
+        for c in (8, 4096)
+    }
+    assert counts[4096]["users"]["passes"] == 1
+    small = counts[8]
+    assert small["users"]["passes"] == small["items"]["passes"] == small["tags"]["passes"] > 1
+    assert small["users"]["pairs"] == B * 4 and small["items"]["pairs"] == B * 4
