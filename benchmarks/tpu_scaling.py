@@ -57,7 +57,7 @@ def expected_unique(draws: int) -> float:
     return expected_unique_rows(V, draws)
 
 
-def embedding(topo: _aot.Topology, routing: str, sized: bool) -> jte.Embedding:
+def embedding(topo: _aot.Topology, routing: str, sized: bool, stacking: bool) -> jte.Embedding:
     tables = [jte.TableConfig(V, D, combiner="sum", name=f"t{i}") for i in range(TABLES)]
     spec = jte.EmbeddingSpec(
         {f"t{i}": jte.FeatureConfig(t) for i, t in enumerate(tables)},
@@ -76,12 +76,12 @@ def embedding(topo: _aot.Topology, routing: str, sized: bool) -> jte.Embedding:
         else:
             kw["max_ids_per_shard"] = int(np.ceil(1.5 * u))
             kw["max_unique_ids_per_shard"] = int(np.ceil(u))
-    return jte.Embedding(spec, _aot.mesh(topo), routing=routing, **kw)
+    return jte.Embedding(spec, _aot.mesh(topo), routing=routing, stacking=stacking, **kw)
 
 
-def measure(slice_name: str, routing: str, sized: bool) -> dict:
+def measure(slice_name: str, routing: str, sized: bool, stacking: bool = True) -> dict:
     topo = _aot.topology(slice_name)
-    emb = embedding(topo, routing, sized)
+    emb = embedding(topo, routing, sized, stacking)
     batch = PER_CHIP * topo.chips
     r = _aot.compile_train_step(emb, batch, L, topo=topo)
     biggest = max(r.collectives, key=lambda c: c.bytes, default=None)
@@ -91,6 +91,7 @@ def measure(slice_name: str, routing: str, sized: bool) -> dict:
         "devices": len(topo.devices),
         "global_batch": batch,
         "routing": routing,
+        "stacks": len(emb.stacks),
         "sized": sized,
         "chosen": sorted(set(emb.routing.values())),
         "backends": sorted(set(emb.backends.values())),
@@ -99,6 +100,7 @@ def measure(slice_name: str, routing: str, sized: bool) -> dict:
         "largest_collective": str(biggest) if biggest else "",
         "largest_collective_bytes": biggest.bytes if biggest else 0,
         "collective_bytes": sum(c.bytes for c in r.collectives),
+        "collectives": len(r.collectives),
         "temp_bytes_per_device": r.temp_bytes,
         "fits": r.fits,
         "compile_seconds": round(r.compile_seconds, 1),
@@ -111,23 +113,24 @@ def report(results: list[dict]) -> str:
         f"{TABLES} tables x {V:,} rows x D={D}, sum, L={L}, Adagrad, {PER_CHIP:,} examples "
         f"per chip; per chip, ratio to the smallest slice of the same routing",
         "",
-        f"{'slice':<11s} {'chips':>5s} {'routing':>8s} {'bytes accessed':>15s} {'x':>6s} "
-        f"{'largest sort':>13s} {'x':>6s} {'largest collective':>19s} {'temps':>10s} "
-        f"{'compile':>8s}",
+        f"{'slice':<11s} {'chips':>5s} {'routing':>8s} {'stacks':>6s} {'bytes accessed':>15s} "
+        f"{'x':>6s} {'largest sort':>13s} {'x':>6s} {'largest collective':>19s} "
+        f"{'collectives':>11s} {'temps':>10s} {'compile':>8s}",
     ]
-    first: dict[str, dict] = {}
+    first: dict[tuple, dict] = {}
     for r in results:
-        base = first.setdefault(r["routing"], r)
+        base = first.setdefault((r["routing"], r["stacks"]), r)
 
         def ratio(k, r=r, base=base):
             return r[k] / base[k] if base[k] else float("nan")
 
         lines.append(
-            f"{r['slice']:<11s} {r['chips']:>5d} {r['routing']:>8s} "
+            f"{r['slice']:<11s} {r['chips']:>5d} {r['routing']:>8s} {r['stacks']:>6d} "
             f"{mb(r['bytes_accessed_per_device']):>15s} "
             f"{ratio('bytes_accessed_per_device'):>5.1f}x "
             f"{r['largest_sort']:>13,d} {ratio('largest_sort'):>5.1f}x "
-            f"{mb(r['largest_collective_bytes']):>19s} {mb(r['temp_bytes_per_device']):>10s} "
+            f"{mb(r['largest_collective_bytes']):>19s} {r['collectives']:>11d} "
+            f"{mb(r['temp_bytes_per_device']):>10s} "
             f"{r['compile_seconds']:>7.1f}s"
         )
     return "\n".join(lines)
@@ -143,17 +146,27 @@ def main(argv=None) -> int:
         help="default capacities (2 m / N per owner and round) instead of sizing them "
         "from the expected distinct rows of W1's id distribution",
     )
+    parser.add_argument(
+        "--stacking",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="stack the 8 tables into one array (Embedding(stacking=True), the default) "
+        "and/or keep one array per table",
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     results = []
-    for routing in args.routing:
-        for s in args.slices:
-            results.append(measure(s, routing, not args.unsized))
-            print(
-                f"  {s} {routing}: {results[-1]['bytes_accessed_per_device'] / 1e6:,.1f} MB",
-                file=sys.stderr,
-                flush=True,
-            )
+    for stacking in args.stacking:
+        for routing in args.routing:
+            for s in args.slices:
+                results.append(measure(s, routing, not args.unsized, stacking == "on"))
+                print(
+                    f"  {s} {routing} stacking {stacking}: "
+                    f"{results[-1]['bytes_accessed_per_device'] / 1e6:,.1f} MB",
+                    file=sys.stderr,
+                    flush=True,
+                )
     print(report(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -129,6 +129,9 @@ class RowStep:
     # False: the table is skipped this step; the backend then reads and writes none of its
     # rows (its pair count or row indices say "none"), at no cost beyond the touched rows.
     ok: jax.Array | None = None
+    # A stack's step done in one call (owner routing): (members,) bool, False for a skipped
+    # member, whose rows the call then leaves alone; `ok` is then whether any is kept.
+    members_ok: jax.Array | None = None
 
 
 class StepValues(NamedTuple):
@@ -162,9 +165,12 @@ def step_values(plan: TablePlan, spec: _config.EmbeddingSpec, step) -> StepValue
     return StepValues(lr, hps, multiplier)
 
 
-def row_step(plan: TablePlan, spec: _config.EmbeddingSpec, step, ok=None) -> RowStep:
+def row_step(
+    plan: TablePlan, spec: _config.EmbeddingSpec, step, ok=None, members_ok=None
+) -> RowStep:
     """The RowStep of `plan`'s table at `step` (an int32 scalar). `ok` (bool scalar, or None
-    for always): when False, each backend touches no row of the table (`RowStep.ok`)."""
+    for always): when False, each backend touches no row of the table (`RowStep.ok`);
+    `members_ok`: see `RowStep`."""
     opt = plan.optimizer
     lr, hps, multiplier = step_values(plan, spec, step)
     scalars = [lr, *hps]
@@ -183,7 +189,14 @@ def row_step(plan: TablePlan, spec: _config.EmbeddingSpec, step, ok=None) -> Row
         return [opt.finish_row(out[0], row, lr)] + list(out[1:])
 
     return RowStep(
-        jnp.stack(scalars), row_fn, lr, multiplier, limit, jnp.asarray(step, jnp.int32), ok
+        jnp.stack(scalars),
+        row_fn,
+        lr,
+        multiplier,
+        limit,
+        jnp.asarray(step, jnp.int32),
+        ok,
+        members_ok,
     )
 
 
@@ -223,12 +236,6 @@ class Backend:
         """(new table, new {stored slot: array}) after one sparse step from this device's
         activation gradients {path: (b, D) or (b, L, D)}."""
         raise NotImplementedError
-
-    def fits(self, plan: TablePlan, inputs: list[Input], axis: str) -> bool:
-        """Whether one call of this backend does the row work of `inputs` as fast as
-        separate calls per table would (a stack's tables share calls while it does)."""
-        del plan, inputs, axis
-        return True
 
     def single_pass(self, plan: TablePlan, out_rows: int) -> bool:
         """Whether every update of a batch with `out_rows` output rows takes one pass over

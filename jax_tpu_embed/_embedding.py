@@ -155,18 +155,19 @@ class Embedding:
             device work grows with the number of devices), "owner" (each device sends
             its own examples' distinct ids to their owners with all_to_all and gets rows
             back; per-device work stays proportional to the per-device batch), "auto"
-            (default: "owner" on TPU meshes of 64 or more devices, else "gather"), or
+            (default: "owner" on TPU meshes of 32 or more devices, else "gather"), or
             {table name: one of these}. "owner" does its row work with the Pallas kernels
             ("pallas", "pallas_interpret") or XLA ops ("xla"; the default off TPU).
             Results agree to float32 rounding; `routing` (the attribute) says what was
             chosen. With "owner", max_ids_per_shard bounds the ids one shard receives per
             round; more rounds run when a skewed batch needs them (`id_counts`).
-        stacking: True (default): tables that agree on dim, float32 dtype, optimizer
-            (the same object), backend and routing share one array per stored array, each
-            shard holding its members' rows one block after another, so that one sort,
-            one exchange and one kernel serve them all where the kernels' memory allows.
-            Tables with stochastic rounding or an optimizer that updates every row stay
-            alone. Invisible but in `EmbeddingState`'s keys (`stacks`): export, checkpoints,
+        stacking: True (default): tables routed to their owners (`routing`) that agree
+            on dim, float32 dtype, optimizer (the same object) and backend share one array
+            per stored array, each shard holding its members' rows one block after
+            another, so that one sort, one exchange per round and one kernel serve them all
+            where the kernels' memory allows. Tables on the all-gather path, with
+            stochastic rounding or with an optimizer that updates every row stay alone.
+            Invisible but in `EmbeddingState`'s keys (`stacks`): export, checkpoints,
             serving and `shard_rows` speak per-table logical rows. False: one array per
             table.
         cpu_kernels: Deprecated: backend="auto" uses the C++ kernels on CPU meshes;
@@ -310,6 +311,7 @@ class Embedding:
         for name, plan in self.table_plans.items():
             alone = (
                 not stacking
+                or plan.routing != "owner"
                 or jnp.dtype(plan.config.dtype) != jnp.float32
                 or plan.config.stochastic_rounding
                 or plan.optimizer.dense_update
@@ -936,7 +938,8 @@ class Embedding:
         Returns {table name: {"pairs": M, the (id, position) pairs of the table's features;
         "owned_pairs": the most pairs with a valid id any one shard owns; "unique_rows": the
         most distinct rows any one shard owns; "passes": the most update passes any shard
-        runs with this Embedding's settings (1 unless they are below the other two; always 1
+        runs with this Embedding's settings, over the table's whole stack (`stacks`) (1
+        unless they are below the other two; always 1
         on the Pallas and C++ kernels, which walk every pair in one call; with
         routing="owner", the exchange rounds: more than 1 when a device holds more distinct
         ids for one owner than a round carries, max_ids_per_shard / N)}}. Host-side:
@@ -1161,19 +1164,15 @@ class Embedding:
         }
 
     def _parts(self, plan: _backend.TablePlan, inputs: list) -> list:
-        """[(plan, inputs)]: the row work of a stack in as few calls as its kernels allow.
-
-        One call serves the whole stack when the kernels' resident blocks fit VMEM with all
-        its features; else consecutive members are grouped while they fit (a member alone
-        is one call, on the kernels or the XLA passes as it would be unstacked). Members'
-        rows are disjoint, so separate calls on the one array are the same update."""
+        """[(plan, inputs)]: a stack's row work in one call (one sort, one exchange per
+        round, one kernel) when the kernels' resident blocks fit VMEM (`_routing.fits`),
+        else in parts of consecutive whole members that fit; a member too big alone takes
+        XLA ops, as it would unstacked. Members' rows are disjoint: a split is the same
+        update."""
         if not plan.members:
             return [(plan, inputs)]
-        fits = _routing.fits if plan.routing == "owner" else plan.backend.fits
-        if fits(plan, inputs, self.axis):
-            return [(plan, inputs)]
         by_member = {m.name: m for m in plan.members}
-        groups: list[list] = []
+        groups: list[list] = []  # The inputs of each member, in member order.
         for i in inputs:
             if groups and groups[-1][-1].feature.table == i.feature.table:
                 groups[-1].append(i)
@@ -1181,10 +1180,11 @@ class Embedding:
                 groups.append([i])
         parts: list[list] = []
         for group in groups:
-            if parts and fits(
-                self._part_plan(plan, parts[-1] + group, by_member), parts[-1] + group, self.axis
+            joined = parts[-1] + group if parts else None
+            if joined and _routing.fits(
+                self._part_plan(plan, joined, by_member), joined, self.axis
             ):
-                parts[-1] = parts[-1] + group
+                parts[-1] = joined
             else:
                 parts.append(group)
         return [(self._part_plan(plan, part, by_member), part) for part in parts]
@@ -1219,14 +1219,15 @@ class Embedding:
     def _update_local(self, tables, slots, feats, grads, step, ok):
         tables, slots = dict(tables), dict(slots)
         for name, inputs in self._inputs(feats).items():
-            stack = self._stack_plans[name]
-            if stack.members:
-                # A skipped member's ids are none: the stack's other members still update.
-                inputs = [i._replace(ids=jnp.where(ok[i.feature.table], i.ids, -1)) for i in inputs]
-                keep = functools.reduce(jnp.logical_or, [ok[m.name] for m in stack.members])
-            else:
-                keep = ok[name]
-            for plan, part in self._parts(stack, inputs):
+            for plan, part in self._parts(self._stack_plans[name], inputs):
+                members = [m.name for m in plan.members] or [name]
+                if len(members) == 1:
+                    row_step = _backend.row_step(plan, self.spec, step, ok[members[0]])
+                else:  # Several members in one call: a skipped one's rows are left alone.
+                    members_ok = jnp.stack([ok[m] for m in members])
+                    row_step = _backend.row_step(
+                        plan, self.spec, step, jnp.any(members_ok), members_ok
+                    )
                 update = _routing.update if plan.routing == "owner" else plan.backend.update
                 tables[name], slots[name] = update(
                     plan,
@@ -1234,7 +1235,7 @@ class Embedding:
                     slots[name],
                     part,
                     {i.feature.path: grads[i.feature.path] for i in part},
-                    _backend.row_step(plan, self.spec, step, keep),
+                    row_step,
                     self.axis,
                 )
         return tables, slots

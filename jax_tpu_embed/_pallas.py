@@ -596,7 +596,7 @@ class PallasBackend(_backend.Backend):
             )
         return None
 
-    def fits(self, plan, inputs, axis) -> bool:
+    def _fits(self, plan, inputs, axis) -> bool:
         packing = plan.storage.rows_packing
         k = packing.per_row
         rows = lax.axis_size(axis) * _streams.output_rows(inputs, k) // k
@@ -607,7 +607,7 @@ class PallasBackend(_backend.Backend):
         return fits_vmem(out_rows, packing.per_row * packing.padded_width, plan.vmem)
 
     def lookup(self, plan, table, inputs, axis):
-        if not self.fits(plan, inputs, axis):
+        if not self._fits(plan, inputs, axis):
             return _xla_backend.XlaBackend().lookup(plan, table, inputs, axis)
         storage = plan.storage
         stream = _streams.build(plan, inputs, axis, fused=True).sorted()
@@ -628,7 +628,7 @@ class PallasBackend(_backend.Backend):
         return _streams.scatter_parts(acc, stream, axis, storage.rows_packing)
 
     def update(self, plan, table, slots, inputs, grads, step, axis):
-        if not self.fits(plan, inputs, axis):
+        if not self._fits(plan, inputs, axis):
             return _xla_backend.XlaBackend().update(plan, table, slots, inputs, grads, step, axis)
         storage = plan.storage
         stream = _streams.build(plan, inputs, axis, fused=True)

@@ -324,6 +324,16 @@ class _Kernels(_XlaRows):
         return new[0], dict(zip(names, new[1:]))
 
 
+def _kept(plan: _backend.TablePlan, rows, members_ok):
+    """`rows` received by an owner, NOT_MINE where the member of the stack they belong to
+    is skipped this step (compares against each member's block, no gather)."""
+    keep = jnp.zeros(rows.shape, bool)
+    for j, m in enumerate(plan.members):
+        end = m.offset + m.layout.rows_per_shard
+        keep = keep | ((rows >= m.offset) & (rows < end) & members_ok[j])
+    return jnp.where(keep, rows, NOT_MINE)
+
+
 def _arrivals(rows):
     """The rows an owner received, sorted, each with its arrival slot, and how many are
     real (NOT_MINE: an empty slot): the kernels' pairs."""
@@ -400,6 +410,8 @@ def update(
     def body(r: _Round, carry):
         table, slots = carry
         rows = _exchange(r.local_rows, axis)
+        if step.members_ok is not None:
+            rows = _kept(plan, rows, step.members_ok)
         sent = _exchange(work.send(local, r, g), axis)
         return work.owner_update(table, slots, rows, sent, step, axis)
 

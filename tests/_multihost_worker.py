@@ -37,16 +37,19 @@ SEED = 1234
 
 
 def make_spec(strategy: str) -> jte.EmbeddingSpec:
-    """Two tables: "shared" (Adagrad, the spec's) for a weighted multi-hot and a one-hot
+    """Three tables: "shared" (Adagrad, the spec's) for a weighted multi-hot and a one-hot
+    feature, "hot" (the same row form and optimizer: stacked with "shared") for a multi-hot
     feature, "seq" (its own Adam) for a sequence feature. V is not a multiple of 8, so "div"
     shards differ in size and both strategies pad."""
     shared = jte.TableConfig(vocabulary_size=37, dim=8, combiner="mean", name="shared")
+    hot = jte.TableConfig(vocabulary_size=29, dim=8, combiner="sum", name="hot")
     seq = jte.TableConfig(
         vocabulary_size=21, dim=4, name="seq", optimizer=jte.Adam(learning_rate=0.05)
     )
     features = {
         "multi": jte.FeatureConfig(shared),  # Weighted (B, 3)
         "one": jte.FeatureConfig(shared),  # (B,)
+        "hot": jte.FeatureConfig(hot),  # (B, 2)
         "seq": jte.FeatureConfig(seq, max_sequence_length=4),  # (B, 5), truncated
     }
     return jte.EmbeddingSpec(features, jte.Adagrad(learning_rate=0.1), partition_strategy=strategy)
@@ -75,10 +78,12 @@ def global_step_data(step: int):
     weights = rng.uniform(0.5, 2.0, (B, 3)).astype(np.float32)
     one = rng.integers(0, 37, (B,)).astype(np.int32)
     seq = rng.integers(-1, 21, (B, 5)).astype(np.int32)
-    features = {"multi": jte.Weighted(multi, weights), "one": one, "seq": seq}
+    hot = rng.integers(-1, 29, (B, 2)).astype(np.int32)
+    features = {"multi": jte.Weighted(multi, weights), "one": one, "hot": hot, "seq": seq}
     grads = {
         "multi": rng.standard_normal((B, 8)).astype(np.float32),
         "one": rng.standard_normal((B, 8)).astype(np.float32),
+        "hot": rng.standard_normal((B, 8)).astype(np.float32),
         "seq": rng.standard_normal((B, 4, 4)).astype(np.float32),
     }
     return features, grads
@@ -111,9 +116,11 @@ def initial_values():
     tables = {
         "shared": rng.standard_normal((37, 8)).astype(np.float32),
         "seq": rng.standard_normal((21, 4)).astype(np.float32),
+        "hot": rng.standard_normal((29, 8)).astype(np.float32),
     }
     slots = {
         "shared": {"accumulators": rng.uniform(0.1, 0.5, (37, 8)).astype(np.float32)},
+        "hot": {"accumulators": rng.uniform(0.1, 0.5, (29, 8)).astype(np.float32)},
         "seq": {"momenta": rng.uniform(-0.1, 0.1, (21, 4)).astype(np.float32)},
     }
     return tables, slots
@@ -135,6 +142,8 @@ def train(
     the Embedding's ("owner": ids travel to their rows' owners with all_to_all).
     """
     emb = jte.Embedding(make_spec(strategy), make_mesh(mesh_kind), routing=routing)
+    if routing == "owner":  # Stacks are for tables routed to their owners.
+        assert ("hot", "shared") in emb.stacks.values(), emb.stacks
     if start == "init":
         state = emb.init(jax.random.key(0))
     else:

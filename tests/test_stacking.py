@@ -1,8 +1,9 @@
-"""Table stacking: tables with one row form and optimizer share arrays (`Embedding.stacks`).
+"""Table stacking: owner-routed tables with one row form and optimizer share arrays
+(`Embedding.stacks`).
 
 Stacked and unstacked embeddings must be the same embedding: lookups and updates against the
-float64 reference and against `stacking=False`, on 1 to 8 devices, "div" and "mod", both
-routings and every backend; a skipped member leaves its rows alone while the others update;
+float64 reference and against `stacking=False`, on 1 to 8 devices, "div" and "mod", on XLA
+ops and the Pallas kernels; a skipped member leaves its rows alone while the others update;
 export, checkpoints and `shard_rows` speak per-table rows whatever the stacking; a stack whose
 kernels cannot hold all its features at once runs in parts with the same result.
 """
@@ -102,8 +103,12 @@ def _close(got, want, what):
         )
 
 
+def _owner(strategy="div", num_shards=2, **kw):
+    return jte.Embedding(_spec(strategy), make_mesh(num_shards), routing="owner", **kw)
+
+
 def test_stacks_group_tables_of_one_row_form_and_optimizer():
-    emb = jte.Embedding(_spec(), make_mesh(2))
+    emb = _owner()
     assert {frozenset(v) for v in emb.stacks.values()} == {
         frozenset({"users", "items", "tags"}),
         frozenset({"wide"}),
@@ -113,10 +118,10 @@ def test_stacks_group_tables_of_one_row_form_and_optimizer():
     state = emb.init(jax.random.key(0))
     assert set(state.tables) == set(state.slots) == set(emb.stacks)
     assert set(emb.export(state)) == set(emb.backends) == set(emb.table_plans)
-    alone = jte.Embedding(_spec(), make_mesh(2), stacking=False)
-    assert alone.stacks == {t: (t,) for t in alone.table_plans}
+    for alone in (_owner(stacking=False), jte.Embedding(_spec(), make_mesh(2), routing="gather")):
+        assert alone.stacks == {t: (t,) for t in alone.table_plans}
     # Per-table capacities: set for some members only, the tables keep apart.
-    some = jte.Embedding(_spec(), make_mesh(2), max_ids_per_shard={"users": 64})
+    some = _owner(max_ids_per_shard={"users": 64})
     assert "users" in some.stacks and "items+tags" in some.stacks, some.stacks
     # Tables that round stochastically, or an optimizer touching every row, stay alone.
     bf16 = jte.TableConfig(30, 4, dtype=jnp.bfloat16, name="b")
@@ -125,27 +130,20 @@ def test_stacks_group_tables_of_one_row_form_and_optimizer():
         {"b": jte.FeatureConfig(bf16), "f": jte.FeatureConfig(f32), "g": jte.FeatureConfig(f32)},
         jte.Adagrad(0.1),
     )
-    assert jte.Embedding(spec, make_mesh(2)).stacks == {"b": ("b",), "f": ("f",)}
+    assert jte.Embedding(spec, make_mesh(2), routing="owner").stacks == {"b": ("b",), "f": ("f",)}
     dense = jte.EmbeddingSpec(
         {"a": jte.FeatureConfig(jte.TableConfig(30, 4, name="a")), "c": jte.FeatureConfig(f32)},
         jte.Adam(0.1, lazy_adam=False),
     )
-    assert len(jte.Embedding(dense, make_mesh(2)).stacks) == 2
+    assert len(jte.Embedding(dense, make_mesh(2), routing="owner").stacks) == 2
 
 
 @pytest.mark.parametrize(
-    "strategy,num_shards,routing,backend",
-    [
-        ("div", 1, "gather", "xla"),
-        ("mod", 2, "gather", "cpu"),
-        ("div", 4, "gather", "pallas_interpret"),
-        ("mod", 8, "gather", "xla"),
-        ("div", 8, "owner", "xla"),
-        ("mod", 4, "owner", "pallas_interpret"),
-    ],
+    "strategy,num_shards,backend",
+    [("div", 1, "xla"), ("mod", 2, "xla"), ("mod", 4, "pallas_interpret"), ("div", 8, "xla")],
 )
-def test_stacked_tables_train_as_the_reference(strategy, num_shards, routing, backend, rng):
-    emb = jte.Embedding(_spec(strategy), make_mesh(num_shards), backend=backend, routing=routing)
+def test_stacked_tables_train_as_the_reference(strategy, num_shards, backend, rng):
+    emb = _owner(strategy, num_shards, backend=backend)
     assert len(emb.stacks) == 3
     state = emb.init(jax.random.key(4))
     for _ in range(2):
@@ -166,7 +164,7 @@ def test_stacked_tables_train_as_the_reference(strategy, num_shards, routing, ba
 
 
 def test_a_skipped_member_keeps_its_rows_while_the_others_update(rng):
-    emb = jte.Embedding(_spec(), make_mesh(4))
+    emb = _owner(num_shards=4)
     state = emb.init(jax.random.key(1))
     before = emb.export(state)
     features = _features(rng)
@@ -190,12 +188,13 @@ def test_a_skipped_member_keeps_its_rows_while_the_others_update(rng):
 def test_export_checkpoint_and_shard_rows_speak_per_table_rows(tmp_path, rng):
     from jax_tpu_embed import checkpoint
 
-    stacked = jte.Embedding(_spec("mod"), make_mesh(4))
+    stacked = _owner("mod", 4)
     state = stacked.init(jax.random.key(2))
     features = _features(rng)
     state = stacked.apply_gradients(state, features, _grads(rng, stacked.lookup(state, features)))
     checkpoint.save(tmp_path, stacked, state)
-    plain = jte.Embedding(_spec("div"), make_mesh(2), stacking=False)
+    plain = jte.Embedding(_spec("div"), make_mesh(2))  # The all-gather path: no stacks.
+    assert len(plain.stacks) == 5
     restored, _ = checkpoint.restore(tmp_path, plain)
     for a, b in [(stacked.export, plain.export), (stacked.export_slots, plain.export_slots)]:
         for x, y in zip(jax.tree.leaves(a(state)), jax.tree.leaves(b(restored))):
@@ -209,25 +208,31 @@ def test_export_checkpoint_and_shard_rows_speak_per_table_rows(tmp_path, rng):
         np.testing.assert_array_equal(stacked.shard_rows(state, t, 1), want)
 
 
-def test_a_stack_too_large_for_one_kernel_call_runs_in_parts(monkeypatch, rng):
-    """Parts of whole members when a backend cannot take every feature in one call (the
-    Pallas kernels, when the features' blocks would overflow VMEM): the same results."""
-    from jax_tpu_embed import _backend, _inputs
+def test_a_stack_runs_in_parts_where_one_call_would_not_fit(monkeypatch, rng):
+    """A stack in one call, or in parts of whole members when the kernels cannot hold every
+    feature at once: the same results."""
+    from jax_tpu_embed import _inputs, _routing
 
-    emb = jte.Embedding(_spec(), make_mesh(2), backend="xla")
-    plain = jte.Embedding(_spec(), make_mesh(2), backend="xla", stacking=False)
-    one_table = lambda self, plan, inputs, axis: len({i.feature.table for i in inputs}) == 1
-    monkeypatch.setattr(_backend.Backend, "fits", one_table)
-    (name,) = [k for k in emb.stacks if "+" in k]
-    flat = _inputs.flatten_inputs(emb.spec, _features(rng))
-    parts = emb._parts(emb._stack_plans[name], emb._inputs(emb._normalized(flat))[name])
-    assert [[m.name for m in p.members] for p, _ in parts] == [[t] for t in emb.stacks[name]]
-    states = [e.init(jax.random.key(3)) for e in (emb, plain)]
+    def parts(emb):
+        (name,) = [k for k in emb.stacks if "+" in k]
+        flat = _inputs.flatten_inputs(emb.spec, _features(rng))
+        got = emb._parts(emb._stack_plans[name], emb._inputs(emb._normalized(flat))[name])
+        return [[m.name for m in p.members] for p, _ in got], [[t] for t in emb.stacks[name]]
+
+    owner = _owner()
+    got, members = parts(owner)
+    assert got == [sum(members, [])]
+    # Kernels that hold one table's features at most: owner routing's parts are its members.
+    one_table = lambda plan, inputs, axis: len({i.feature.table for i in inputs}) == 1
+    monkeypatch.setattr(_routing, "fits", one_table)
+    assert parts(owner)[0] == members
+    plain = _owner(stacking=False)
+    states = [e.init(jax.random.key(3)) for e in (owner, plain)]
     for _ in range(2):
         features = _features(rng)
-        grads = _grads(rng, emb.lookup(states[0], features))
-        states = [e.apply_gradients(s, features, grads) for e, s in zip((emb, plain), states)]
-    got, want = emb.export(states[0]), plain.export(states[1])
+        grads = _grads(rng, owner.lookup(states[0], features))
+        states = [e.apply_gradients(s, features, grads) for e, s in zip((owner, plain), states)]
+    got, want = owner.export(states[0]), plain.export(states[1])
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
 
@@ -237,7 +242,7 @@ def test_jit_step_on_batch_sharded_arrays(kind, rng):
     mesh = make_mesh(8, kind)
     results = []
     for stacking in (True, False):
-        emb = jte.Embedding(_spec("mod"), mesh, stacking=stacking)
+        emb = jte.Embedding(_spec("mod"), mesh, routing="owner", stacking=stacking)
         sharding = NamedSharding(mesh, P(emb.axis))
         put = lambda tree, s=sharding: jax.tree.map(
             lambda x: jax.device_put(np.asarray(x), s), tree
@@ -262,12 +267,7 @@ def test_id_counts_report_the_rounds_of_the_stack(rng):
     """Owner routing exchanges a stack's rows together: the rounds are the stack's, and
     a capacity of a few rows per owner takes more of them than the whole batch's."""
     features = _features(rng)
-    counts = {
-        c: jte.Embedding(_spec(), make_mesh(4), routing="owner", max_ids_per_shard=c).id_counts(
-            features
-        )
-        for c in (8, 4096)
-    }
+    counts = {c: _owner(num_shards=4, max_ids_per_shard=c).id_counts(features) for c in (8, 4096)}
     assert counts[4096]["users"]["passes"] == 1
     small = counts[8]
     assert small["users"]["passes"] == small["items"]["passes"] == small["tags"]["passes"] > 1
