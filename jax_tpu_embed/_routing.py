@@ -105,17 +105,34 @@ class _Local:
         # bounds[p]: index of owner p's first distinct row; bounds[N]: distinct rows.
         self.bounds = _count_below(self.uniq, jnp.arange(self.n + 1, dtype=jnp.int32) * s)
         self.counts = self.bounds[1:] - self.bounds[:-1]
+        # Pair i's owner (NONE keys: the last owner): what is linear in the owner needs no
+        # lookup (`per_owner`).
+        self.owner = jnp.minimum(self.keys // s, self.n - 1)
 
     def per_owner(self, values):
-        """values[owner of pair i] for every pair (NONE keys: the last owner's value),
-        as a sum of steps over the sorted keys rather than a gather."""
-        steps = jnp.concatenate([values[:1], values[1:] - values[:-1]])
-        starts = jnp.arange(self.n, dtype=jnp.int32) * self.s
-        return jnp.sum(jnp.where(self.keys[:, None] >= starts[None, :], steps[None, :], 0), axis=1)
+        """values[owner of pair i] for every pair (NONE keys: the last owner's value)."""
+        return _per_owner(self.keys, self.s, values)
+
+
+def _per_owner(sorted_keys, s: int, values):
+    """values[min(key // s, N - 1)] for each of the (m,) sorted keys, from the (N,) values.
+
+    A sum of steps over the keys: N compares per key. The TPU compiler charges far more
+    bytes for every O(m + N) form measured (docs/design.md, "Owner routing"): a gather of
+    the (N,) values per key, a scatter of the steps to the owners' first keys and a cumsum.
+    """
+    steps = jnp.concatenate([values[:1], values[1:] - values[:-1]])
+    starts = lax.iota(jnp.int32, values.shape[0]) * s
+    return jnp.sum(jnp.where(sorted_keys[:, None] >= starts[None, :], steps[None, :], 0), axis=1)
 
 
 def _count_below(sorted_keys, limits):
-    """For each limit, how many sorted keys are < it (a compare-and-count: no gathers)."""
+    """For each limit, how many sorted keys are < it: a compare-and-count, no gathers.
+
+    O(m) compares per limit, and still the fewest bytes for the TPU compiler: a binary
+    search (`jnp.searchsorted`) gathers per limit and step, its sort method sorts and
+    scatters, and a count per owner scatters per key (docs/design.md, "Owner routing").
+    """
     return jnp.sum(sorted_keys[None, :] < limits[:, None], axis=1, dtype=jnp.int32)
 
 
@@ -146,9 +163,7 @@ class _Round:
         # among owner p's pending rows, offset by p·Cd.
         rank = local.segment - local.per_owner(self.first)
         in_round = (local.keys < NONE) & (rank >= 0) & (rank < local.per_owner(n_send))
-        self.pair_slot = jnp.where(
-            in_round, local.per_owner(jnp.arange(n, dtype=jnp.int32) * cd) + rank, 0
-        )
+        self.pair_slot = jnp.where(in_round, local.owner * cd + rank, 0)
         self.pair_in_round = in_round
 
     def rows_of(self, x):
