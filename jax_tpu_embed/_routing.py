@@ -105,9 +105,6 @@ class _Local:
         # bounds[p]: index of owner p's first distinct row; bounds[N]: distinct rows.
         self.bounds = _count_below(self.uniq, jnp.arange(self.n + 1, dtype=jnp.int32) * s)
         self.counts = self.bounds[1:] - self.bounds[:-1]
-        # Pair i's owner (NONE keys: the last owner): what is linear in the owner needs no
-        # lookup (`per_owner`).
-        self.owner = jnp.minimum(self.keys // s, self.n - 1)
 
     def per_owner(self, values):
         """values[owner of pair i] for every pair (NONE keys: the last owner's value)."""
@@ -163,7 +160,9 @@ class _Round:
         # among owner p's pending rows, offset by p·Cd.
         rank = local.segment - local.per_owner(self.first)
         in_round = (local.keys < NONE) & (rank >= 0) & (rank < local.per_owner(n_send))
-        self.pair_slot = jnp.where(in_round, local.owner * cd + rank, 0)
+        self.pair_slot = jnp.where(
+            in_round, local.per_owner(jnp.arange(n, dtype=jnp.int32) * cd) + rank, 0
+        )
         self.pair_in_round = in_round
 
     def rows_of(self, x):
