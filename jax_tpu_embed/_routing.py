@@ -107,15 +107,29 @@ class _Local:
         self.counts = self.bounds[1:] - self.bounds[:-1]
 
     def per_owner(self, values):
-        """values[owner of pair i] for every pair (NONE keys: the last owner's value),
-        as a sum of steps over the sorted keys rather than a gather."""
-        steps = jnp.concatenate([values[:1], values[1:] - values[:-1]])
-        starts = jnp.arange(self.n, dtype=jnp.int32) * self.s
-        return jnp.sum(jnp.where(self.keys[:, None] >= starts[None, :], steps[None, :], 0), axis=1)
+        """values[owner of pair i] for every pair (NONE keys: the last owner's value)."""
+        return _per_owner(self.keys, self.s, values)
+
+
+def _per_owner(sorted_keys, s: int, values):
+    """values[min(key // s, N - 1)] for each of the (m,) sorted keys, from the (N,) values.
+
+    A sum of steps over the keys: N compares per key. The TPU compiler charges far more
+    bytes for every O(m + N) form measured (docs/design.md, "Owner routing"): a gather of
+    the (N,) values per key, a scatter of the steps to the owners' first keys and a cumsum.
+    """
+    steps = jnp.concatenate([values[:1], values[1:] - values[:-1]])
+    starts = lax.iota(jnp.int32, values.shape[0]) * s
+    return jnp.sum(jnp.where(sorted_keys[:, None] >= starts[None, :], steps[None, :], 0), axis=1)
 
 
 def _count_below(sorted_keys, limits):
-    """For each limit, how many sorted keys are < it (a compare-and-count: no gathers)."""
+    """For each limit, how many sorted keys are < it: a compare-and-count, no gathers.
+
+    O(m) compares per limit, and still the fewest bytes for the TPU compiler: a binary
+    search (`jnp.searchsorted`) gathers per limit and step, its sort method sorts and
+    scatters, and a count per owner scatters per key (docs/design.md, "Owner routing").
+    """
     return jnp.sum(sorted_keys[None, :] < limits[:, None], axis=1, dtype=jnp.int32)
 
 

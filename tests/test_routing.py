@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import jax_tpu_embed as jte
 import reference
 from conftest import make_mesh
+from jax_tpu_embed import _routing
 from test_core import (
     _features_and_spec,
     _grads,
@@ -155,6 +156,26 @@ def test_rounds_match_what_id_counts_predicts(rng):
         for c in (32, 64, 512)
     ]
     assert rounds[0] >= rounds[1] >= rounds[2] == 1, rounds
+
+
+@pytest.mark.parametrize("num_shards,pairs", [(1, 12), (4, 40), (8, 5), (32, 9)])
+def test_owner_lookups_match_numpy(num_shards, pairs, rng):
+    """`_per_owner` and `_count_below` over sorted keys with duplicates, owners holding no
+    key (every odd one), NONE padding; N = 1 and N > m."""
+    s = 6
+    used = np.arange(0, num_shards, 2)
+    pool = rng.choice(used, 4) * s + rng.integers(0, s, 4)
+    real = rng.integers(1, pairs)
+    keys = np.sort(np.concatenate([rng.choice(pool, real), np.full(pairs - real, _routing.NONE)]))
+    assert len(np.unique(keys)) < len(keys)
+    values = rng.integers(-50, 50, num_shards).astype(np.int32)
+    got = _routing._per_owner(jax.numpy.asarray(keys, np.int32), s, jax.numpy.asarray(values))
+    np.testing.assert_array_equal(got, values[np.minimum(keys // s, num_shards - 1)])
+    near = np.concatenate([keys[:3], np.minimum(keys[:3] + 1, _routing.NONE)])
+    limits = np.concatenate([np.arange(num_shards + 1) * s, near, [_routing.NONE - 1]])
+    limits = limits.astype(np.int32)
+    got = _routing._count_below(jax.numpy.asarray(keys, np.int32), jax.numpy.asarray(limits))
+    np.testing.assert_array_equal(got, [(keys < x).sum() for x in limits])
 
 
 def test_auto_routing_and_errors():
