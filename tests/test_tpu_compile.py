@@ -402,3 +402,30 @@ def test_auto_routing_follows_the_measured_crossover():
         topo = _aot.topology(topology)
         assert (len(topo.devices) >= _routing.AUTO_OWNER_SHARDS) == (want == "owner")
         assert jte.Embedding(spec, _aot.mesh(topo)).routing == {"t": want}, topology
+
+
+def test_stacked_tables_share_one_set_of_collectives():
+    """Four owner-routed tables in one stack: the train step compiles, fits, keeps its
+    state aliased, holds no table-sized temporary, and exchanges as often as one table."""
+    topo = _aot.topology("v5p:2x2x1")
+
+    def compiled(tables: int):
+        configs = [jte.TableConfig(V, 64, name=f"t{i}") for i in range(tables)]
+        spec = jte.EmbeddingSpec(
+            {f"f{i}": jte.FeatureConfig(t) for i, t in enumerate(configs)},
+            jte.Adagrad(learning_rate=0.05),
+        )
+        emb = jte.Embedding(spec, _aot.mesh(topo), routing="owner")
+        assert len(emb.stacks) == 1
+        return _aot.compile_train_step(emb, B, L, topo=topo)
+
+    one, four = compiled(1), compiled(4)
+    shard = V // len(topo.devices) * 64 * 4
+    assert four.fits
+    assert four.aliased_state and not four.unaliased_state
+    assert not [t for t in four.largest_temps if t.bytes > TEMP_LIMIT * shard]
+
+    def exchanges(r):
+        return sum(c.op == "all-to-all" for c in r.collectives)
+
+    assert exchanges(four) == exchanges(one) > 0, (four.collectives, one.collectives)
