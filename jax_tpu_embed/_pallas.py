@@ -66,6 +66,11 @@ def fits_vmem(rows: int, lanes: int, vmem: int) -> bool:
     return _block_bytes(rows, lanes) <= vmem // 2
 
 
+def vmem_rows(lanes: int, vmem: int) -> int:
+    """The most rows of a (rows, lanes) f32 block that `fits_vmem`."""
+    return vmem // 2 // _block_bytes(1, lanes)
+
+
 def _params(vmem: int):
     return pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem * 7 // 8)
 

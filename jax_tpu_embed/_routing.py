@@ -39,7 +39,9 @@ from ._streams import NOT_MINE
 NONE = int(np.iinfo(np.int32).max)
 
 
-def capacity(plan: _backend.TablePlan, pairs: int, num_shards: int, k: int = 1) -> int:
+def capacity(
+    plan: _backend.TablePlan, pairs: int, num_shards: int, k: int = 1, kernels: bool = False
+) -> int:
     """Cd: distinct rows one device sends one owner per round.
 
     `max_ids_per_shard` (C, the ids one shard handles per round) / N when set, else
@@ -49,12 +51,23 @@ def capacity(plan: _backend.TablePlan, pairs: int, num_shards: int, k: int = 1) 
     one layout and the reshapes between them are free (otherwise each is a copy of the
     buffer). When that is m or more, one round always suffices. An optimizer that updates
     every row (`Adam(lazy_adam=False)`) takes one round of all m.
+
+    `kernels`: the Pallas kernels do the row work, holding the N·Cd/k exchanged rows in
+    VMEM: Cd is at most what fits (`_pallas.vmem_rows`), and a device with more distinct
+    rows for one owner runs more rounds, rather than XLA ops, whose row gathers and
+    scatters cost the TPU compiler a tile each.
     """
     multiple = 8 * k
     if plan.optimizer.dense_update or num_shards == 1:
-        return _streams.round_up(pairs, multiple)
-    c = -(-plan.max_ids // num_shards) if plan.max_ids else -(-2 * pairs // num_shards)
-    return _streams.round_up(min(pairs, max(c, 8)), multiple)
+        cd = _streams.round_up(pairs, multiple)
+    else:
+        c = -(-plan.max_ids // num_shards) if plan.max_ids else -(-2 * pairs // num_shards)
+        cd = _streams.round_up(min(pairs, max(c, 8)), multiple)
+    if kernels:
+        lanes = k * plan.storage.rows_packing.padded_width
+        most = _pallas.vmem_rows(lanes, plan.vmem) * k // num_shards // multiple * multiple
+        cd = min(cd, max(most, multiple))
+    return cd
 
 
 def supported(layout) -> str | None:
@@ -355,31 +368,27 @@ def _arrivals(rows):
     return keys, slot, jnp.sum(keys < NOT_MINE, dtype=jnp.int32)
 
 
-def fits(plan: _backend.TablePlan, inputs: list, axis: str) -> bool:
+def fits(plan: _backend.TablePlan, inputs: list, axis: str, capped: bool = False) -> bool:
     """Whether the Pallas kernels can do the row work of `inputs` in one call: the rows they
-    hold in VMEM (the exchanged rows, or the activations) fit (`_pallas.fits_vmem`).
+    hold in VMEM (the exchanged rows, or the activations) fit (`_pallas.fits_vmem`), at the
+    default capacity, or `capped` at the capacity that fits (`capacity`, more rounds).
     True when XLA ops do the row work: they have no such limit."""
     k = _kernel_rows(plan)
     if not k:
         return True
-    pairs = sum(ids.size for _, ids, _ in inputs)
-    rows = (
-        max(
-            lax.axis_size(axis) * capacity(plan, pairs, lax.axis_size(axis), k),
-            _streams.output_rows(inputs, k),
-        )
-        // k
-    )
+    n = lax.axis_size(axis)
+    cd = capacity(plan, sum(ids.size for _, ids, _ in inputs), n, k, kernels=capped)
+    rows = max(n * cd, _streams.output_rows(inputs, k)) // k
     return _pallas.fits_vmem(rows, k * plan.storage.rows_packing.padded_width, plan.vmem)
 
 
 def _row_work(plan: _backend.TablePlan, inputs: list, axis: str):
     """(local pairs, Cd, row work): the Pallas kernels when the table's backend is theirs
-    and the rows they hold in VMEM fit (`fits`), else XLA ops."""
+    and the rows they hold in VMEM fit at some capacity (`fits`), else XLA ops."""
     n = lax.axis_size(axis)
-    k = _kernel_rows(plan) if fits(plan, inputs, axis) else 0
+    k = _kernel_rows(plan) if fits(plan, inputs, axis, capped=True) else 0
     local = _Local(plan, inputs, axis, max(k, 1))
-    cd = capacity(plan, local.pairs, n, max(k, 1))
+    cd = capacity(plan, local.pairs, n, max(k, 1), kernels=bool(k))
     return local, cd, (_Kernels(plan, local.pairs, n * cd) if k else _XlaRows(plan))
 
 
@@ -456,7 +465,8 @@ def rounds_needed(plan: _backend.TablePlan, owner: np.ndarray, local: np.ndarray
     `owner`, `local`: (N, m) each device's pairs' owners and local rows in the plan's
     array (owner -1: none)."""
     num_shards, m = owner.shape
-    cd = capacity(plan, m, num_shards, max(_kernel_rows(plan), 1))
+    k = _kernel_rows(plan)
+    cd = capacity(plan, m, num_shards, max(k, 1), kernels=bool(k))
     if cd >= m:
         return 1
     pending = []  # [device][owner] ascending distinct local keys not yet sent

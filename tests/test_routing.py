@@ -191,3 +191,38 @@ def test_auto_routing_and_errors():
         jte.Embedding(spec, make_mesh(2), routing={"nope": "owner"})
     with pytest.raises(ValueError, match="table 'shared' cannot use routing 'owner'.*'cpu'"):
         jte.Embedding(spec, make_mesh(2), routing="owner", backend="cpu")
+
+
+def test_kernels_too_small_for_the_capacity_run_more_rounds(monkeypatch, rng):
+    """When the default capacity's exchanged rows would not fit VMEM, the Pallas kernels
+    take the capacity that fits and more rounds (not XLA ops): results unchanged."""
+    from jax_tpu_embed import _pallas
+
+    vocab, batch, length, dim = 400, 32, 6, 64
+    table = jte.TableConfig(vocab, dim, combiner="sum", name="t")
+    spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(0.5))
+    # 48 pairs per device: default Cd 32 (4 devices x 32 / k=2: 64 lane-dense rows); a
+    # VMEM of 40 such rows holds Cd = 16.
+    monkeypatch.setattr(_pallas, "vmem_rows", lambda lanes, vmem: 40)
+
+    def no_xla_rows(*args):
+        raise AssertionError("the row work fell back to XLA ops")
+
+    monkeypatch.setattr(_routing._XlaRows, "__init__", no_xla_rows)
+    emb = jte.Embedding(spec, make_mesh(4), routing="owner", backend="pallas_interpret")
+    features = {"f": _skewed(rng, batch, length, vocab)}
+    assert emb.id_counts(features)["t"]["passes"] > 1
+    state = emb.init(jax.random.key(3))
+    table0, slots0 = emb.export(state)["t"], emb.export_slots(state)["t"]
+    acts = emb.lookup(state, features)
+    np.testing.assert_allclose(
+        acts["f"], reference.lookup(table0, features["f"], None, "sum"), rtol=1e-5, atol=1e-6
+    )
+    grads = {"f": rng.normal(size=(batch, dim)).astype(np.float32)}
+    state = emb.apply_gradients(state, features, grads)
+    rows = reference.row_gradients(vocab, [(features["f"], None, "sum", 0, grads["f"])])
+    want_t, want_s = reference.apply("adagrad", {}, table0, slots0, rows, 0.5)
+    np.testing.assert_allclose(emb.export(state)["t"], want_t, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(
+        emb.export_slots(state)["t"]["accumulators"], want_s["accumulators"], rtol=2e-5, atol=2e-6
+    )
