@@ -85,11 +85,9 @@ def test_small_config_fits_with_per_chip_figures(config, capsys):
     assert res["collectives"]["count"] > 0 and res["compiler_oom"] is None
 
 
-def test_table_output_and_batch_override(config, capsys):
-    code, out, err = _run(
-        capsys, "--config", config(SMALL), "--topology", "v5p:2x2x1", "--batch", "1024"
-    )
-    assert code == 0, err
+def test_table_output_batch_override_and_capacities(config):
+    res = plan.plan(config(SMALL), "v5p:2x2x1", 1024, max_unique_ids_per_shard=64)
+    out = plan.format_table(res)
     assert "on v5p:2x2x1: 4 chips, 4 devices (1 per chip), global batch 1024" in out
     for needle in (
         "users",
@@ -103,6 +101,9 @@ def test_table_output_and_batch_override(config, capsys):
         "flops/step",
     ):
         assert needle in out, needle
+    # The capacities reach the Embedding.
+    assert set(res["max_unique_ids_per_shard"].values()) == {64}
+    assert set(res["max_ids_per_shard"].values()) == {None}
 
 
 def test_v4_counts_two_devices_per_chip(config, capsys):
@@ -253,23 +254,7 @@ def test_module_entry_point(config):
     assert "python -m jax_tpu_embed.plan: error: topology 'v5p:1x1x1'" in proc.stderr
 
 
-def test_capacities_reach_the_embedding(config, capsys):
-    code, out, err = _run(
-        capsys,
-        "--config",
-        config(SMALL),
-        "--topology",
-        "v5p:2x2x1",
-        "--batch",
-        "1024",
-        "--max-unique-ids-per-shard",
-        "64",
-        "--json",
-    )
-    assert code == 0, err
-    res = json.loads(out)
-    assert set(res["max_unique_ids_per_shard"].values()) == {64}
-    assert set(res["max_ids_per_shard"].values()) == {None}
+def test_a_capacity_that_cannot_work_is_an_error(config, capsys):
     code, _, err = _run(
         capsys, "--config", config(SMALL), "--topology", "v5p:2x2x1", "--max-ids-per-shard", "0"
     )

@@ -140,7 +140,7 @@ def test_stacks_group_tables_of_one_row_form_and_optimizer():
 
 @pytest.mark.parametrize(
     "strategy,num_shards,backend",
-    [("div", 1, "xla"), ("mod", 2, "xla"), ("mod", 4, "pallas_interpret"), ("div", 8, "xla")],
+    [("mod", 2, "xla"), ("mod", 4, "pallas_interpret"), ("div", 8, "xla")],
 )
 def test_stacked_tables_train_as_the_reference(strategy, num_shards, backend, rng):
     emb = _owner(strategy, num_shards, backend=backend)
@@ -223,7 +223,7 @@ def test_a_stack_runs_in_parts_where_one_call_would_not_fit(monkeypatch, rng):
     got, members = parts(owner)
     assert got == [sum(members, [])]
     # Kernels that hold one table's features at most: owner routing's parts are its members.
-    one_table = lambda plan, inputs, axis: len({i.feature.table for i in inputs}) == 1
+    one_table = lambda plan, inputs, axis, capped=False: len({i.feature.table for i in inputs}) == 1
     monkeypatch.setattr(_routing, "fits", one_table)
     assert parts(owner)[0] == members
     plain = _owner(stacking=False)
