@@ -284,11 +284,7 @@ class Embedding:
             for name, table in spec.tables().items()
         }
         self._stack_plans = self._make_stacks(bool(stacking))
-        self._stack_of = {
-            member: name
-            for name, plan in self._stack_plans.items()
-            for member in (plan.members and [m.name for m in plan.members] or [name])
-        }
+        self._stack_of = {t: name for name, tables in self.stacks.items() for t in tables}
         names = _config.table_names(spec)
         self.feature_plans = [
             _backend.FeaturePlan(p, f, names[id(f.table)]) for p, f in spec.flat_features
@@ -305,8 +301,9 @@ class Embedding:
         self._add_counts = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
 
     def _make_stacks(self, stacking: bool) -> dict[str, _backend.TablePlan]:
-        """{stack name: its plan}: a table stored alone is a stack of its own, under its
-        name; several tables sharing arrays are one under their names joined by "+"."""
+        """{stack name: its plan}, in the order of each stack's first table: a table stored
+        alone is a stack of its own, under its name; several tables sharing arrays are one
+        under their names joined by "+"."""
         groups: dict[tuple, list[str]] = {}
         for name, plan in self.table_plans.items():
             alone = (
@@ -323,54 +320,54 @@ class Embedding:
                     plan.config.dim,
                     id(plan.optimizer),
                     plan.backend.name,
-                    plan.routing,
                     plan.max_ids is None,
                     plan.max_unique is None,
                 )
             )
             groups.setdefault(key, []).append(name)
-        stacks = {}
+        chunks: list[list[str]] = []
         for names in groups.values():
-            # Greedily, in spec order, while the stack's local rows fit the sort keys.
-            chunk: list[str] = []
-            for name in names + [None]:
-                if name is not None:
-                    rows = sum(self.table_plans[n].layout.rows_per_shard for n in chunk + [name])
-                    # A row's 128 lanes of padding, per member, for the alignment of blocks.
-                    rows += 128 * (len(chunk) + 1)
-                    if not chunk or self._stackable(rows):
-                        chunk.append(name)
-                        continue
-                stacks.update(self._stack(chunk))
-                chunk = [] if name is None else [name]
-        return {name: stacks[name] for name in sorted(stacks, key=self._first_table)}
-
-    def _first_table(self, stack_name: str) -> int:
-        return list(self.table_plans).index(stack_name.split("+")[0])
+            # Greedily, in spec order, while the stack's local rows fit the sort keys (with
+            # up to 128 rows of padding per member for the alignment of its block).
+            chunks.append([])
+            for name in names:
+                rows = sum(self.table_plans[n].layout.rows_per_shard + 128 for n in chunks[-1])
+                rows += self.table_plans[name].layout.rows_per_shard + 128
+                if chunks[-1] and not self._stackable(rows):
+                    chunks.append([])
+                chunks[-1].append(name)
+        order = list(self.table_plans)
+        chunks.sort(key=lambda chunk: order.index(chunk[0]))
+        stacks = [self._stack(chunk) for chunk in chunks]
+        keys = [name for name, _ in stacks]
+        clash = sorted({k for k in keys if keys.count(k) > 1})
+        if clash:  # A table named like a stack ("a+b"): their state would share a key.
+            raise ValueError(
+                f"Embedding: the state keys {clash} name both a table and a stack of "
+                f"tables; rename the table or pass stacking=False."
+            )
+        return dict(stacks)
 
     def _stackable(self, rows: int) -> bool:
         return rows < _streams.NOT_MINE and self.num_shards * rows < _routing.NONE
 
-    def _stack(self, names: list[str]) -> dict[str, _backend.TablePlan]:
+    def _capacities(self, names) -> dict:
+        """max_ids and max_unique of tables `names` together: their sums (None: default)."""
+        out = {}
+        for field in ("max_ids", "max_unique"):
+            values = [getattr(self.table_plans[n], field) for n in names]
+            out[field] = None if values[0] is None else sum(values)
+        return out
+
+    def _stack(self, names: list[str]) -> tuple[str, _backend.TablePlan]:
         if len(names) == 1:
-            return {names[0]: self.table_plans[names[0]]}
+            return names[0], self.table_plans[names[0]]
         plans = [self.table_plans[n] for n in names]
         storage, members = _storage.stack([(n, p.storage) for n, p in zip(names, plans)])
-
-        def total(values):
-            return None if values[0] is None else sum(values)
-
         name = "+".join(names)
-        return {
-            name: dataclasses.replace(
-                plans[0],
-                name=name,
-                storage=storage,
-                members=members,
-                max_ids=total([p.max_ids for p in plans]),
-                max_unique=total([p.max_unique for p in plans]),
-            )
-        }
+        return name, dataclasses.replace(
+            plans[0], name=name, storage=storage, members=members, **self._capacities(names)
+        )
 
     @property
     def stacks(self) -> dict[str, tuple[str, ...]]:
@@ -1194,16 +1191,8 @@ class Embedding:
         names = list(dict.fromkeys(i.feature.table for i in inputs))
         if len(names) == len(plan.members):
             return plan
-
-        def total(field):
-            values = [getattr(self.table_plans[n], field) for n in names]
-            return None if values[0] is None else sum(values)
-
         return dataclasses.replace(
-            plan,
-            max_ids=total("max_ids"),
-            max_unique=total("max_unique"),
-            members=tuple(by_member[n] for n in names),
+            plan, members=tuple(by_member[n] for n in names), **self._capacities(names)
         )
 
     def _lookup_local(self, tables, feats):

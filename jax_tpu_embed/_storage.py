@@ -314,17 +314,16 @@ def stack(members: list[tuple[str, TableStorage]]) -> tuple[TableStorage, tuple[
 
 def join_local(stacked: TableStorage, members, slot, parts: list):
     """One shard of a stack's array (the table's for slot None, else the stored slot's)
-    from its members' shards of theirs, in member order. jnp or np."""
+    from its members' shards of theirs, in member order: each padded to the next block."""
     packing = stacked.packing if slot is None else stacked.slot_packing(slot)
-    xp = np if all(isinstance(x, np.ndarray) for x in parts) else jnp
-    pieces = []
-    for i, (member, x) in enumerate(zip(members, parts)):
-        rows = member.rows(packing)
-        end = members[i + 1].rows(packing).start if i + 1 < len(members) else None
-        end = packing.shard_rows(stacked.layout.rows_per_shard) if end is None else end
-        pad = [(0, end - rows.start - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
-        pieces.append(xp.pad(x, pad))
-    return xp.concatenate(pieces)
+    starts = [m.rows(packing).start for m in members]
+    ends = starts[1:] + [packing.shard_rows(stacked.layout.rows_per_shard)]
+    return jnp.concatenate(
+        [
+            jnp.pad(x, [(0, end - start - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+            for x, start, end in zip(parts, starts, ends)
+        ]
+    )
 
 
 # ------------------------------------------------------------------ stochastic rounding

@@ -131,6 +131,18 @@ def test_stacks_group_tables_of_one_row_form_and_optimizer():
         jte.Adagrad(0.1),
     )
     assert jte.Embedding(spec, make_mesh(2), routing="owner").stacks == {"b": ("b",), "f": ("f",)}
+    # A table named like a stack would share its state key: a clear error.
+    named = jte.TableConfig(30, 4, name="f+g", optimizer=jte.SGD(0.1))
+    clash = jte.EmbeddingSpec(
+        {
+            "f": jte.FeatureConfig(f32),
+            "g": jte.FeatureConfig(jte.TableConfig(30, 4, name="g")),
+            "h": jte.FeatureConfig(named),
+        },
+        jte.Adagrad(0.1),
+    )
+    with pytest.raises(ValueError, match=r"\['f\+g'\] name both a table and a stack"):
+        jte.Embedding(clash, make_mesh(2), routing="owner")
     dense = jte.EmbeddingSpec(
         {"a": jte.FeatureConfig(jte.TableConfig(30, 4, name="a")), "c": jte.FeatureConfig(f32)},
         jte.Adam(0.1, lazy_adam=False),
