@@ -36,7 +36,7 @@ from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 
-from . import _aot, _config, _config_file, _embedding  # noqa: E402
+from . import _aot, _config, _config_file, _embedding, _routing  # noqa: E402
 
 # Slice shapes to suggest when a config does not fit, smallest first.
 _CUBES = (
@@ -238,6 +238,7 @@ def _result(
             "bytes": sum(c.bytes for c in r.collectives) * per_chip,
             "largest": str(max(r.collectives, key=lambda c: c.bytes)) if r.collectives else None,
         },
+        "routing": routes(emb, batch, lengths),
         "compile_seconds": round(r.compile_seconds, 1),
         "compiler_oom": r.oom,
     }
@@ -245,6 +246,56 @@ def _result(
         out["over_by_bytes"] = max(total, init_peak) - hbm
         out["suggestion"] = _suggest(topo, state, max(total, init_peak))
     return out
+
+
+def routes(emb, batch: int, lengths: Mapping[str, int]) -> list[dict[str, Any]]:
+    """Per stored array (a stack, or a table alone): its tables, their routing and, routed
+    to owners, the distinct rows one device sends each owner per round (`_routing.capacity`:
+    capped at what the kernels' VMEM holds) for the batch's ids per device. A device with
+    more distinct rows for one owner runs more rounds; `Embedding.id_counts` counts them on
+    real batches."""
+    per_device = batch // emb.num_shards
+    pairs: dict[str, int] = {}
+    for path, f in emb.spec.flat_features:
+        n = per_device * lengths.get(path, f.max_sequence_length or 1)
+        pairs[f.table.name] = pairs.get(f.table.name, 0) + n
+    out = []
+    for name, tables in emb.stacks.items():
+        stack = emb._stack_plans[name]
+        entry: dict[str, Any] = {"arrays": name, "tables": list(tables), "routing": stack.routing}
+        if stack.routing == "owner":
+            m = sum(pairs.get(t, 0) for t in tables)
+            k = _routing._kernel_rows(stack)
+            entry["ids_per_device"] = m
+            entry["rows_per_owner_and_round"] = _routing.capacity(
+                stack, m, emb.num_shards, max(k, 1), kernels=bool(k)
+            )
+            entry["uncapped_rows_per_owner_and_round"] = _routing.capacity(
+                stack, m, emb.num_shards, max(k, 1)
+            )
+        out.append(entry)
+    return out
+
+
+def _route_lines(res: dict[str, Any]) -> list[str]:
+    gather = sum(len(r["tables"]) for r in res["routing"] if r["routing"] == "gather")
+    lines = [f"  routing               all-gather: {gather} table(s)"] if gather else []
+    for r in res["routing"]:
+        if r["routing"] != "owner":
+            continue
+        what = (
+            f"{len(r['tables'])} tables in one stack"
+            if len(r["tables"]) > 1
+            else f"table {r['tables'][0]}"
+        )
+        cap, uncapped = r["rows_per_owner_and_round"], r["uncapped_rows_per_owner_and_round"]
+        why = f" ({uncapped:,} without the VMEM cap)" if cap < uncapped else ""
+        lines.append(
+            f"  routing               to owners, {what}: each device sends each owner up to "
+            f"{cap:,} distinct rows per round{why} of its {r['ids_per_device']:,} ids; more "
+            f"run more rounds, and bytes accessed counts one"
+        )
+    return lines
 
 
 def _suggest(topo: _aot.Topology, state: int, total: int) -> str:
@@ -316,6 +367,7 @@ def format_table(res: dict[str, Any]) -> str:
         f"  flops/step            {c['flops'] / 1e9:>10.3f} GFLOP",
         f"  collectives           {res['collectives']['count']:>10d}     "
         f"largest: {res['collectives']['largest']}",
+        *_route_lines(res),
         f"compiled in {res['compile_seconds']} s",
     ]
     if res["compiler_oom"]:
