@@ -11,7 +11,9 @@ apply_gradients (`_aot.train_step_fn`). For each slice and routing ("gather": ev
 all-gathers the global batch's ids; "owner": ids travel to their rows' owners; "auto": what
 `Embedding` picks) it prints, per chip, the compiler's bytes accessed, the largest sort
 (elements), the largest collective and the temporaries, and each one's ratio to the
-smallest slice of the same routing.
+smallest slice of the same routing. The compiler charges a loop's body once, so for owner
+routing the figures are one exchange round's; "rounds" is how many a step of W1's ids
+(workloads.py's distribution) takes, from `Embedding.id_counts` (1: the figures are the step's).
 """
 
 from __future__ import annotations
@@ -79,11 +81,31 @@ def embedding(topo: _aot.Topology, routing: str, sized: bool, stacking: bool) ->
     return jte.Embedding(spec, _aot.mesh(topo), routing=routing, stacking=stacking, **kw)
 
 
+def w1_batch(batch: int) -> dict:
+    """One global batch of W1's ids (workloads.py: power-law ranks, a fixed permutation per
+    table), for `Embedding.id_counts`."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import workloads
+
+    cdf = workloads.power_law_cdf(V)
+    out = {}
+    for t in range(TABLES):
+        perm = np.random.default_rng([0, 1, t]).permutation(V)
+        ranks = workloads.sample_ranks(cdf, (batch, L), np.random.default_rng([0, 2, t]))
+        out[f"t{t}"] = perm[ranks].astype(np.int32)
+    return out
+
+
 def measure(slice_name: str, routing: str, sized: bool, stacking: bool = True) -> dict:
     topo = _aot.topology(slice_name)
     emb = embedding(topo, routing, sized, stacking)
     batch = PER_CHIP * topo.chips
     r = _aot.compile_train_step(emb, batch, L, topo=topo)
+    # The compiler charges a loop's body once: the figures are one exchange round's. How
+    # many rounds a step of W1's ids takes (1: the figures are the step's).
+    rounds = 1
+    if "owner" in emb.routing.values():
+        rounds = max(c["passes"] for c in emb.id_counts(w1_batch(batch)).values())
     biggest = max(r.collectives, key=lambda c: c.bytes, default=None)
     return {
         "slice": slice_name,
@@ -104,6 +126,7 @@ def measure(slice_name: str, routing: str, sized: bool, stacking: bool = True) -
         "temp_bytes_per_device": r.temp_bytes,
         "fits": r.fits,
         "compile_seconds": round(r.compile_seconds, 1),
+        "rounds": rounds,
     }
 
 
@@ -115,7 +138,7 @@ def report(results: list[dict]) -> str:
         "",
         f"{'slice':<11s} {'chips':>5s} {'routing':>8s} {'stacks':>6s} {'bytes accessed':>15s} "
         f"{'x':>6s} {'largest sort':>13s} {'x':>6s} {'largest collective':>19s} "
-        f"{'collectives':>11s} {'temps':>10s} {'compile':>8s}",
+        f"{'collectives':>11s} {'temps':>10s} {'compile':>8s} {'rounds':>6s}",
     ]
     first: dict[tuple, dict] = {}
     for r in results:
@@ -131,7 +154,7 @@ def report(results: list[dict]) -> str:
             f"{r['largest_sort']:>13,d} {ratio('largest_sort'):>5.1f}x "
             f"{mb(r['largest_collective_bytes']):>19s} {r['collectives']:>11d} "
             f"{mb(r['temp_bytes_per_device']):>10s} "
-            f"{r['compile_seconds']:>7.1f}s"
+            f"{r['compile_seconds']:>7.1f}s {r['rounds']:>6d}"
         )
     return "\n".join(lines)
 
