@@ -5,7 +5,8 @@ Stacked and unstacked embeddings must be the same embedding: lookups and updates
 float64 reference and against `stacking=False`, on 1 to 8 devices, "div" and "mod", on XLA
 ops and the Pallas kernels; a skipped member leaves its rows alone while the others update;
 export, checkpoints and `shard_rows` speak per-table rows whatever the stacking; a stack whose
-kernels cannot hold all its features at once runs in parts with the same result.
+exchanged rows overflow the kernels' VMEM stays one call with more rounds, and one whose
+activations do runs in parts, with the same results.
 """
 
 import jax
@@ -284,3 +285,57 @@ def test_id_counts_report_the_rounds_of_the_stack(rng):
     small = counts[8]
     assert small["users"]["passes"] == small["items"]["passes"] == small["tags"]["passes"] > 1
     assert small["users"]["pairs"] == B * 4 and small["items"]["pairs"] == B * 4
+
+
+def test_a_stack_whose_exchanged_rows_overflow_vmem_stays_one_call(monkeypatch, rng):
+    """Kernels whose VMEM holds fewer exchanged rows than the stack's default capacity but
+    all of its activations: the stack stays one call at the capacity that fits and runs
+    more rounds (parts of whole tables would cost a call, a sort and a loop per part), and
+    trains as the reference and as the unstacked tables."""
+    from jax_tpu_embed import _pallas, _routing
+
+    vocab, length = 400, 6
+    spec = jte.EmbeddingSpec(
+        {n: jte.FeatureConfig(jte.TableConfig(vocab, 64, name=n)) for n in ("a", "b")},
+        jte.Adagrad(0.5),
+    )
+    # 96 pairs per device on 4 devices: default Cd 48 (96 lane-dense rows of 2 per round);
+    # a VMEM of 40 such rows holds Cd = 16, and the activations.
+    monkeypatch.setattr(_pallas, "vmem_rows", lambda lanes, vmem: 40)
+    monkeypatch.setattr(_pallas, "fits_vmem", lambda rows, lanes, vmem: rows <= 40)
+
+    def no_xla_rows(*args):
+        raise AssertionError("the row work fell back to XLA ops")
+
+    monkeypatch.setattr(_routing._XlaRows, "__init__", no_xla_rows)
+    calls, lookup = [], _routing.lookup
+    monkeypatch.setattr(
+        _routing, "lookup", lambda plan, *args: calls.append(plan.name) or lookup(plan, *args)
+    )
+    features = {}
+    for n in ("a", "b"):  # Power-law ids: the hot low rows on shard 0 under "div".
+        ids = (rng.pareto(0.8, (32, length)) * 3).astype(np.int64) % vocab
+        ids[rng.random(ids.shape) < 0.1] = -1
+        features[n] = ids.astype(np.int32)
+    for stacking, want_calls in ((True, ["a+b"]), (False, ["a", "b"])):
+        calls.clear()
+        emb = jte.Embedding(
+            spec, make_mesh(4), routing="owner", backend="pallas_interpret", stacking=stacking
+        )
+        assert emb.id_counts(features)["a"]["passes"] > 1
+        state = emb.init(jax.random.key(3))
+        tables, slots = emb.export(state), emb.export_slots(state)
+        acts = emb.lookup(state, features)
+        assert calls == want_calls
+        grads = _grads(rng, acts)
+        state = emb.apply_gradients(state, features, grads)
+        got_t, got_s = emb.export(state), emb.export_slots(state)
+        for n in ("a", "b"):
+            want = reference.lookup(tables[n], features[n], None, "mean")
+            np.testing.assert_allclose(acts[n], want, rtol=1e-5, atol=1e-6, err_msg=n)
+            rows = reference.row_gradients(vocab, [(features[n], None, "mean", 0, grads[n])])
+            want_t, want_s = reference.apply("adagrad", {}, tables[n], slots[n], rows, 0.5)
+            np.testing.assert_allclose(got_t[n], want_t, rtol=2e-5, atol=2e-6, err_msg=n)
+            np.testing.assert_allclose(
+                got_s[n]["accumulators"], want_s["accumulators"], rtol=2e-5, atol=2e-6
+            )
