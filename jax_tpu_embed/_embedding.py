@@ -935,17 +935,21 @@ class Embedding:
         Returns {table name: {"pairs": M, the (id, position) pairs of the table's features;
         "owned_pairs": the most pairs with a valid id any one shard owns; "unique_rows": the
         most distinct rows any one shard owns; "passes": the most update passes any shard
-        runs with this Embedding's settings, over the table's whole stack (`stacks`) (1
-        unless they are below the other two; always 1
-        on the Pallas and C++ kernels, which walk every pair in one call; with
-        routing="owner", the exchange rounds: more than 1 when a device holds more distinct
-        ids for one owner than a round carries, max_ids_per_shard / N)}}. Host-side:
-        features are NumPy arrays or fully addressable jax.Arrays.
+        runs with this Embedding's settings, over the table's whole stack (`stacks`), or the
+        part of it that one call serves (1 unless they are below the other two; always 1 on
+        the Pallas and C++ kernels, which walk every pair in one call; with routing="owner",
+        the exchange rounds: more than 1 when a device holds more distinct ids for one owner
+        than a round carries, max_ids_per_shard / N)}}. Host-side: features are NumPy arrays
+        or fully addressable jax.Arrays.
         """
         flat = _inputs.flatten_inputs(self.spec, features)
         _inputs.check_batch(flat, self.num_shards)
+        shapes = {}
+        for f in self.feature_plans:
+            ids, _ = _inputs.normalize(f.config, flat[f.path])
+            shapes[f.path] = (ids.shape[0] // self.num_shards, ids.shape[1])
         return _streams.id_counts(
-            self.table_plans, self._stack_plans, self.feature_plans, flat, self.num_shards
+            self.table_plans, self._call_plans(shapes), self.feature_plans, flat, self.num_shards
         )
 
     def _prepare(self, features, act_grads=None) -> dict:
@@ -1180,12 +1184,25 @@ class Embedding:
         for group in groups:
             joined = parts[-1] + group if parts else None
             if joined and _routing.fits(
-                self._part_plan(plan, joined, by_member), joined, self.axis, capped=True
+                self._part_plan(plan, joined, by_member), joined, self.num_shards, capped=True
             ):
                 parts[-1] = joined
             else:
                 parts.append(group)
         return [(self._part_plan(plan, part, by_member), part) for part in parts]
+
+    def _call_plans(self, shapes: dict[str, tuple[int, int]]) -> dict[str, _backend.TablePlan]:
+        """{key: plan} of each call the row work makes when each device holds ids of these
+        (b, L) shapes ({feature path: shape}): a table alone or a stack under its state key,
+        a stack that runs in parts (`_parts`) one plan per part, under "key#i". On the host,
+        for `id_counts` and `plan`."""
+        feats = {p: (jax.ShapeDtypeStruct(shape, jnp.int32), None) for p, shape in shapes.items()}
+        out = {}
+        for name, inputs in self._inputs(feats).items():
+            parts = self._parts(self._stack_plans[name], inputs)
+            for i, (plan, _) in enumerate(parts):
+                out[name if len(parts) == 1 else f"{name}#{i}"] = plan
+        return out
 
     def _part_plan(self, plan: _backend.TablePlan, inputs: list, by_member: dict):
         """The stack's plan for the members that `inputs` feed: their capacities summed."""

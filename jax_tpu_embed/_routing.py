@@ -368,15 +368,15 @@ def _arrivals(rows):
     return keys, slot, jnp.sum(keys < NOT_MINE, dtype=jnp.int32)
 
 
-def fits(plan: _backend.TablePlan, inputs: list, axis: str, capped: bool = False) -> bool:
-    """Whether the Pallas kernels can do the row work of `inputs` in one call: the rows they
-    hold in VMEM (the exchanged rows, or the activations) fit (`_pallas.fits_vmem`), at the
-    default capacity, or `capped` at the capacity that fits (`capacity`, more rounds).
-    True when XLA ops do the row work: they have no such limit."""
+def fits(plan: _backend.TablePlan, inputs: list, n: int, capped: bool = False) -> bool:
+    """Whether the Pallas kernels can do the row work of `inputs` (one device's) on n devices
+    in one call: the rows they hold in VMEM (the exchanged rows, or the activations) fit
+    (`_pallas.fits_vmem`), at the default capacity, or `capped` at the capacity that fits
+    (`capacity`, more rounds). True when XLA ops do the row work: they have no such limit.
+    Shapes only: `Embedding._parts` asks it on the host too (`id_counts`, `plan`)."""
     k = _kernel_rows(plan)
     if not k:
         return True
-    n = lax.axis_size(axis)
     cd = capacity(plan, sum(ids.size for _, ids, _ in inputs), n, k, kernels=capped)
     rows = max(n * cd, _streams.output_rows(inputs, k)) // k
     return _pallas.fits_vmem(rows, k * plan.storage.rows_packing.padded_width, plan.vmem)
@@ -386,7 +386,7 @@ def _row_work(plan: _backend.TablePlan, inputs: list, axis: str):
     """(local pairs, Cd, row work): the Pallas kernels when the table's backend is theirs
     and the rows they hold in VMEM fit at some capacity (`fits`), else XLA ops."""
     n = lax.axis_size(axis)
-    k = _kernel_rows(plan) if fits(plan, inputs, axis, capped=True) else 0
+    k = _kernel_rows(plan) if fits(plan, inputs, n, capped=True) else 0
     local = _Local(plan, inputs, axis, max(k, 1))
     cd = capacity(plan, local.pairs, n, max(k, 1), kernels=bool(k))
     return local, cd, (_Kernels(plan, local.pairs, n * cd) if k else _XlaRows(plan))

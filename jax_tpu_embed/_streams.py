@@ -316,11 +316,12 @@ def scatter_parts(acc, stream: Stream, axis: str, packing=None) -> dict:
 
 
 def id_counts(
-    table_plans: dict, stacks: dict, feature_plans: list, flat: dict, num_shards: int
+    table_plans: dict, calls: dict, feature_plans: list, flat: dict, num_shards: int
 ) -> dict:
     """`Embedding.id_counts` on the host: per table, the pairs M, the most owned pairs and
-    distinct rows of any shard, and the passes the table's stack runs on them (the XLA
-    passes' or owner routing's rounds; `stacks`: {stack name: its plan})."""
+    distinct rows of any shard, and the passes of the call that serves it (the XLA passes'
+    or owner routing's rounds; `calls`: {key: the plan of a table, a stack or a part of one},
+    `Embedding._call_plans`)."""
     ids_by_table: dict[str, list] = {}
     out_rows: dict[str, int] = {}
     for f in feature_plans:
@@ -348,7 +349,7 @@ def id_counts(
             rows, counts = np.unique(valid[owner == p], return_counts=True)
             owned, unique = max(owned, int(counts.sum())), max(unique, len(rows))
         out[name] = {"pairs": ids.shape[0], "owned_pairs": owned, "unique_rows": unique}
-    for plan in stacks.values():
+    for plan in calls.values():
         names = [m.name for m in plan.members] or [plan.name]
         names = [n for n in names if n in ids_by_table]
         if not names:

@@ -249,20 +249,24 @@ def _result(
 
 
 def routes(emb, batch: int, lengths: Mapping[str, int]) -> list[dict[str, Any]]:
-    """Per stored array (a stack, or a table alone): its tables, their routing and, routed
-    to owners, the distinct rows one device sends each owner per round (`_routing.capacity`:
-    capped at what the kernels' VMEM holds) for the batch's ids per device. A device with
-    more distinct rows for one owner runs more rounds; `Embedding.id_counts` counts them on
-    real batches."""
+    """Per call of the row work (a table alone, a stack, or a part of a stack whose
+    activations overflow VMEM): its state key, tables, routing and, routed to owners, the
+    distinct rows one device sends each owner per round (`_routing.capacity`: capped at what
+    the kernels' VMEM holds) for the batch's ids per device. A device with more distinct
+    rows for one owner runs more rounds; `Embedding.id_counts` counts them on real
+    batches."""
     per_device = batch // emb.num_shards
     pairs: dict[str, int] = {}
+    shapes = {}
     for path, f in emb.spec.flat_features:
-        n = per_device * lengths.get(path, f.max_sequence_length or 1)
-        pairs[f.table.name] = pairs.get(f.table.name, 0) + n
+        length = lengths.get(path, f.max_sequence_length or 1)
+        shapes[path] = (per_device, length)
+        pairs[f.table.name] = pairs.get(f.table.name, 0) + per_device * length
     out = []
-    for name, tables in emb.stacks.items():
-        stack = emb._stack_plans[name]
-        entry: dict[str, Any] = {"arrays": name, "tables": list(tables), "routing": stack.routing}
+    for key, stack in emb._call_plans(shapes).items():
+        tables = [m.name for m in stack.members] or [stack.name]
+        name = key.split("#")[0]
+        entry: dict[str, Any] = {"arrays": name, "tables": tables, "routing": stack.routing}
         if stack.routing == "owner":
             m = sum(pairs.get(t, 0) for t in tables)
             k = _routing._kernel_rows(stack)
@@ -284,7 +288,7 @@ def _route_lines(res: dict[str, Any]) -> list[str]:
         if r["routing"] != "owner":
             continue
         what = (
-            f"{len(r['tables'])} tables in one stack"
+            f"{len(r['tables'])} stacked tables"
             if len(r["tables"]) > 1
             else f"table {r['tables'][0]}"
         )

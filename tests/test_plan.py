@@ -249,7 +249,7 @@ def test_routing_reports_the_rows_each_device_sends_each_owner_per_round():
     assert route["uncapped_rows_per_owner_and_round"] == 2 * m // 64
     assert 8 <= route["rows_per_owner_and_round"] < 2 * m // 64
     (line,) = plan._route_lines({"routing": [route]})
-    assert "26 tables in one stack" in line and "without the VMEM cap" in line, line
+    assert "26 stacked tables" in line and "without the VMEM cap" in line, line
 
 
 def test_module_entry_point(config):

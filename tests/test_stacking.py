@@ -236,9 +236,16 @@ def test_a_stack_runs_in_parts_where_one_call_would_not_fit(monkeypatch, rng):
     got, members = parts(owner)
     assert got == [sum(members, [])]
     # Kernels that hold one table's features at most: owner routing's parts are its members.
-    one_table = lambda plan, inputs, axis, capped=False: len({i.feature.table for i in inputs}) == 1
+    one_table = lambda plan, inputs, n, capped=False: len({i.feature.table for i in inputs}) == 1
     monkeypatch.setattr(_routing, "fits", one_table)
     assert parts(owner)[0] == members
+    # id_counts and plan see the calls the engine makes: one per part.
+    flat = owner._normalized(_inputs.flatten_inputs(owner.spec, _features(rng)))
+    shapes = {p: (ids.shape[0] // 2, ids.shape[1]) for p, (ids, _) in flat.items()}
+    (name,) = [k for k in owner.stacks if "+" in k]
+    calls = owner._call_plans(shapes)
+    assert [k for k in calls if k.startswith(name)] == [f"{name}#{i}" for i in range(3)]
+    assert [[m.name for m in calls[f"{name}#{i}"].members] for i in range(3)] == members
     plain = _owner(stacking=False)
     states = [e.init(jax.random.key(3)) for e in (owner, plain)]
     for _ in range(2):
