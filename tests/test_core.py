@@ -499,18 +499,20 @@ def _close(a, b):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+# Plain rows (lane_width 0) or packed as on a TPU mesh (128): each optimizer one of them,
+# Adagrad both (test_lane_packed_layout_gives_identical_results compares the two layouts).
 @pytest.mark.parametrize(
-    "opt_key,strategy,num_shards,max_ids,max_unique",
+    "opt_key,strategy,num_shards,max_ids,max_unique,lane_width",
     [
-        ("adagrad", "div", 4, 1, None),
-        ("adam", "mod", 2, 3, 1),
-        ("ftrl", "div", 8, 5, None),
-        ("rowwise_adagrad", "mod", 4, None, 2),
-        ("sgd", "div", 1, 2, None),
-        ("adagrad_momentum", "div", 1, None, 3),
+        ("adagrad", "div", 4, 1, None, 0),
+        ("adagrad", "div", 4, 1, None, 128),
+        ("adam", "mod", 2, 3, 1, 128),
+        ("ftrl", "div", 8, 5, None, 0),
+        ("rowwise_adagrad", "mod", 4, None, 2, 128),
+        ("sgd", "div", 1, 2, None, 0),
+        ("adagrad_momentum", "div", 1, None, 3, 128),
     ],
 )
-@pytest.mark.parametrize("lane_width", [0, 128])
 def test_update_in_passes_matches_reference(
     opt_key, strategy, num_shards, max_ids, max_unique, lane_width, rng
 ):

@@ -154,9 +154,11 @@ def _stored_unpacked(topology: str, dim: int) -> bool:
 
 def _cases():
     quick = os.environ.get("JTE_TPU_MATRIX", "full") == "quick"
-    for topology in TOPOLOGIES:
-        for dim in (16, 64, 128) if quick else DIMS:
-            for opt in ("adagrad",) if quick else OPTIMIZERS:
+    for t, topology in enumerate(TOPOLOGIES):
+        for d, dim in enumerate((16, 64, 128) if quick else DIMS):
+            # Adagrad everywhere; Adam (two slots) and a custom optimizer (one) in turn.
+            other = OPTIMIZERS[1 + (t + d) % (len(OPTIMIZERS) - 1)]
+            for opt in ("adagrad",) if quick else (OPTIMIZERS[0], other):
                 case = Case(topology, dim, opt)
                 why = _KNOWN_UNPACKED.get((topology, dim, opt))
                 if why and not _stored_unpacked(topology, dim):
