@@ -944,12 +944,8 @@ class Embedding:
         """
         flat = _inputs.flatten_inputs(self.spec, features)
         _inputs.check_batch(flat, self.num_shards)
-        shapes = {}
-        for f in self.feature_plans:
-            ids, _ = _inputs.normalize(f.config, flat[f.path])
-            shapes[f.path] = (ids.shape[0] // self.num_shards, ids.shape[1])
         return _streams.id_counts(
-            self.table_plans, self._call_plans(shapes), self.feature_plans, flat, self.num_shards
+            self.table_plans, self._call_plans, self.feature_plans, flat, self.num_shards
         )
 
     def _prepare(self, features, act_grads=None) -> dict:

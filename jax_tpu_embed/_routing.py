@@ -382,6 +382,14 @@ def fits(plan: _backend.TablePlan, inputs: list, n: int, capped: bool = False) -
     return _pallas.fits_vmem(rows, k * plan.storage.rows_packing.padded_width, plan.vmem)
 
 
+def host_capacity(plan: _backend.TablePlan, pairs: int, num_shards: int, capped=True) -> int:
+    """Cd of a call of `pairs` ids per device, on the host (`id_counts`, `plan`): as
+    `_row_work` takes it when the kernels can hold the activations (`capped`: at what VMEM
+    holds; False: the default capacity)."""
+    k = _kernel_rows(plan)
+    return capacity(plan, pairs, num_shards, max(k, 1), kernels=capped and bool(k))
+
+
 def _row_work(plan: _backend.TablePlan, inputs: list, axis: str):
     """(local pairs, Cd, row work): the Pallas kernels when the table's backend is theirs
     and the rows they hold in VMEM fit at some capacity (`fits`), else XLA ops."""
@@ -465,16 +473,15 @@ def rounds_needed(plan: _backend.TablePlan, owner: np.ndarray, local: np.ndarray
     `owner`, `local`: (N, m) each device's pairs' owners and local rows in the plan's
     array (owner -1: none)."""
     num_shards, m = owner.shape
-    k = _kernel_rows(plan)
-    cd = capacity(plan, m, num_shards, max(k, 1), kernels=bool(k))
+    cd = host_capacity(plan, m, num_shards)
     if cd >= m:
         return 1
     pending = []  # [device][owner] ascending distinct local keys not yet sent
     for d in range(num_shards):
         mine = owner[d] >= 0
         keys = np.unique(owner[d][mine].astype(np.int64) * (1 << 31) + local[d][mine])
-        o, k = keys >> 31, keys & ((1 << 31) - 1)
-        pending.append([k[o == p] for p in range(num_shards)])
+        o, rows = keys >> 31, keys & ((1 << 31) - 1)
+        pending.append([rows[o == p] for p in range(num_shards)])
     rounds = 1
     for p in range(num_shards):
         queues = [pending[d][p] for d in range(num_shards)]

@@ -316,14 +316,15 @@ def scatter_parts(acc, stream: Stream, axis: str, packing=None) -> dict:
 
 
 def id_counts(
-    table_plans: dict, calls: dict, feature_plans: list, flat: dict, num_shards: int
+    table_plans: dict, call_plans, feature_plans: list, flat: dict, num_shards: int
 ) -> dict:
     """`Embedding.id_counts` on the host: per table, the pairs M, the most owned pairs and
     distinct rows of any shard, and the passes of the call that serves it (the XLA passes'
-    or owner routing's rounds; `calls`: {key: the plan of a table, a stack or a part of one},
-    `Embedding._call_plans`)."""
+    or owner routing's rounds). `call_plans`: fn({feature path: one device's (b, L)}) ->
+    {key: the plan of a table, a stack or a part of one} (`Embedding._call_plans`)."""
     ids_by_table: dict[str, list] = {}
     out_rows: dict[str, int] = {}
+    shapes = {}
     for f in feature_plans:
         leaf = flat[f.path]
         for x in jax.tree.leaves(leaf):
@@ -333,6 +334,7 @@ def id_counts(
                     f"several processes; pass the global batch as NumPy."
                 )
         ids, _ = _inputs.normalize(f.config, leaf)
+        shapes[f.path] = (ids.shape[0] // num_shards, ids.shape[1])
         # (N, b·L): each device's pairs, for owner routing's rounds.
         ids_by_table.setdefault(f.table, []).append(np.asarray(ids).reshape(num_shards, -1))
         out_rows[f.table] = out_rows.get(f.table, 0) + (
@@ -349,7 +351,7 @@ def id_counts(
             rows, counts = np.unique(valid[owner == p], return_counts=True)
             owned, unique = max(owned, int(counts.sum())), max(unique, len(rows))
         out[name] = {"pairs": ids.shape[0], "owned_pairs": owned, "unique_rows": unique}
-    for plan in calls.values():
+    for plan in call_plans(shapes).values():
         names = [m.name for m in plan.members] or [plan.name]
         names = [n for n in names if n in ids_by_table]
         if not names:

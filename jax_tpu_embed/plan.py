@@ -269,13 +269,10 @@ def routes(emb, batch: int, lengths: Mapping[str, int]) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"arrays": name, "tables": tables, "routing": stack.routing}
         if stack.routing == "owner":
             m = sum(pairs.get(t, 0) for t in tables)
-            k = _routing._kernel_rows(stack)
             entry["ids_per_device"] = m
-            entry["rows_per_owner_and_round"] = _routing.capacity(
-                stack, m, emb.num_shards, max(k, 1), kernels=bool(k)
-            )
-            entry["uncapped_rows_per_owner_and_round"] = _routing.capacity(
-                stack, m, emb.num_shards, max(k, 1)
+            entry["rows_per_owner_and_round"] = _routing.host_capacity(stack, m, emb.num_shards)
+            entry["uncapped_rows_per_owner_and_round"] = _routing.host_capacity(
+                stack, m, emb.num_shards, capped=False
             )
         out.append(entry)
     return out
