@@ -1187,17 +1187,17 @@ class Embedding:
                 parts.append(group)
         return [(self._part_plan(plan, part, by_member), part) for part in parts]
 
-    def _call_plans(self, shapes: dict[str, tuple[int, int]]) -> dict[str, _backend.TablePlan]:
-        """{key: plan} of each call the row work makes when each device holds ids of these
-        (b, L) shapes ({feature path: shape}): a table alone or a stack under its state key,
-        a stack that runs in parts (`_parts`) one plan per part, under "key#i". On the host,
-        for `id_counts` and `plan`."""
+    def _call_plans(self, shapes: dict[str, tuple[int, int]]) -> dict[str, tuple]:
+        """{key: (plan, inputs)} of each call the row work makes when each device holds ids
+        of these (b, L) shapes ({feature path: shape}): a table alone or a stack under its
+        state key, a stack that runs in parts (`_parts`) one entry per part, under "key#i";
+        `inputs` with shapes for arrays. On the host, for `id_counts` and `plan`."""
         feats = {p: (jax.ShapeDtypeStruct(shape, jnp.int32), None) for p, shape in shapes.items()}
         out = {}
         for name, inputs in self._inputs(feats).items():
             parts = self._parts(self._stack_plans[name], inputs)
-            for i, (plan, _) in enumerate(parts):
-                out[name if len(parts) == 1 else f"{name}#{i}"] = plan
+            for i, part in enumerate(parts):
+                out[name if len(parts) == 1 else f"{name}#{i}"] = part
         return out
 
     def _part_plan(self, plan: _backend.TablePlan, inputs: list, by_member: dict):

@@ -382,21 +382,22 @@ def fits(plan: _backend.TablePlan, inputs: list, n: int, capped: bool = False) -
     return _pallas.fits_vmem(rows, k * plan.storage.rows_packing.padded_width, plan.vmem)
 
 
-def host_capacity(plan: _backend.TablePlan, pairs: int, num_shards: int, capped=True) -> int:
-    """Cd of a call of `pairs` ids per device, on the host (`id_counts`, `plan`): as
-    `_row_work` takes it when the kernels can hold the activations (`capped`: at what VMEM
-    holds; False: the default capacity)."""
-    k = _kernel_rows(plan)
-    return capacity(plan, pairs, num_shards, max(k, 1), kernels=capped and bool(k))
+def call_capacity(plan: _backend.TablePlan, inputs: list, n: int) -> tuple[int, int]:
+    """(k, Cd) of the call doing the row work of `inputs` (one device's) on n devices: k
+    logical rows per lane-dense row when the Pallas kernels do it, at the capacity VMEM
+    holds (`fits`, capped), 0 when XLA ops do, at the default capacity. Shapes only: the
+    host asks it too (`id_counts`, `plan`), so both see the capacity the step takes."""
+    k = _kernel_rows(plan) if fits(plan, inputs, n, capped=True) else 0
+    pairs = sum(ids.size for _, ids, _ in inputs)
+    return k, capacity(plan, pairs, n, max(k, 1), kernels=bool(k))
 
 
 def _row_work(plan: _backend.TablePlan, inputs: list, axis: str):
     """(local pairs, Cd, row work): the Pallas kernels when the table's backend is theirs
     and the rows they hold in VMEM fit at some capacity (`fits`), else XLA ops."""
     n = lax.axis_size(axis)
-    k = _kernel_rows(plan) if fits(plan, inputs, n, capped=True) else 0
+    k, cd = call_capacity(plan, inputs, n)
     local = _Local(plan, inputs, axis, max(k, 1))
-    cd = capacity(plan, local.pairs, n, max(k, 1), kernels=bool(k))
     return local, cd, (_Kernels(plan, local.pairs, n * cd) if k else _XlaRows(plan))
 
 
@@ -466,14 +467,17 @@ def owner_sum(rows, g):
     return distinct, g_sum
 
 
-def rounds_needed(plan: _backend.TablePlan, owner: np.ndarray, local: np.ndarray) -> int:
-    """Rounds `update` runs for this global batch of one table or stack (NumPy,
-    `id_counts`).
+def rounds_needed(
+    plan: _backend.TablePlan, inputs: list, owner: np.ndarray, local: np.ndarray
+) -> int:
+    """Rounds `update` runs for this global batch of one call (a table, a stack or a part
+    of one; NumPy, `id_counts`).
 
+    `inputs`: the call's Inputs with one device's shapes (`Embedding._call_plans`);
     `owner`, `local`: (N, m) each device's pairs' owners and local rows in the plan's
     array (owner -1: none)."""
     num_shards, m = owner.shape
-    cd = host_capacity(plan, m, num_shards)
+    _, cd = call_capacity(plan, inputs, num_shards)
     if cd >= m:
         return 1
     pending = []  # [device][owner] ascending distinct local keys not yet sent

@@ -321,7 +321,8 @@ def id_counts(
     """`Embedding.id_counts` on the host: per table, the pairs M, the most owned pairs and
     distinct rows of any shard, and the passes of the call that serves it (the XLA passes'
     or owner routing's rounds). `call_plans`: fn({feature path: one device's (b, L)}) ->
-    {key: the plan of a table, a stack or a part of one} (`Embedding._call_plans`)."""
+    {key: (the plan of a table, a stack or a part of one, its Inputs)}
+    (`Embedding._call_plans`)."""
     ids_by_table: dict[str, list] = {}
     out_rows: dict[str, int] = {}
     shapes = {}
@@ -351,7 +352,7 @@ def id_counts(
             rows, counts = np.unique(valid[owner == p], return_counts=True)
             owned, unique = max(owned, int(counts.sum())), max(unique, len(rows))
         out[name] = {"pairs": ids.shape[0], "owned_pairs": owned, "unique_rows": unique}
-    for plan in call_plans(shapes).values():
+    for plan, inputs in call_plans(shapes).values():
         names = [m.name for m in plan.members] or [plan.name]
         names = [n for n in names if n in ids_by_table]
         if not names:
@@ -366,7 +367,7 @@ def id_counts(
         if plan.routing == "owner":
             from . import _routing  # It builds on this module.
 
-            passes = _routing.rounds_needed(plan, owner, local)
+            passes = _routing.rounds_needed(plan, inputs, owner, local)
         elif plan.backend.single_pass(plan, sum(out_rows[n] for n in names)):
             passes = 1
         else:

@@ -251,8 +251,9 @@ def _result(
 def routes(emb, batch: int, lengths: Mapping[str, int]) -> list[dict[str, Any]]:
     """Per call of the row work (a table alone, a stack, or a part of a stack whose
     activations overflow VMEM): its state key, tables, routing and, routed to owners, the
-    distinct rows one device sends each owner per round (`_routing.capacity`: capped at what
-    the kernels' VMEM holds) for the batch's ids per device. A device with more distinct
+    distinct rows one device sends each owner per round for the batch's ids per device, as
+    the step takes it (`_routing.call_capacity`: capped at what the kernels' VMEM holds
+    when they do the row work). A device with more distinct
     rows for one owner runs more rounds; `Embedding.id_counts` counts them on real
     batches."""
     per_device = batch // emb.num_shards
@@ -263,16 +264,17 @@ def routes(emb, batch: int, lengths: Mapping[str, int]) -> list[dict[str, Any]]:
         shapes[path] = (per_device, length)
         pairs[f.table.name] = pairs.get(f.table.name, 0) + per_device * length
     out = []
-    for key, stack in emb._call_plans(shapes).items():
+    for key, (stack, inputs) in emb._call_plans(shapes).items():
         tables = [m.name for m in stack.members] or [stack.name]
         name = key.split("#")[0]
         entry: dict[str, Any] = {"arrays": name, "tables": tables, "routing": stack.routing}
         if stack.routing == "owner":
             m = sum(pairs.get(t, 0) for t in tables)
             entry["ids_per_device"] = m
-            entry["rows_per_owner_and_round"] = _routing.host_capacity(stack, m, emb.num_shards)
-            entry["uncapped_rows_per_owner_and_round"] = _routing.host_capacity(
-                stack, m, emb.num_shards, capped=False
+            k, cd = _routing.call_capacity(stack, inputs, emb.num_shards)
+            entry["rows_per_owner_and_round"] = cd
+            entry["uncapped_rows_per_owner_and_round"] = _routing.capacity(
+                stack, m, emb.num_shards, max(k, 1)
             )
         out.append(entry)
     return out

@@ -245,7 +245,7 @@ def test_a_stack_runs_in_parts_where_one_call_would_not_fit(monkeypatch, rng):
     (name,) = [k for k in owner.stacks if "+" in k]
     calls = owner._call_plans(shapes)
     assert [k for k in calls if k.startswith(name)] == [f"{name}#{i}" for i in range(3)]
-    assert [[m.name for m in calls[f"{name}#{i}"].members] for i in range(3)] == members
+    assert [[m.name for m in calls[f"{name}#{i}"][0].members] for i in range(3)] == members
     plain = _owner(stacking=False)
     states = [e.init(jax.random.key(3)) for e in (owner, plain)]
     for _ in range(2):
@@ -346,3 +346,52 @@ def test_a_stack_whose_exchanged_rows_overflow_vmem_stays_one_call(monkeypatch, 
             np.testing.assert_allclose(
                 got_s[n]["accumulators"], want_s["accumulators"], rtol=2e-5, atol=2e-6
             )
+
+
+def test_id_counts_and_plan_see_the_capacity_of_a_member_too_big_for_the_kernels(monkeypatch, rng):
+    """When a member's activations alone overflow the kernels' VMEM, XLA ops do its row
+    work at the default capacity, not the one VMEM would cap: `id_counts` simulates its
+    rounds and `plan` reports its rows per owner at the capacity the step takes."""
+    from jax_tpu_embed import _pallas, _routing, plan
+
+    vocab, length = 400, 6
+    spec = jte.EmbeddingSpec(
+        {n: jte.FeatureConfig(jte.TableConfig(vocab, 64, name=n)) for n in ("a", "b")},
+        jte.Adagrad(0.5),
+    )
+    # 48 pairs per device and member on 4 devices: XLA ops' default Cd 24. A VMEM of 40
+    # lane-dense rows would cap the kernels' at 16, but holds no member's activations.
+    monkeypatch.setattr(_pallas, "vmem_rows", lambda lanes, vmem: 40)
+    monkeypatch.setattr(_pallas, "fits_vmem", lambda rows, lanes, vmem: False)
+    seen, rounds = [], _routing._rounds
+    monkeypatch.setattr(
+        _routing, "_rounds", lambda local, cd, *a: seen.append(cd) or rounds(local, cd, *a)
+    )
+
+    # Each device has 20 distinct rows on shard 0 ("div": 100 rows each) and 28 ids on the
+    # others: at most 24 distinct rows for any owner (one round at the default capacity),
+    # more than 16 for one (several at the capped one).
+    def device_ids():
+        x = np.concatenate([rng.choice(100, 20, replace=False), rng.integers(100, 400, 28)])
+        return rng.permutation(x).reshape(8, length)
+
+    features = {
+        n: np.concatenate([device_ids() for _ in range(4)]).astype(np.int32) for n in ("a", "b")
+    }
+    emb = jte.Embedding(spec, make_mesh(4), routing="owner", backend="pallas_interpret")
+    counts = emb.id_counts(features)
+    routes = plan.routes(emb, 32, {"a": length, "b": length})
+    assert [r["tables"] for r in routes] == [["a"], ["b"]]  # Parts: a member each.
+    assert [r["rows_per_owner_and_round"] for r in routes] == [24, 24]
+    for n in ("a", "b"):
+        assert counts[n]["passes"] == 1
+        ids = features[n].reshape(4, -1)  # Device d holds examples [8d, 8d + 8).
+        distinct = [len(np.unique(ids[d][ids[d] // 100 == p])) for d in range(4) for p in range(4)]
+        assert 16 < max(distinct) <= 24
+    state = emb.init(jax.random.key(3))
+    tables = emb.export(state)
+    acts = emb.lookup(state, features)
+    assert seen and set(seen) == {24}
+    for n in ("a", "b"):
+        want = reference.lookup(tables[n], features[n], None, "mean")
+        np.testing.assert_allclose(acts[n], want, rtol=1e-5, atol=1e-6, err_msg=n)
