@@ -90,22 +90,29 @@ class _Local:
         keys, outs, scales, parts, first = [], [], [], [], 0
         for f, ids, weights in inputs:
             b, l = ids.shape
+            # Each feature's pairs as (L, b), joined along L and then flattened: the TPU
+            # compiler lays narrow (b, L) ids out column-major, and joining the features'
+            # flat pairs instead costs an in-place update of the whole joined array per
+            # feature (docs/design.md, "Owner routing"). The sort below orders the pairs
+            # whatever their order here.
+            w = (ids >= 0).astype(jnp.float32) if weights is None else weights
+            scale = _streams.feature_scale(f, w).T
+            ids = ids.T
             owner, local = plan.owner_and_local(f.table, ids)
-            keys.append(jnp.where(ids >= 0, owner * s + local, NONE).reshape(-1))
-            example = lax.broadcasted_iota(jnp.int32, (b, l), 0)
+            keys.append(jnp.where(ids >= 0, owner * s + local, NONE))
+            example = lax.broadcasted_iota(jnp.int32, (l, b), 1)
             if f.config.is_sequence:
-                out, rows = example * l + lax.broadcasted_iota(jnp.int32, (b, l), 1), b * l
+                out, rows = example * l + lax.broadcasted_iota(jnp.int32, (l, b), 0), b * l
             else:
                 out, rows = example, b
-            outs.append((out + first).reshape(-1))
-            w = (ids >= 0).astype(jnp.float32) if weights is None else weights
-            scales.append(jnp.where(ids >= 0, _streams.feature_scale(f, w), 0.0).reshape(-1))
+            outs.append(out + first)
+            scales.append(jnp.where(ids >= 0, scale, 0.0))
             parts.append((f, first, rows))
             first += _streams.round_up(rows, k)  # Whole lane-dense rows per feature.
         self.rows, self.parts = first, parts
         # (key, output row, scale) order: each row's pairs in one canonical order.
         self.keys, self.out, self.scale = lax.sort(
-            (jnp.concatenate(keys), jnp.concatenate(outs), jnp.concatenate(scales)),
+            tuple(jnp.concatenate(x).reshape(-1) for x in (keys, outs, scales)),
             num_keys=3,
             is_stable=False,
         )
