@@ -401,7 +401,7 @@ def call_capacity(plan: _backend.TablePlan, inputs: list, n: int) -> tuple[int, 
 
 def _row_work(plan: _backend.TablePlan, inputs: list, axis: str):
     """(local pairs, Cd, row work): the Pallas kernels when the table's backend is theirs
-    and the rows they hold in VMEM fit at some capacity (`fits`), else XLA ops."""
+    and the rows they hold in VMEM fit at some capacity, else XLA ops (`call_capacity`)."""
     n = lax.axis_size(axis)
     k, cd = call_capacity(plan, inputs, n)
     local = _Local(plan, inputs, axis, max(k, 1))

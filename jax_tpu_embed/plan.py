@@ -257,19 +257,17 @@ def routes(emb, batch: int, lengths: Mapping[str, int]) -> list[dict[str, Any]]:
     rows for one owner runs more rounds; `Embedding.id_counts` counts them on real
     batches."""
     per_device = batch // emb.num_shards
-    pairs: dict[str, int] = {}
-    shapes = {}
-    for path, f in emb.spec.flat_features:
-        length = lengths.get(path, f.max_sequence_length or 1)
-        shapes[path] = (per_device, length)
-        pairs[f.table.name] = pairs.get(f.table.name, 0) + per_device * length
+    shapes = {
+        path: (per_device, lengths.get(path, f.max_sequence_length or 1))
+        for path, f in emb.spec.flat_features
+    }
     out = []
     for key, (stack, inputs) in emb._call_plans(shapes).items():
         tables = [m.name for m in stack.members] or [stack.name]
         name = key.split("#")[0]
         entry: dict[str, Any] = {"arrays": name, "tables": tables, "routing": stack.routing}
         if stack.routing == "owner":
-            m = sum(pairs.get(t, 0) for t in tables)
+            m = sum(ids.size for _, ids, _ in inputs)
             entry["ids_per_device"] = m
             k, cd = _routing.call_capacity(stack, inputs, emb.num_shards)
             entry["rows_per_owner_and_round"] = cd
