@@ -1163,7 +1163,7 @@ class Embedding:
     def _parts(self, plan: _backend.TablePlan, inputs: list) -> list:
         """[(plan, inputs)]: a stack's row work in one call (one sort, one exchange per
         round, one kernel) when the kernels' resident blocks fit VMEM at the capacity that
-        fits (`_routing.fits`, capped: more exchanged rows than VMEM holds only means more
+        fits (`_routing.fits`: more exchanged rows than VMEM holds only means more
         rounds), else in parts of consecutive whole members whose activations fit; a
         member too big alone takes XLA ops, as it would unstacked. Members' rows are
         disjoint: a split is the same update."""
@@ -1180,7 +1180,7 @@ class Embedding:
         for group in groups:
             joined = parts[-1] + group if parts else None
             if joined and _routing.fits(
-                self._part_plan(plan, joined, by_member), joined, self.num_shards, capped=True
+                self._part_plan(plan, joined, by_member), joined, self.num_shards
             ):
                 parts[-1] = joined
             else:

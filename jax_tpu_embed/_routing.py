@@ -375,28 +375,29 @@ def _arrivals(rows):
     return keys, slot, jnp.sum(keys < NOT_MINE, dtype=jnp.int32)
 
 
-def fits(plan: _backend.TablePlan, inputs: list, n: int, capped: bool = False) -> bool:
-    """Whether the Pallas kernels can do the row work of `inputs` (one device's) on n devices
-    in one call: the rows they hold in VMEM (the exchanged rows, or the activations) fit
-    (`_pallas.fits_vmem`), at the default capacity, or `capped` at the capacity that fits
-    (`capacity`, more rounds). True when XLA ops do the row work: they have no such limit.
-    Shapes only: `Embedding._parts` asks it on the host too (`id_counts`, `plan`)."""
-    k = _kernel_rows(plan)
-    if not k:
-        return True
-    cd = capacity(plan, sum(ids.size for _, ids, _ in inputs), n, k, kernels=capped)
-    rows = max(n * cd, _streams.output_rows(inputs, k)) // k
-    return _pallas.fits_vmem(rows, k * plan.storage.rows_packing.padded_width, plan.vmem)
-
-
 def call_capacity(plan: _backend.TablePlan, inputs: list, n: int) -> tuple[int, int]:
-    """(k, Cd) of the call doing the row work of `inputs` (one device's) on n devices: k
-    logical rows per lane-dense row when the Pallas kernels do it, at the capacity VMEM
-    holds (`fits`, capped), 0 when XLA ops do, at the default capacity. Shapes only: the
-    host asks it too (`id_counts`, `plan`), so both see the capacity the step takes."""
-    k = _kernel_rows(plan) if fits(plan, inputs, n, capped=True) else 0
+    """(k, Cd) of the call doing the row work of `inputs` (one device's) on n devices.
+
+    The Pallas kernels do it when the table's backend is theirs and the rows they hold in
+    VMEM (the exchanged rows at the capacity VMEM holds, or the activations) fit
+    (`_pallas.fits_vmem`): k logical rows per lane-dense row, Cd capped (`capacity`, more
+    rounds). Else XLA ops, which have no such limit: k = 0, the default Cd. Shapes only:
+    the host asks it too (`Embedding._parts`, `id_counts`, `plan`), so all of them see the
+    call the step makes."""
+    k = _kernel_rows(plan)
     pairs = sum(ids.size for _, ids, _ in inputs)
-    return k, capacity(plan, pairs, n, max(k, 1), kernels=bool(k))
+    if k:
+        cd = capacity(plan, pairs, n, k, kernels=True)
+        rows = max(n * cd, _streams.output_rows(inputs, k)) // k
+        if _pallas.fits_vmem(rows, k * plan.storage.rows_packing.padded_width, plan.vmem):
+            return k, cd
+    return 0, capacity(plan, pairs, n)
+
+
+def fits(plan: _backend.TablePlan, inputs: list, n: int) -> bool:
+    """Whether one call can do the row work of `inputs` as the table's backend would alone:
+    XLA ops always, the Pallas kernels when they hold it in VMEM (`call_capacity`)."""
+    return not _kernel_rows(plan) or call_capacity(plan, inputs, n)[0] > 0
 
 
 def _row_work(plan: _backend.TablePlan, inputs: list, axis: str):
@@ -474,17 +475,13 @@ def owner_sum(rows, g):
     return distinct, g_sum
 
 
-def rounds_needed(
-    plan: _backend.TablePlan, inputs: list, owner: np.ndarray, local: np.ndarray
-) -> int:
+def rounds_needed(cd: int, owner: np.ndarray, local: np.ndarray) -> int:
     """Rounds `update` runs for this global batch of one call (a table, a stack or a part
-    of one; NumPy, `id_counts`).
+    of one) at Cd rows per owner and round (`call_capacity`; NumPy, `id_counts`).
 
-    `inputs`: the call's Inputs with one device's shapes (`Embedding._call_plans`);
     `owner`, `local`: (N, m) each device's pairs' owners and local rows in the plan's
     array (owner -1: none)."""
     num_shards, m = owner.shape
-    _, cd = call_capacity(plan, inputs, num_shards)
     if cd >= m:
         return 1
     pending = []  # [device][owner] ascending distinct local keys not yet sent

@@ -367,7 +367,8 @@ def id_counts(
         if plan.routing == "owner":
             from . import _routing  # It builds on this module.
 
-            passes = _routing.rounds_needed(plan, inputs, owner, local)
+            _, cd = _routing.call_capacity(plan, inputs, num_shards)
+            passes = _routing.rounds_needed(cd, owner, local)
         elif plan.backend.single_pass(plan, sum(out_rows[n] for n in names)):
             passes = 1
         else:

@@ -253,9 +253,8 @@ def routes(emb, batch: int, lengths: Mapping[str, int]) -> list[dict[str, Any]]:
     activations overflow VMEM): its state key, tables, routing and, routed to owners, the
     distinct rows one device sends each owner per round for the batch's ids per device, as
     the step takes it (`_routing.call_capacity`: capped at what the kernels' VMEM holds
-    when they do the row work). A device with more distinct
-    rows for one owner runs more rounds; `Embedding.id_counts` counts them on real
-    batches."""
+    when they do the row work). A device with more distinct rows for one owner runs more
+    rounds; `Embedding.id_counts` counts them on real batches."""
     per_device = batch // emb.num_shards
     shapes = {
         path: (per_device, lengths.get(path, f.max_sequence_length or 1))

@@ -236,7 +236,7 @@ def test_a_stack_runs_in_parts_where_one_call_would_not_fit(monkeypatch, rng):
     got, members = parts(owner)
     assert got == [sum(members, [])]
     # Kernels that hold one table's features at most: owner routing's parts are its members.
-    one_table = lambda plan, inputs, n, capped=False: len({i.feature.table for i in inputs}) == 1
+    one_table = lambda plan, inputs, n: len({i.feature.table for i in inputs}) == 1
     monkeypatch.setattr(_routing, "fits", one_table)
     assert parts(owner)[0] == members
     # id_counts and plan see the calls the engine makes: one per part.
