@@ -5,6 +5,7 @@ import jax_tpu_embed as jte
 
 from . import _multihost as multihost  # noqa: F401  (public: jte.multihost)
 from . import _platforms
+from . import backends as backends
 from . import checkpoint as checkpoint
 from . import compat as compat
 from . import data as data

@@ -1,112 +1,33 @@
-"""The backend seam: who does the shard-local row work of a table, chosen once per table.
+"""The row-kernel seam: who does the shard-local row work of a table, and its per-row step.
 
-Inside `shard_map`, each device embeds its examples and updates its rows. Everything about a
-table that is not a choice of kernels is shared (ownership and storage: `_storage`; the
-sorted (id, position) pair streams: `_streams`; the optimizer's per-row step: `RowStep`). A
-`Backend` does the rest, for one table at a time:
+Inside `shard_map`, each device embeds its examples and updates its rows. Two protocols
+split that work:
 
-- `lookup(plan, table, inputs, axis)`: this device's activations of the table's features;
-- `update(plan, table, slots, inputs, grads, row_step, axis)`: one sparse step on this
-  device's shard of the table and its stored slots.
+- an exchange (`_exchange`: "gather" or "owner") brings each device the ids of the rows it
+  owns and takes the results back;
+- a row kernel (`Backend`, below) reads and updates one shard's rows: the XLA ops
+  (`_xla_backend`), the fused Pallas TPU kernels (`_pallas`) or the C++ CPU kernels
+  (`_cpu_kernels`). A kernel serves the "gather" exchange with `lookup` / `update` (it
+  consumes the all-gathered batch through `_streams`) and the "owner" exchange with the
+  row work `routed` gives (`RoutedRows`: it reads and updates the rows routed to it).
 
-Implementations, each in a module of its own:
-
-    "xla"               _xla_backend.XlaBackend   portable XLA passes, any mesh and table
-    "pallas"            _pallas.PallasBackend     fused Pallas TPU kernels (TPU meshes)
-    "pallas_interpret"  _pallas.PallasBackend     the same kernels in Pallas' interpreter
-    "cpu"               _cpu_kernels.CpuBackend   C++ kernels through XLA FFI (CPU meshes)
-
-`Embedding(backend=...)` names one for every table or {table: name}; "auto" takes the
-fastest one each table can use on its mesh (`choose`).
+Everything about a table that is not a choice of kernels is shared (ownership: `_rowindex`;
+storage: `_storage`; the pair streams: `_streams`; the optimizer's per-row step: `RowStep`).
+No exchange imports a kernel: each call's kernel, capacities and fallback are decided once
+(`_exchange.calls`) and handed to both in a `_plan.CallPlan`. `_backends` holds the
+implementations and the choice among them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from . import _config, _optimizers, _storage
-
-NAMES = ("auto", "xla", "pallas", "pallas_interpret", "cpu")
-
-
-@dataclasses.dataclass(frozen=True)
-class TablePlan:
-    """Static facts of one table that the backends need.
-
-    Attributes:
-        name: The table's name.
-        config: Its TableConfig.
-        optimizer: Its optimizer (the table's own or the spec's).
-        storage: Its physical form.
-        backend: Who does its row work.
-        max_ids: Pairs per shard and pass of the XLA passes (`_streams.capacity`); None:
-            automatic.
-        max_unique: Distinct rows per shard and pass; None: = the pairs per pass.
-        on_tpu: The mesh is made of TPUs: passes over each shard's share of the pairs, and ids
-            flattened as the TPU stores them (`_streams`).
-        vmem: VMEM bytes per TensorCore of the mesh's TPUs (sizes the Pallas kernels).
-        routing: "gather" (every device sees the global batch's ids: `_streams`) or
-            "owner" (ids travel to the rows' owners: `_routing`).
-        members: For a stack of several tables in one array (`_storage.stack`), each
-            member's name, own layout and first local row in the stack's shards; () for
-            a table stored alone.
-    """
-
-    name: str
-    config: _config.TableConfig
-    optimizer: _optimizers.Optimizer
-    storage: _storage.TableStorage
-    backend: Backend
-    max_ids: int | None = None
-    max_unique: int | None = None
-    on_tpu: bool = False
-    vmem: int = 16 << 20
-    routing: str = "gather"
-    members: tuple = ()
-
-    @property
-    def layout(self):
-        return self.storage.layout
-
-    def owner_and_local(self, table: str, ids):
-        """(owner shard, local row in this plan's array) of ids of table `table`: its own
-        layout's, offset by its first row in the stack for a stacked table."""
-        for member in self.members:
-            if member.name == table:
-                owner, local = member.layout.owner_and_local(ids)
-                return owner, local + member.offset
-        return self.layout.owner_and_local(ids)
-
-
-@dataclasses.dataclass(frozen=True)
-class FeaturePlan:
-    """One feature: its path ("a/b" when nested), config and table name."""
-
-    path: str
-    config: _config.FeatureConfig
-    table: str
-
-    @property
-    def table_config(self) -> _config.TableConfig:
-        """The feature's table (a name only in compat's dict form, never in a spec)."""
-        table = self.config.table
-        assert isinstance(table, _config.TableConfig)
-        return table
-
-
-class Input(NamedTuple):
-    """One feature's shard of the batch: ids (b, L) int32, -1 where none; weights (b, L)
-    float32, or None when the feature has none (derived from the ids where needed)."""
-
-    feature: FeaturePlan
-    ids: jax.Array
-    weights: jax.Array | None
+from . import _config, _optimizers, _plan, _storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +68,7 @@ class StepValues(NamedTuple):
         return [*self.hyperparameters, *([] if self.multiplier is None else [self.multiplier])]
 
 
-def step_values(plan: TablePlan, spec: _config.EmbeddingSpec, step) -> StepValues:
+def step_values(plan: _plan.TablePlan, spec: _config.EmbeddingSpec, step) -> StepValues:
     """`plan`'s table's scalars at `step`. A function giving anything but a real scalar is a
     ValueError at trace time naming the table and the function."""
     opt = plan.optimizer
@@ -166,7 +87,7 @@ def step_values(plan: TablePlan, spec: _config.EmbeddingSpec, step) -> StepValue
 
 
 def row_step(
-    plan: TablePlan, spec: _config.EmbeddingSpec, step, ok=None, members_ok=None
+    plan: _plan.TablePlan, spec: _config.EmbeddingSpec, step, ok=None, members_ok=None
 ) -> RowStep:
     """The RowStep of `plan`'s table at `step` (an int32 scalar). `ok` (bool scalar, or None
     for always): when False, each backend touches no row of the table (`RowStep.ok`);
@@ -201,9 +122,19 @@ def row_step(
 
 
 class Backend:
-    """The shard-local row work of one table; see the module docstring."""
+    """A row kernel: the shard-local row work of a table (see the module docstring).
+
+    Attributes:
+        name: Its name in `Embedding(backend=...)` and `Embedding.backends`.
+        lane_width: 128 when its kernels want narrow rows packed lane-dense (the default
+            `lane_width` of an Embedding using it), else 0.
+        one_pass: Its "gather" update takes every owned pair in one call, whatever the
+            capacities say (kernels that walk the pairs); False: passes of C pairs.
+    """
 
     name: str = ""
+    lane_width: int = 0
+    one_pass: bool = False
 
     def unusable(
         self,
@@ -212,148 +143,102 @@ class Backend:
         storage: _storage.TableStorage,
         platform: str,
     ) -> str | None:
-        """Why this backend cannot serve that table on a mesh of `platform` devices, or
-        None if it can."""
+        """Why this kernel cannot serve that table on a mesh of `platform` devices, or None
+        if it can."""
+        raise NotImplementedError
+
+    def refuses(self, routing: str) -> str | None:
+        """Why this kernel cannot serve the exchange `routing`, or None if it can."""
+        del routing
+        return None
+
+    def vmem_bytes(self, device_kind: str) -> int:
+        """On-chip memory per core its kernels size against, on devices of this kind."""
+        del device_kind
+        return 16 << 20
+
+    def lane_rows(self, plan: _plan.TablePlan) -> int:
+        """k, the logical rows per lane-dense row of its kernels' activations; 0 when its
+        row work is XLA ops, which hold nothing resident."""
+        del plan
+        return 0
+
+    def holds(self, plan: _plan.TablePlan, rows: int) -> bool:
+        """Whether its kernels can hold a resident block of `rows` lane-dense rows (the
+        activations or the exchanged rows of one call)."""
+        del plan, rows
+        return True
+
+    def most_rows(self, plan: _plan.TablePlan) -> int:
+        """The most lane-dense rows `holds` takes (lane_rows > 0 only)."""
         raise NotImplementedError
 
     def lookup(
-        self, plan: TablePlan, table: jax.Array, inputs: list[Input], axis: str
+        self, call: _plan.CallPlan, table: jax.Array, inputs: list[_plan.Input], axis: str
     ) -> dict[str, jax.Array]:
-        """{feature path: (b, D), or (b·L, D) for a sequence feature} for this device's b
-        examples of every feature in `inputs` (all of them of this table)."""
+        """The "gather" exchange: {feature path: (b, D), or (b·L, D) for a sequence
+        feature} for this device's b examples of every feature in `inputs` (all of them of
+        the call's table)."""
         raise NotImplementedError
 
     def update(
         self,
-        plan: TablePlan,
+        call: _plan.CallPlan,
         table: jax.Array,
         slots: dict,
-        inputs: list[Input],
+        inputs: list[_plan.Input],
         grads: dict[str, jax.Array],
         step: RowStep,
         axis: str,
     ) -> tuple:
-        """(new table, new {stored slot: array}) after one sparse step from this device's
-        activation gradients {path: (b, D) or (b, L, D)}."""
+        """The "gather" exchange: (new table, new {stored slot: array}) after one sparse
+        step from this device's activation gradients {path: (b, D) or (b, L, D)}."""
         raise NotImplementedError
 
-    def single_pass(self, plan: TablePlan, out_rows: int) -> bool:
-        """Whether every update of a batch with `out_rows` output rows takes one pass over
-        the pairs, whatever `max_ids_per_shard` says (`Embedding.id_counts`)."""
-        del plan, out_rows
-        return False
+    def routed(self, call: _plan.CallPlan, pairs: int, received: int) -> RoutedRows:
+        """The "owner" exchange's row work for one call: `pairs` local pairs per device,
+        at most `received` rows reaching an owner per round."""
+        raise NotImplementedError
 
     def __repr__(self):
         return f"<backend {self.name}>"
 
 
-def _implementations() -> dict[str, Backend]:
-    # Imported here: the implementations import this module for the interface.
-    from . import _cpu_kernels, _pallas, _xla_backend
+class RoutedRows:
+    """A row kernel's work inside owner routing (`_routing`), for one call.
 
-    return {
-        "xla": _xla_backend.XlaBackend(),
-        "pallas": _pallas.PallasBackend(),
-        "pallas_interpret": _pallas.PallasBackend(interpret=True),
-        "cpu": _cpu_kernels.CpuBackend(),
-    }
-
-
-def per_table_choice(what: str, requested, tables, allowed) -> dict[str, str]:
-    """{table name: choice} from an Embedding argument `what`: one of `allowed` for every
-    table, or {table name: one of them} ("auto" for tables left out)."""
-    if isinstance(requested, Mapping):
-        unknown = sorted(set(requested) - set(tables))
-        if unknown:
-            raise ValueError(
-                f"Embedding: {what} names {unknown}, which are not tables; the "
-                f"tables are {sorted(tables)}."
-            )
-        per_table = {name: str(requested.get(name, "auto")) for name in tables}
-    else:
-        per_table = {name: requested for name in tables}
-    bad = sorted({b for b in per_table.values() if b not in allowed}, key=str)
-    if bad:
-        raise ValueError(
-            f"Embedding: {what} must be one of {list(allowed)} (or a dict of them "
-            f"per table), got {bad[0]!r}."
-        )
-    return per_table
-
-
-def choose(
-    spec: _config.EmbeddingSpec,
-    requested: str | Mapping[str, str],
-    storages: dict[str, _storage.TableStorage],
-    platform: str,
-    *,
-    auto_order: tuple[str, ...] | None = None,
-) -> dict[str, Backend]:
-    """{table name: Backend} for `requested` ("auto", a name, or {table: name}).
-
-    "auto" takes, per table, the first of `auto_order` it can use (default by platform:
-    TPU "pallas", CPU "cpu", then "xla", which serves every table). A named backend that a
-    table cannot use is an error naming the table and the reason.
+    `local` is one device's sorted pairs (`_routing.Local`: `keys`, `out`, `scale`,
+    `segment`, `pairs`, `rows`) and `r` one round (`_routing.Round`: `pair_slot`,
+    `pair_in_round`, `valid`, `rows_of`). Rows travel as this kernel lays them out: (n, D)
+    for XLA ops, k to a lane-dense row for the kernels.
     """
-    tables = spec.tables()
-    per_table = per_table_choice("backend", requested, tables, NAMES)
-    if auto_order is None:
-        auto_order = {"tpu": ("pallas",), "cpu": ("cpu",)}.get(platform, ())
-    impls = _implementations()
-    chosen, problems = {}, []
-    for name, want in per_table.items():
-        table, storage = tables[name], storages[name]
-        opt = spec.optimizer_of(table)
-        if want == "auto":
-            chosen[name] = next(
-                impls[b]
-                for b in (*auto_order, "xla")
-                if impls[b].unusable(table, opt, storage, platform) is None
-            )
-            continue
-        why = impls[want].unusable(table, opt, storage, platform)
-        if why is not None:
-            problems.append(f"table {name!r} cannot use backend {want!r}: {why}")
-        chosen[name] = impls[want]
-    if problems:
-        raise ValueError("Embedding: " + "; ".join(problems) + ".")
-    return chosen
 
+    k: int = 1  # Logical rows per lane-dense row of activations and exchanged rows.
 
-def legacy_auto_order(platform: str, cpu_kernels, tpu_kernels, backend):
-    """The backends "auto" tries first, from the deprecated cpu_kernels / tpu_kernels
-    arguments (None when neither is given: the platform's default)."""
-    if cpu_kernels is None and tpu_kernels is None:
-        return None
-    if backend != "auto":
-        raise ValueError(
-            "Embedding: pass backend= or the deprecated cpu_kernels= / tpu_kernels=, not both."
-        )
-    warnings.warn(
-        "Embedding: cpu_kernels= and tpu_kernels= are deprecated; use backend= "
-        "('auto', 'xla', 'pallas', 'pallas_interpret' or 'cpu').",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    if tpu_kernels not in (None, True, False, "interpret"):
-        raise ValueError(
-            f"Embedding: tpu_kernels must be None, True, False or 'interpret', got {tpu_kernels!r}."
-        )
-    if tpu_kernels is True and platform != "tpu":
-        raise ValueError(
-            f"Embedding: tpu_kernels=True needs a TPU mesh; this one is on "
-            f"{platform!r} (use 'interpret' to run the kernels in Pallas' "
-            f"interpreter)."
-        )
-    if cpu_kernels and platform != "cpu":
-        raise ValueError(
-            f"Embedding: cpu_kernels=True needs a CPU mesh; this one is on {platform!r}."
-        )
-    order = []
-    if tpu_kernels == "interpret":
-        order.append("pallas_interpret")
-    elif tpu_kernels is not False and platform == "tpu":
-        order.append("pallas")
-    if cpu_kernels is not False and platform == "cpu":
-        order.append("cpu")
-    return tuple(order)
+    def owner_rows(self, table, rows):
+        """The owner's rows `rows` (local rows, >= NOT_MINE: none), to send back."""
+        raise NotImplementedError
+
+    def combine(self, local, r, back, acc):
+        """acc plus each pair's scaled row of `back` (the rows this round got back)."""
+        raise NotImplementedError
+
+    def zeros(self, rows: int):
+        """The activations' accumulator for `rows` output rows."""
+        raise NotImplementedError
+
+    def unpack(self, acc, rows: int):
+        """The accumulator as (rows, D) activations."""
+        raise NotImplementedError
+
+    def gradients(self, local, grad_rows):
+        """What `send` reads: the activation gradients (rows, D) as this kernel needs them."""
+        raise NotImplementedError
+
+    def send(self, local, r, g):
+        """The summed gradients of the distinct rows this round sends."""
+        raise NotImplementedError
+
+    def owner_update(self, table, slots, rows, grads, step: RowStep, axis: str):
+        """(table, slots) after the owner applies the received gradients to `rows`."""
+        raise NotImplementedError

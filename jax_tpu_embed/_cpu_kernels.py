@@ -29,6 +29,7 @@ if compilation fails, `available()` is False after one warning and the portable 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import os
 import pathlib
@@ -43,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _backend, _optimizers, _storage, _streams, _xla_backend
+from . import _backend, _optimizers, _plan, _storage, _streams, _xla_backend
+from ._rowindex import NOT_MINE
 
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "cpu_kernels.cc"
 _TARGETS = {
@@ -244,7 +246,7 @@ def update(
     return out[0], tuple(out[1:])
 
 
-def stochastic_rounding(plan: _backend.TablePlan, step: _backend.RowStep, axis: str):
+def stochastic_rounding(plan: _plan.TablePlan, step: _backend.RowStep, axis: str):
     """`update`'s `rounding` for this table and step: None unless it rounds stochastically.
     The key and global rows are `_xla_backend.stochastic_rows`' own, so both backends draw
     the same bits for a row."""
@@ -266,12 +268,23 @@ def pooled_lookup(table: jax.Array, keys: jax.Array, scale: jax.Array) -> jax.Ar
     )(keys.astype(jnp.int32), scale.astype(jnp.float32), table)
 
 
+@dataclasses.dataclass(frozen=True)
 class CpuBackend(_backend.Backend):
-    """The kernels above for unpacked float32 and bfloat16 tables on CPU meshes. Every
-    position of the global batch in one pass; optimizers other than SGD, Adagrad and
-    RowwiseAdagrad sum their duplicates here and update their rows with the XLA form."""
+    """The kernels above for unpacked float32 and bfloat16 tables on CPU meshes, on the
+    "gather" exchange. Every position of the global batch in one pass; optimizers other
+    than SGD, Adagrad and RowwiseAdagrad sum their duplicates here and update their rows
+    with the XLA form."""
 
     name = "cpu"
+    one_pass = True
+
+    def refuses(self, routing):
+        if routing == "owner":
+            return (
+                "routing='owner' does its row work with the Pallas kernels or XLA "
+                "ops; backend 'cpu' serves routing='gather' only"
+            )
+        return None
 
     def unusable(self, table, optimizer, storage, platform):
         if platform != "cpu":
@@ -282,10 +295,8 @@ class CpuBackend(_backend.Backend):
             return "its C++ kernels could not be built (see the warning above)"
         return None
 
-    def single_pass(self, plan, out_rows):
-        return True
-
-    def lookup(self, plan, table, inputs, axis):
+    def lookup(self, call, table, inputs, axis):
+        plan = call.plan
         out = {}
         for f, ids, weights in inputs:
             ids_all, w_all = _streams.gathered(ids, weights, axis)
@@ -294,11 +305,12 @@ class CpuBackend(_backend.Backend):
             if f.config.is_sequence:
                 partial = jnp.take(table, local, axis=0).astype(jnp.float32) * scale[..., None]
             else:
-                partial = pooled_lookup(table, jnp.where(mine, local, _streams.NOT_MINE), scale)
+                partial = pooled_lookup(table, jnp.where(mine, local, NOT_MINE), scale)
             out[f.path] = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
         return out
 
-    def update(self, plan, table, slots, inputs, grads, step, axis):
+    def update(self, call, table, slots, inputs, grads, step, axis):
+        plan = call.plan
         keys, g, pooled = [], [], None
         for f, ids, weights in inputs:
             ids_all, w_all = _streams.gathered(ids, weights, axis)
@@ -311,7 +323,7 @@ class CpuBackend(_backend.Backend):
                 g_f = scale[..., None] * grad_all[:, None, :]
                 # The C++ update takes a lone pooled feature's (scale, grad_all) instead of g.
                 pooled = (scale.reshape(-1), grad_all)
-            keys.append(jnp.where(mine, local, _streams.NOT_MINE).reshape(-1))
+            keys.append(jnp.where(mine, local, NOT_MINE).reshape(-1))
             g.append(g_f.reshape(-1, g_f.shape[-1]))
         keys, g = jnp.concatenate(keys), jnp.concatenate(g)
         if not supports_update(plan.optimizer):
@@ -319,7 +331,7 @@ class CpuBackend(_backend.Backend):
             return _xla_backend.apply_rows(plan, table, slots, rows, g_sum, step, axis)
         if step.ok is not None:
             # The C++ update has no row function: a skipped table touches no row.
-            keys = jnp.where(step.ok, keys, _streams.NOT_MINE)
+            keys = jnp.where(step.ok, keys, NOT_MINE)
         names = [s.name for s in plan.storage.slot_specs]
         scale = None
         if len(inputs) == 1 and pooled is not None:

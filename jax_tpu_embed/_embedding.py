@@ -18,14 +18,15 @@ from jax.sharding import PartitionSpec as P
 from . import (
     _backend,
     _config,
+    _counts,
+    _exchange,
     _inputs,
-    _layout,
     _multihost,
     _optimizers,
-    _pallas,
-    _routing,
+    _plan,
+    _planner,
+    _sharding,
     _storage,
-    _streams,
 )
 
 Nested = Any
@@ -50,9 +51,7 @@ class EmbeddingState:
     step: Any  # jax.Array; jax.ShapeDtypeStruct in abstract_state.
 
 
-# `init` draws about this many bytes per device per round, and the largest table's blocks
-# have at least this many rows.
-_INIT_BLOCK_BYTES = 4 << 20
+# The largest table's blocks in `init` have at least this many rows.
 _INIT_BLOCK_ROWS_MIN = 1024
 
 
@@ -81,7 +80,7 @@ def _default_rows_of(k0, k1, ids, dim: int):
     return jnp.clip(z, -2.0, 2.0) / math.sqrt(dim)
 
 
-def _constant_rows(plan: _backend.TablePlan, slot: _optimizers.SlotSpec, valid):
+def _constant_rows(plan: _plan.TablePlan, slot: _optimizers.SlotSpec, valid):
     """Rows of a slot with a constant initial value: (n,) or (n, D) float32, zero where not
     `valid` ((n,) bool: padding rows)."""
     shape = valid.shape + ((plan.config.dim,) if slot.rank == 2 else ())
@@ -89,36 +88,10 @@ def _constant_rows(plan: _backend.TablePlan, slot: _optimizers.SlotSpec, valid):
     return jnp.broadcast_to(value.reshape(valid.shape + (1,) * (len(shape) - 1)), shape)
 
 
-def _per_table(what: str, value, spec: _config.EmbeddingSpec) -> dict:
-    """{table name: positive int} from an Embedding argument `what`: an int or a mapping."""
-    tables = spec.tables()
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        value = {name: value for name in tables}
-    unknown = sorted(set(value) - set(tables))
-    if unknown:
-        raise ValueError(
-            f"Embedding: {what} names {unknown}, which are not tables; "
-            f"the tables are {sorted(tables)}."
-        )
-    for name, v in value.items():
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(
-                f"Embedding: {what} for table {name!r} must be a positive int, got {v!r}."
-            )
-    return {name: int(v) for name, v in value.items()}
-
-
 def _slot_key(table_key, storage: _storage.TableStorage, slot):
     """The key a slot's initial value is drawn from: the same whether it rides in the
     table's array or has its own."""
     return jax.random.fold_in(table_key, storage.slot_specs.index(slot) + 1)
-
-
-def _is_explicit(mesh) -> bool:
-    types = getattr(mesh, "axis_types", None) or ()
-    return any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
 class Embedding:
@@ -131,13 +104,16 @@ class Embedding:
         axis: The mesh axis the tables' rows and the batch are split over. Default: the
             mesh's only axis; required for a multi-axis mesh.
         backend: Who does each table's shard-local row work: "auto" (default), "xla",
-            "pallas", "pallas_interpret" or "cpu", or {table name: one of these} (tables
-            left out are "auto"). "auto" takes the fused Pallas kernels on TPU meshes and
-            the C++ kernels on CPU meshes where a table can use them, else the portable
-            XLA passes. "pallas_interpret" runs the TPU kernels in Pallas' interpreter on
-            any mesh (slow; for tests). A backend a table cannot use is a ValueError that
-            names the table and the reason. Results agree to float32 rounding whatever the
-            backend; `backends` says what was chosen.
+            "pallas", "pallas_interpret" or "cpu", an instance of a `jte.backends` class
+            for its options (e.g. `jte.backends.Pallas(interpret=True, block=256)`), or
+            {table name: one of these} (tables left out are "auto"). "auto" takes the
+            fused Pallas kernels on TPU meshes and the C++ kernels on CPU meshes where a
+            table can use them, else the portable XLA passes. "pallas_interpret" runs the
+            TPU kernels in Pallas' interpreter on any mesh (slow; for tests). A backend a
+            table cannot use is a ValueError that names the table and the reason. Results
+            agree to float32 rounding whatever the backend; `backends` says what was
+            chosen, `call_plans` what runs (a call too big for the Pallas kernels' VMEM
+            runs on XLA ops).
         lane_width: Physical row width that narrow rows are packed into (see `_storage`);
             0 stores every array as (rows, D). Default: 128 on TPU meshes or when a table
             runs the Pallas kernels, 0 elsewhere. It changes only the physical layout.
@@ -170,6 +146,13 @@ class Embedding:
             Invisible but in `EmbeddingState`'s keys (`stacks`): export, checkpoints,
             serving and `shard_rows` speak per-table logical rows. False: one array per
             table.
+        tpu_layout: Lay out, flatten and size as on TPU meshes: ids flattened column by
+            column as the TPU stores them, max_ids_per_shard defaulting to 1.5 x the
+            per-shard average, the XLA update in sorted passes. None (default): on TPU
+            meshes only. True elsewhere runs those code paths on any mesh (for tests);
+            results agree to float32 rounding.
+        init_block_bytes: About how many bytes `init` draws per device and round (its
+            transient memory; default 4 MiB). Values do not depend on it.
         cpu_kernels: Deprecated: backend="auto" uses the C++ kernels on CPU meshes;
             False means backend="xla" for them.
         tpu_kernels: Deprecated: True is backend="pallas", False leaves the Pallas kernels
@@ -182,12 +165,14 @@ class Embedding:
         mesh: jax.sharding.Mesh | None = None,
         axis: str | None = None,
         *,
-        backend: str | Mapping[str, str] = "auto",
+        backend: str | _backend.Backend | Mapping[str, str | _backend.Backend] = "auto",
         lane_width: int | None = None,
         max_ids_per_shard: int | Mapping[str, int] | None = None,
         max_unique_ids_per_shard: int | Mapping[str, int] | None = None,
         routing: str | Mapping[str, str] = "auto",
         stacking: bool = True,
+        tpu_layout: bool | None = None,
+        init_block_bytes: int = _planner.INIT_BLOCK_BYTES,
         cpu_kernels: bool | None = None,
         tpu_kernels: bool | str | None = None,
     ):
@@ -215,80 +200,24 @@ class Embedding:
             )
         self.spec, self.mesh = spec, mesh
         self.axis = str(axis)
-        self.num_shards = int(mesh.shape[axis])
-        platform = mesh.devices.flat[0].platform
-        auto_order = _backend.legacy_auto_order(platform, cpu_kernels, tpu_kernels, backend)
-        if lane_width is None:
-            wanted = set(backend.values()) if isinstance(backend, Mapping) else {backend}
-            pallas = platform == "tpu" or bool(wanted & {"pallas", "pallas_interpret"})
-            lane_width = 128 if pallas else 0
-        if lane_width not in (0, 128):
-            raise ValueError(f"Embedding: lane_width must be 0 or 128, got {lane_width!r}.")
-        self.lane_width = lane_width
-        max_ids = _per_table("max_ids_per_shard", max_ids_per_shard, spec)
-        max_unique = _per_table("max_unique_ids_per_shard", max_unique_ids_per_shard, spec)
-        storages = {}
-        for name, table in spec.tables().items():
-            opt = spec.optimizer_of(table)
-            storages[name] = _storage.TableStorage(
-                layout=_layout.TableLayout(
-                    table.vocabulary_size, self.num_shards, spec.partition_strategy
-                ),
-                dim=table.dim,
-                dtype=jnp.dtype(table.dtype),
-                slot_specs=tuple(opt.slot_specs()),
-                lanes=lane_width,
-                dense_update=opt.dense_update,
-            )
-            if storages[name].layout.rows_per_shard >= _streams.NOT_MINE:
-                raise ValueError(
-                    f"Embedding: table {name!r} would hold "
-                    f"{storages[name].layout.rows_per_shard} rows per shard; "
-                    f"at most 2**30 are supported: use more shards."
-                )
-        tables = spec.tables()
-        asked = {
-            name: (backend.get(name, "auto") if isinstance(backend, Mapping) else backend)
-            for name in tables
-        }
-        if isinstance(backend, Mapping):  # Names that are not tables: choose() says so.
-            asked.update({k: v for k, v in backend.items() if k not in tables})
-        routings = _routing.choose(
-            tables,
-            dict(routing) if isinstance(routing, Mapping) else routing,
-            {name: str(b) for name, b in asked.items()},
-            {name: st.layout for name, st in storages.items()},
-            platform,
-            self.num_shards,
+        # Everything decided at construction, frozen: the step reads nothing else.
+        self.plan = _planner.build(
+            spec,
+            mesh,
+            self.axis,
+            backend=backend,
+            lane_width=lane_width,
+            max_ids_per_shard=max_ids_per_shard,
+            max_unique_ids_per_shard=max_unique_ids_per_shard,
+            routing=routing,
+            stacking=stacking,
+            tpu_layout=tpu_layout,
+            init_block_bytes=init_block_bytes,
+            cpu_kernels=cpu_kernels,
+            tpu_kernels=tpu_kernels,
         )
-        # Owner-routed tables do their row work with the Pallas kernels or XLA ops.
-        asked = {
-            n: "xla" if routings.get(n) == "owner" and b == "auto" and platform != "tpu" else b
-            for n, b in asked.items()
-        }
-        backends = _backend.choose(spec, asked, storages, platform, auto_order=auto_order)
-        vmem = _pallas.vmem_bytes(mesh.devices.flat[0].device_kind)
-        self.table_plans: dict[str, _backend.TablePlan] = {
-            name: _backend.TablePlan(
-                name=name,
-                config=table,
-                optimizer=spec.optimizer_of(table),
-                storage=storages[name],
-                backend=backends[name],
-                max_ids=max_ids.get(name),
-                max_unique=max_unique.get(name),
-                on_tpu=platform == "tpu",
-                vmem=vmem,
-                routing=routings[name],
-            )
-            for name, table in spec.tables().items()
-        }
-        self._stack_plans = self._make_stacks(bool(stacking))
-        self._stack_of = {t: name for name, tables in self.stacks.items() for t in tables}
-        names = _config.table_names(spec)
-        self.feature_plans = [
-            _backend.FeaturePlan(p, f, names[id(f.table)]) for p, f in spec.flat_features
-        ]
+        self.num_shards = self.plan.num_shards
+        self.lane_width = self.plan.lane_width
         self._replicated = NamedSharding(mesh, P())
         self._init_fns = None
         self._init_blocked = None
@@ -300,88 +229,37 @@ class Embedding:
         self._skipped: dict[str, jax.Array] | None = None
         self._add_counts = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
 
-    def _make_stacks(self, stacking: bool) -> dict[str, _backend.TablePlan]:
-        """{stack name: its plan}, in the order of each stack's first table: a table stored
-        alone is a stack of its own, under its name; several tables sharing arrays are one
-        under their names joined by "+"."""
-        groups: dict[tuple, list[str]] = {}
-        for name, plan in self.table_plans.items():
-            alone = (
-                not stacking
-                or plan.routing != "owner"
-                or jnp.dtype(plan.config.dtype) != jnp.float32
-                or plan.config.stochastic_rounding
-                or plan.optimizer.dense_update
-            )
-            key = (
-                (name,)
-                if alone
-                else (
-                    plan.config.dim,
-                    id(plan.optimizer),
-                    plan.backend.name,
-                    plan.max_ids is None,
-                    plan.max_unique is None,
-                )
-            )
-            groups.setdefault(key, []).append(name)
-        chunks: list[list[str]] = []
-        for names in groups.values():
-            # Greedily, in spec order, while the stack's local rows fit the sort keys (with
-            # up to 128 rows of padding per member for the alignment of its block).
-            chunks.append([])
-            for name in names:
-                rows = sum(self.table_plans[n].layout.rows_per_shard + 128 for n in chunks[-1])
-                rows += self.table_plans[name].layout.rows_per_shard + 128
-                if chunks[-1] and not self._stackable(rows):
-                    chunks.append([])
-                chunks[-1].append(name)
-        order = list(self.table_plans)
-        chunks.sort(key=lambda chunk: order.index(chunk[0]))
-        stacks = [self._stack(chunk) for chunk in chunks]
-        keys = [name for name, _ in stacks]
-        clash = sorted({k for k in keys if keys.count(k) > 1})
-        if clash:  # A table named like a stack ("a+b"): their state would share a key.
-            raise ValueError(
-                f"Embedding: the state keys {clash} name both a table and a stack of "
-                f"tables; rename the table or pass stacking=False."
-            )
-        return dict(stacks)
+    @property
+    def table_plans(self) -> Mapping[str, _plan.TablePlan]:
+        """{table name: its plan as if stored alone} (read-only; `plan` holds them all)."""
+        return self.plan.tables
 
-    def _stackable(self, rows: int) -> bool:
-        return rows < _streams.NOT_MINE and self.num_shards * rows < _routing.NONE
-
-    def _capacities(self, names) -> dict:
-        """max_ids and max_unique of tables `names` together: their sums (None: default)."""
-        out = {}
-        for field in ("max_ids", "max_unique"):
-            values = [getattr(self.table_plans[n], field) for n in names]
-            out[field] = None if values[0] is None else sum(values)
-        return out
-
-    def _stack(self, names: list[str]) -> tuple[str, _backend.TablePlan]:
-        if len(names) == 1:
-            return names[0], self.table_plans[names[0]]
-        plans = [self.table_plans[n] for n in names]
-        storage, members = _storage.stack([(n, p.storage) for n, p in zip(names, plans)])
-        name = "+".join(names)
-        return name, dataclasses.replace(
-            plans[0], name=name, storage=storage, members=members, **self._capacities(names)
-        )
+    @property
+    def feature_plans(self) -> tuple[_plan.FeaturePlan, ...]:
+        return self.plan.features
 
     @property
     def stacks(self) -> dict[str, tuple[str, ...]]:
         """{state key: the tables stored in its arrays}: `EmbeddingState.tables` and
         `.slots` are keyed by these; a table stored alone is its own key."""
-        return {
-            name: tuple(m.name for m in plan.members) or (name,)
-            for name, plan in self._stack_plans.items()
-        }
+        return {name: plan.tables for name, plan in self.plan.stacks.items()}
 
     @property
     def backends(self) -> dict[str, str]:
-        """{table name: the backend doing its row work}, fixed at construction."""
+        """{table name: the backend it was given}, fixed at construction. A call that
+        backend cannot hold falls back to XLA ops: `call_plans` says which kernel runs."""
         return {name: plan.backend.name for name, plan in self.table_plans.items()}
+
+    def call_plans(self, shapes: Mapping[str, tuple[int, int]]) -> dict[str, _plan.CallPlan]:
+        """{key: CallPlan} of each call of the row work when each device holds ids of these
+        (b, L) shapes ({feature path: shape}; every feature): which kernel really runs
+        (`kernel`, with `fallback` saying why when it is not the table's backend), the
+        exchange and the capacities. A table alone or a stack is under its state key; a
+        stack that runs in parts, one entry per part, under "key#i"."""
+        missing = sorted(f.path for f in self.feature_plans if f.path not in shapes)
+        if missing:
+            raise ValueError(f"call_plans: no shapes for the features {missing}.")
+        return {k: call for k, (call, _) in _exchange.plan_calls(self.plan, shapes).items()}
 
     @property
     def routing(self) -> dict[str, str]:
@@ -401,7 +279,7 @@ class Embedding:
     def abstract_state(self) -> EmbeddingState:
         """The state as jax.ShapeDtypeStruct leaves with shardings; allocates nothing."""
         tables, slots = {}, {}
-        for name, plan in self._stack_plans.items():
+        for name, plan in self.plan.stacks.items():
             tables[name], slots[name] = self._abstract(plan.storage, plan.config.dtype)
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
         return EmbeddingState(tables, slots, step)
@@ -413,7 +291,7 @@ class Embedding:
             for n, shape in slot_shapes.items()
         }
 
-    def _shardings(self, plan: _backend.TablePlan) -> tuple:
+    def _shardings(self, plan: _plan.TablePlan) -> tuple:
         return jax.tree.map(lambda a: a.sharding, self._abstract(plan.storage, plan.config.dtype))
 
     def init(self, key: jax.Array) -> EmbeddingState:
@@ -440,17 +318,17 @@ class Embedding:
                 tables[name], slots[name] = table, table_slots
         programs = self.init_programs()
         own = {}
-        for name in self._stack_plans:
+        for name in self.plan.stacks:
             if name not in tables:
                 own.update({t: programs[t](keys[t]) for t in self.stacks[name]})
         if own:
-            joined = self._join(
+            joined = self.state_arrays(
                 {t: x[0] for t, x in own.items()}, {t: x[1] for t, x in own.items()}
             )
             tables.update(joined[0])
             slots.update(joined[1])
-        tables = {name: tables[name] for name in self._stack_plans}
-        slots = {name: slots[name] for name in self._stack_plans}
+        tables = {name: tables[name] for name in self.plan.stacks}
+        slots = {name: slots[name] for name in self.plan.stacks}
         step = jnp.zeros((), jnp.int32)
         if not isinstance(key, jax.core.Tracer):
             step = jax.device_put(step, self._replicated)
@@ -484,7 +362,7 @@ class Embedding:
         """The tables of the stacks whose every member `_blocked` (drawn by one program)."""
         return tuple(
             t
-            for name in self._stack_plans
+            for name in self.plan.stacks
             if all(self._blocked(t) for t in self.stacks[name])
             for t in self.stacks[name]
         )
@@ -494,10 +372,10 @@ class Embedding:
         every blocked stack in one program (`per_table`: see `_per_table_rows`)."""
         if self._init_blocked is None:
             names = self._blocked_tables()
-            targets = tuple(dict.fromkeys(self._stack_of[n] for n in names))
+            targets = tuple(dict.fromkeys(self.plan.stack_of[n] for n in names))
             program = jax.jit(
                 functools.partial(self._draw_tables, names, targets),
-                out_shardings={t: self._shardings(self._stack_plans[t]) for t in targets},
+                out_shardings={t: self._shardings(self.plan.stacks[t]) for t in targets},
             )
             self._init_blocked = (program, self._per_table_rows(names))
         return self._init_blocked
@@ -505,7 +383,7 @@ class Embedding:
     def _table_keys(self, key) -> dict:
         return {name: jax.random.fold_in(key, i) for i, name in enumerate(self.table_plans)}
 
-    def _compile_init(self, key: jax.ShapeDtypeStruct) -> None:
+    def compile_init(self, key: jax.ShapeDtypeStruct) -> None:
         """Compiles `init`'s program of the blocked tables for keys like `key` before `init`
         is called (jax keeps it for the call), so that a caller can do it while it does
         something else. Thread-safe."""
@@ -515,7 +393,7 @@ class Embedding:
             program, per_table = self._init_blocked_fn()
             program.lower({n: keys[n] for n in names}, per_table).compile()
 
-    def _init_table_blocked(self, plan: _backend.TablePlan, table_key):
+    def _init_table_blocked(self, plan: _plan.TablePlan, table_key):
         """A table and its slots drawn block by block on their own shards (see `init`)."""
         names = (plan.name,)
         return self._draw_tables(names, None, {plan.name: table_key}, self._per_table_rows(names))[
@@ -532,7 +410,11 @@ class Embedding:
         logical = granule * [p.storage.shapes()[0][0] // self.num_shards for p in plans]
         total = sum(int(n) * p.config.dim * 4 for n, p in zip(logical, plans))
         rounds = max(
-            1, min(-(-total // _INIT_BLOCK_BYTES), -(-logical.max() // _INIT_BLOCK_ROWS_MIN))
+            1,
+            min(
+                -(-total // self.plan.init_block_bytes),
+                -(-logical.max() // _INIT_BLOCK_ROWS_MIN),
+            ),
         )
         per_round = -(-logical // rounds)
         block = np.minimum(logical, -(-per_round // granule) * granule)
@@ -561,7 +443,7 @@ class Embedding:
             return [(n, self.table_plans[n], [(j, 0)]) for j, n in enumerate(names)]
         out = []
         for stack in stacks:
-            plan = self._stack_plans[stack]
+            plan = self.plan.stacks[stack]
             offsets = {m.name: m.offset for m in plan.members} or {stack: 0}
             out.append((stack, plan, [(names.index(t), o) for t, o in offsets.items()]))
         return out
@@ -672,7 +554,7 @@ class Embedding:
             out[name] = (table, slots)
         return out
 
-    def _init_table(self, plan: _backend.TablePlan, table_key):
+    def _init_table(self, plan: _plan.TablePlan, table_key):
         storage = plan.storage
         table = self._initial(plan, None, table_key)
         slots = {
@@ -682,7 +564,7 @@ class Embedding:
         table, slots = storage.to_physical(table, slots)
         return self._constrain(table), {n: self._constrain(x) for n, x in slots.items()}
 
-    def _initial(self, plan: _backend.TablePlan, slot: _optimizers.SlotSpec | None, key):
+    def _initial(self, plan: _plan.TablePlan, slot: _optimizers.SlotSpec | None, key):
         """The logical initial value of a table (slot None) or one slot."""
         shape = plan.storage.logical_shape(slot)
         if slot is None:
@@ -702,12 +584,9 @@ class Embedding:
 
     def _constrain(self, physical):
         # Said explicitly so that an init traced inside another jit keeps the row sharding.
-        sharding = self._rows(physical.ndim)
-        if _is_explicit(self.mesh):
-            return jax.sharding.reshard(physical, sharding)
-        return jax.lax.with_sharding_constraint(physical, sharding)
+        return _sharding.constrain(physical, self._rows(physical.ndim))
 
-    def _init_slot(self, plan: _backend.TablePlan, slot: _optimizers.SlotSpec, key):
+    def _init_slot(self, plan: _plan.TablePlan, slot: _optimizers.SlotSpec, key):
         """One stored slot's physical initial value, drawn on the devices."""
         storage = plan.storage
         sharding = self._rows(len(storage.shapes()[1][slot.name]))
@@ -781,16 +660,17 @@ class Embedding:
                 for s in storage.stored
             }
         step_array = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
-        return EmbeddingState(*self._join(new_tables, new_slots), step_array)
+        return EmbeddingState(*self.state_arrays(new_tables, new_slots), step_array)
 
     # --------------------------------------------------- stacks <-> per-table arrays
 
-    def _join(self, tables: dict, slots: dict) -> tuple[dict, dict]:
-        """The state's (tables, slots), keyed by stack, from each table's physical arrays
-        as it would be stored alone ({table: array}, {table: {slot: array}}); a table
-        stored alone passes through, a stack is one concatenation per shard and array."""
+    def state_arrays(self, tables: dict, slots: dict) -> tuple[dict, dict]:
+        """`EmbeddingState`'s (tables, slots), keyed by state key (`stacks`), from each
+        table's physical arrays as it would be stored alone ({table: array}, {table: {slot:
+        array}}, as `table_arrays` gives them); a table stored alone passes through, a
+        stack is one concatenation per shard and array. For `jte.checkpoint`."""
         out_tables, out_slots = {}, {}
-        for name, plan in self._stack_plans.items():
+        for name, plan in self.plan.stacks.items():
             if not plan.members:
                 if name in tables:
                     out_tables[name], out_slots[name] = tables[name], slots[name]
@@ -803,11 +683,11 @@ class Embedding:
             )
         return out_tables, out_slots
 
-    def _split(self, state: EmbeddingState) -> tuple[dict, dict]:
-        """The inverse of `_join`: each table's physical arrays as stored alone (a copy of
+    def table_arrays(self, state: EmbeddingState) -> tuple[dict, dict]:
+        """The inverse of `state_arrays`: each table's physical arrays as stored alone (a copy of
         its rows for a stacked table)."""
         tables, slots = {}, {}
-        for name, plan in self._stack_plans.items():
+        for name, plan in self.plan.stacks.items():
             if not plan.members:
                 tables[name], slots[name] = state.tables[name], state.slots[name]
                 continue
@@ -820,7 +700,7 @@ class Embedding:
         """The jitted per-shard join or split of a stack's arrays (cached)."""
         key = (stack, what)
         if key not in self._stack_fns:
-            plan = self._stack_plans[stack]
+            plan = self.plan.stacks[stack]
             storage, members = plan.storage, plan.members
             row = P(self.axis)
 
@@ -864,7 +744,7 @@ class Embedding:
         With several processes this gathers the tables onto every process (a collective):
         call it on every process, then write from one.
         """
-        tables = self._split(state)[0]
+        tables = self.table_arrays(state)[0]
         return {
             name: plan.storage.to_logical(self._fetch(tables[name]))[0]
             for name, plan in self.table_plans.items()
@@ -876,7 +756,7 @@ class Embedding:
         A collective with several processes, like `export`.
         """
         out = {}
-        tables, slots = self._split(state)
+        tables, slots = self.table_arrays(state)
         for name, plan in self.table_plans.items():
             storage = plan.storage
             # The table's own array only when slots ride in it.
@@ -898,7 +778,7 @@ class Embedding:
         storage = self.table_plans[table_name].storage
         if not 0 <= shard < self.num_shards:
             raise ValueError(f"shard_rows: shard must be in [0, {self.num_shards}), got {shard}.")
-        stack = self._stack_plans[self._stack_of[table_name]]
+        stack = self.plan.stacks[self.plan.stack_of[table_name]]
         array = state.tables[stack.name]
         per_shard = array.shape[0] // self.num_shards
         start = shard * per_shard
@@ -944,9 +824,7 @@ class Embedding:
         """
         flat = _inputs.flatten_inputs(self.spec, features)
         _inputs.check_batch(flat, self.num_shards)
-        return _streams.id_counts(
-            self.table_plans, self._call_plans, self.feature_plans, flat, self.num_shards
-        )
+        return _counts.id_counts(self.plan, flat)
 
     def _prepare(self, features, act_grads=None) -> dict:
         flat = _inputs.flatten_inputs(self.spec, features)
@@ -1059,12 +937,9 @@ class Embedding:
         return feats
 
     def _batch_sharded(self, x):
-        sharding = NamedSharding(self.mesh, P(self.axis))
-        if _is_explicit(self.mesh):
-            return jax.sharding.reshard(x, sharding)
-        return jax.lax.with_sharding_constraint(x, sharding)
+        return _sharding.constrain(x, NamedSharding(self.mesh, P(self.axis)))
 
-    def _out_shape(self, f: _backend.FeaturePlan, batch: int) -> tuple:
+    def _out_shape(self, f: _plan.FeaturePlan, batch: int) -> tuple:
         d = f.table_config.dim
         natural = (batch, f.config.max_sequence_length, d) if f.config.is_sequence else (batch, d)
         if f.config.output_shape is None:
@@ -1080,7 +955,7 @@ class Embedding:
     def _reshape(self, x, shape):
         """Reshape that tells Explicit meshes where the result lives: split over the batch
         axis when the leading dimension divides evenly, else replicated."""
-        if tuple(x.shape) == tuple(shape) or not _is_explicit(self.mesh):
+        if tuple(x.shape) == tuple(shape) or not _sharding.is_explicit(self.mesh):
             return x.reshape(shape)
         spec = P(self.axis) if shape[0] % self.num_shards == 0 else P()
         return jax.lax.reshape(x, shape, out_sharding=NamedSharding(self.mesh, spec))
@@ -1149,81 +1024,19 @@ class Embedding:
 
     # Inside shard_map: each stack's backend does its shard-local row work.
 
-    def _inputs(self, feats) -> dict[str, list[_backend.Input]]:
-        """{stack name: the Inputs of its tables' features}, in member order."""
-        by_table: dict[str, list[_backend.Input]] = {}
-        for f in self.feature_plans:
-            by_table.setdefault(f.table, []).append(_backend.Input(f, *feats[f.path]))
-        return {
-            name: [i for t in self.stacks[name] for i in by_table.get(t, [])]
-            for name in self._stack_plans
-            if any(t in by_table for t in self.stacks[name])
-        }
-
-    def _parts(self, plan: _backend.TablePlan, inputs: list) -> list:
-        """[(plan, inputs)]: a stack's row work in one call (one sort, one exchange per
-        round, one kernel) when the kernels' resident blocks fit VMEM at the capacity that
-        fits (`_routing.fits`: more exchanged rows than VMEM holds only means more
-        rounds), else in parts of consecutive whole members whose activations fit; a
-        member too big alone takes XLA ops, as it would unstacked. Members' rows are
-        disjoint: a split is the same update."""
-        if not plan.members:
-            return [(plan, inputs)]
-        by_member = {m.name: m for m in plan.members}
-        groups: list[list] = []  # The inputs of each member, in member order.
-        for i in inputs:
-            if groups and groups[-1][-1].feature.table == i.feature.table:
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        parts: list[list] = []
-        for group in groups:
-            joined = parts[-1] + group if parts else None
-            if joined and _routing.fits(
-                self._part_plan(plan, joined, by_member), joined, self.num_shards
-            ):
-                parts[-1] = joined
-            else:
-                parts.append(group)
-        return [(self._part_plan(plan, part, by_member), part) for part in parts]
-
-    def _call_plans(self, shapes: dict[str, tuple[int, int]]) -> dict[str, tuple]:
-        """{key: (plan, inputs)} of each call the row work makes when each device holds ids
-        of these (b, L) shapes ({feature path: shape}): a table alone or a stack under its
-        state key, a stack that runs in parts (`_parts`) one entry per part, under "key#i";
-        `inputs` with shapes for arrays. On the host, for `id_counts` and `plan`."""
-        feats = {p: (jax.ShapeDtypeStruct(shape, jnp.int32), None) for p, shape in shapes.items()}
-        out = {}
-        for name, inputs in self._inputs(feats).items():
-            parts = self._parts(self._stack_plans[name], inputs)
-            for i, part in enumerate(parts):
-                out[name if len(parts) == 1 else f"{name}#{i}"] = part
-        return out
-
-    def _part_plan(self, plan: _backend.TablePlan, inputs: list, by_member: dict):
-        """The stack's plan for the members that `inputs` feed: their capacities summed."""
-        names = list(dict.fromkeys(i.feature.table for i in inputs))
-        if len(names) == len(plan.members):
-            return plan
-        return dataclasses.replace(
-            plan, members=tuple(by_member[n] for n in names), **self._capacities(names)
-        )
-
     def _lookup_local(self, tables, feats):
         out = {}
-        for name, inputs in self._inputs(feats).items():
-            for plan, part in self._parts(self._stack_plans[name], inputs):
-                if plan.routing == "owner":
-                    out.update(_routing.lookup(plan, tables[name], part, self.axis))
-                else:
-                    out.update(plan.backend.lookup(plan, tables[name], part, self.axis))
+        for name, inputs in self.plan.inputs(feats).items():
+            for call, part in _exchange.calls(self.plan, name, inputs):
+                exchange = _exchange.EXCHANGES[call.exchange]
+                out.update(exchange.lookup(call, tables[name], part, self.axis))
         return out
 
     def _update_local(self, tables, slots, feats, grads, step, ok):
         tables, slots = dict(tables), dict(slots)
-        for name, inputs in self._inputs(feats).items():
-            for plan, part in self._parts(self._stack_plans[name], inputs):
-                members = [m.name for m in plan.members] or [name]
+        for name, inputs in self.plan.inputs(feats).items():
+            for call, part in _exchange.calls(self.plan, name, inputs):
+                plan, members = call.plan, list(call.tables)
                 if len(members) == 1:
                     row_step = _backend.row_step(plan, self.spec, step, ok[members[0]])
                 else:  # Several members in one call: a skipped one's rows are left alone.
@@ -1231,9 +1044,9 @@ class Embedding:
                     row_step = _backend.row_step(
                         plan, self.spec, step, jnp.any(members_ok), members_ok
                     )
-                update = _routing.update if plan.routing == "owner" else plan.backend.update
-                tables[name], slots[name] = update(
-                    plan,
+                exchange = _exchange.EXCHANGES[call.exchange]
+                tables[name], slots[name] = exchange.update(
+                    call,
                     tables[name],
                     slots[name],
                     part,

@@ -3,7 +3,7 @@
 The XLA forms in _xla_backend.py gather and scatter rows with XLA ops, which the TPU compiler
 charges a whole (8, 128) tile per row touched (benchmarks/tpu_row_access.py measures it),
 and gather each pair's activation gradient the same way. These kernels walk the owned pairs of a
-`_streams.Stream`, sorted by row, in blocks of `_BLOCK` that arrive through SMEM on a
+`_streams.Stream`, sorted by row, in blocks of `block` pairs that arrive through SMEM on a
 sequential grid, and stop at the owned count:
 
 - `pooled_lookup`: per block, the distinct physical rows it touches are read with their
@@ -33,15 +33,18 @@ them against float64 references on CPU meshes that way.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _backend, _layout, _platforms, _storage, _streams, _xla_backend
+from . import _backend, _layout, _plan, _platforms, _storage, _streams
+from ._rowindex import NOT_MINE
 
-_BLOCK = 1024  # Pairs per grid step (SMEM block of keys, output rows and scales).
+BLOCK = 1024  # Default pairs per grid step (SMEM block of keys, output rows and scales).
 _SMALLEST_VMEM = 16 << 20  # v4's, per TensorCore: the default when the chip is unknown.
 
 
@@ -86,19 +89,19 @@ def _in_hbm(x):
     return pltpu.with_memory_space_constraint(x, pltpu.HBM)
 
 
-def _blocks(pairs: int) -> int:
-    return -(-pairs // _BLOCK)
+def _blocks(pairs: int, block: int) -> int:
+    return -(-pairs // block)
 
 
-def _pair_specs(n: int):
+def _pair_specs(n: int, block: int):
     """SMEM block specs of the n pair arrays (sorted keys, output rows [, scales]); blocks
     past the owned count repeat the last owned block, which the pipeline then does not
     fetch again."""
 
     def index(i, count_ref):
-        return (jnp.minimum(i, jnp.maximum(count_ref[0] - 1, 0) // _BLOCK),)
+        return (jnp.minimum(i, jnp.maximum(count_ref[0] - 1, 0) // block),)
 
-    return [pl.BlockSpec((_BLOCK,), index, memory_space=pltpu.SMEM) for _ in range(n)]
+    return [pl.BlockSpec((block,), index, memory_space=pltpu.SMEM) for _ in range(n)]
 
 
 class _Pairs:
@@ -274,7 +277,7 @@ def _operand(x, interpret: bool):
     return pltpu.bitcast(x, jnp.uint32), lambda y: pltpu.bitcast(y, x.dtype)
 
 
-def _physical_reads(distinct: int, array, keys) -> int:
+def _physical_reads(distinct: int, array, keys, block: int) -> int:
     """The physical rows a kernel reads for `distinct` planned rows: each block reads its
     distinct physical rows once, so no more than the array has (rows of 32-bit words: a
     16-bit array's pairs), plus one re-read per block (a row that spans two blocks). Packed
@@ -282,7 +285,7 @@ def _physical_reads(distinct: int, array, keys) -> int:
     `distinct`."""
     itemsize = jnp.dtype(array.dtype).itemsize
     rows = array.shape[0] * itemsize // jnp.dtype(_buffer_dtype(array.dtype)).itemsize
-    return min(distinct, rows + _blocks(keys.shape[0]))
+    return min(distinct, rows + _blocks(keys.shape[0], block))
 
 
 def _row_bytes(packing: _layout.Packing, dtype) -> int:
@@ -304,6 +307,7 @@ def pooled_lookup(
     out_bits: int = 0,
     rows_packing: _layout.Packing | None = None,
     interpret: bool = False,
+    block: int = BLOCK,
 ):
     """out[o] += scale · row(key) over the owned pairs (key, o, scale), lane-dense.
 
@@ -329,7 +333,7 @@ def pooled_lookup(
         def _():
             acc_ref[...] = jnp.zeros_like(acc_ref)
 
-        here = jnp.clip(count_ref[0] - i * _BLOCK, 0, _BLOCK)
+        here = jnp.clip(count_ref[0] - i * block, 0, block)
         rows_ = _BlockRows(table_hbm, buf, None, phys, n, 0, packing, sem, table.dtype)
 
         @pl.when(here > 0)
@@ -361,13 +365,13 @@ def pooled_lookup(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
-            grid=(_blocks(keys.shape[0]),),
-            in_specs=_pair_specs(len(pairs.arrays)) + [_HBM],
+            grid=(_blocks(keys.shape[0], block),),
+            in_specs=_pair_specs(len(pairs.arrays), block) + [_HBM],
             out_specs=_HBM,
             scratch_shapes=[
                 pltpu.VMEM((rows // k, lanes), jnp.float32),
-                pltpu.VMEM((_BLOCK, lanes), _buffer_dtype(table.dtype)),
-                pltpu.SMEM((1, _BLOCK), jnp.int32),
+                pltpu.VMEM((block, lanes), _buffer_dtype(table.dtype)),
+                pltpu.SMEM((1, block), jnp.int32),
                 pltpu.SMEM((1,), jnp.int32),
                 pltpu.SemaphoreType.DMA(()),
             ],
@@ -378,7 +382,7 @@ def pooled_lookup(
             flops=2 * planned[0] * width,
             transcendentals=0,
             bytes_accessed=(
-                _physical_reads(planned[1], table, keys) * _row_bytes(packing, table.dtype)
+                _physical_reads(planned[1], table, keys, block) * _row_bytes(packing, table.dtype)
                 + pairs.bytes * planned[0]
                 + rows // k * lanes * 4
             ),
@@ -408,6 +412,7 @@ def fused_update(
     rows_packing: _layout.Packing | None = None,
     rounding: tuple | None = None,
     interpret: bool = False,
+    block: int = BLOCK,
 ):
     """Sums each row's gradient and applies `row_fn` to it in place; returns new arrays.
 
@@ -423,6 +428,7 @@ def fused_update(
         row_fn: fn(g (D,), [one value per array: (width,) or ()], scalars) -> new values,
             for one row (vmapped over a leading axis of one inside the kernel).
         planned: (pairs, distinct rows) per shard and step: sizes the cost estimate only.
+        block: Pairs per grid step.
         rounding: None, or (layout, (2,) int32 [step key, shard]): the table (arrays[0], a
             bfloat16 one without riders) is rounded stochastically with the bits of
             (step key, global row, lane), as `_xla_backend.stochastic_rows` does.
@@ -448,7 +454,7 @@ def fused_update(
         ]
         i = pl.program_id(0)
         count = count_ref[0]
-        here = jnp.clip(count - i * _BLOCK, 0, _BLOCK)
+        here = jnp.clip(count - i * block, 0, block)
 
         @pl.when(i == 0)
         def _():
@@ -501,7 +507,7 @@ def fused_update(
 
             # The block with the last owned pair finishes its last row; otherwise the row
             # is carried (its pairs may go on), re-read by the next block after the write.
-            ends = i * _BLOCK + here == count
+            ends = i * block + here == count
 
             @pl.when(ends)
             def _():
@@ -518,8 +524,8 @@ def fused_update(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
-            grid=(_blocks(keys.shape[0]),),
-            in_specs=_pair_specs(len(pairs.arrays))
+            grid=(_blocks(keys.shape[0], block),),
+            in_specs=_pair_specs(len(pairs.arrays), block)
             + [
                 pl.BlockSpec(memory_space=pltpu.SMEM),
                 _HBM,
@@ -528,12 +534,12 @@ def fused_update(
             + [_HBM] * n,
             out_specs=[_HBM] * n,
             scratch_shapes=(
-                [pltpu.VMEM((_BLOCK + 1, l), _buffer_dtype(a.dtype)) for l, a in zip(lanes, arrays)]
+                [pltpu.VMEM((block + 1, l), _buffer_dtype(a.dtype)) for l, a in zip(lanes, arrays)]
                 + [pltpu.VMEM((1, l), _buffer_dtype(a.dtype)) for l, a in zip(lanes, arrays)]
                 + [
                     pltpu.VMEM(grads.shape, jnp.float32),
                     pltpu.VMEM((1, dim), jnp.float32),
-                    pltpu.SMEM((n, _BLOCK + 1), jnp.int32),
+                    pltpu.SMEM((n, block + 1), jnp.int32),
                     pltpu.SMEM((n,), jnp.int32),
                     pltpu.SMEM((1,), jnp.int32),
                     pltpu.SemaphoreType.DMA(()),
@@ -551,7 +557,7 @@ def fused_update(
             flops=4 * planned[0] * dim,
             transcendentals=planned[1] * dim,
             bytes_accessed=(
-                2 * _physical_reads(planned[1], arrays[0], keys) * row_bytes
+                2 * _physical_reads(planned[1], arrays[0], keys, block) * row_bytes
                 + pairs.bytes * planned[0]
                 + grads.size * 4
             ),
@@ -568,7 +574,7 @@ def fused_update(
     return [r(x) for r, x in zip(restore, new)]
 
 
-def rounding(plan: _backend.TablePlan, step: _backend.RowStep, axis: str):
+def rounding(plan: _plan.TablePlan, step: _backend.RowStep, axis: str):
     """fused_update's `rounding` for this table and step: None unless it rounds
     stochastically."""
     if not plan.config.stochastic_rounding:
@@ -579,14 +585,45 @@ def rounding(plan: _backend.TablePlan, step: _backend.RowStep, axis: str):
     return (plan.layout, jnp.stack([lax.bitcast_convert_type(key, jnp.int32), shard]))
 
 
+@dataclasses.dataclass(frozen=True)
 class PallasBackend(_backend.Backend):
-    """The fused kernels above for float32 and bfloat16 tables with a sparse optimizer. A
-    batch whose activations would fill more than half of VMEM (`fits_vmem`) runs the XLA
-    passes."""
+    """The fused kernels above for float32 and bfloat16 tables with a sparse optimizer.
 
-    def __init__(self, interpret: bool = False):
-        self.interpret = interpret
-        self.name = "pallas_interpret" if interpret else "pallas"
+    Attributes:
+        interpret: Run them in Pallas' interpreter (any mesh; slow; for tests).
+        block: Pairs per grid step.
+        vmem: VMEM bytes per TensorCore to size against; None: the mesh's chips'.
+        pack_keys: Pack (row, output row) into one sort key where both fit.
+
+    A call whose resident block does not fit half of VMEM (`fits_vmem`) falls back to XLA
+    ops (its `_plan.CallPlan` says so).
+    """
+
+    interpret: bool = False
+    block: int = BLOCK
+    vmem: int | None = None
+    pack_keys: bool = True
+    lane_width = 128
+    one_pass = True
+
+    def __post_init__(self):
+        for field in ("interpret", "pack_keys"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(
+                    f"backends.Pallas: {field} must be a bool, got {getattr(self, field)!r}."
+                )
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(f"backends.Pallas: block must be a positive int, got {self.block!r}.")
+        if self.vmem is not None and (
+            isinstance(self.vmem, bool) or not isinstance(self.vmem, int) or self.vmem < 1
+        ):
+            raise ValueError(
+                f"backends.Pallas: vmem must be None or a positive int of bytes, got {self.vmem!r}."
+            )
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "pallas_interpret" if self.interpret else "pallas"
 
     def unusable(self, table, optimizer, storage, platform):
         if optimizer.dense_update:
@@ -601,21 +638,30 @@ class PallasBackend(_backend.Backend):
             )
         return None
 
-    def _fits(self, plan, inputs, axis) -> bool:
-        packing = plan.storage.rows_packing
-        k = packing.per_row
-        rows = lax.axis_size(axis) * _streams.output_rows(inputs, k) // k
-        return fits_vmem(rows, k * packing.padded_width, plan.vmem)
+    def vmem_bytes(self, device_kind):
+        return self.vmem if self.vmem is not None else vmem_bytes(device_kind)
 
-    def single_pass(self, plan, out_rows):
-        packing = plan.storage.rows_packing
-        return fits_vmem(out_rows, packing.per_row * packing.padded_width, plan.vmem)
+    def lane_rows(self, plan):
+        return plan.storage.rows_packing.per_row
 
-    def lookup(self, plan, table, inputs, axis):
-        if not self._fits(plan, inputs, axis):
-            return _xla_backend.XlaBackend().lookup(plan, table, inputs, axis)
+    def _lanes(self, plan) -> int:
+        packing = plan.storage.rows_packing
+        return packing.per_row * packing.padded_width
+
+    def holds(self, plan, rows):
+        return fits_vmem(rows, self._lanes(plan), plan.vmem)
+
+    def most_rows(self, plan):
+        return vmem_rows(self._lanes(plan), plan.vmem)
+
+    def routed(self, call, pairs, received):
+        return PallasRouted(call.plan, pairs, received, self)
+
+    def lookup(self, call, table, inputs, axis):
+        plan = call.plan
         storage = plan.storage
-        stream = _streams.build(plan, inputs, axis, fused=True).sorted()
+        stream = _streams.build(call, inputs, axis, fused=True, pack_keys=self.pack_keys)
+        stream = stream.sorted()
         acc = pooled_lookup(
             table,
             storage.packing,
@@ -629,14 +675,14 @@ class PallasBackend(_backend.Backend):
             out_bits=stream.out_bits,
             rows_packing=storage.rows_packing,
             interpret=self.interpret,
+            block=self.block,
         )
         return _streams.scatter_parts(acc, stream, axis, storage.rows_packing)
 
-    def update(self, plan, table, slots, inputs, grads, step, axis):
-        if not self._fits(plan, inputs, axis):
-            return _xla_backend.XlaBackend().update(plan, table, slots, inputs, grads, step, axis)
+    def update(self, call, table, slots, inputs, grads, step, axis):
+        plan = call.plan
         storage = plan.storage
-        stream = _streams.build(plan, inputs, axis, fused=True)
+        stream = _streams.build(call, inputs, axis, fused=True, pack_keys=self.pack_keys)
         n = lax.axis_size(axis)
         # Each device's activation gradients lane-dense (its rows padded to r, see
         # _streams.build), then all-gathered.
@@ -672,5 +718,103 @@ class PallasBackend(_backend.Backend):
             rows_packing=storage.rows_packing,
             rounding=rounding(plan, step, axis),
             interpret=self.interpret,
+            block=self.block,
         )
         return new[0], dict(zip(names, new[1:]))
+
+
+class PallasRouted(_backend.RoutedRows):
+    """The row work of owner routing in the kernels above, rows lane-dense (k to a
+    128-lane row): the owner's reads and updates walk the received rows sorted, and each
+    device combines the rows it gets back (or spreads its gradients over the rows it
+    sends) with the pooled lookup kernel, whose cost is its pairs, not a tile per row as
+    XLA's gathers and scatters."""
+
+    def __init__(self, plan: _plan.TablePlan, pairs: int, received: int, kernel: PallasBackend):
+        self.plan, self.packing = plan, plan.storage.rows_packing
+        self.k = self.packing.per_row
+        # The kernels' cost estimates: a round brings at most N·Cd rows to an owner, on
+        # average as many as each device sends; max_unique_ids_per_shard bounds the
+        # distinct ones.
+        planned = min(pairs, received)
+        self.planned = (planned, min(planned, plan.max_unique or planned))
+        self.interpret, self.block = kernel.interpret, kernel.block
+
+    def _lookup(self, table, packing, keys, out, scale, count, rows: int):
+        return pooled_lookup(
+            table,
+            packing,
+            keys,
+            out,
+            scale,
+            count,
+            rows,
+            planned=self.planned,
+            vmem=self.plan.vmem,
+            rows_packing=self.packing,
+            interpret=self.interpret,
+            block=self.block,
+        )
+
+    def owner_rows(self, table, rows):
+        keys, slot, count = _arrivals(rows)
+        storage = self.plan.storage
+        return self._lookup(table, storage.packing, keys, slot, None, count, rows.shape[0])
+
+    def combine(self, local, r, back, acc):
+        keys, out, scale = lax.sort(
+            (jnp.where(r.pair_in_round, r.pair_slot, NOT_MINE), local.out, local.scale),
+            num_keys=3,
+        )
+        count = jnp.sum(r.pair_in_round, dtype=jnp.int32)
+        return acc + self._lookup(back, self.packing, keys, out, scale, count, local.rows)
+
+    def zeros(self, rows: int):
+        return jnp.zeros((rows // self.k, self.k * self.packing.padded_width), jnp.float32)
+
+    def unpack(self, acc, rows: int):
+        return _streams.unpacked(acc, self.packing, rows)
+
+    def gradients(self, local, grad_rows):
+        return _streams.packed(grad_rows, self.packing)
+
+    def send(self, local, r, g):
+        keys, slot, scale = lax.sort(
+            (jnp.where(r.pair_in_round, local.out, NOT_MINE), r.pair_slot, local.scale),
+            num_keys=3,
+        )
+        count = jnp.sum(r.pair_in_round, dtype=jnp.int32)
+        n = r.valid.shape[0]
+        return self._lookup(g, self.packing, keys, slot, scale, count, n)
+
+    def owner_update(self, table, slots, rows, grads, step, axis):
+        keys, slot, count = _arrivals(rows)
+        if step.ok is not None:  # A skipped table: the kernel walks no pair.
+            count = jnp.where(step.ok, count, 0)
+        storage = self.plan.storage
+        names = [s.name for s in storage.stored]
+        new = fused_update(
+            [table] + [slots[s] for s in names],
+            storage.packings,
+            keys,
+            slot,
+            None,
+            count,
+            grads,
+            step.scalars,
+            storage.stored_row_fn(step.row_fn),
+            planned=self.planned,
+            vmem=self.plan.vmem,
+            rows_packing=self.packing,
+            interpret=self.interpret,
+            rounding=rounding(self.plan, step, axis),
+            block=self.block,
+        )
+        return new[0], dict(zip(names, new[1:]))
+
+
+def _arrivals(rows):
+    """The rows an owner received, sorted, each with its arrival slot, and how many are
+    real (NOT_MINE: an empty slot): the kernels' pairs."""
+    keys, slot = lax.sort((rows, lax.iota(jnp.int32, rows.shape[0])), num_keys=2)
+    return keys, slot, jnp.sum(keys < NOT_MINE, dtype=jnp.int32)

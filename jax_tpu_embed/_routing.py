@@ -23,6 +23,10 @@ suffices and runs as straight-line code.
 
 Per device and round the work is O(m + N·Cd) with Cd = `capacity` ~ 2m/N: proportional to
 the per-device batch, whatever N. docs/design.md compares the traffic of both paths.
+
+This module is the exchange only: the row work (the owner's reads and updates, and how rows
+travel) is the call's row kernel's (`_backend.RoutedRows`), and which kernel serves a call
+at which Cd is decided once on the host (`plan_call`, read by the step and `id_counts`).
 """
 
 from __future__ import annotations
@@ -32,15 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _backend, _pallas, _streams, _xla_backend
-from ._streams import NOT_MINE
-
-# Sort key of "no row" (padding or an id outside the table): after every real key.
-NONE = int(np.iinfo(np.int32).max)
+from . import _plan, _rowindex, _streams
+from ._rowindex import NONE, NOT_MINE
 
 
 def capacity(
-    plan: _backend.TablePlan, pairs: int, num_shards: int, k: int = 1, kernels: bool = False
+    plan: _plan.TablePlan, pairs: int, num_shards: int, k: int = 1, most: int | None = None
 ) -> int:
     """Cd: distinct rows one device sends one owner per round.
 
@@ -52,10 +53,10 @@ def capacity(
     buffer). When that is m or more, one round always suffices. An optimizer that updates
     every row (`Adam(lazy_adam=False)`) takes one round of all m.
 
-    `kernels`: the Pallas kernels do the row work, holding the N·Cd/k exchanged rows in
-    VMEM: Cd is at most what fits (`_pallas.vmem_rows`), and a device with more distinct
-    rows for one owner runs more rounds, rather than XLA ops, whose row gathers and
-    scatters cost the TPU compiler a tile each.
+    `most`: the row kernel holds the N·Cd/k exchanged rows resident, at most `most`
+    lane-dense rows (`Backend.most_rows`): Cd is at most what fits, and a device with more
+    distinct rows for one owner runs more rounds, rather than XLA ops, whose row gathers
+    and scatters cost the TPU compiler a tile each.
     """
     multiple = 8 * k
     if plan.optimizer.dense_update or num_shards == 1:
@@ -63,16 +64,15 @@ def capacity(
     else:
         c = -(-plan.max_ids // num_shards) if plan.max_ids else -(-2 * pairs // num_shards)
         cd = _streams.round_up(min(pairs, max(c, 8)), multiple)
-    if kernels:
-        lanes = k * plan.storage.rows_packing.padded_width
-        most = _pallas.vmem_rows(lanes, plan.vmem) * k // num_shards // multiple * multiple
+    if most is not None:
+        most = most * k // num_shards // multiple * multiple
         cd = min(cd, max(most, multiple))
     return cd
 
 
 def supported(layout) -> str | None:
     """Why owner routing cannot serve a table of this layout, or None."""
-    if layout.num_shards * layout.rows_per_shard >= NONE:
+    if not _rowindex.fits_owner_keys(layout.num_shards, layout.rows_per_shard):
         return (
             f"its {layout.num_shards} x {layout.rows_per_shard} padded rows do not fit "
             f"an int32 sort key"
@@ -83,7 +83,7 @@ def supported(layout) -> str | None:
 class _Local:
     """One device's pairs of one table, sorted by key, and their distinct rows."""
 
-    def __init__(self, plan: _backend.TablePlan, inputs: list, axis: str, k: int = 1):
+    def __init__(self, plan: _plan.TablePlan, inputs: list, axis: str, k: int = 1):
         s = plan.layout.rows_per_shard
         self.n = lax.axis_size(axis)
         self.s = s
@@ -98,8 +98,8 @@ class _Local:
             w = (ids >= 0).astype(jnp.float32) if weights is None else weights
             scale = _streams.feature_scale(f, w).T
             ids = ids.T
-            owner, local = plan.owner_and_local(f.table, ids)
-            keys.append(jnp.where(ids >= 0, owner * s + local, NONE))
+            owner, local, found = plan.index.locate(f.table, ids)
+            keys.append(jnp.where(found, owner * s + local, NONE))
             example = lax.broadcasted_iota(jnp.int32, (l, b), 1)
             if f.config.is_sequence:
                 out, rows = example * l + lax.broadcasted_iota(jnp.int32, (l, b), 0), b * l
@@ -222,143 +222,7 @@ def _exchange(x, axis):
     return lax.all_to_all(x, axis, 0, 0, tiled=True)
 
 
-def read_rows(plan: _backend.TablePlan, table, rows):
-    """(n, D) float32: the logical rows `rows` of this shard (>= NOT_MINE: zeros)."""
-    packing = plan.storage.packing
-    k, w = packing.per_row, packing.padded_width
-    phys = table.at[rows // k].get(mode="fill", fill_value=0).astype(jnp.float32)
-    if k > 1:
-        group = lax.iota(jnp.int32, k * w) // w
-        phys = jnp.where(group[None, :] == (rows % k)[:, None], phys, 0.0)
-        phys = phys.reshape(-1, k, w).sum(axis=1)
-    return phys[:, : plan.config.dim]
-
-
-class _XlaRows:
-    """The row work of owner routing in XLA ops: any mesh, any table; rows travel (n, D)."""
-
-    k = 1
-
-    def __init__(self, plan: _backend.TablePlan):
-        self.plan = plan
-
-    def owner_rows(self, table, rows):
-        return read_rows(self.plan, table, rows)
-
-    def combine(self, local: _Local, r: _Round, back, acc):
-        got = back[r.pair_slot] * jnp.where(r.pair_in_round, local.scale, 0.0)[:, None]
-        return acc.at[local.out].add(got)
-
-    def zeros(self, rows: int):
-        return jnp.zeros((rows, self.plan.config.dim), jnp.float32)
-
-    def unpack(self, acc, rows: int):
-        return acc
-
-    def gradients(self, local: _Local, grad_rows):
-        """Per distinct row of `local` (as `uniq`), its summed gradient (m, D)."""
-        g = local.scale[:, None] * grad_rows[local.out]  # NONE pairs have scale 0.
-        return jax.ops.segment_sum(
-            g, local.segment, num_segments=local.pairs, indices_are_sorted=True
-        )
-
-    def send(self, local: _Local, r: _Round, g_uniq):
-        return r.rows_of(g_uniq)
-
-    def owner_update(self, table, slots, rows, grads, step, axis):
-        rows, g_sum = owner_sum(rows, grads)
-        return _xla_backend.apply_rows(self.plan, table, slots, rows, g_sum, step, axis)
-
-
-class _Kernels(_XlaRows):
-    """The row work of owner routing in the Pallas kernels (`_pallas`), rows lane-dense
-    (k to a 128-lane row): the owner's reads and updates walk the received rows sorted,
-    and each device combines the rows it gets back (or spreads its gradients over the
-    rows it sends) with the pooled lookup kernel, whose cost is its pairs, not a tile per
-    row as XLA's gathers and scatters."""
-
-    def __init__(self, plan: _backend.TablePlan, pairs: int, received: int):
-        self.plan, self.packing = plan, plan.storage.rows_packing
-        self.k = self.packing.per_row
-        # The kernels' cost estimates: a round brings at most N·Cd rows to an owner, on
-        # average as many as each device sends; max_unique_ids_per_shard bounds the
-        # distinct ones.
-        planned = min(pairs, received)
-        self.planned = (planned, min(planned, plan.max_unique or planned))
-        self.interpret = bool(getattr(plan.backend, "interpret", False))
-
-    def _lookup(self, table, packing, keys, out, scale, count, rows: int):
-        return _pallas.pooled_lookup(
-            table,
-            packing,
-            keys,
-            out,
-            scale,
-            count,
-            rows,
-            planned=self.planned,
-            vmem=self.plan.vmem,
-            rows_packing=self.packing,
-            interpret=self.interpret,
-        )
-
-    def owner_rows(self, table, rows):
-        keys, slot, count = _arrivals(rows)
-        storage = self.plan.storage
-        return self._lookup(table, storage.packing, keys, slot, None, count, rows.shape[0])
-
-    def combine(self, local: _Local, r: _Round, back, acc):
-        keys, out, scale = lax.sort(
-            (jnp.where(r.pair_in_round, r.pair_slot, NOT_MINE), local.out, local.scale),
-            num_keys=3,
-        )
-        count = jnp.sum(r.pair_in_round, dtype=jnp.int32)
-        return acc + self._lookup(back, self.packing, keys, out, scale, count, local.rows)
-
-    def zeros(self, rows: int):
-        return jnp.zeros((rows // self.k, self.k * self.packing.padded_width), jnp.float32)
-
-    def unpack(self, acc, rows: int):
-        return _streams.unpacked(acc, self.packing, rows)
-
-    def gradients(self, local: _Local, grad_rows):
-        return _streams.packed(grad_rows, self.packing)
-
-    def send(self, local: _Local, r: _Round, g_uniq):
-        keys, slot, scale = lax.sort(
-            (jnp.where(r.pair_in_round, local.out, NOT_MINE), r.pair_slot, local.scale),
-            num_keys=3,
-        )
-        count = jnp.sum(r.pair_in_round, dtype=jnp.int32)
-        n = r.valid.shape[0]
-        return self._lookup(g_uniq, self.packing, keys, slot, scale, count, n)
-
-    def owner_update(self, table, slots, rows, grads, step, axis):
-        keys, slot, count = _arrivals(rows)
-        if step.ok is not None:  # A skipped table: the kernel walks no pair.
-            count = jnp.where(step.ok, count, 0)
-        storage = self.plan.storage
-        names = [s.name for s in storage.stored]
-        new = _pallas.fused_update(
-            [table] + [slots[s] for s in names],
-            storage.packings,
-            keys,
-            slot,
-            None,
-            count,
-            grads,
-            step.scalars,
-            storage.stored_row_fn(step.row_fn),
-            planned=self.planned,
-            vmem=self.plan.vmem,
-            rows_packing=self.packing,
-            interpret=self.interpret,
-            rounding=_pallas.rounding(self.plan, step, axis),
-        )
-        return new[0], dict(zip(names, new[1:]))
-
-
-def _kept(plan: _backend.TablePlan, rows, members_ok):
+def _kept(plan: _plan.TablePlan, rows, members_ok):
     """`rows` received by an owner, NOT_MINE where the member of the stack they belong to
     is skipped this step (compares against each member's block, no gather)."""
     keep = jnp.zeros(rows.shape, bool)
@@ -368,58 +232,42 @@ def _kept(plan: _backend.TablePlan, rows, members_ok):
     return jnp.where(keep, rows, NOT_MINE)
 
 
-def _arrivals(rows):
-    """The rows an owner received, sorted, each with its arrival slot, and how many are
-    real (NOT_MINE: an empty slot): the kernels' pairs."""
-    keys, slot = lax.sort((rows, lax.iota(jnp.int32, rows.shape[0])), num_keys=2)
-    return keys, slot, jnp.sum(keys < NOT_MINE, dtype=jnp.int32)
+def plan_call(plan: _plan.TablePlan, inputs: list, n: int) -> _plan.CallPlan:
+    """The call doing the row work of `inputs` (one device's; shapes suffice) on n devices.
 
-
-def call_capacity(plan: _backend.TablePlan, inputs: list, n: int) -> tuple[int, int]:
-    """(k, Cd) of the call doing the row work of `inputs` (one device's) on n devices.
-
-    The Pallas kernels do it when the table's backend is theirs and the rows they hold in
-    VMEM (the exchanged rows at the capacity VMEM holds, or the activations) fit
-    (`_pallas.fits_vmem`): k logical rows per lane-dense row, Cd capped (`capacity`, more
-    rounds). Else XLA ops, which have no such limit: k = 0, the default Cd. Shapes only:
-    the host asks it too (`Embedding._parts`, `id_counts`, `plan`), so all of them see the
-    call the step makes."""
-    k = _kernel_rows(plan)
+    A kernel that holds rows resident (`Backend.lane_rows` > 0) does it when the rows it
+    holds (the exchanged rows at the capacity it holds, or the activations) fit
+    (`Backend.holds`): k logical rows per lane-dense row, Cd capped (`capacity`, more
+    rounds). Else the table's fallback, XLA ops, which have no such limit, at the default
+    Cd. On the host: the step, `id_counts` and `plan` all read the call this makes."""
+    kernel = plan.backend
+    k = kernel.lane_rows(plan)
     pairs = sum(ids.size for _, ids, _ in inputs)
+    why = None
     if k:
-        cd = capacity(plan, pairs, n, k, kernels=True)
+        cd = capacity(plan, pairs, n, k, most=kernel.most_rows(plan))
         rows = max(n * cd, _streams.output_rows(inputs, k)) // k
-        if _pallas.fits_vmem(rows, k * plan.storage.rows_packing.padded_width, plan.vmem):
-            return k, cd
-    return 0, capacity(plan, pairs, n)
+        if kernel.holds(plan, rows):
+            return _plan.CallPlan(plan, "owner", kernel, None, cd, cd, k, cd >= pairs, pairs)
+        why = (
+            f"its {rows} lane-dense rows of exchanged rows or activations do not fit "
+            f"the {kernel.name} kernels' memory ({plan.vmem} bytes)"
+        )
+        kernel = plan.fallback
+    cd = capacity(plan, pairs, n)
+    return _plan.CallPlan(plan, "owner", kernel, why, cd, cd, 1, cd >= pairs, pairs)
 
 
-def fits(plan: _backend.TablePlan, inputs: list, n: int) -> bool:
-    """Whether one call can do the row work of `inputs` as the table's backend would alone:
-    XLA ops always, the Pallas kernels when they hold it in VMEM (`call_capacity`)."""
-    return not _kernel_rows(plan) or call_capacity(plan, inputs, n)[0] > 0
-
-
-def _row_work(plan: _backend.TablePlan, inputs: list, axis: str):
-    """(local pairs, Cd, row work): the Pallas kernels when the table's backend is theirs
-    and the rows they hold in VMEM fit at some capacity, else XLA ops (`call_capacity`)."""
+def _row_work(call: _plan.CallPlan, inputs: list, axis: str):
+    """(local pairs, Cd, the call's kernel's row work)."""
     n = lax.axis_size(axis)
-    k, cd = call_capacity(plan, inputs, n)
-    local = _Local(plan, inputs, axis, max(k, 1))
-    return local, cd, (_Kernels(plan, local.pairs, n * cd) if k else _XlaRows(plan))
+    local = _Local(call.plan, inputs, axis, call.k)
+    return local, call.capacity, call.kernel.routed(call, local.pairs, n * call.capacity)
 
 
-def _kernel_rows(plan: _backend.TablePlan) -> int:
-    """k, the logical rows per lane-dense row, when the Pallas kernels may do the table's
-    row work; 0 when XLA ops do."""
-    if isinstance(plan.backend, _pallas.PallasBackend):
-        return plan.storage.rows_packing.per_row
-    return 0
-
-
-def lookup(plan: _backend.TablePlan, table, inputs: list, axis: str) -> dict:
+def lookup(call: _plan.CallPlan, table, inputs: list, axis: str) -> dict:
     """{feature path: this device's activations} by owner routing."""
-    local, cd, work = _row_work(plan, inputs, axis)
+    local, cd, work = _row_work(call, inputs, axis)
 
     def body(r: _Round, acc):
         back = _exchange(work.owner_rows(table, _exchange(r.local_rows, axis)), axis)
@@ -435,12 +283,11 @@ def lookup(plan: _backend.TablePlan, table, inputs: list, axis: str) -> dict:
     return out
 
 
-def update(
-    plan: _backend.TablePlan, table, slots: dict, inputs: list, grads: dict, step, axis: str
-):
+def update(call: _plan.CallPlan, table, slots: dict, inputs: list, grads: dict, step, axis: str):
     """(table, slots) after one sparse step by owner routing: every distinct row of the
     global batch is updated once, at its owner, with the sum of its gradients."""
-    local, cd, work = _row_work(plan, inputs, axis)
+    plan = call.plan
+    local, cd, work = _row_work(call, inputs, axis)
     parts = []
     for f, _, rows in local.parts:
         g = grads[f.path].astype(jnp.float32).reshape(rows, -1)
@@ -458,26 +305,9 @@ def update(
     return _rounds(local, cd, axis, body, (table, slots))
 
 
-def owner_sum(rows, g):
-    """Sums the gradients of equal rows received from several devices.
-
-    Returns the distinct rows ascending, padded with distinct indices >= NOT_MINE that
-    gathers fill and scatters drop, and their summed gradients: `apply_rows`' input.
-    Sorted with the arrival slot riding along, so equal rows sum in a fixed order.
-    """
-    n = rows.shape[0]
-    keys, order = lax.sort((rows, lax.iota(jnp.int32, n)), num_keys=2, is_stable=False)
-    starts = jnp.concatenate([jnp.ones((1,), bool), keys[1:] != keys[:-1]])
-    segment = jnp.cumsum(starts, dtype=jnp.int32) - 1
-    g_sum = jax.ops.segment_sum(g[order], segment, num_segments=n, indices_are_sorted=True)
-    distinct = lax.sort(jnp.where(starts, keys, NONE), is_stable=False)
-    distinct = jnp.where(distinct < NOT_MINE, distinct, NOT_MINE + lax.iota(jnp.int32, n))
-    return distinct, g_sum
-
-
 def rounds_needed(cd: int, owner: np.ndarray, local: np.ndarray) -> int:
     """Rounds `update` runs for this global batch of one call (a table, a stack or a part
-    of one) at Cd rows per owner and round (`call_capacity`; NumPy, `id_counts`).
+    of one) at Cd rows per owner and round (`plan_call`; NumPy, `id_counts`).
 
     `owner`, `local`: (N, m) each device's pairs' owners and local rows in the plan's
     array (owner -1: none)."""
@@ -507,44 +337,3 @@ ROUTINGS = ("auto", "gather", "owner")
 # "auto" routes to owners from this many shards on TPU meshes; below, the all-gather path.
 # benchmarks/tpu_scaling.py measures both (docs/design.md).
 AUTO_OWNER_SHARDS = 32
-
-
-def choose(
-    tables: dict,
-    requested,
-    backends: dict[str, str],
-    layouts: dict,
-    platform: str,
-    num_shards: int,
-) -> dict[str, str]:
-    """{table name: "gather" | "owner"} for `requested` ("auto", a name or {table: name}).
-
-    `backends`: the backend each table asked for. Owner routing does its row work with
-    the Pallas kernels or XLA ops, not the C++ CPU kernels; "auto" routes a table to
-    owners on TPU meshes of AUTO_OWNER_SHARDS shards or more.
-    """
-    per_table = _backend.per_table_choice("routing", requested, tables, ROUTINGS)
-    out, problems = {}, []
-    for name, want in per_table.items():
-        why = supported(layouts[name])
-        if want == "auto":
-            owner = (
-                platform == "tpu"
-                and num_shards >= AUTO_OWNER_SHARDS
-                and backends[name] != "cpu"
-                and why is None
-            )
-            out[name] = "owner" if owner else "gather"
-            continue
-        if want == "owner":
-            if backends[name] == "cpu":
-                why = why or (
-                    "routing='owner' does its row work with the Pallas kernels or XLA "
-                    "ops; backend 'cpu' serves routing='gather' only"
-                )
-            if why is not None:
-                problems.append(f"table {name!r} cannot use routing 'owner': {why}")
-        out[name] = want
-    if problems:
-        raise ValueError("Embedding: " + "; ".join(problems) + ".")
-    return out

@@ -17,17 +17,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from . import _inputs, _layout
-from ._backend import FeaturePlan, TablePlan
-
-# Local rows are < 2**30 (checked by Embedding); keys at or above mark "no row".
-NOT_MINE = 1 << 30
-# Bound on packed (row, output row) keys (`build`): below NOT_MINE. Tests lower it to run
-# the kernels on separate output-row arrays.
-PACKED_KEYS = NOT_MINE
+from ._plan import CallPlan, FeaturePlan, TablePlan
+from ._rowindex import NOT_MINE
 
 
 def gathered(ids, weights, axis):
@@ -41,8 +35,8 @@ def gathered(ids, weights, axis):
 def owned(plan: TablePlan, feature: FeaturePlan, ids_all, axis):
     """(mine, local): which positions of `feature`'s ids this shard owns and their local
     rows in the plan's array (0 elsewhere)."""
-    owner, local = plan.owner_and_local(feature.table, ids_all)
-    mine = (ids_all >= 0) & (owner == lax.axis_index(axis))
+    owner, local, found = plan.index.locate(feature.table, ids_all)
+    mine = found & (owner == lax.axis_index(axis))
     return mine, jnp.where(mine, local, 0)
 
 
@@ -197,12 +191,17 @@ def _position(pos, local_batch: int, length: int, columns: bool):
     return block * local_batch + within % local_batch, within // local_batch
 
 
-def build(plan: TablePlan, inputs: list, axis: str, *, fused: bool) -> Stream:
-    """The Stream of one table's features (`_backend.Input`s), in position order.
+def build(
+    call: CallPlan, inputs: list, axis: str, *, fused: bool, pack_keys: bool = True
+) -> Stream:
+    """The Stream of one call's features (`_plan.Input`s), in position order, read
+    `call.capacity` pairs at a time.
 
     `fused`: for the Pallas kernels, which walk all owned pairs in one call: no padding for
-    passes, no scales when every one is 1, the output row packed into the key when both fit,
-    and output rows laid out lane-dense (k to a packed row, see below)."""
+    passes, no scales when every one is 1, the output row packed into the key when both fit
+    (and `pack_keys`), and output rows laid out lane-dense (`call.k` to a packed row, see
+    below)."""
+    plan = call.plan
     n = lax.axis_size(axis)
     items = []
     for f, ids, weights in inputs:
@@ -223,8 +222,9 @@ def build(plan: TablePlan, inputs: list, axis: str, *, fused: bool) -> Stream:
             )
         )
     keys = jnp.concatenate([k for _, k, *_ in items])
-    c = capacity(plan, keys.shape[0], n)
-    k = plan.storage.rows_packing.per_row if fused else 1
+    c = call.capacity
+    assert c == capacity(plan, keys.shape[0], n), "the call was planned for other shapes"
+    k = call.k if fused else 1
     parts, outs, first = [], [], 0
     for f, _, _, out, rows in items:
         # Device d's rows of a feature are [d·r, d·r + local) with `local` rounded up to
@@ -258,7 +258,7 @@ def build(plan: TablePlan, inputs: list, axis: str, *, fused: bool) -> Stream:
     # The kernels take (row, output row) packed into one key when both fit below
     # NOT_MINE: the sort then moves one array, not two, and so do the kernels.
     bits = max(first - 1, 1).bit_length()
-    bits = bits if fused and plan.layout.rows_per_shard << bits <= PACKED_KEYS else 0
+    bits = bits if fused and pack_keys and plan.layout.rows_per_shard << bits <= NOT_MINE else 0
     if bits:
         keys, out = jnp.where(keys < NOT_MINE, keys << bits | out, NOT_MINE), None
     return Stream(
@@ -312,72 +312,4 @@ def scatter_parts(acc, stream: Stream, axis: str, packing=None) -> dict:
         if f.config.is_sequence:
             partial = partial.reshape(-1, f.config.max_sequence_length, partial.shape[-1])
         out[f.path] = partial
-    return out
-
-
-def id_counts(
-    table_plans: dict, call_plans, feature_plans: list, flat: dict, num_shards: int
-) -> dict:
-    """`Embedding.id_counts` on the host: per table, the pairs M, the most owned pairs and
-    distinct rows of any shard, and the passes of the call that serves it (the XLA passes'
-    or owner routing's rounds). `call_plans`: fn({feature path: one device's (b, L)}) ->
-    {key: (the plan of a table, a stack or a part of one, its Inputs)}
-    (`Embedding._call_plans`)."""
-    ids_by_table: dict[str, list] = {}
-    out_rows: dict[str, int] = {}
-    shapes = {}
-    for f in feature_plans:
-        leaf = flat[f.path]
-        for x in jax.tree.leaves(leaf):
-            if isinstance(x, jax.Array) and not x.is_fully_addressable:
-                raise ValueError(
-                    f"id_counts: feature {f.path!r} is a jax.Array spanning "
-                    f"several processes; pass the global batch as NumPy."
-                )
-        ids, _ = _inputs.normalize(f.config, leaf)
-        shapes[f.path] = (ids.shape[0] // num_shards, ids.shape[1])
-        # (N, b·L): each device's pairs, for owner routing's rounds.
-        ids_by_table.setdefault(f.table, []).append(np.asarray(ids).reshape(num_shards, -1))
-        out_rows[f.table] = out_rows.get(f.table, 0) + (
-            ids.size if f.config.is_sequence else ids.shape[0]
-        )
-    out = {}
-    for name, parts in ids_by_table.items():
-        plan = table_plans[name]
-        ids = np.concatenate(parts, axis=1).reshape(-1)
-        valid = ids[(ids >= 0) & (ids < plan.config.vocabulary_size)]
-        owner, _ = plan.layout.owner_and_local(valid)
-        owned = unique = 0
-        for p in range(num_shards):
-            rows, counts = np.unique(valid[owner == p], return_counts=True)
-            owned, unique = max(owned, int(counts.sum())), max(unique, len(rows))
-        out[name] = {"pairs": ids.shape[0], "owned_pairs": owned, "unique_rows": unique}
-    for plan, inputs in call_plans(shapes).values():
-        names = [m.name for m in plan.members] or [plan.name]
-        names = [n for n in names if n in ids_by_table]
-        if not names:
-            continue
-        owners, locals_ = [], []
-        for n in names:
-            per_device = np.concatenate(ids_by_table[n], axis=1)
-            o, loc = plan.owner_and_local(n, np.maximum(per_device, 0))
-            owners.append(np.where(per_device >= 0, o, -1))
-            locals_.append(loc)
-        owner, local = np.concatenate(owners, axis=1), np.concatenate(locals_, axis=1)
-        if plan.routing == "owner":
-            from . import _routing  # It builds on this module.
-
-            _, cd = _routing.call_capacity(plan, inputs, num_shards)
-            passes = _routing.rounds_needed(cd, owner, local)
-        elif plan.backend.single_pass(plan, sum(out_rows[n] for n in names)):
-            passes = 1
-        else:
-            c = capacity(plan, owner.size, num_shards)
-            cu = unique_capacity(plan, c)
-            passes = 0
-            for p in range(num_shards):
-                _, counts = np.unique(local[owner == p], return_counts=True)
-                passes = max(passes, passes_needed(counts, c, cu))
-        for n in names:
-            out[n]["passes"] = passes
     return out

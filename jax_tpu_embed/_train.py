@@ -46,7 +46,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _config, _embedding, _inputs
+from . import _config, _embedding, _inputs, _sharding
 
 Nested = Any
 # discover(params, batch, model_state, rng) -> {name: (Embedding, features)}: which embeddings
@@ -166,13 +166,6 @@ def _batch_size(features: dict) -> int:
     raise ValueError("The batch has no embedding features with a batch dimension.")
 
 
-def _constrain(x, sharding: NamedSharding):
-    mesh_types = getattr(sharding.mesh, "axis_types", None) or ()
-    if any(t == jax.sharding.AxisType.Explicit for t in mesh_types):
-        return jax.sharding.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, sharding)
-
-
 def _dense_sharding(x, replicated: NamedSharding) -> NamedSharding:
     """Dense parameters are replicated over the mesh unless the caller sharded them."""
     sharding = getattr(x, "sharding", None)
@@ -232,7 +225,7 @@ def _check_batch_leading(emb: _embedding.Embedding) -> None:
 def _reshape_on(x, shape, emb: _embedding.Embedding):
     """x.reshape(shape), split over emb's batch axis (Explicit meshes need to be told)."""
     sharding = NamedSharding(emb.mesh, P(emb.axis))
-    if _embedding._is_explicit(emb.mesh):
+    if _sharding.is_explicit(emb.mesh):
         return jax.lax.reshape(x, shape, out_sharding=sharding)
     return jax.lax.with_sharding_constraint(x.reshape(shape), sharding)
 
@@ -245,7 +238,7 @@ def _merge(x, emb: _embedding.Embedding):
     """
     x = jnp.asarray(x)
     k, b = x.shape[:2]
-    x = _constrain(x, NamedSharding(emb.mesh, P(None, emb.axis)))
+    x = _sharding.constrain(x, NamedSharding(emb.mesh, P(None, emb.axis)))
     return _reshape_on(jnp.moveaxis(x, 0, 1), (b * k,) + x.shape[2:], emb)
 
 
@@ -253,7 +246,7 @@ def _split(x, k: int, emb: _embedding.Embedding):
     """The inverse of `_merge`: (b·k, ...) -> (k, b, ...)."""
     b = x.shape[0] // k
     x = _reshape_on(x, (b, k) + x.shape[1:], emb)
-    return _constrain(jnp.moveaxis(x, 1, 0), NamedSharding(emb.mesh, P(None, emb.axis)))
+    return _sharding.constrain(jnp.moveaxis(x, 1, 0), NamedSharding(emb.mesh, P(None, emb.axis)))
 
 
 def _unaliased(tree):
@@ -276,7 +269,7 @@ def _apply_masked(
     """`emb.apply_gradients`, or no change at all (step counter included) unless `keep`."""
     new = emb.apply_gradients(state, _mask_features(features, keep), grads)
     tables, slots = dict(new.tables), dict(new.slots)
-    for name, plan in emb.table_plans.items():
+    for name, plan in emb.plan.stacks.items():  # Keyed as the state is.
         if plan.optimizer.dense_update:
             # Such tables update every row even without ids; keeping them costs a table copy.
             tables[name] = jnp.where(keep, tables[name], state.tables[name])
@@ -623,12 +616,12 @@ class TrainStep:
             pending = Pending(
                 {
                     n: jax.tree.map(
-                        lambda x, s=sharding[n]: _constrain(jnp.asarray(x), s), features[n]
+                        lambda x, s=sharding[n]: _sharding.constrain(jnp.asarray(x), s), features[n]
                     )
                     for n in pipelined
                 },
                 {
-                    n: jax.tree.map(lambda x, s=sharding[n]: _constrain(x, s), dacts[n])
+                    n: jax.tree.map(lambda x, s=sharding[n]: _sharding.constrain(x, s), dacts[n])
                     for n in pipelined
                 },
                 ok,
@@ -684,7 +677,7 @@ class TrainStep:
                 and x.shape[lead] == batch_size
                 and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
             ):
-                return _constrain(jnp.asarray(x), sharding)
+                return _sharding.constrain(jnp.asarray(x), sharding)
             return x
 
         return jax.tree.map(shard, batch)

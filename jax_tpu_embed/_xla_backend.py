@@ -14,26 +14,39 @@ Per device and table, with C = `_streams.capacity` owned pairs per pass and Cu =
 Off TPU, when one pass takes every pair, the update sums duplicates with a key-only sort and
 a binary search instead (`sum_duplicates`): XLA:CPU sorts with payloads several times slower.
 Packed rows (`_layout.Packing`) are read and written through `_Rows`.
+
+Under owner routing (`_routing`) the same row reads and `apply_rows` serve the rows routed
+to each owner (`XlaRouted`): rows travel (n, D), and the owner sums the gradients of a row
+received from several devices (`owner_sum`) before updating it once.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _backend, _layout, _storage, _streams
-from ._streams import NOT_MINE
+from . import _backend, _layout, _plan, _storage, _streams
+from ._rowindex import NONE, NOT_MINE
 
 
+@dataclasses.dataclass(frozen=True)
 class XlaBackend(_backend.Backend):
+    """XLA ops: any table, any mesh, either exchange."""
+
     name = "xla"
 
     def unusable(self, table, optimizer, storage, platform):
         return None  # Any table, any mesh.
 
-    def lookup(self, plan, table, inputs, axis):
-        stream = _streams.build(plan, inputs, axis, fused=False)
+    def routed(self, call, pairs, received):
+        return XlaRouted(call.plan)
+
+    def lookup(self, call, table, inputs, axis):
+        plan = call.plan
+        stream = _streams.build(call, inputs, axis, fused=False)
         packing = plan.storage.packing
         k, w = packing.per_row, packing.padded_width
         rows = stream.rows
@@ -57,8 +70,9 @@ class XlaBackend(_backend.Backend):
         acc = acc[:, : plan.config.dim]  # The row's lanes, not its riders'.
         return _streams.scatter_parts(acc, stream, axis)
 
-    def update(self, plan, table, slots, inputs, grads, step, axis):
-        stream = _streams.build(plan, inputs, axis, fused=False)
+    def update(self, call, table, slots, inputs, grads, step, axis):
+        plan = call.plan
+        stream = _streams.build(call, inputs, axis, fused=False)
         c = stream.capacity
         grad_rows = jnp.concatenate(
             [
@@ -75,7 +89,7 @@ class XlaBackend(_backend.Backend):
             rows, g_sum = sum_duplicates(keys, scale[:, None] * grad_rows[out])
             return apply_rows(plan, table, slots, rows, g_sum, step, axis)
         stream = stream.sorted()
-        cu = _streams.unique_capacity(plan, c)
+        cu = call.unique
         slot_iota = lax.iota(jnp.int32, cu)
 
         def one_pass(start, carry):
@@ -202,7 +216,7 @@ def _bits(x):
 
 
 def apply_rows(
-    plan: _backend.TablePlan, table, slots: dict, rows_idx, g, step: _backend.RowStep, axis
+    plan: _plan.TablePlan, table, slots: dict, rows_idx, g, step: _backend.RowStep, axis
 ):
     """Reads the distinct rows `rows_idx` (sorted; >= NOT_MINE: none) of the table and its
     stored slots, applies the optimizer's row function to each with its summed gradient
@@ -231,10 +245,75 @@ def apply_rows(
     return table, dict(zip(names, new_slots))
 
 
-def stochastic_rows(plan: _backend.TablePlan, rows, local, step: _backend.RowStep, axis):
+def stochastic_rows(plan: _plan.TablePlan, rows, local, step: _backend.RowStep, axis):
     """New float32 rows (U, D) of the local rows `local` -> bfloat16, stochastically rounded
     with the bits of (table, step, global row); bfloat16 tables hold no riders."""
     assert step.step is not None and not plan.storage.riders
     key = _storage.step_key(_storage.table_seed(plan.name), step.step)
     ids = plan.layout.global_ids(lax.axis_index(axis), local)
     return _storage.round_stochastically(rows, _storage.random_bits(key, ids, rows.shape[1]))
+
+
+def read_rows(plan: _plan.TablePlan, table, rows):
+    """(n, D) float32: the logical rows `rows` of this shard (>= NOT_MINE: zeros)."""
+    packing = plan.storage.packing
+    k, w = packing.per_row, packing.padded_width
+    phys = table.at[rows // k].get(mode="fill", fill_value=0).astype(jnp.float32)
+    if k > 1:
+        group = lax.iota(jnp.int32, k * w) // w
+        phys = jnp.where(group[None, :] == (rows % k)[:, None], phys, 0.0)
+        phys = phys.reshape(-1, k, w).sum(axis=1)
+    return phys[:, : plan.config.dim]
+
+
+class XlaRouted(_backend.RoutedRows):
+    """The row work of owner routing in XLA ops: any mesh, any table; rows travel (n, D)."""
+
+    k = 1
+
+    def __init__(self, plan: _plan.TablePlan):
+        self.plan = plan
+
+    def owner_rows(self, table, rows):
+        return read_rows(self.plan, table, rows)
+
+    def combine(self, local, r, back, acc):
+        got = back[r.pair_slot] * jnp.where(r.pair_in_round, local.scale, 0.0)[:, None]
+        return acc.at[local.out].add(got)
+
+    def zeros(self, rows: int):
+        return jnp.zeros((rows, self.plan.config.dim), jnp.float32)
+
+    def unpack(self, acc, rows: int):
+        return acc
+
+    def gradients(self, local, grad_rows):
+        """Per distinct row of `local` (as `uniq`), its summed gradient (m, D)."""
+        g = local.scale[:, None] * grad_rows[local.out]  # NONE pairs have scale 0.
+        return jax.ops.segment_sum(
+            g, local.segment, num_segments=local.pairs, indices_are_sorted=True
+        )
+
+    def send(self, local, r, g):
+        return r.rows_of(g)
+
+    def owner_update(self, table, slots, rows, grads, step, axis):
+        rows, g_sum = owner_sum(rows, grads)
+        return apply_rows(self.plan, table, slots, rows, g_sum, step, axis)
+
+
+def owner_sum(rows, g):
+    """Sums the gradients of equal rows received from several devices.
+
+    Returns the distinct rows ascending, padded with distinct indices >= NOT_MINE that
+    gathers fill and scatters drop, and their summed gradients: `apply_rows`' input.
+    Sorted with the arrival slot riding along, so equal rows sum in a fixed order.
+    """
+    n = rows.shape[0]
+    keys, order = lax.sort((rows, lax.iota(jnp.int32, n)), num_keys=2, is_stable=False)
+    starts = jnp.concatenate([jnp.ones((1,), bool), keys[1:] != keys[:-1]])
+    segment = jnp.cumsum(starts, dtype=jnp.int32) - 1
+    g_sum = jax.ops.segment_sum(g[order], segment, num_segments=n, indices_are_sorted=True)
+    distinct = lax.sort(jnp.where(starts, keys, NONE), is_stable=False)
+    distinct = jnp.where(distinct < NOT_MINE, distinct, NOT_MINE + lax.iota(jnp.int32, n))
+    return distinct, g_sum

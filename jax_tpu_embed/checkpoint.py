@@ -106,7 +106,7 @@ def save(
     _check_state(emb, state)
     step = int(jax.device_get(state.step))
     embedding = {"tables": {}, "slots": {}}
-    physical, physical_slots = emb._split(state)  # Each table's arrays as stored alone.
+    physical, physical_slots = emb.table_arrays(state)  # Each table's arrays as stored alone.
     for name, plan in emb.table_plans.items():
         storage = plan.storage
         table, riders = _to_logical(emb, storage, None, physical.pop(name))
@@ -272,7 +272,7 @@ def restore(
             s.name: _to_physical(emb, storage, s, own.pop(s.name)) for s in storage.stored
         }
     step_array = jax.device_put(jnp.asarray(meta["step"], jnp.int32), NamedSharding(emb.mesh, P()))
-    state = _embedding.EmbeddingState(*emb._join(tables, slots), step_array)
+    state = _embedding.EmbeddingState(*emb.state_arrays(tables, slots), step_array)
     return state, dense
 
 

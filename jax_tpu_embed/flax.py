@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,22 +33,10 @@ import jax.core
 import jax.numpy as jnp
 import optax
 
-from . import _config, _embedding, _train
+from . import _config, _embedding, _sharding, _train
 
 COLLECTION = "embedding"
 _STATE_KEYS = ("tables", "slots", "step")
-
-# One Embedding per (spec, mesh, axis): flax clones modules freely, and each clone must give
-# the same engine (and the same jit caches).
-_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _engine(spec: _config.EmbeddingSpec, mesh, axis) -> _embedding.Embedding:
-    per_spec = _ENGINES.setdefault(spec, {})
-    key = (mesh, axis)
-    if key not in per_spec:
-        per_spec[key] = _embedding.Embedding(spec, mesh=mesh, axis=axis)
-    return per_spec[key]
 
 
 class Embed(nn.Module):
@@ -66,22 +53,45 @@ class Embed(nn.Module):
         spec: The EmbeddingSpec.
         mesh: As for `jte.Embedding` (default: every device on one axis "shard").
         axis: As for `jte.Embedding`.
+        engine: The `jte.Embedding` to run, built with any options (`from_embedding` sets
+            it); None: `jte.Embedding(spec, mesh, axis)`, built once when the layer is.
     """
 
     spec: _config.EmbeddingSpec
     mesh: jax.sharding.Mesh | None = None
     axis: str | None = None
+    engine: _embedding.Embedding | None = None
+
+    def __post_init__(self):
+        # The layer holds its engine: flax clones modules freely, and every clone carries
+        # the same one (and its jit caches).
+        if self.engine is None:
+            engine = _embedding.Embedding(self.spec, mesh=self.mesh, axis=self.axis)
+            object.__setattr__(self, "engine", engine)
+        elif not isinstance(self.engine, _embedding.Embedding):
+            raise TypeError(
+                f"jte.flax.Embed: engine must be a jte.Embedding, got {type(self.engine).__name__}."
+            )
+        elif self.engine.spec is not self.spec or (
+            self.mesh is not None and self.engine.mesh != self.mesh
+        ):
+            raise ValueError(
+                "jte.flax.Embed: engine was built for another spec or mesh than the "
+                "layer's; use Embed.from_embedding(engine)."
+            )
+        super().__post_init__()
 
     @property
     def embedding(self) -> _embedding.Embedding:
         """The `jte.Embedding` behind this layer (shared by every clone of it)."""
-        return _engine(self.spec, self.mesh, self.axis)
+        assert self.engine is not None  # Set in __post_init__.
+        return self.engine
 
     @classmethod
     def from_embedding(cls, emb: _embedding.Embedding, **kwargs) -> Embed:
-        """The layer of an existing `jte.Embedding` (its `.embedding` is `emb`)."""
-        _ENGINES.setdefault(emb.spec, {})[(emb.mesh, emb.axis)] = emb
-        return cls(emb.spec, mesh=emb.mesh, axis=emb.axis, **kwargs)
+        """The layer of an existing `jte.Embedding`, built with any options (its
+        `.embedding` is `emb`)."""
+        return cls(emb.spec, mesh=emb.mesh, axis=emb.axis, engine=emb, **kwargs)
 
     @nn.compact
     def __call__(self, features: Any) -> Any:
@@ -119,7 +129,7 @@ def _placed(
     if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
         return state
     abstract = emb.abstract_state()
-    return jax.tree.map(lambda x, a: _train._constrain(x, a.sharding), state, abstract)
+    return jax.tree.map(lambda x, a: _sharding.constrain(x, a.sharding), state, abstract)
 
 
 # ----------------------------------------------------------------- state helpers
@@ -406,7 +416,7 @@ class FlaxTrainStep(_train.TrainStep):
         traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((key, batch)))
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             compiling = [
-                pool.submit(emb._compile_init, key_info[path])
+                pool.submit(emb.compile_init, key_info[path])
                 for path, (emb, _) in layers.items()
                 if not traced  # Inside another trace nothing is compiled here.
             ]

@@ -43,7 +43,6 @@ from flax import nnx
 
 from . import _config, _embedding, _train
 from . import checkpoint as _checkpoint
-from . import flax as _linen
 
 
 class EmbeddingTable(nnx.Variable):
@@ -88,8 +87,8 @@ class Embed(nnx.Module):
             tables for every mesh size and strategy.
 
     Attributes:
-        embedding: The `jte.Embedding` behind the layer (shared by every layer of one spec,
-            mesh and axis, as in `jte.flax.Embed`).
+        embedding: The `jte.Embedding` behind the layer: `engine` if given (built with
+            any options; `from_embedding` passes it), else `jte.Embedding(spec, mesh, axis)`.
         state: The `EmbeddingTable` variable; `embedding_state` is its value.
     """
 
@@ -100,19 +99,27 @@ class Embed(nnx.Module):
         *,
         axis: str | None = None,
         rngs: nnx.Rngs,
+        engine: _embedding.Embedding | None = None,
     ):
         if not isinstance(spec, _config.EmbeddingSpec):
             raise TypeError(
                 f"jte.nnx.Embed: spec must be a jte.EmbeddingSpec, got {type(spec).__name__}."
             )
-        self.embedding = _linen._engine(spec, mesh, axis)
+        if engine is None:
+            engine = _embedding.Embedding(spec, mesh=mesh, axis=axis)
+        elif not isinstance(engine, _embedding.Embedding) or engine.spec is not spec:
+            raise ValueError(
+                "jte.nnx.Embed: engine must be a jte.Embedding of the layer's spec; use "
+                "Embed.from_embedding(engine, rngs=...)."
+            )
+        self.embedding = engine
         self.state = EmbeddingTable(self.embedding.init(rngs.params()))
 
     @classmethod
     def from_embedding(cls, emb: _embedding.Embedding, *, rngs: nnx.Rngs) -> Embed:
-        """The layer of an existing `jte.Embedding` (its `.embedding` is `emb`)."""
-        _linen._ENGINES.setdefault(emb.spec, {})[(emb.mesh, emb.axis)] = emb
-        return cls(emb.spec, emb.mesh, axis=emb.axis, rngs=rngs)
+        """The layer of an existing `jte.Embedding`, built with any options (its
+        `.embedding` is `emb`)."""
+        return cls(emb.spec, emb.mesh, axis=emb.axis, rngs=rngs, engine=emb)
 
     @property
     def embedding_state(self) -> _embedding.EmbeddingState:

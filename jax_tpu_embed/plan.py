@@ -252,7 +252,7 @@ def routes(emb, batch: int, lengths: Mapping[str, int]) -> list[dict[str, Any]]:
     """Per call of the row work (a table alone, a stack, or a part of a stack whose
     activations overflow VMEM): its state key, tables, routing and, routed to owners, the
     distinct rows one device sends each owner per round for the batch's ids per device, as
-    the step takes it (`_routing.call_capacity`: capped at what the kernels' VMEM holds
+    the step takes it (`Embedding.call_plans`: capped at what the kernels' VMEM holds
     when they do the row work). A device with more distinct rows for one owner runs more
     rounds; `Embedding.id_counts` counts them on real batches."""
     per_device = batch // emb.num_shards
@@ -261,17 +261,21 @@ def routes(emb, batch: int, lengths: Mapping[str, int]) -> list[dict[str, Any]]:
         for path, f in emb.spec.flat_features
     }
     out = []
-    for key, (stack, inputs) in emb._call_plans(shapes).items():
-        tables = [m.name for m in stack.members] or [stack.name]
+    for key, call in emb.call_plans(shapes).items():
         name = key.split("#")[0]
-        entry: dict[str, Any] = {"arrays": name, "tables": tables, "routing": stack.routing}
-        if stack.routing == "owner":
-            m = sum(ids.size for _, ids, _ in inputs)
-            entry["ids_per_device"] = m
-            k, cd = _routing.call_capacity(stack, inputs, emb.num_shards)
-            entry["rows_per_owner_and_round"] = cd
+        entry: dict[str, Any] = {
+            "arrays": name,
+            "tables": list(call.tables),
+            "routing": call.exchange,
+            "kernel": call.kernel.name,
+        }
+        if call.fallback is not None:
+            entry["fallback"] = call.fallback
+        if call.exchange == "owner":
+            entry["ids_per_device"] = call.pairs
+            entry["rows_per_owner_and_round"] = call.capacity
             entry["uncapped_rows_per_owner_and_round"] = _routing.capacity(
-                stack, m, emb.num_shards, max(k, 1)
+                call.plan, call.pairs, emb.num_shards, call.k
             )
         out.append(entry)
     return out

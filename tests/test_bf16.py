@@ -97,7 +97,7 @@ _KERNEL_CASES = [
 
 @pytest.mark.parametrize("opt_key,dim,strategy,num_shards,stochastic,routing", _KERNEL_CASES)
 def test_bf16_pallas_kernels_round_like_the_xla_passes(
-    opt_key, dim, strategy, num_shards, stochastic, routing, rng, monkeypatch
+    opt_key, dim, strategy, num_shards, stochastic, routing, rng
 ):
     """The fused kernels (interpret mode, rows packed 128 lanes wide, bfloat16 rows moved in
     pairs of 32-bit words) round a new float32 row with the same bits as the XLA passes for
@@ -111,10 +111,6 @@ def test_bf16_pallas_kernels_round_like_the_xla_passes(
     same sums; what is left moves a stochastically rounded value one bfloat16 step with
     probability about 2^-16 per ulp: at most a couple of such values are allowed.
     """
-
-    from jax_tpu_embed import _pallas
-
-    monkeypatch.setattr(_pallas, "_BLOCK", 8)  # Rows carried across blocks.
     optimizer, _, _, extras = OPTIMIZERS[opt_key]
     table = jte.TableConfig(
         _V,
@@ -142,11 +138,13 @@ def test_bf16_pallas_kernels_round_like_the_xla_passes(
         for _ in range(2)
     ]
     out = []
-    for backend in ("xla", "pallas_interpret"):
+    # Blocks of 8 pairs: rows carried across blocks.
+    for backend in ("xla", jte.backends.Pallas(interpret=True, block=8)):
         emb, trained = _trained(
             spec, num_shards, batches, grads, backend=backend, lane_width=128, routing=routing
         )
-        assert emb.backends == {"t": backend} and emb.routing == {"t": routing}
+        assert emb.backends == {"t": jte.backends.named(backend).name}
+        assert emb.routing == {"t": routing}
         out.append(trained)
     (t_xla, s_xla, acts_xla), (t_pallas, s_pallas, acts_pallas) = out
     for k in acts_xla:  # The bfloat16 lookup kernel, too.

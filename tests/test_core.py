@@ -1,6 +1,5 @@
 """Lookups and sparse updates against the float64 NumPy reference, on 1-8 shards."""
 
-import dataclasses
 import os
 from typing import Any
 
@@ -12,7 +11,6 @@ import pytest
 import jax_tpu_embed as jte
 import reference
 from conftest import count_primitive, make_mesh
-from jax_tpu_embed import _embedding
 
 B = 16
 
@@ -529,10 +527,10 @@ def test_update_in_passes_matches_reference(
         lane_width=lane_width,
         max_ids_per_shard=max_ids,
         max_unique_ids_per_shard=max_unique,
+        # As on a TPU mesh: packed rows, ids flattened column-major, sorted passes.
+        tpu_layout=bool(lane_width),
     )
-    if lane_width:  # As on a TPU mesh: packed rows, per-shard passes, payload sorts.
-        for name, plan in emb.table_plans.items():
-            emb.table_plans[name] = dataclasses.replace(plan, on_tpu=True)
+    assert emb.plan.on_tpu == bool(lane_width)
     _two_steps_match_reference(emb, spec, rng, jax.random.key(3))
 
 
@@ -544,20 +542,15 @@ def test_update_in_passes_matches_reference(
         ("adagrad", "mod", 4, "separate"),
     ],
 )
-def test_fused_tpu_kernels_match_reference(opt_key, strategy, num_shards, keys, rng, monkeypatch):
+def test_fused_tpu_kernels_match_reference(opt_key, strategy, num_shards, keys, rng):
     """The fused Pallas lookup and update (_pallas, TPU meshes' default), run in Pallas'
-    TPU interpreter on every input form at once, as on a TPU mesh: packed rows, shared
-    tables, sequence features, weights, rank-1 slots, gradient multiplier and clipping
-    equal the float64 reference; untouched rows and slots keep their bits. Blocks of 8
-    pairs: rows carried from block to block, packed rows re-read after a write. Keys
-    "packed" hold (row, output row) in one int32, as these small tables allow; "separate"
-    gives the kernels an output-row array, as for tables too large to pack.
-    (tests/test_optimizers.py runs every optimizer through them.)"""
-    from jax_tpu_embed import _pallas, _streams
-
-    monkeypatch.setattr(_pallas, "_BLOCK", 8)
-    if keys == "separate":
-        monkeypatch.setattr(_streams, "PACKED_KEYS", 0)
+    TPU interpreter on every input form at once, as on a TPU mesh (`tpu_layout`: ids
+    flattened column-major): packed rows, shared tables, sequence features, weights, rank-1
+    slots, gradient multiplier and clipping equal the float64 reference; untouched rows and
+    slots keep their bits. Blocks of 8 pairs: rows carried from block to block, packed rows
+    re-read after a write. Keys "packed" hold (row, output row) in one int32, as these
+    small tables allow; "separate" gives the kernels an output-row array, as for tables too
+    large to pack. (tests/test_optimizers.py runs every optimizer through them.)"""
     optimizer, _ = OPTIMIZERS[opt_key]
     spec = _features_and_spec(
         optimizer,
@@ -566,10 +559,11 @@ def test_fused_tpu_kernels_match_reference(opt_key, strategy, num_shards, keys, 
         clipping_limit=0.9,
         gradient_multiplier_fn=lambda step: 1.5,
     )
-    emb = jte.Embedding(spec, make_mesh(num_shards), backend="pallas_interpret")
+    kernels = jte.backends.Pallas(interpret=True, block=8, pack_keys=keys == "packed")
+    emb = jte.Embedding(spec, make_mesh(num_shards), backend=kernels, tpu_layout=True)
     assert set(emb.backends.values()) == {"pallas_interpret"}
-    for name, plan in emb.table_plans.items():
-        emb.table_plans[name] = dataclasses.replace(plan, on_tpu=True)
+    calls = emb.call_plans(_shapes(emb, _inputs(rng, wide=True)))
+    assert {c.kernel for c in calls.values()} == {kernels}  # No call falls back.
     _two_steps_match_reference(
         emb,
         spec,
@@ -580,6 +574,17 @@ def test_fused_tpu_kernels_match_reference(opt_key, strategy, num_shards, keys, 
     )
 
 
+def _shapes(emb, features) -> dict:
+    """{feature path: one device's (b, L)} of a global batch, as `call_plans` takes it."""
+    out = {}
+    for f in emb.feature_plans:
+        leaf = _leaf(features, f.path)
+        ids = np.asarray(leaf.ids if isinstance(leaf, jte.Weighted) else leaf)
+        length = f.config.max_sequence_length or (ids.shape[1] if ids.ndim == 2 else 1)
+        out[f.path] = (ids.shape[0] // emb.num_shards, length)
+    return out
+
+
 def test_pass_capacity():
     from jax_tpu_embed import _streams
 
@@ -588,9 +593,14 @@ def test_pass_capacity():
     assert _streams.capacity(plan["shared"], 4096, 4) == 104  # Rounded up to 8.
     assert _streams.capacity(plan["shared"], 64, 4) == 64  # At most M.
     assert _streams.capacity(plan["weighted"], 4096, 4) == 4096  # CPU mesh: all M.
-    tpu_like = dataclasses.replace(plan["weighted"], on_tpu=True)  # As on TPU meshes.
-    assert _streams.capacity(tpu_like, 4096, 4) == 1536  # 1.5 x M / N.
-    assert _streams.capacity(tpu_like, 4096, 1) == 4096
+    # As on TPU meshes: 1.5 x M / N by default, the capacity the step's calls take.
+    tpu_like = jte.Embedding(spec, make_mesh(4), backend="xla", tpu_layout=True)
+    assert _streams.capacity(tpu_like.table_plans["weighted"], 4096, 4) == 1536
+    assert _streams.capacity(tpu_like.table_plans["weighted"], 4096, 1) == 4096
+    calls = tpu_like.call_plans({p: (256, 4) for p, _ in spec.flat_features})
+    # 4 devices x 256 examples x 4 ids of "weighted": M = 4,096; "shared" has two features.
+    assert calls["weighted"].capacity == 1536 and calls["shared"].capacity == 3072
+    assert calls["weighted"].unique == 1536 and not calls["weighted"].single
     assert _streams.unique_capacity(plan["shared"], 104) == 104  # Default: C.
     plan = jte.Embedding(spec, make_mesh(2), max_unique_ids_per_shard=21).table_plans
     assert _streams.unique_capacity(plan["shared"], 104) == 24
@@ -676,15 +686,24 @@ def test_pallas_choice_and_fallback(rng):
             make_mesh(2),
             backend="pallas_interpret",
         )
-    # A chip with too little VMEM for the batch's activations: the XLA passes.
-    plan = emb.table_plans["shared"]
-    tiny = dataclasses.replace(plan, vmem=64 << 10)
-    assert plan.backend.single_pass(plan, 32) and not plan.backend.single_pass(tiny, 512)
-    small = jte.Embedding(spec, make_mesh(2), backend="pallas_interpret")
-    for name, p in small.table_plans.items():
-        small.table_plans[name] = dataclasses.replace(p, vmem=4 << 10)
+    # A chip with too little VMEM for the batch's activations: the XLA passes, said in the
+    # call plans and run (no Pallas kernel in the step), with the same results.
+    small = jte.Embedding(
+        spec, make_mesh(2), backend=jte.backends.Pallas(interpret=True, vmem=2 << 10)
+    )
+    assert small.backends == emb.backends  # What was asked; the call plans say what runs.
     features = _inputs(rng, wide=True)
+    shapes = _shapes(emb, features)
+    for key, call in emb.call_plans(shapes).items():
+        assert call.kernel.name == "pallas_interpret" and call.fallback is None, key
+        assert call.single
+    for key, call in small.call_plans(shapes).items():
+        assert call.kernel.name == "xla" and not call.single, key
+        assert "do not fit the pallas_interpret kernels' memory (2048 bytes)" in str(call.fallback)
     state = emb.init(jax.random.key(1))
+    lookup = lambda e: jax.make_jaxpr(lambda s: e.lookup(s, features))(state)
+    assert count_primitive(lookup(emb).jaxpr, "pallas_call") > 0
+    assert count_primitive(lookup(small).jaxpr, "pallas_call") == 0
     acts, acts_small = emb.lookup(state, features), small.lookup(state, features)
     grads = _grads(rng, acts)
     for path, *_ in _FEATURES:
@@ -816,12 +835,11 @@ def test_eager_update_donates_the_state(backend, rng):
     np.testing.assert_allclose(emb.export(new)["t"], want, rtol=2e-5, atol=2e-6)
 
 
-def test_init_is_the_same_for_every_block_size_mesh_strategy_and_layout(monkeypatch):
+def test_init_is_the_same_for_every_block_size_mesh_strategy_and_layout():
     """`init` draws rows in blocks on their own shards: the logical values depend on none of
     the block size, the mesh, the strategy or the lane layout."""
     ref = None
     for block_bytes in (4 << 20, 1):  # One block per array; the smallest blocks (1,024 rows).
-        monkeypatch.setattr(_embedding, "_INIT_BLOCK_BYTES", block_bytes)
         for strategy, n, lanes in [("div", 1, 0), ("mod", 3, 0), ("div", 8, 128), ("mod", 2, 128)]:
             t = jte.TableConfig(5_003, 8, combiner="sum", name="t")
             r = jte.TableConfig(2_500, 4, combiner="sum", name="r", dtype=jnp.bfloat16)
@@ -830,7 +848,7 @@ def test_init_is_the_same_for_every_block_size_mesh_strategy_and_layout(monkeypa
                 jte.FTRL(0.1, initial_accumulator_value=0.25),
                 partition_strategy=strategy,
             )
-            emb = jte.Embedding(spec, make_mesh(n), lane_width=lanes)
+            emb = jte.Embedding(spec, make_mesh(n), lane_width=lanes, init_block_bytes=block_bytes)
             state = emb.init(jax.random.key(3))
             got = (emb.export(state), emb.export_slots(state))
             for name, table in state.tables.items():  # Padding rows stay zero.
@@ -850,11 +868,10 @@ def test_init_is_the_same_for_every_block_size_mesh_strategy_and_layout(monkeypa
     assert abs(table.mean()) < 0.01 and len(np.unique(table)) > 0.99 * table.size
 
 
-def test_init_draws_every_table_in_one_computation(monkeypatch):
+def test_init_draws_every_table_in_one_computation():
     """26 tables of two widths (the demo's count): `init`'s program draws them with one
     computation per width, in several rounds, and every table and slot is bit for bit what
     the table's own program gives."""
-    monkeypatch.setattr(_embedding, "_INIT_BLOCK_BYTES", 64 << 10)  # A few rounds.
     rng = np.random.default_rng(11)
     tables = [
         jte.TableConfig(int(v), 8 if i % 3 else 4, combiner="sum", name=f"t{i}")
@@ -866,7 +883,7 @@ def test_init_draws_every_table_in_one_computation(monkeypatch):
         partition_strategy="mod",
     )
     # Routed to their owners, so that the tables are drawn into stacks.
-    emb = jte.Embedding(spec, make_mesh(4), routing="owner")
+    emb = jte.Embedding(spec, make_mesh(4), routing="owner", init_block_bytes=64 << 10)
     key = jax.random.key(5)
     keys = emb._table_keys(key)
     program, per_table = emb._init_blocked_fn()
@@ -875,7 +892,7 @@ def test_init_draws_every_table_in_one_computation(monkeypatch):
     assert emb._init_blocks(tuple(emb.table_plans))[0] > 1
     state = emb.init(key)
     assert len(state.tables) == 2  # The dim-8 tables in one stack, the dim-4 ones in another.
-    tables, table_slots = emb._split(state)
+    tables, table_slots = emb.table_arrays(state)
     for name, fn in emb.init_programs().items():
         table, slots = fn(keys[name])
         np.testing.assert_array_equal(np.asarray(tables[name]), np.asarray(table))

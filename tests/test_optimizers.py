@@ -22,7 +22,7 @@ import pytest
 import jax_tpu_embed as jte
 import reference
 from conftest import make_mesh
-from jax_tpu_embed import _cpu_kernels, _pallas
+from jax_tpu_embed import _cpu_kernels
 from test_core import _features_and_spec, _grads, _inputs
 
 # The extras, in TF's order: multiplier -> clipping_limit -> clipvalue -> optimizer ->
@@ -229,15 +229,13 @@ GATHERED = [(b, s, n) for b in BACKENDS for s, n in MESHES]
 
 
 @pytest.mark.parametrize("opt_key,backend,strategy,num_shards", _in_turn(GATHERED, "adagrad"))
-def test_optimizer_on_backend_matches_reference(
-    opt_key, backend, strategy, num_shards, rng, monkeypatch
-):
+def test_optimizer_on_backend_matches_reference(opt_key, backend, strategy, num_shards, rng):
     _skip_unavailable(backend)
-    # Small Pallas blocks: rows carried from block to block, packed rows re-read.
-    monkeypatch.setattr(_pallas, "_BLOCK", 8)
     optimizer = OPTIMIZERS[opt_key][0]
     emb = jte.Embedding(
-        _spec(optimizer, strategy, OPTIMIZERS[opt_key][3]), make_mesh(num_shards), backend=backend
+        _spec(optimizer, strategy, OPTIMIZERS[opt_key][3]),
+        make_mesh(num_shards),
+        backend=_kernel(backend, block=8),
     )
     assert emb.backends == {"t": backend} and emb.routing == {"t": "gather"}
     _check_two_steps(emb, opt_key, rng)
@@ -252,16 +250,27 @@ ROUTED = [("div", 8, 16, "xla"), ("mod", 4, None, "xla"), ("mod", 4, 16, "pallas
     "opt_key,strategy,num_shards,max_ids,backend", _in_turn(ROUTED, "adagrad", "adam+extras")
 )
 def test_optimizer_routed_to_owners_matches_reference(
-    opt_key, strategy, num_shards, max_ids, backend, rng, monkeypatch
+    opt_key, strategy, num_shards, max_ids, backend, rng
 ):
-    monkeypatch.setattr(_pallas, "_BLOCK", 8)
     optimizer = OPTIMIZERS[opt_key][0]
     spec = _spec(optimizer, strategy, OPTIMIZERS[opt_key][3])
     emb = jte.Embedding(
-        spec, make_mesh(num_shards), routing="owner", backend=backend, max_ids_per_shard=max_ids
+        spec,
+        make_mesh(num_shards),
+        routing="owner",
+        backend=_kernel(backend, block=8),
+        max_ids_per_shard=max_ids,
     )
     assert emb.routing == {"t": "owner"} and emb.backends == {"t": backend}
     _check_two_steps(emb, opt_key, rng)
+
+
+def _kernel(backend: str, block: int):
+    """`backend`, with small Pallas blocks for the Pallas kernels: rows carried from block
+    to block, packed rows re-read."""
+    if backend == "pallas_interpret":
+        return jte.backends.Pallas(interpret=True, block=block)
+    return backend
 
 
 def _check_two_steps(emb, opt_key, rng):
@@ -299,15 +308,14 @@ def _check_two_steps(emb, opt_key, rng):
 
 @pytest.mark.parametrize("num_shards", [1, 2])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_pair_counts_not_a_multiple_of_the_block(backend, num_shards, rng, monkeypatch):
+def test_pair_counts_not_a_multiple_of_the_block(backend, num_shards, rng):
     """24 pairs with no padding, blocks of 16 pairs (the Pallas kernels) or passes of 16
     (the XLA passes): the last, partial block or pass is visited like the others."""
     _skip_unavailable(backend)
-    monkeypatch.setattr(_pallas, "_BLOCK", 16)
     table = jte.TableConfig(50, 8, combiner="sum", name="t")
     spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(0.3))
     kw: dict[str, Any] = dict(max_ids_per_shard=16) if backend == "xla" else {}
-    emb = jte.Embedding(spec, make_mesh(num_shards), backend=backend, **kw)
+    emb = jte.Embedding(spec, make_mesh(num_shards), backend=_kernel(backend, block=16), **kw)
     state = emb.init(jax.random.key(0))
     ids = rng.integers(0, 12, (8, 3)).astype(np.int32)  # 24 pairs, many duplicates.
     tables, slots = emb.export(state), emb.export_slots(state)

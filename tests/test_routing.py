@@ -199,23 +199,18 @@ def test_auto_routing_and_errors():
         jte.Embedding(spec, make_mesh(2), routing="owner", backend="cpu")
 
 
-def test_kernels_too_small_for_the_capacity_run_more_rounds(monkeypatch, rng):
+def test_kernels_too_small_for_the_capacity_run_more_rounds(rng):
     """When the default capacity's exchanged rows would not fit VMEM, the Pallas kernels
     take the capacity that fits and more rounds (not XLA ops): results unchanged."""
-    from jax_tpu_embed import _pallas
-
     vocab, batch, length, dim = 400, 32, 6, 64
     table = jte.TableConfig(vocab, dim, combiner="sum", name="t")
     spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(0.5))
     # 48 pairs per device: default Cd 32 (4 devices x 32 / k=2: 64 lane-dense rows); a
-    # VMEM of 40 such rows holds Cd = 16.
-    monkeypatch.setattr(_pallas, "vmem_rows", lambda lanes, vmem: 40)
-
-    def no_xla_rows(*args):
-        raise AssertionError("the row work fell back to XLA ops")
-
-    monkeypatch.setattr(_routing._XlaRows, "__init__", no_xla_rows)
-    emb = jte.Embedding(spec, make_mesh(4), routing="owner", backend="pallas_interpret")
+    # VMEM that holds 40 such rows (40 x 512 bytes in its half) holds Cd = 16.
+    kernels = jte.backends.Pallas(interpret=True, vmem=40 * 512 * 2)
+    emb = jte.Embedding(spec, make_mesh(4), routing="owner", backend=kernels)
+    (call,) = emb.call_plans({"f": (batch // 4, length)}).values()
+    assert (call.kernel, call.fallback, call.capacity, call.k) == (kernels, None, 16, 2)
     features = {"f": _skewed(rng, batch, length, vocab)}
     assert emb.id_counts(features)["t"]["passes"] > 1
     _one_adagrad_step_matches_the_reference(emb, emb.init(jax.random.key(3)), features, rng)

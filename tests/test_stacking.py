@@ -9,6 +9,8 @@ exchanged rows overflow the kernels' VMEM stays one call with more rounds, and o
 activations do runs in parts, with the same results.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -221,32 +223,33 @@ def test_export_checkpoint_and_shard_rows_speak_per_table_rows(tmp_path, rng):
         np.testing.assert_array_equal(stacked.shard_rows(state, t, 1), want)
 
 
-def test_a_stack_runs_in_parts_where_one_call_would_not_fit(monkeypatch, rng):
+@dataclasses.dataclass(frozen=True)
+class _OneTableAtATime(jte.backends.Pallas):
+    """The Pallas kernels (interpreted), holding one table's call at most."""
+
+    interpret: bool = True
+
+    def holds(self, plan, rows):
+        return len(plan.tables) == 1
+
+
+def test_a_stack_runs_in_parts_where_one_call_would_not_fit(rng):
     """A stack in one call, or in parts of whole members when the kernels cannot hold every
     feature at once: the same results."""
-    from jax_tpu_embed import _inputs, _routing
-
-    def parts(emb):
-        (name,) = [k for k in emb.stacks if "+" in k]
-        flat = _inputs.flatten_inputs(emb.spec, _features(rng))
-        got = emb._parts(emb._stack_plans[name], emb._inputs(emb._normalized(flat))[name])
-        return [[m.name for m in p.members] for p, _ in got], [[t] for t in emb.stacks[name]]
-
-    owner = _owner()
-    got, members = parts(owner)
-    assert got == [sum(members, [])]
-    # Kernels that hold one table's features at most: owner routing's parts are its members.
-    one_table = lambda plan, inputs, n: len({i.feature.table for i in inputs}) == 1
-    monkeypatch.setattr(_routing, "fits", one_table)
-    assert parts(owner)[0] == members
-    # id_counts and plan see the calls the engine makes: one per part.
-    flat = owner._normalized(_inputs.flatten_inputs(owner.spec, _features(rng)))
-    shapes = {p: (ids.shape[0] // 2, ids.shape[1]) for p, (ids, _) in flat.items()}
-    (name,) = [k for k in owner.stacks if "+" in k]
-    calls = owner._call_plans(shapes)
+    (name,) = [k for k in _owner().stacks if "+" in k]
+    members = [[t] for t in _owner().stacks[name]]
+    shapes = {"user": (8, 4), "history": (8, 3), "item": (8, 1), "tag": (8, 2)}
+    shapes |= {"wide": (8, 2), "own": (8, 1)}
+    calls = _owner(backend="pallas_interpret").call_plans(shapes)
+    assert [list(calls[name].tables)] == [sum(members, [])]
+    # Kernels that hold one table's features at most: owner routing's parts are its members,
+    # each run by the kernels, and id_counts and plan see the calls the engine makes.
+    owner = _owner(backend=_OneTableAtATime())
+    calls = owner.call_plans(shapes)
     assert [k for k in calls if k.startswith(name)] == [f"{name}#{i}" for i in range(3)]
-    assert [[m.name for m in calls[f"{name}#{i}"][0].members] for i in range(3)] == members
-    plain = _owner(stacking=False)
+    assert [list(calls[f"{name}#{i}"].tables) for i in range(3)] == members
+    assert all(calls[f"{name}#{i}"].fallback is None for i in range(3))
+    plain = _owner(backend=_OneTableAtATime(), stacking=False)
     states = [e.init(jax.random.key(3)) for e in (owner, plain)]
     for _ in range(2):
         features = _features(rng)
@@ -294,46 +297,34 @@ def test_id_counts_report_the_rounds_of_the_stack(rng):
     assert small["users"]["pairs"] == B * 4 and small["items"]["pairs"] == B * 4
 
 
-def test_a_stack_whose_exchanged_rows_overflow_vmem_stays_one_call(monkeypatch, rng):
+def test_a_stack_whose_exchanged_rows_overflow_vmem_stays_one_call(rng):
     """Kernels whose VMEM holds fewer exchanged rows than the stack's default capacity but
     all of its activations: the stack stays one call at the capacity that fits and runs
     more rounds (parts of whole tables would cost a call, a sort and a loop per part), and
     trains as the reference and as the unstacked tables."""
-    from jax_tpu_embed import _pallas, _routing
-
     vocab, length = 400, 6
     spec = jte.EmbeddingSpec(
         {n: jte.FeatureConfig(jte.TableConfig(vocab, 64, name=n)) for n in ("a", "b")},
         jte.Adagrad(0.5),
     )
     # 96 pairs per device on 4 devices: default Cd 48 (96 lane-dense rows of 2 per round);
-    # a VMEM of 40 such rows holds Cd = 16, and the activations.
-    monkeypatch.setattr(_pallas, "vmem_rows", lambda lanes, vmem: 40)
-    monkeypatch.setattr(_pallas, "fits_vmem", lambda rows, lanes, vmem: rows <= 40)
-
-    def no_xla_rows(*args):
-        raise AssertionError("the row work fell back to XLA ops")
-
-    monkeypatch.setattr(_routing._XlaRows, "__init__", no_xla_rows)
-    calls, lookup = [], _routing.lookup
-    monkeypatch.setattr(
-        _routing, "lookup", lambda plan, *args: calls.append(plan.name) or lookup(plan, *args)
-    )
+    # a VMEM of 40 such rows (40 x 512 bytes in its half) holds Cd = 16, and the activations.
+    kernels = jte.backends.Pallas(interpret=True, vmem=40 * 512 * 2)
     features = {}
     for n in ("a", "b"):  # Power-law ids: the hot low rows on shard 0 under "div".
         ids = (rng.pareto(0.8, (32, length)) * 3).astype(np.int64) % vocab
         ids[rng.random(ids.shape) < 0.1] = -1
         features[n] = ids.astype(np.int32)
     for stacking, want_calls in ((True, ["a+b"]), (False, ["a", "b"])):
-        calls.clear()
-        emb = jte.Embedding(
-            spec, make_mesh(4), routing="owner", backend="pallas_interpret", stacking=stacking
-        )
+        emb = jte.Embedding(spec, make_mesh(4), routing="owner", backend=kernels, stacking=stacking)
+        calls = emb.call_plans({n: (8, length) for n in ("a", "b")})
+        assert list(calls) == want_calls
+        assert all(c.kernel == kernels and c.fallback is None for c in calls.values())
+        assert {c.capacity for c in calls.values()} == {16}
         assert emb.id_counts(features)["a"]["passes"] > 1
         state = emb.init(jax.random.key(3))
         tables, slots = emb.export(state), emb.export_slots(state)
         acts = emb.lookup(state, features)
-        assert calls == want_calls
         grads = _grads(rng, acts)
         state = emb.apply_gradients(state, features, grads)
         got_t, got_s = emb.export(state), emb.export_slots(state)
@@ -348,25 +339,21 @@ def test_a_stack_whose_exchanged_rows_overflow_vmem_stays_one_call(monkeypatch, 
             )
 
 
-def test_id_counts_and_plan_see_the_capacity_of_a_member_too_big_for_the_kernels(monkeypatch, rng):
+def test_id_counts_and_plan_see_the_capacity_of_a_member_too_big_for_the_kernels(rng):
     """When a member's activations alone overflow the kernels' VMEM, XLA ops do its row
     work at the default capacity, not the one VMEM would cap: `id_counts` simulates its
     rounds and `plan` reports its rows per owner at the capacity the step takes."""
-    from jax_tpu_embed import _pallas, _routing, plan
+    from jax_tpu_embed import plan
 
     vocab, length = 400, 6
     spec = jte.EmbeddingSpec(
         {n: jte.FeatureConfig(jte.TableConfig(vocab, 64, name=n)) for n in ("a", "b")},
         jte.Adagrad(0.5),
     )
-    # 48 pairs per device and member on 4 devices: XLA ops' default Cd 24. A VMEM of 40
-    # lane-dense rows would cap the kernels' at 16, but holds no member's activations.
-    monkeypatch.setattr(_pallas, "vmem_rows", lambda lanes, vmem: 40)
-    monkeypatch.setattr(_pallas, "fits_vmem", lambda rows, lanes, vmem: False)
-    seen, rounds = [], _routing._rounds
-    monkeypatch.setattr(
-        _routing, "_rounds", lambda local, cd, *a: seen.append(cd) or rounds(local, cd, *a)
-    )
+    # 48 pairs per device and member on 4 devices: XLA ops' default Cd 24. A VMEM of 16
+    # lane-dense rows would cap the kernels' at 16 (the least, 8 of k = 2), whose 32
+    # exchanged rows it cannot hold.
+    kernels = jte.backends.Pallas(interpret=True, vmem=16 * 512 * 2)
 
     # Each device has 20 distinct rows on shard 0 ("div": 100 rows each) and 28 ids on the
     # others: at most 24 distinct rows for any owner (one round at the default capacity),
@@ -378,11 +365,12 @@ def test_id_counts_and_plan_see_the_capacity_of_a_member_too_big_for_the_kernels
     features = {
         n: np.concatenate([device_ids() for _ in range(4)]).astype(np.int32) for n in ("a", "b")
     }
-    emb = jte.Embedding(spec, make_mesh(4), routing="owner", backend="pallas_interpret")
+    emb = jte.Embedding(spec, make_mesh(4), routing="owner", backend=kernels)
     counts = emb.id_counts(features)
     routes = plan.routes(emb, 32, {"a": length, "b": length})
     assert [r["tables"] for r in routes] == [["a"], ["b"]]  # Parts: a member each.
     assert [r["rows_per_owner_and_round"] for r in routes] == [24, 24]
+    assert [r["kernel"] for r in routes] == ["xla", "xla"] and all("fallback" in r for r in routes)
     for n in ("a", "b"):
         assert counts[n]["passes"] == 1
         ids = features[n].reshape(4, -1)  # Device d holds examples [8d, 8d + 8).
@@ -391,7 +379,6 @@ def test_id_counts_and_plan_see_the_capacity_of_a_member_too_big_for_the_kernels
     state = emb.init(jax.random.key(3))
     tables = emb.export(state)
     acts = emb.lookup(state, features)
-    assert seen and set(seen) == {24}
     for n in ("a", "b"):
         want = reference.lookup(tables[n], features[n], None, "mean")
         np.testing.assert_allclose(acts[n], want, rtol=1e-5, atol=1e-6, err_msg=n)
