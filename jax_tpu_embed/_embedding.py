@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from . import (
     _backend,
     _config,
+    _inflight,
     _inputs,
     _layout,
     _multihost,
@@ -299,6 +300,8 @@ class Embedding:
         self._apply_jit = jax.jit(self._apply, donate_argnums=0)
         self._skipped: dict[str, jax.Array] | None = None
         self._add_counts = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+        # Waits for call i - k on multi-device CPU meshes (XLA:CPU deadlock, _inflight.py).
+        self._in_flight = _inflight.Window()
 
     def _make_stacks(self, stacking: bool) -> dict[str, _backend.TablePlan]:
         """{stack name: its plan}, in the order of each stack's first table: a table stored
@@ -1033,6 +1036,7 @@ class Embedding:
                 self._skipped = skipped
             else:
                 self._skipped = self._add_counts(self._skipped, skipped)
+            self._in_flight.push(skipped)
         return (new, skipped) if return_skipped else new
 
     @property
