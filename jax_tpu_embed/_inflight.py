@@ -15,7 +15,7 @@ threads"). Native stacks of a hung process show exactly that (docs/design.md).
 The library's own loops (`TrainStep`, the flax and NNX steps, eager `apply_gradients`) keep
 at most `max_steps_in_flight()` steps (4 by default) undone on such meshes: after dispatching
 step i they wait for step i - k (a small output that is never donated). Dispatch then never
-reaches the semaphore, whatever the step's executions per step (up to 7), and the host stays
+reaches the semaphore (for up to 6 executions per device per step), and the host stays
 k steps ahead, so the devices do not wait for it. TPU, GPU and 1-device meshes never wait.
 
     jte.set_max_steps_in_flight(16)    # another bound
