@@ -19,6 +19,8 @@ from ._config_file import load_config as load_config
 from ._config_file import load_spec as load_spec
 from ._embedding import Embedding as Embedding
 from ._embedding import EmbeddingState as EmbeddingState
+from ._inflight import max_steps_in_flight as max_steps_in_flight
+from ._inflight import set_max_steps_in_flight as set_max_steps_in_flight
 from ._inputs import Weighted as Weighted
 from ._inputs import pad_ragged as pad_ragged
 from ._optax import FromOptax as FromOptax

@@ -20,6 +20,7 @@ from . import (
     _config,
     _counts,
     _exchange,
+    _inflight,
     _inputs,
     _multihost,
     _optimizers,
@@ -228,6 +229,8 @@ class Embedding:
         self._apply_jit = jax.jit(self._apply, donate_argnums=0)
         self._skipped: dict[str, jax.Array] | None = None
         self._add_counts = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+        # Waits for call i - k on multi-device CPU meshes (XLA:CPU deadlock, _inflight.py).
+        self._in_flight = _inflight.Window()
 
     @property
     def table_plans(self) -> Mapping[str, _plan.TablePlan]:
@@ -911,6 +914,7 @@ class Embedding:
                 self._skipped = skipped
             else:
                 self._skipped = self._add_counts(self._skipped, skipped)
+            self._in_flight.push(skipped)
         return (new, skipped) if return_skipped else new
 
     @property

@@ -46,7 +46,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _config, _embedding, _inputs, _sharding
+from . import _config, _embedding, _inflight, _inputs, _sharding
 
 Nested = Any
 # discover(params, batch, model_state, rng) -> {name: (Embedding, features)}: which embeddings
@@ -323,12 +323,16 @@ class TrainStep:
         donate_argnums = (0,) if donate else ()
         self._jit = jax.jit(self._step, donate_argnums=donate_argnums)
         self._flush_jit = jax.jit(self._flush, donate_argnums=donate_argnums)
+        # Waits for step i - k on multi-device CPU meshes (XLA:CPU deadlock, _inflight.py).
+        self._in_flight = _inflight.Window()
 
     # ------------------------------------------------------------------ public
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         """One step on `batch`; returns the new state and the metrics (device arrays)."""
-        return self._jit(state, batch)
+        state, metrics = self._jit(state, batch)
+        self._in_flight.push(metrics["loss"])
+        return state, metrics
 
     def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
         """AOT: lower for a state and batch given as arrays or jax.ShapeDtypeStruct."""

@@ -305,6 +305,7 @@ class NnxTrainStep(_train.TrainStep):
         graphdef, state = self._full_state(batch)
         new, metrics = self._nnx_jit(state, batch, graphdef)
         self._write_back(new)
+        self._in_flight.push(metrics["loss"])
         return metrics
 
     def lower(self, batch: Any) -> jax.stages.Lowered:  # pyright: ignore[reportIncompatibleMethodOverride]
