@@ -21,9 +21,9 @@ from . import (
     _counts,
     _exchange,
     _inflight,
+    _init,
     _inputs,
     _multihost,
-    _optimizers,
     _plan,
     _planner,
     _sharding,
@@ -50,49 +50,6 @@ class EmbeddingState:
     tables: dict
     slots: dict
     step: Any  # jax.Array; jax.ShapeDtypeStruct in abstract_state.
-
-
-# The largest table's blocks in `init` have at least this many rows.
-_INIT_BLOCK_ROWS_MIN = 1024
-
-
-def _default_rows(key, ids, dim: int):
-    """The default initializer's rows `ids` ((n,) ints) of a table: (n, dim) float32 drawn
-    from a truncated normal (mean 0, stddev 1/sqrt(dim), cut at 2 stddev, as TensorFlow's).
-
-    Element (r, c) is a counter-based hash of (key, r, c) alone, so a row's value depends on
-    neither the mesh, the strategy nor how rows are grouped into blocks. A hash rather than
-    jax.random: threefry's 20 rounds per element made XLA take seconds to compile each
-    table's initialisation, and a demo with 26 tables spent most of its start-up there.
-    """
-    words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
-    return _default_rows_of(words[0], words[-1], ids, dim)
-
-
-def _default_rows_of(k0, k1, ids, dim: int):
-    """`_default_rows` from the key's first and last words: scalars, or (n,) (row i drawn
-    with key words k0[i], k1[i]), so that one computation draws rows of several tables."""
-    row = _storage.mix32(_storage.mix32(ids.astype(jnp.uint32) ^ k0) + k1)
-    col = jnp.arange(dim, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
-    bits = _storage.mix32(_storage.mix32(row[:, None] ^ col) + jnp.reshape(k0, (-1, 1)))
-    u = (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24)) + (0.5 / (1 << 24))  # (0, 1)
-    lo = jax.lax.erf(jnp.float32(-2.0 / math.sqrt(2.0)))
-    z = math.sqrt(2.0) * jax.lax.erf_inv(lo + u * (-2.0 * lo))  # Inverse CDF on [-2, 2].
-    return jnp.clip(z, -2.0, 2.0) / math.sqrt(dim)
-
-
-def _constant_rows(plan: _plan.TablePlan, slot: _optimizers.SlotSpec, valid):
-    """Rows of a slot with a constant initial value: (n,) or (n, D) float32, zero where not
-    `valid` ((n,) bool: padding rows)."""
-    shape = valid.shape + ((plan.config.dim,) if slot.rank == 2 else ())
-    value = jnp.where(valid, jnp.float32(float(slot.initializer)), 0.0)
-    return jnp.broadcast_to(value.reshape(valid.shape + (1,) * (len(shape) - 1)), shape)
-
-
-def _slot_key(table_key, storage: _storage.TableStorage, slot):
-    """The key a slot's initial value is drawn from: the same whether it rides in the
-    table's array or has its own."""
-    return jax.random.fold_in(table_key, storage.slot_specs.index(slot) + 1)
 
 
 class Embedding:
@@ -220,8 +177,8 @@ class Embedding:
         self.num_shards = self.plan.num_shards
         self.lane_width = self.plan.lane_width
         self._replicated = NamedSharding(mesh, P())
-        self._init_fns = None
-        self._init_blocked = None
+        # `init`'s programs (`_init`), built on first use.
+        self.initializer = _init.Initializer(self.plan, mesh, self.state_arrays)
         self._stack_fns: dict = {}
         self._lookup_jit = jax.jit(self._lookup)
         # The state is donated: the update writes the touched rows in place instead of
@@ -294,309 +251,32 @@ class Embedding:
             for n, shape in slot_shapes.items()
         }
 
-    def _shardings(self, plan: _plan.TablePlan) -> tuple:
-        return jax.tree.map(lambda a: a.sharding, self._abstract(plan.storage, plan.config.dtype))
-
     def init(self, key: jax.Array) -> EmbeddingState:
         """Initial tables and slots: the same logical values for every mesh and strategy.
 
         Tables with the default initializer and constant slot initializers (every built-in
         optimizer) are drawn in blocks of rows on their own shards, straight into the
         arrays of their stacks, all in one compiled program: the transient memory is a
-        block per array, and there is one compile however many tables there are. Row r of
-        such a table is a hash of (table key, r), so its value depends on neither the mesh,
-        the strategy nor the block size. A table with its own initializer (or a slot with a
-        random one) is called with the logical shape, as the API promises, in a program of
-        its own; a stack holding one is joined from its members' arrays. Works traced
-        inside another jit too.
+        block per array (`init_block_bytes`), and there is one compile however many tables
+        there are. Row r of such a table is a hash of (table key, r), so its value depends
+        on neither the mesh, the strategy nor the block size. A table with its own
+        initializer (or a slot with a random one) is called with the logical shape, as the
+        API promises, in a program of its own; a stack holding one is joined from its
+        members' arrays. Works traced inside another jit too.
         """
-        keys = self._table_keys(key)
-        tables, slots = {}, {}
-        names = self._blocked_tables()
-        if names:
-            program, per_table = self._init_blocked_fn()
-            for name, (table, table_slots) in program(
-                {n: keys[n] for n in names}, per_table
-            ).items():
-                tables[name], slots[name] = table, table_slots
-        programs = self.init_programs()
-        own = {}
-        for name in self.plan.stacks:
-            if name not in tables:
-                own.update({t: programs[t](keys[t]) for t in self.stacks[name]})
-        if own:
-            joined = self.state_arrays(
-                {t: x[0] for t, x in own.items()}, {t: x[1] for t, x in own.items()}
-            )
-            tables.update(joined[0])
-            slots.update(joined[1])
-        tables = {name: tables[name] for name in self.plan.stacks}
-        slots = {name: slots[name] for name in self.plan.stacks}
-        step = jnp.zeros((), jnp.int32)
-        if not isinstance(key, jax.core.Tracer):
-            step = jax.device_put(step, self._replicated)
-        return EmbeddingState(tables, slots, step)
+        return EmbeddingState(*self.initializer.init(key))
 
     def init_programs(self) -> dict:
         """{table name: a jitted fn(table key) -> (table, slots) giving what `init` gives for
         it, as the table would be stored alone}; for compiling ahead of time (the planner
         checks initialisation fits HBM too)."""
-        if self._init_fns is None:
-            self._init_fns = {
-                name: jax.jit(
-                    functools.partial(
-                        self._init_table_blocked if self._blocked(name) else self._init_table,
-                        plan,
-                    ),
-                    out_shardings=self._shardings(plan),
-                )
-                for name, plan in self.table_plans.items()
-            }
-        return self._init_fns
-
-    def _blocked(self, name: str) -> bool:
-        """Whether `init` draws a table in row blocks: default initializer, constant slots."""
-        plan = self.table_plans[name]
-        return plan.config.initializer is None and not any(
-            callable(s.initializer) for s in plan.storage.slot_specs
-        )
-
-    def _blocked_tables(self) -> tuple:
-        """The tables of the stacks whose every member `_blocked` (drawn by one program)."""
-        return tuple(
-            t
-            for name in self.plan.stacks
-            if all(self._blocked(t) for t in self.stacks[name])
-            for t in self.stacks[name]
-        )
-
-    def _init_blocked_fn(self) -> tuple:
-        """(jitted fn({name: table key}, per_table) -> {stack: (table, slots)}, per_table):
-        every blocked stack in one program (`per_table`: see `_per_table_rows`)."""
-        if self._init_blocked is None:
-            names = self._blocked_tables()
-            targets = tuple(dict.fromkeys(self.plan.stack_of[n] for n in names))
-            program = jax.jit(
-                functools.partial(self._draw_tables, names, targets),
-                out_shardings={t: self._shardings(self.plan.stacks[t]) for t in targets},
-            )
-            self._init_blocked = (program, self._per_table_rows(names))
-        return self._init_blocked
-
-    def _table_keys(self, key) -> dict:
-        return {name: jax.random.fold_in(key, i) for i, name in enumerate(self.table_plans)}
+        return self.initializer.programs()
 
     def compile_init(self, key: jax.ShapeDtypeStruct) -> None:
         """Compiles `init`'s program of the blocked tables for keys like `key` before `init`
         is called (jax keeps it for the call), so that a caller can do it while it does
         something else. Thread-safe."""
-        names = self._blocked_tables()
-        if names:
-            keys = jax.eval_shape(self._table_keys, key)
-            program, per_table = self._init_blocked_fn()
-            program.lower({n: keys[n] for n in names}, per_table).compile()
-
-    def _init_table_blocked(self, plan: _plan.TablePlan, table_key):
-        """A table and its slots drawn block by block on their own shards (see `init`)."""
-        names = (plan.name,)
-        return self._draw_tables(names, None, {plan.name: table_key}, self._per_table_rows(names))[
-            plan.name
-        ]
-
-    def _init_blocks(self, names: tuple) -> tuple:
-        """How `_init_local` splits the table arrays of `names` into rounds: (rounds,
-        {D: the tables of row width D}, and per table (T,) arrays: logical local rows
-        (padding included), rows per physical row, rows per round, and the first row of
-        its block in its width's draw)."""
-        plans = [self.table_plans[n] for n in names]
-        granule = np.array([p.storage.block_granule(None) for p in plans])
-        logical = granule * [p.storage.shapes()[0][0] // self.num_shards for p in plans]
-        total = sum(int(n) * p.config.dim * 4 for n, p in zip(logical, plans))
-        rounds = max(
-            1,
-            min(
-                -(-total // self.plan.init_block_bytes),
-                -(-logical.max() // _INIT_BLOCK_ROWS_MIN),
-            ),
-        )
-        per_round = -(-logical // rounds)
-        block = np.minimum(logical, -(-per_round // granule) * granule)
-        groups: dict[int, list[int]] = {}
-        for j, p in enumerate(plans):
-            groups.setdefault(p.config.dim, []).append(j)
-        offset = np.zeros(len(plans), np.int64)
-        for members in groups.values():
-            offset[members] = np.cumsum(block[members]) - block[members]
-        return rounds, groups, logical, granule, block, offset
-
-    def _per_table_rows(self, names: tuple) -> tuple:
-        """Per table of `names`: int32 (1 + N,), [the first row of its block in its draw,
-        the rows each of the N shards holds]. Runtime inputs of `_init_local` rather than
-        constants, so that tables of one shape have the same code (XLA compiles it once)."""
-        offset = self._init_blocks(names)[-1]
-        return tuple(
-            np.concatenate([[o], self.table_plans[n].storage.layout.shard_sizes()]).astype(np.int32)
-            for n, o in zip(names, offset)
-        )
-
-    def _targets(self, names: tuple, stacks: tuple | None) -> list:
-        """The arrays `_init_local` writes: [(name, plan, [(index in names, first local
-        row)])], one per stack of `stacks`, or one per table of `names` stored alone."""
-        if stacks is None:
-            return [(n, self.table_plans[n], [(j, 0)]) for j, n in enumerate(names)]
-        out = []
-        for stack in stacks:
-            plan = self.plan.stacks[stack]
-            offsets = {m.name: m.offset for m in plan.members} or {stack: 0}
-            out.append((stack, plan, [(names.index(t), o) for t, o in offsets.items()]))
-        return out
-
-    def _draw_tables(self, names: tuple, stacks: tuple | None, keys: dict, per_table: tuple):
-        """{name: (table, slots)} of the blocked tables `names`, in the arrays of `stacks`
-        (None: each table alone) (see `_init_local`)."""
-        words = jnp.stack([jax.random.key_data(keys[n]).reshape(-1) for n in names])
-        words = words.astype(jnp.uint32)
-        row = P(self.axis)
-        targets = self._targets(names, stacks)
-        out_specs = {
-            name: (row, {s.name: row for s in plan.storage.stored}) for name, plan, _ in targets
-        }
-        local = self._shard_map(
-            functools.partial(self._init_local, names, targets), (P(), P()), out_specs
-        )(jnp.stack([words[:, 0], words[:, -1]]), per_table)
-        return {
-            n: (self._constrain(t), {k: self._constrain(x) for k, x in slots.items()})
-            for n, (t, slots) in local.items()
-        }
-
-    def _init_local(self, names: tuple, targets: list, words, per_table: tuple):
-        """Inside shard_map: this shard's physical arrays of `targets` (`_targets`: the
-        tables `names`, alone or in their stacks) and their stored slots.
-
-        The tables are written in rounds: in each, a block of rows of every table (about
-        1/rounds of it) is drawn by one computation for all of them (one per row width),
-        then copied into place. Drawn per table, the program held one draw per table, and
-        XLA took seconds to compile a demo's 26. `words`: (2, T) uint32, the first and last
-        word of each table's key; `per_table`: see `_per_table_rows`.
-        """
-        shard = jax.lax.axis_index(self.axis)
-        plans = [self.table_plans[n] for n in names]
-        rounds, groups, logical, granule, block, offset = self._init_blocks(names)
-        steps = [p.storage.layout.id_steps() for p in plans]
-        first_id = jnp.asarray(np.stack([f for f, _ in steps]).astype(np.int32))[:, shard]
-        stride = np.array([s for _, s in steps], np.int32)
-        # Table j is written into array into[j][0] from its local row into[j][1] on.
-        into = {j: (t, o) for t, (_, _, members) in enumerate(targets) for j, o in members}
-
-        def first(r, j: Any = slice(None)):
-            """The first local row of table j's block in round r (of every table's: (T,)).
-            The last block ends where the array ends: the rows it writes twice get the same
-            values twice."""
-            r = jnp.clip(r, 0, rounds - 1)
-            return jnp.minimum(r * block[j], logical[j] - block[j]).astype(jnp.int32)
-
-        def draw(r):
-            # Row i of a draw belongs to table `owner[i]`, its local row first + i - offset.
-            start = first_id + stride * (first(r) - offset.astype(np.int32))
-            out = {}
-            for dim, members in groups.items():
-                owner = np.repeat(np.array(members), block[members]).astype(np.int32)
-                ids = start[owner] + stride[owner] * np.arange(len(owner), dtype=np.int32)
-                out[dim] = _default_rows_of(words[0][owner], words[1][owner], ids, dim)
-            return out
-
-        def write(arrays, drawn, r):
-            arrays = list(arrays)
-            for j, plan in enumerate(plans):
-                storage = plan.storage
-                start = first(r, j)
-                local = start + jnp.arange(int(block[j]))
-                valid = local < per_table[j][1 + shard]
-                rows = jax.lax.dynamic_slice_in_dim(
-                    drawn[plan.config.dim], per_table[j][0], int(block[j])
-                )
-                rows = jnp.where(valid[:, None], rows, 0.0).astype(plan.config.dtype)
-                riders = {s.name: _constant_rows(plan, s, valid) for s in storage.riders}
-                physical = storage.block_to_physical(None, storage.join_row(rows, riders))
-                t, o = into[j]
-                at = ((o + start) // int(granule[j]),) + (0,) * (arrays[t].ndim - 1)
-                arrays[t] = jax.lax.dynamic_update_slice(
-                    arrays[t], physical.astype(arrays[t].dtype), at
-                )
-            return arrays
-
-        def body(r, carry):
-            # Round r - 1 is written while round r is drawn: a draw written in its own round
-            # is fused into every table's write, and the program holds one draw per table.
-            arrays, drawn = carry
-            return write(arrays, drawn, r - 1), draw(r)
-
-        arrays = [
-            jnp.zeros(
-                (p.storage.shapes()[0][0] // self.num_shards,) + p.storage.shapes()[0][1:],
-                p.config.dtype,
-            )
-            for _, p, _ in targets
-        ]
-        drawn = {d: jnp.zeros((int(block[m].sum()), d), jnp.float32) for d, m in groups.items()}
-        # One pass more than rounds: the first writes nothing, the last draws nothing new.
-        arrays, _ = jax.lax.fori_loop(0, rounds + 1, body, (arrays, drawn))
-        out = {}
-        for (name, plan, members), table in zip(targets, arrays):
-            slots = {}
-            for s in plan.storage.stored:
-                # Constants, computed where they are stored: no temporary, no blocks.
-                rows = plan.storage.shapes()[1][s.name][0] // self.num_shards
-                local = jnp.arange(rows * plan.storage.block_granule(s))
-                valid = functools.reduce(
-                    jnp.logical_or,
-                    [(local >= o) & (local < o + per_table[j][1 + shard]) for j, o in members],
-                )
-                rows = _constant_rows(plan, s, valid)
-                slots[s.name] = plan.storage.block_to_physical(s, rows).astype(jnp.float32)
-            out[name] = (table, slots)
-        return out
-
-    def _init_table(self, plan: _plan.TablePlan, table_key):
-        storage = plan.storage
-        table = self._initial(plan, None, table_key)
-        slots = {
-            s.name: self._initial(plan, s, _slot_key(table_key, storage, s))
-            for s in storage.slot_specs
-        }
-        table, slots = storage.to_physical(table, slots)
-        return self._constrain(table), {n: self._constrain(x) for n, x in slots.items()}
-
-    def _initial(self, plan: _plan.TablePlan, slot: _optimizers.SlotSpec | None, key):
-        """The logical initial value of a table (slot None) or one slot."""
-        shape = plan.storage.logical_shape(slot)
-        if slot is None:
-            if plan.config.initializer is None:
-                rows = jnp.arange(shape[0])
-                return _default_rows(key, rows, plan.config.dim).astype(plan.config.dtype)
-            value = plan.config.initializer(key, shape, jnp.float32)
-            if tuple(jnp.shape(value)) != tuple(shape):
-                # Shapes are static: a wrong one would be padded or cut into the layout.
-                raise ValueError(
-                    f"Table {plan.name!r}: its initializer returned shape "
-                    f"{tuple(jnp.shape(value))}; expected (vocabulary_size, dim) = "
-                    f"{tuple(shape)}, the shape it was called with."
-                )
-            return jnp.asarray(value).astype(plan.config.dtype)
-        return _optimizers.slot_initial_value(slot, key, shape, table=plan.name)
-
-    def _constrain(self, physical):
-        # Said explicitly so that an init traced inside another jit keeps the row sharding.
-        return _sharding.constrain(physical, self._rows(physical.ndim))
-
-    def _init_slot(self, plan: _plan.TablePlan, slot: _optimizers.SlotSpec, key):
-        """One stored slot's physical initial value, drawn on the devices."""
-        storage = plan.storage
-        sharding = self._rows(len(storage.shapes()[1][slot.name]))
-        fn = lambda k: self._constrain(
-            storage.array_to_physical(slot, self._initial(plan, slot, k))
-        )
-        return jax.jit(fn, out_shardings=sharding)(key)
+        self.initializer.compile(key)
 
     def restore_tables(
         self, tables: dict, slots: dict | None = None, step: int = 0, key: jax.Array | None = None
@@ -651,11 +331,11 @@ class Embedding:
                         f"restore_tables: slot {s.name!r} of table {name!r} "
                         f"has a random initializer; pass key=."
                     )
-                k = None if key is None else _slot_key(jax.random.fold_in(key, i), storage, s)
+                k = None if key is None else _init.slot_key(jax.random.fold_in(key, i), storage, s)
                 if s in storage.riders:
-                    logical[s.name] = np.asarray(self._initial(plan, s, k))
+                    logical[s.name] = np.asarray(self.initializer.initial(plan, s, k))
                 else:  # Drawn on the devices, as `init` does.
-                    drawn[s.name] = self._init_slot(plan, s, k)
+                    drawn[s.name] = self.initializer.slot(plan, s, k)
             table, stored = storage.to_physical(table, logical)
             new_tables[name] = self._put(table)
             new_slots[name] = {

@@ -885,11 +885,11 @@ def test_init_draws_every_table_in_one_computation():
     # Routed to their owners, so that the tables are drawn into stacks.
     emb = jte.Embedding(spec, make_mesh(4), routing="owner", init_block_bytes=64 << 10)
     key = jax.random.key(5)
-    keys = emb._table_keys(key)
-    program, per_table = emb._init_blocked_fn()
+    keys = emb.initializer.table_keys(key)
+    program, per_table = emb.initializer.blocked_program()
     jaxpr = jax.make_jaxpr(program)(keys, per_table).jaxpr
     assert count_primitive(jaxpr, "erf_inv") == 2
-    assert emb._init_blocks(tuple(emb.table_plans))[0] > 1
+    assert emb.initializer.blocks(tuple(emb.table_plans))[0] > 1
     state = emb.init(key)
     assert len(state.tables) == 2  # The dim-8 tables in one stack, the dim-4 ones in another.
     tables, table_slots = emb.table_arrays(state)
