@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from . import (
     _backend,
     _config,
+    _guards,
     _inputs,
     _layout,
     _multihost,
@@ -864,6 +865,7 @@ class Embedding:
         With several processes this gathers the tables onto every process (a collective):
         call it on every process, then write from one.
         """
+        _guards.check_not_consumed(state, "Embedding.export")
         tables = self._split(state)[0]
         return {
             name: plan.storage.to_logical(self._fetch(tables[name]))[0]
@@ -875,6 +877,7 @@ class Embedding:
 
         A collective with several processes, like `export`.
         """
+        _guards.check_not_consumed(state, "Embedding.export_slots")
         out = {}
         tables, slots = self._split(state)
         for name, plan in self.table_plans.items():
@@ -891,6 +894,7 @@ class Embedding:
 
         With several processes this is a collective, like `export`: call it on every process.
         """
+        _guards.check_not_consumed(state, "Embedding.shard_rows")
         if table_name not in self.table_plans:
             raise ValueError(
                 f"shard_rows: no table {table_name!r}; tables are {list(self.table_plans)}."
@@ -972,6 +976,7 @@ class Embedding:
             Same structure: float32 (B, D) per feature, (B, L, D) for sequence features
             (or output_shape + (D,)). Examples with no ids give zeros.
         """
+        _guards.check_not_consumed(state, "Embedding.lookup")
         flat = self._prepare(features)
         return _config.unflatten(self._lookup_jit(state.tables, flat))
 
@@ -1010,6 +1015,7 @@ class Embedding:
         Returns:
             The new state, or (new state, skipped) with `return_skipped`.
         """
+        _guards.check_not_consumed(state, "Embedding.apply_gradients")
         flat = self._prepare(features, act_grads)
         grads = dict(_config.flatten_features(act_grads)) if isinstance(act_grads, dict) else None
         if grads is None or set(grads) != set(flat):

@@ -46,7 +46,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _config, _embedding, _inputs
+from . import _config, _embedding, _guards, _inputs
 
 Nested = Any
 # discover(params, batch, model_state, rng) -> {name: (Embedding, features)}: which embeddings
@@ -335,6 +335,7 @@ class TrainStep:
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         """One step on `batch`; returns the new state and the metrics (device arrays)."""
+        _guards.check_not_consumed(state, "TrainStep", "train state", "state")
         return self._jit(state, batch)
 
     def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
@@ -346,6 +347,7 @@ class TrainStep:
 
         Call it before evaluating, exporting or checkpointing a pipelined model.
         """
+        _guards.check_not_consumed(state, "TrainStep.flush", "train state", "state")
         if state.pending is None:
             return state
         return self._flush_jit(state)
@@ -427,6 +429,9 @@ class TrainStep:
     ) -> TrainState:
         """The TrainState of these values; `owned`: params and model_state were made by the
         step's own init, nobody else holds them, and they need no copy."""
+        where = "TrainStep.init"
+        _guards.check_not_consumed(embedding, where, "embedding state", "embedding_state")
+        _guards.check_not_consumed((params, model_state), where, "params", "(params, model_state)")
         states = self._unpack(embedding)
         embs, features = {}, {}
 

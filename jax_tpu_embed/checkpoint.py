@@ -56,7 +56,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _embedding, _optimizers, _storage
+from . import _embedding, _guards, _optimizers, _storage
 
 _FORMAT = "jax_tpu_embed.checkpoint/1"
 _ITEMS = ("embedding", "metadata", "dense")
@@ -103,6 +103,8 @@ def save(
     ocp = _orbax()
     path = _path(directory)
     wait(path)  # One save in flight per directory: orbax's manager keeps the steps in order.
+    _guards.check_not_consumed(state, "checkpoint.save")
+    _guards.check_not_consumed(dense, "checkpoint.save", "dense state", "dense")
     _check_state(emb, state)
     step = int(jax.device_get(state.step))
     embedding = {"tables": {}, "slots": {}}

@@ -34,7 +34,7 @@ import jax.core
 import jax.numpy as jnp
 import optax
 
-from . import _config, _embedding, _train
+from . import _config, _embedding, _guards, _train
 
 COLLECTION = "embedding"
 _STATE_KEYS = ("tables", "slots", "step")
@@ -468,6 +468,7 @@ class FlaxTrainStep(_train.TrainStep):
         `model.apply` (e.g. train=False), replacing the step's `apply_kwargs`. A pipelined
         state must be flushed first.
         """
+        _guards.check_not_consumed(state, "FlaxTrainStep.predict", "train state", "state")
         if state.pending is not None and bool(state.pending.valid):
             raise ValueError(
                 "predict: the state has a pending update (pipeline_execution); "

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from . import _config, _embedding, _train
+from . import _config, _embedding, _guards, _train
 from . import checkpoint as _checkpoint
 from . import flax as _linen
 
@@ -276,6 +276,15 @@ class NnxTrainStep(_train.TrainStep):
         """(graphdef, the TrainState of the model as it is now); the first call makes the
         optax state and counters."""
         graphdef, params, tables, rest = _split(self.model)
+        _guards.check_not_consumed(
+            {"params": params, "tables": tables, "rest": rest, "step_state": self.state},
+            "jte.nnx train step",
+            "model",
+            "model",
+            advice="A step donates the model's arrays and puts the new ones in the model: "
+            "arrays taken from the model before a step (nnx.state, nnx.split) must not be "
+            "put back after it; copy them when taking them (jax.tree.map(jnp.copy, ...)).",
+        )
         self._graphdef, self._tables = graphdef, tables
         if self.state is None:
             # Copies of the params and variables, placed on the mesh as the step's outputs
