@@ -777,6 +777,10 @@ class Embedding:
                     drawn[s.name] = self._init_slot(plan, s, k)
             table, stored = storage.to_physical(table, logical)
             new_tables[name] = self._put(table)
+            _guards.check_restored(
+                _guards.restored_items(name, plan.optimizer, value, given, storage.slot_specs),
+                "restore_tables",
+            )
             new_slots[name] = {
                 s.name: drawn[s.name] if s.name in drawn else self._put(stored[s.name])
                 for s in storage.stored

@@ -315,6 +315,7 @@ def _reading(path: str, step: int, item: str, earlier: list[int], hint: str = ""
 def _summary(e: BaseException) -> str:
     """The first line of an error, without tensorstore's spec dump."""
     text = str(e).split("See full TensorStore details")[0].strip()
+    _check_values(emb, stored, f"checkpoint.restore: step {step} of {path}")
     text = text.splitlines()[0] if text else repr(e)
     text = text.rstrip(".")
     return text if len(text) <= 300 else text[:300] + "..."
@@ -581,6 +582,24 @@ def _embedding_target(emb) -> dict:
             (rows, d), plan.config.dtype, sharding=_row_sharding(emb, True, 2)
         )
         slots[name] = {
+def _check_values(emb, stored: dict, where: str) -> None:
+    """The stored tables finite and their slots in their optimizers' domains (one pass
+    over each array on the devices; rows past V, the padding of older checkpoints, are
+    not looked at)."""
+    items = []
+    for name, plan in emb.table_plans.items():
+        v = plan.storage.layout.vocabulary_size
+        items += _guards.restored_items(
+            name,
+            plan.optimizer,
+            stored["tables"][name],
+            stored["slots"][name],
+            plan.storage.slot_specs,
+            rows=v,
+        )
+    _guards.check_restored(items, where)
+
+
             s.name: jax.ShapeDtypeStruct(
                 (rows, d) if s.rank == 2 else (rows,),
                 jnp.float32,
