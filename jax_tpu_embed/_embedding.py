@@ -196,6 +196,8 @@ class Embedding:
             raise TypeError(
                 f"Embedding: spec must be a jte.EmbeddingSpec, got {type(spec).__name__}."
             )
+        _guards.check_bool(stacking, "Embedding", "stacking")
+        _guards.check_bool(cpu_kernels, "Embedding", "cpu_kernels", allow_none=True)
         if mesh is None:
             # Auto axes: with Explicit ones (jax.make_mesh's default) every array the user
             # gets back carries its sharding in its type, and plain eager code such as
@@ -775,12 +777,12 @@ class Embedding:
                     logical[s.name] = np.asarray(self._initial(plan, s, k))
                 else:  # Drawn on the devices, as `init` does.
                     drawn[s.name] = self._init_slot(plan, s, k)
-            table, stored = storage.to_physical(table, logical)
-            new_tables[name] = self._put(table)
             _guards.check_restored(
                 _guards.restored_items(name, plan.optimizer, value, given, storage.slot_specs),
                 "restore_tables",
             )
+            table, stored = storage.to_physical(table, logical)
+            new_tables[name] = self._put(table)
             new_slots[name] = {
                 s.name: drawn[s.name] if s.name in drawn else self._put(stored[s.name])
                 for s in storage.stored

@@ -162,3 +162,14 @@ def restored_items(
     items += [Restored(table, s, slots[s.name], rows, name) for s in specs if s.name in slots]
     return items
 
+
+# ------------------------------------------------------------------ options
+
+
+def check_bool(value: Any, where: str, name: str, allow_none: bool = False) -> None:
+    """TypeError unless `value` is a bool (NumPy's too; None if `allow_none`): a string
+    such as "false" is truthy, and would silently mean True."""
+    if isinstance(value, (bool, np.bool_)) or (allow_none and value is None):
+        return
+    kind = "a bool or None" if allow_none else "a bool"
+    raise TypeError(f"{where}: {name} must be {kind} (True or False), got {value!r}.")

@@ -133,6 +133,10 @@ class _Extras(Optimizer):
 
     def _check(self):
         name = type(self).__name__
+        for f in dataclasses.fields(self):  # use_nesterov, lazy_adam, centered, ...
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise TypeError(f"{name}: {f.name} must be a bool (True or False), got {value!r}.")
         _check_scalar(
             name, "learning_rate", self.learning_rate, low=0, low_open=True, allow_callable=True
         )
@@ -206,15 +210,15 @@ class Adagrad(_Extras):
 
     learning_rate: Scalar = 0.001
     initial_accumulator_value: float = 0.1
+    epsilon: float = 0.0
 
     def __post_init__(self):
         self._check()
+        _check_scalar("Adagrad", "epsilon", self.epsilon, low=0)
         _check_scalar(
-    epsilon: float = 0.0
             "Adagrad",
             "initial_accumulator_value",
             self.initial_accumulator_value,
-        _check_scalar("Adagrad", "epsilon", self.epsilon, low=0)
             low=0,
             # Without epsilon a touched row with a zero gradient computes 0 / √0.
             low_open=self.epsilon == 0,

@@ -322,6 +322,7 @@ class TrainStep:
                 f"make_train_step: accumulate_steps must be an int >= 1 (the number of "
                 f"micro-batches along each batch leaf's leading axis), got {accumulate_steps!r}."
             )
+        _guards.check_bool(donate, "make_train_step", "donate")
         self._discover, self._loss, self.tx = discover, loss, tx
         self._unpack, self._pack = unpack, pack
         self.accumulate_steps = accumulate_steps

@@ -338,6 +338,8 @@ def criteo(
         "labels": float32 (B,)}, with `.skipped` and `.skipped_examples`.
     """
     grain = _grain()
+    if not isinstance(drop_remainder, bool):
+        raise TypeError(f"data.criteo: drop_remainder must be a bool, got {drop_remainder!r}.")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     paths = [os.fspath(p) for p in paths]
