@@ -224,6 +224,53 @@ def _nested(states: dict[tuple, _embedding.EmbeddingState]) -> dict:
     return collection
 
 
+def _given_states(layers: dict, embedding_state: Any) -> dict:
+    """{layer path (a tuple): EmbeddingState} from `init`'s embedding_state argument,
+    each checked against its layer's Embedding."""
+    if embedding_state is None:
+        return {}
+    names = {_path_name(path): path for path in layers}
+    if isinstance(embedding_state, _embedding.EmbeddingState):
+        if len(layers) != 1:
+            raise ValueError(
+                f"init: the model has {len(layers)} Embed layers {sorted(names)}; give "
+                f"embedding_state as {{layer path: EmbeddingState}}."
+            )
+        embedding_state = {next(iter(names)): embedding_state}
+    if not isinstance(embedding_state, dict):
+        raise TypeError(
+            f"init: embedding_state must be a jte.EmbeddingState or {{layer path: "
+            f"EmbeddingState}}, got {type(embedding_state).__name__}."
+        )
+    unknown = sorted(set(embedding_state) - set(names))
+    if unknown:
+        raise ValueError(
+            f"init: embedding_state has {unknown}, which are not Embed layers of the model; "
+            f"its layers are {sorted(names)}."
+        )
+    out = {}
+    for name, state in embedding_state.items():
+        emb = layers[names[name]][0]
+        _check_like(state, emb.abstract_state(), f"init: embedding_state[{name!r}]")
+        out[names[name]] = state
+    return out
+
+
+def _check_like(given: Any, want: Any, what: str) -> None:
+    """ValueError unless `given` has `want`'s tree structure, shapes and dtypes."""
+    if jax.tree.structure(given) != jax.tree.structure(want):
+        raise ValueError(
+            f"{what} does not have the structure the model expects: got "
+            f"{jax.tree.structure(given)}, expected {jax.tree.structure(want)}."
+        )
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(given), jax.tree.leaves(want)):
+        if jnp.shape(g) != jnp.shape(w) or jnp.result_type(g) != jnp.result_type(w):
+            raise ValueError(
+                f"{what}{jax.tree_util.keystr(path)} is {jnp.result_type(g)}"
+                f"{list(jnp.shape(g))}, expected {jnp.result_type(w)}{list(jnp.shape(w))}."
+            )
+
+
 class FlaxTrainStep(_train.TrainStep):
     """The step `jte.flax.make_train_step` returns.
 
@@ -382,7 +429,14 @@ class FlaxTrainStep(_train.TrainStep):
             variables = self.model.init(rngs, batch, method=self.method, **self.apply_kwargs)
         return variables, {path: key for path, (_, key) in found.items()}
 
-    def init(self, key: Any, batch: Any) -> _train.TrainState:
+    def init(
+        self,
+        key: Any,
+        batch: Any,
+        *,
+        params: Any = None,
+        embedding_state: Any = None,
+    ) -> _train.TrainState:
         """The initial TrainState: `model.init(key, batch)`, then the optax state.
 
         Args:
@@ -391,6 +445,14 @@ class FlaxTrainStep(_train.TrainStep):
                 is derived from it (or taken from a dict's "train" entry).
             batch: One batch (with accumulate_steps=k, k micro-batches); it fixes the
                 shapes the step expects.
+            params: Start from these dense parameters (the "params" collection, e.g.
+                weights from another framework) instead of `model.init`'s; copied. Their
+                structure, shapes and dtypes must be `model.init`'s.
+            embedding_state: Start from these tables (e.g. `emb.restore_tables(...)` or
+                `jte.checkpoint.restore`) instead of drawing new ones: a
+                `jte.EmbeddingState` for a model with one `Embed`, else {layer path:
+                EmbeddingState} (paths as in `step.embeddings`; layers left out are drawn).
+                Consumed by the first step; `state.step` continues from its step.
         """
         init_rngs, rng = self._init_rngs(key)
         layers: dict = {}
@@ -404,11 +466,12 @@ class FlaxTrainStep(_train.TrainStep):
         if not key_info:
             raise ValueError("jte.flax.make_train_step: the model has no jte.flax.Embed.")
         traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((key, batch)))
+        given = _given_states(layers, embedding_state)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             compiling = [
                 pool.submit(emb._compile_init, key_info[path])
                 for path, (emb, _) in layers.items()
-                if not traced  # Inside another trace nothing is compiled here.
+                if not traced and path not in given  # Nothing is compiled inside a trace.
             ]
             if traced:
                 variables, keys = dense_init(init_rngs, micro)
@@ -418,12 +481,23 @@ class FlaxTrainStep(_train.TrainStep):
                 variables, keys = compiled(init_rngs, micro)
             for done in compiling:
                 done.result()
-        states = {path: layers[path][0].init(k) for path, k in keys.items()}
-        params, collection, model_state = self._split_variables(
+        states = {
+            path: given[path] if path in given else layers[path][0].init(k)
+            for path, k in keys.items()
+        }
+        own_params, collection, model_state = self._split_variables(
             {**variables, COLLECTION: _nested(states)}
         )
+        if params is not None:
+            _check_like(params, own_params, "init: params")
         return self._make_state(
-            params, collection, batch, False, model_state=model_state, rng=rng, owned=True
+            own_params if params is None else params,
+            collection,
+            batch,
+            False,
+            model_state=model_state,
+            rng=rng,
+            owned=params is None,
         )
 
     def _first_micro(self, batch):
