@@ -26,12 +26,18 @@ import numpy as np
 from . import _optimizers
 
 
+def _is_deleted(leaf: Any) -> bool:
+    if isinstance(leaf, jax.core.Tracer) or not isinstance(leaf, jax.Array):
+        return False
+    return leaf.is_deleted()
+
+
 def _deleted_leaf(tree: Any) -> str | None:
     """The path of the first deleted array of `tree` (tracers skipped), or None."""
+    if not any(_is_deleted(leaf) for leaf in jax.tree.leaves(tree)):
+        return None  # The common case, without building every leaf's path.
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if isinstance(leaf, jax.core.Tracer) or not isinstance(leaf, jax.Array):
-            continue
-        if leaf.is_deleted():
+        if _is_deleted(leaf):
             return jax.tree_util.keystr(path)
     return None
 
