@@ -142,10 +142,10 @@ def _read(path: str) -> dict:
             with open(path, "rb") as f:
                 data = tomllib.load(f)
         else:
-            import yaml
-
             with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f)
+                data = _load_yaml(f)
+    except _DuplicateKey as e:
+        raise ValueError(f"{path}: {e}") from None
     except Exception as e:  # Parser errors carry the line and column.
         raise ValueError(f"{path}: cannot parse the file: {e}") from e
     if not isinstance(data, dict):
@@ -154,6 +154,39 @@ def _read(path: str) -> dict:
             f"`features:`, got {type(data).__name__} {data!r}."
         )
     return data
+
+
+class _DuplicateKey(Exception):
+    """A YAML mapping that gives one key twice (YAML's safe_load keeps the last silently)."""
+
+
+def _load_yaml(stream):
+    """yaml.safe_load, except that a key given twice in one mapping is an error naming it
+    and both lines (keys merged in with `<<:` may still be overridden)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                seen: dict = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    line = key_node.start_mark.line + 1
+                    try:
+                        first = seen.get(key)
+                    except TypeError:  # An unhashable key: construct_mapping's own error.
+                        continue
+                    seen.setdefault(key, line)
+                    if first is not None:
+                        raise _DuplicateKey(
+                            f"line {line}: key {key!r} is given twice in one mapping (first "
+                            f"on line {first}); YAML would keep only the last. Remove one."
+                        )
+            return super().construct_mapping(node, deep=deep)
+
+    return yaml.load(stream, Loader=Loader)  # noqa: S506 (a SafeLoader)
 
 
 class _Where:

@@ -20,6 +20,7 @@ from . import (
     _config,
     _counts,
     _exchange,
+    _guards,
     _inflight,
     _init,
     _inputs,
@@ -138,6 +139,8 @@ class Embedding:
             raise TypeError(
                 f"Embedding: spec must be a jte.EmbeddingSpec, got {type(spec).__name__}."
             )
+        _guards.check_bool(stacking, "Embedding", "stacking")
+        _guards.check_bool(cpu_kernels, "Embedding", "cpu_kernels", allow_none=True)
         if mesh is None:
             # Auto axes: with Explicit ones (jax.make_mesh's default) every array the user
             # gets back carries its sharding in its type, and plain eager code such as
@@ -336,6 +339,10 @@ class Embedding:
                     logical[s.name] = np.asarray(self.initializer.initial(plan, s, k))
                 else:  # Drawn on the devices, as `init` does.
                     drawn[s.name] = self.initializer.slot(plan, s, k)
+            _guards.check_restored(
+                _guards.restored_items(name, plan.optimizer, value, given, storage.slot_specs),
+                "restore_tables",
+            )
             table, stored = storage.to_physical(table, logical)
             new_tables[name] = self._put(table)
             new_slots[name] = {
@@ -427,6 +434,7 @@ class Embedding:
         With several processes this gathers the tables onto every process (a collective):
         call it on every process, then write from one.
         """
+        _guards.check_not_consumed(state, "Embedding.export")
         tables = self.table_arrays(state)[0]
         return {
             name: plan.storage.to_logical(self._fetch(tables[name]))[0]
@@ -438,6 +446,7 @@ class Embedding:
 
         A collective with several processes, like `export`.
         """
+        _guards.check_not_consumed(state, "Embedding.export_slots")
         out = {}
         tables, slots = self.table_arrays(state)
         for name, plan in self.table_plans.items():
@@ -454,6 +463,7 @@ class Embedding:
 
         With several processes this is a collective, like `export`: call it on every process.
         """
+        _guards.check_not_consumed(state, "Embedding.shard_rows")
         if table_name not in self.table_plans:
             raise ValueError(
                 f"shard_rows: no table {table_name!r}; tables are {list(self.table_plans)}."
@@ -533,6 +543,7 @@ class Embedding:
             Same structure: float32 (B, D) per feature, (B, L, D) for sequence features
             (or output_shape + (D,)). Examples with no ids give zeros.
         """
+        _guards.check_not_consumed(state, "Embedding.lookup")
         flat = self._prepare(features)
         return _config.unflatten(self._lookup_jit(state.tables, flat))
 
@@ -571,6 +582,7 @@ class Embedding:
         Returns:
             The new state, or (new state, skipped) with `return_skipped`.
         """
+        _guards.check_not_consumed(state, "Embedding.apply_gradients")
         flat = self._prepare(features, act_grads)
         grads = dict(_config.flatten_features(act_grads)) if isinstance(act_grads, dict) else None
         if grads is None or set(grads) != set(flat):

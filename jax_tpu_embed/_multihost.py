@@ -81,16 +81,47 @@ def global_batch(emb, local: Nested) -> Nested:
         global arrays (no communication happens here).
     """
     sharding = batch_sharding(emb)
+    local = jax.tree.map(np.asarray, local)
+    _check_local_rows(emb, local)
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local)
 
-    def one(x):
-        x = np.asarray(x)
+
+def _local_shards(emb) -> int:
+    """How many of the N shards along `emb.axis` this process's devices hold."""
+    index_map = batch_sharding(emb).addressable_devices_indices_map((emb.num_shards,))
+    return len({index[0].start or 0 for index in index_map.values()})  # pyright: ignore[reportOptionalSubscript]
+
+
+def _check_local_rows(emb, local: Nested) -> None:
+    """ValueError naming the leaf, the rows it has and the rows this process must load:
+    every leaf the same b rows, a positive multiple of the shards this process holds (the
+    b of `process_batch_rows`), instead of JAX's IndivisibleError."""
+    k, n = _local_shards(emb), emb.num_shards
+    rule = (
+        f"this process holds {k} of the {n} shards along axis {emb.axis!r}, so it loads "
+        f"B * {k} / {n} rows of a global batch B: len(process_batch_rows(emb, B))"
+    )
+    first = None
+    for path, x in jax.tree_util.tree_leaves_with_path(local):
+        name = jax.tree_util.keystr(path) or "the input"
         if x.ndim == 0:
             raise ValueError(
-                f"global_batch: every leaf needs a batch dimension, got a scalar {x!r}."
+                f"global_batch: every leaf needs a batch dimension; {name} is a scalar {x!r}."
             )
-        return jax.make_array_from_process_local_data(sharding, x)
-
-    return jax.tree.map(one, local)
+        rows = x.shape[0]
+        if first is None:
+            first = (name, rows)
+            if rows < 1 or rows % k:
+                want = f"a positive multiple of {k}"
+                raise ValueError(
+                    f"global_batch: leaf {name} has {rows} rows; this process must load "
+                    f"{want} ({rule})."
+                )
+        elif rows != first[1]:
+            raise ValueError(
+                f"global_batch: leaf {name} has {rows} rows, expected {first[1]} as "
+                f"{first[0]} has: every leaf holds the same rows of the global batch ({rule})."
+            )
 
 
 def check_same_on_every_process(tree: Nested, what: str = "NumPy inputs") -> None:

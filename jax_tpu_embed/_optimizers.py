@@ -26,11 +26,20 @@ Scalar = Any  # float or fn(step) -> scalar
 
 @dataclasses.dataclass(frozen=True)
 class SlotSpec:
-    """One slot variable: `rank` 2 is a (D,) vector per row, rank 1 a scalar per row."""
+    """One slot variable: `rank` 2 is a (D,) vector per row, rank 1 a scalar per row.
+
+    `low` and `low_open` are the values the optimizer's update is defined for: every value
+    > low (`low_open`) or >= low; None: any finite value. Tables and slots restored from
+    outside (`restore_tables`, checkpoints) are checked against them: an Adagrad
+    accumulator of -1 (or of 0, where the update divides by its square root) turns the row
+    into NaN at its next update.
+    """
 
     name: str
     rank: int
     initializer: Any  # float, or fn(key, shape, dtype) called with the logical shape.
+    low: float | None = None
+    low_open: bool = False
 
 
 def _check_scalar(
@@ -124,6 +133,10 @@ class _Extras(Optimizer):
 
     def _check(self):
         name = type(self).__name__
+        for f in dataclasses.fields(self):  # use_nesterov, lazy_adam, centered, ...
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise TypeError(f"{name}: {f.name} must be a bool (True or False), got {value!r}.")
         _check_scalar(
             name, "learning_rate", self.learning_rate, low=0, low_open=True, allow_callable=True
         )
@@ -190,28 +203,45 @@ class SGD(_Extras):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Adagrad(_Extras):
-    """a += g²; w -= lr * g / √a (no epsilon, as TF)."""
+    """a += g²; w -= lr * g / √a with epsilon 0 (TensorFlow's, the default), or
+    w -= lr * g / (√a + ε) with epsilon ε > 0 (FBGEMM's EXACT_ADAGRAD, torch.optim.Adagrad).
+
+    With epsilon > 0 the accumulators may start at 0 (FBGEMM's and PyTorch's default)."""
 
     learning_rate: Scalar = 0.001
     initial_accumulator_value: float = 0.1
+    epsilon: float = 0.0
 
     def __post_init__(self):
         self._check()
+        _check_scalar("Adagrad", "epsilon", self.epsilon, low=0)
         _check_scalar(
             "Adagrad",
             "initial_accumulator_value",
             self.initial_accumulator_value,
             low=0,
-            low_open=True,
+            # Without epsilon a touched row with a zero gradient computes 0 / √0.
+            low_open=self.epsilon == 0,
         )
 
     def slot_specs(self):
-        return (SlotSpec("accumulators", 2, self.initial_accumulator_value),)
+        return (
+            SlotSpec(
+                "accumulators",
+                2,
+                self.initial_accumulator_value,
+                low=0.0,
+                low_open=self.epsilon == 0,
+            ),
+        )
 
     def update_row(self, gradient, row, slots, learning_rate, hyperparameters):
         (accumulator,) = slots
         accumulator = accumulator + gradient * gradient
-        return row - learning_rate * gradient * jax.lax.rsqrt(accumulator), accumulator
+        if self.epsilon == 0:
+            return row - learning_rate * gradient * jax.lax.rsqrt(accumulator), accumulator
+        denom = jnp.sqrt(accumulator) + self.epsilon
+        return row - learning_rate * gradient / denom, accumulator
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -234,7 +264,7 @@ class AdagradMomentum(_Extras):
         _check_scalar("AdagradMomentum", "epsilon", self.epsilon, low=0, low_open=True)
 
     def slot_specs(self):
-        return (SlotSpec("accumulators", 2, 0.0), SlotSpec("momenta", 2, 0.0))
+        return (SlotSpec("accumulators", 2, 0.0, low=0.0), SlotSpec("momenta", 2, 0.0))
 
     def update_row(self, gradient, row, slots, learning_rate, hyperparameters):
         accumulator, momentum = slots
@@ -271,7 +301,7 @@ class Adam(_Extras):
         return not self.lazy_adam
 
     def slot_specs(self):
-        return (SlotSpec("momenta", 2, 0.0), SlotSpec("velocities", 2, 0.0))
+        return (SlotSpec("momenta", 2, 0.0), SlotSpec("velocities", 2, 0.0, low=0.0))
 
     def update_row(self, gradient, row, slots, learning_rate, hyperparameters):
         m, v = slots
@@ -313,7 +343,13 @@ class FTRL(_Extras):
 
     def slot_specs(self):
         return (
-            SlotSpec("accumulators", 2, self.initial_accumulator_value),
+            SlotSpec(
+                "accumulators",
+                2,
+                self.initial_accumulator_value,
+                low=0.0,
+                low_open=not self.allow_zero_accumulator,
+            ),
             SlotSpec("linears", 2, 0.0),
         )
 
@@ -372,7 +408,15 @@ class RowwiseAdagrad(_Extras):
             )
 
     def slot_specs(self):
-        return (SlotSpec("accumulators", 1, self.initial_accumulator_value),)
+        return (
+            SlotSpec(
+                "accumulators",
+                1,
+                self.initial_accumulator_value,
+                low=0.0,
+                low_open=self.epsilon == 0,
+            ),
+        )
 
     def update_row(self, gradient, row, slots, learning_rate, hyperparameters):
         (accumulator,) = slots
@@ -426,7 +470,7 @@ class RMSProp(_Extras):
         _check_scalar("RMSProp", "epsilon", self.epsilon, low=0, low_open=True)
 
     def slot_specs(self):
-        specs = (SlotSpec("ms", 2, 0.0), SlotSpec("mom", 2, 0.0))
+        specs = (SlotSpec("ms", 2, 0.0, low=0.0), SlotSpec("mom", 2, 0.0))
         return specs + (SlotSpec("mg", 2, 0.0),) if self.centered else specs
 
     def update_row(self, gradient, row, slots, learning_rate, hyperparameters):
@@ -460,7 +504,9 @@ class ProximalAdagrad(_Extras):
         _check_scalar(name, "l2_regularization_strength", self.l2_regularization_strength, low=0)
 
     def slot_specs(self):
-        return (SlotSpec("accumulators", 2, self.initial_accumulator_value),)
+        return (
+            SlotSpec("accumulators", 2, self.initial_accumulator_value, low=0.0, low_open=True),
+        )
 
     def update_row(self, gradient, row, slots, learning_rate, hyperparameters):
         (accumulator,) = slots

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _backend, _config, _layout, _plan, _routing, _rowindex, _storage, backends
+from . import _backend, _config, _guards, _layout, _plan, _routing, _rowindex, _storage, backends
 
 ROUTINGS = ("auto", "gather", "owner")
 # `init` draws about this many bytes per device per round by default.
@@ -48,8 +48,8 @@ def build(
     device = mesh.devices.flat[0]
     platform = device.platform
     tables = spec.tables()
-    if tpu_layout is not None and not isinstance(tpu_layout, bool):
-        raise ValueError(f"Embedding: tpu_layout must be None or a bool, got {tpu_layout!r}.")
+    _guards.check_bool(stacking, "Embedding", "stacking")
+    _guards.check_bool(tpu_layout, "Embedding", "tpu_layout", allow_none=True)
     on_tpu = platform == "tpu" if tpu_layout is None else tpu_layout
     if (
         isinstance(init_block_bytes, bool)
@@ -107,8 +107,6 @@ def build(
         )
         for name, table in tables.items()
     }
-    if not isinstance(stacking, bool):
-        raise ValueError(f"Embedding: stacking must be a bool, got {stacking!r}.")
     stacks = make_stacks(table_plans, num_shards, stacking)
     stack_of = {t: key for key, plan in stacks.items() for t in plan.tables}
     names = _config.table_names(spec)

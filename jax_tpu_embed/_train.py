@@ -46,7 +46,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _config, _embedding, _inflight, _inputs, _sharding
+from . import _config, _embedding, _guards, _inflight, _inputs, _sharding
 
 Nested = Any
 # discover(params, batch, model_state, rng) -> {name: (Embedding, features)}: which embeddings
@@ -315,6 +315,7 @@ class TrainStep:
                 f"make_train_step: accumulate_steps must be an int >= 1 (the number of "
                 f"micro-batches along each batch leaf's leading axis), got {accumulate_steps!r}."
             )
+        _guards.check_bool(donate, "make_train_step", "donate")
         self._discover, self._loss, self.tx = discover, loss, tx
         self._unpack, self._pack = unpack, pack
         self.accumulate_steps = accumulate_steps
@@ -330,6 +331,7 @@ class TrainStep:
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         """One step on `batch`; returns the new state and the metrics (device arrays)."""
+        _guards.check_not_consumed(state, "TrainStep", "train state", "state")
         state, metrics = self._jit(state, batch)
         self._in_flight.push(metrics["loss"])
         return state, metrics
@@ -343,6 +345,7 @@ class TrainStep:
 
         Call it before evaluating, exporting or checkpointing a pipelined model.
         """
+        _guards.check_not_consumed(state, "TrainStep.flush", "train state", "state")
         if state.pending is None:
             return state
         return self._flush_jit(state)
@@ -424,6 +427,9 @@ class TrainStep:
     ) -> TrainState:
         """The TrainState of these values; `owned`: params and model_state were made by the
         step's own init, nobody else holds them, and they need no copy."""
+        where = "TrainStep.init"
+        _guards.check_not_consumed(embedding, where, "embedding state", "embedding_state")
+        _guards.check_not_consumed((params, model_state), where, "params", "(params, model_state)")
         states = self._unpack(embedding)
         embs, features = {}, {}
 

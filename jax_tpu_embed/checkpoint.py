@@ -56,7 +56,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _embedding, _optimizers, _storage
+from . import _embedding, _guards, _optimizers, _storage
 
 _FORMAT = "jax_tpu_embed.checkpoint/1"
 _ITEMS = ("embedding", "metadata", "dense")
@@ -99,10 +99,16 @@ def save(
     Raises:
         ValueError: `state` does not match `emb`'s tables, or `directory` already holds a
             checkpoint for this step.
+        CheckpointWriteError (an OSError): writing failed (e.g. a full disk); the message
+            names the directory, the step and the cause. The earlier steps are still
+            restorable. With blocking=False such an error comes from `wait`.
     """
+    _guards.check_bool(blocking, "checkpoint.save", "blocking")
     ocp = _orbax()
     path = _path(directory)
     wait(path)  # One save in flight per directory: orbax's manager keeps the steps in order.
+    _guards.check_not_consumed(state, "checkpoint.save")
+    _guards.check_not_consumed(dense, "checkpoint.save", "dense state", "dense")
     _check_state(emb, state)
     step = int(jax.device_get(state.step))
     embedding = {"tables": {}, "slots": {}}
@@ -124,24 +130,70 @@ def save(
     }
     if dense is not None:
         items["dense"] = ocp.args.StandardSave(dense)
-    with _manager(path, read_only=False, asynchronous=not blocking) as manager:
-        try:
-            manager.save(step, args=ocp.args.Composite(**items), force=True)
-        except ocp.checkpoint_manager.StepAlreadyExistsError as e:  # pyright: ignore[reportAttributeAccessIssue]
-            raise ValueError(
-                f"checkpoint.save: {path} already holds a checkpoint for step "
-                f"{step}; delete it or save from a state with another step."
-            ) from e
-        if blocking:
-            manager.wait_until_finished()
-        else:
-            _PENDING[path] = manager  # Kept open (not closed on exit) until `wait`.
-            _join_at_exit()
+    earlier = all_steps(path)
+    with _writing(path, step, earlier, "save"):
+        with _manager(path, read_only=False, asynchronous=not blocking) as manager:
+            try:
+                manager.save(step, args=ocp.args.Composite(**items), force=True)
+            except ocp.checkpoint_manager.StepAlreadyExistsError as e:  # pyright: ignore[reportAttributeAccessIssue]
+                raise ValueError(
+                    f"checkpoint.save: {path} already holds a checkpoint for step "
+                    f"{step}; delete it or save from a state with another step."
+                ) from e
+            if blocking:
+                manager.wait_until_finished()
+            else:
+                _PENDING[path] = manager  # Kept open (not closed on exit) until `wait`.
+                _PENDING_STEPS[path] = (step, earlier)
+                _join_at_exit()
     return step
 
 
-# Directory -> the CheckpointManager whose save is still being written (blocking=False).
+class CheckpointWriteError(OSError):
+    """A save that failed while writing (e.g. a full disk): names the directory, the step
+    and the cause. The step was not committed; earlier steps are still restorable."""
+
+
+@contextlib.contextmanager
+def _writing(path: str, step: int, earlier: list[int], call: str):
+    """Turns a failure to write step `step` (tensorstore's or the OS's raw status text) into
+    a CheckpointWriteError that says what failed and what is still there to restore."""
+    try:
+        yield
+    except (ValueError, CheckpointWriteError) as e:
+        if not _from_writer(e):
+            raise  # Ours (a step that exists, a state that does not match), not the disk's.
+        _raise_write_error(path, step, earlier, call, e)
+    except Exception as e:
+        _raise_write_error(path, step, earlier, call, e)
+
+
+def _from_writer(e: BaseException) -> bool:
+    """Whether a ValueError came from orbax or tensorstore rather than from this module."""
+    return not str(e).startswith("checkpoint.") and not isinstance(e, CheckpointWriteError)
+
+
+def _raise_write_error(path: str, step: int, earlier: list[int], call: str, e: BaseException):
+    root = e
+    while root.__cause__ is not None:
+        root = root.__cause__
+    fallback = (
+        f"The previous step {earlier[-1]} is still restorable "
+        f"(checkpoint.restore({path!r}) restores it; all steps: {earlier})."
+        if earlier
+        else f"There is no earlier step in {path}."
+    )
+    raise CheckpointWriteError(
+        f"checkpoint.{call}: writing step {step} to {path} failed with "
+        f"{type(root).__name__}: {_summary(root)}. Step {step} was not committed (a save cut "
+        f"short is never seen as a step). {fallback}"
+    ) from e
+
+
+# Directory -> the CheckpointManager whose save is still being written (blocking=False),
+# and (its step, the steps complete before it).
 _PENDING: dict[str, Any] = {}
+_PENDING_STEPS: dict[str, tuple[int, list[int]]] = {}
 
 
 def wait(directory: str | os.PathLike | None = None) -> None:
@@ -151,16 +203,20 @@ def wait(directory: str | os.PathLike | None = None) -> None:
         directory: Only the save under this directory; None: every save in flight.
 
     Raises:
-        Whatever error the background write met (e.g. a full disk), from the save it was in.
+        CheckpointWriteError (an OSError): the background write failed (e.g. a full disk);
+            it names the directory, the step and the cause, and the earlier steps, which
+            are still restorable.
     """
     paths = list(_PENDING) if directory is None else [_path(directory)]
     for path in paths:
         manager = _PENDING.pop(path, None)
+        step, earlier = _PENDING_STEPS.pop(path, (-1, []))
         if manager is not None:
-            try:
-                manager.wait_until_finished()
-            finally:
-                manager.close()
+            with _writing(path, step, earlier, "wait"):
+                try:
+                    manager.wait_until_finished()
+                finally:
+                    manager.close()
 
 
 @functools.cache
@@ -259,6 +315,7 @@ def restore(
                 f"checkpoint.restore: dense_target was given but the checkpoint "
                 f"{path}/{step} holds no dense state."
             )
+    _check_values(emb, stored, f"checkpoint.restore: step {step} of {path}")
     tables, slots = {}, {}
     for name, plan in emb.table_plans.items():
         storage = plan.storage
@@ -523,6 +580,24 @@ def _check_state(emb, state) -> None:
             "checkpoint.save: the state does not belong to this embedding (a "
             "state of another mesh size or spec?): " + "; ".join(problems) + "."
         )
+
+
+def _check_values(emb, stored: dict, where: str) -> None:
+    """The stored tables finite and their slots in their optimizers' domains (one pass
+    over each array on the devices; rows past V, the padding of older checkpoints, are
+    not looked at)."""
+    items = []
+    for name, plan in emb.table_plans.items():
+        v = plan.storage.layout.vocabulary_size
+        items += _guards.restored_items(
+            name,
+            plan.optimizer,
+            stored["tables"][name],
+            stored["slots"][name],
+            plan.storage.slot_specs,
+            rows=v,
+        )
+    _guards.check_restored(items, where)
 
 
 def _check_compatible(emb, meta: dict, where: str) -> None:

@@ -337,7 +337,10 @@ class _OptimizationParameters:
 
 
 class AdagradParameters(_OptimizationParameters):
-    """TF1's `tf.tpu.experimental.AdagradParameters`; becomes `jte.Adagrad`."""
+    """TF1's `tf.tpu.experimental.AdagradParameters`; becomes `jte.Adagrad`.
+
+    `epsilon` is not TF's: 0 (the default) is TF's formula lr·g/√a, > 0 FBGEMM's and
+    PyTorch's lr·g/(√a + ε)."""
 
     def __init__(
         self,
@@ -350,6 +353,7 @@ class AdagradParameters(_OptimizationParameters):
         multiply_weight_decay_factor_by_learning_rate: bool | None = None,
         clip_gradient_min: float | None = None,
         clip_gradient_max: float | None = None,
+        epsilon: float = 0.0,
     ):
         super().__init__(
             learning_rate,
@@ -361,6 +365,7 @@ class AdagradParameters(_OptimizationParameters):
             clip_gradient_min,
             clip_gradient_max,
         )
+        self.epsilon = epsilon  # Not TF's: jte.Adagrad's epsilon (0: TF's formula).
         if not isinstance(initial_accumulator, numbers.Real) or initial_accumulator <= 0:
             raise ValueError(
                 f"Adagrad initial_accumulator must be greater than zero. "
@@ -373,6 +378,7 @@ class AdagradParameters(_OptimizationParameters):
         return _optimizers.Adagrad(
             learning_rate=self.learning_rate if learning_rate is None else learning_rate,
             initial_accumulator_value=self.initial_accumulator,
+            epsilon=self.epsilon,
             **self._extras(),
         )
 

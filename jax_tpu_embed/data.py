@@ -47,6 +47,7 @@ import functools
 import gzip
 import os
 import threading
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -61,6 +62,7 @@ _FIELDS = 1 + NUM_DENSE + NUM_SPARSE
 _FIELD_NAMES = ("label",) + DENSE_NAMES + SPARSE_NAMES
 _MAX_HEX_DIGITS = 16  # A uint64.
 _KEPT_REASONS = 10
+_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 
 # Hex digit of each byte; -1 for the NUL padding of NumPy's fixed-width bytes, -2 for others.
 _HEX = np.full(256, -2, np.int8)
@@ -115,7 +117,13 @@ def _read_chunks(path: str, chunk_lines: int) -> Iterator[_Chunk]:
     line = 1
     with _open(path) as f:
         while True:
-            lines = f.readlines(chunk_lines * 160)  # Size hint: ~160 bytes per Criteo line.
+            try:
+                lines = f.readlines(chunk_lines * 160)  # Size hint: ~160 bytes per line.
+            except (EOFError, OSError, zlib.error) as e:  # gzip's errors of a cut file.
+                raise ValueError(
+                    f"Criteo file {path!r}: reading after line {line - 1} failed with "
+                    f"{type(e).__name__}: {e} (a truncated or corrupt gzip file?)."
+                ) from e
             if not lines:
                 return
             yield _Chunk(path, line, lines)
@@ -125,7 +133,10 @@ def _read_chunks(path: str, chunk_lines: int) -> Iterator[_Chunk]:
 class _Parser:
     """Parses chunks into arrays; counts the lines it skips (shared by reader threads)."""
 
-    def __init__(self, vocabulary_sizes, id_mapping, on_error, select_lines):
+    def __init__(self, vocabulary_sizes, id_mapping, on_error, select_lines, files=()):
+        self.files = list(files)
+        self.examples = 0  # Examples parsed, over every file and pass.
+        self.ended: set[str] = set()  # Files read to their end at least once.
         self.select_lines = select_lines
         self.vocabulary_sizes = vocabulary_sizes
         self.id_mapping = id_mapping
@@ -161,11 +172,27 @@ class _Parser:
             ok = np.ones(len(keep), bool)
             ok[list(bad)] = False
             labels, dense, values = labels[ok], dense[ok], values[ok]
+        with self.lock:
+            self.examples += len(labels)
         return {
             "dense": dense,
             "sparse": hash_ids(values, self.vocabulary_sizes, self.id_mapping),
             "labels": labels,
         }
+
+    def file_ended(self, path: str) -> None:
+        """Called when a file is read to its end (every chunk of it parsed). Once every
+        file has been, no example means none will ever come: an error, instead of zero
+        batches (num_epochs=1) or a pipeline that spins forever (num_epochs=None)."""
+        with self.lock:
+            self.ended.add(path)
+            if self.examples or not self.ended.issuperset(self.files):
+                return
+        raise ValueError(
+            f"data.criteo: the files {self.files} hold no example: they are empty, or every "
+            f"line was left out by select_lines or skipped as malformed "
+            f"(on_error={self.on_error!r}; skipped {self.skipped})."
+        )
 
     def _report(self, path: str, where: np.ndarray, problems: dict[int, str]) -> None:
         messages = [
@@ -202,17 +229,26 @@ def _convert(fields: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, di
     ints = np.where(ints == b"", b"0", ints)
     try:
         counts = ints.astype(np.int64)
-    except ValueError:
+    except (ValueError, OverflowError):  # Not an integer, or one beyond int64.
         counts = np.zeros(ints.shape, np.int64)
         for i, j in np.ndindex(*ints.shape):
             try:
-                counts[i, j] = int(ints[i, j])
+                value = int(ints[i, j])
             except ValueError:
                 bad.setdefault(
                     i,
                     f"field {DENSE_NAMES[j]} is {_text(ints[i, j])!r}, expected an integer "
                     f"(or empty)",
                 )
+                continue
+            if not _INT64_MIN <= value <= _INT64_MAX:
+                bad.setdefault(
+                    i,
+                    f"field {DENSE_NAMES[j]} is {_text(ints[i, j])!r}, beyond the int64 "
+                    f"range of an integer feature",
+                )
+                continue
+            counts[i, j] = value
     dense = np.log1p(np.maximum(counts, 0).astype(np.float32))
 
     cats = np.ascontiguousarray(fields[:, 1 + NUM_DENSE :])  # (n, 26) S<w>
@@ -302,6 +338,8 @@ def criteo(
         "labels": float32 (B,)}, with `.skipped` and `.skipped_examples`.
     """
     grain = _grain()
+    if not isinstance(drop_remainder, bool):
+        raise TypeError(f"data.criteo: drop_remainder must be a bool, got {drop_remainder!r}.")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     paths = [os.fspath(p) for p in paths]
@@ -336,10 +374,10 @@ def criteo(
         )
     local_batch = batch_size // processes
     files = paths[index::processes]
-    parser = _Parser(vocabulary_sizes, id_mapping, on_error, select_lines)
+    parser = _Parser(vocabulary_sizes, id_mapping, on_error, select_lines, files)
 
     def file_dataset(path: str):
-        source = _file_chunks_class()(path, chunk_lines)
+        source = _file_chunks_class()(path, chunk_lines, parser.file_ended)
         return source.map(parser).filter(lambda c: c["labels"].shape[0] > 0)
 
     sources = grain.MapDataset.source(files)
@@ -379,13 +417,18 @@ def _file_chunks_class():
     grain = _grain()
 
     class FileChunksIterator(grain.DatasetIterator):
-        def __init__(self, path: str, chunk_lines: int):
+        def __init__(self, path: str, chunk_lines: int, on_end: Callable[[str], None]):
             super().__init__()
+            self._path, self._on_end = path, on_end
             self._chunks = _read_chunks(path, chunk_lines)
             self._next_line = 1
 
         def __next__(self) -> _Chunk:
-            chunk = next(self._chunks)
+            try:
+                chunk = next(self._chunks)
+            except StopIteration:
+                self._on_end(self._path)  # The chunks before were parsed: map is lazy.
+                raise
             self._next_line = chunk.first_line + len(chunk.lines)
             return chunk
 
@@ -396,11 +439,11 @@ def _file_chunks_class():
             raise NotImplementedError("data.criteo: resuming mid-file is not supported.")
 
     class FileChunks(grain.IterDataset):
-        def __init__(self, path: str, chunk_lines: int):
+        def __init__(self, path: str, chunk_lines: int, on_end: Callable[[str], None]):
             super().__init__()
-            self.path, self.chunk_lines = path, chunk_lines
+            self.path, self.chunk_lines, self.on_end = path, chunk_lines, on_end
 
         def __iter__(self):
-            return FileChunksIterator(self.path, self.chunk_lines)
+            return FileChunksIterator(self.path, self.chunk_lines, self.on_end)
 
     return FileChunks

@@ -33,7 +33,7 @@ import jax.core
 import jax.numpy as jnp
 import optax
 
-from . import _config, _embedding, _sharding, _train
+from . import _config, _embedding, _guards, _sharding, _train
 
 COLLECTION = "embedding"
 _STATE_KEYS = ("tables", "slots", "step")
@@ -234,6 +234,38 @@ def _nested(states: dict[tuple, _embedding.EmbeddingState]) -> dict:
     return collection
 
 
+def _given_states(layers: dict, embedding_state: Any) -> dict:
+    """{layer path (a tuple): EmbeddingState} from `init`'s embedding_state argument,
+    each checked against its layer's Embedding."""
+    if embedding_state is None:
+        return {}
+    names = {_path_name(path): path for path in layers}
+    if isinstance(embedding_state, _embedding.EmbeddingState):
+        if len(layers) != 1:
+            raise ValueError(
+                f"init: the model has {len(layers)} Embed layers {sorted(names)}; give "
+                f"embedding_state as {{layer path: EmbeddingState}}."
+            )
+        embedding_state = {next(iter(names)): embedding_state}
+    if not isinstance(embedding_state, dict):
+        raise TypeError(
+            f"init: embedding_state must be a jte.EmbeddingState or {{layer path: "
+            f"EmbeddingState}}, got {type(embedding_state).__name__}."
+        )
+    unknown = sorted(set(embedding_state) - set(names))
+    if unknown:
+        raise ValueError(
+            f"init: embedding_state has {unknown}, which are not Embed layers of the model; "
+            f"its layers are {sorted(names)}."
+        )
+    out = {}
+    for name, state in embedding_state.items():
+        emb = layers[names[name]][0]
+        _guards.check_like(state, emb.abstract_state(), f"init: embedding_state[{name!r}]")
+        out[names[name]] = state
+    return out
+
+
 class FlaxTrainStep(_train.TrainStep):
     """The step `jte.flax.make_train_step` returns.
 
@@ -392,7 +424,14 @@ class FlaxTrainStep(_train.TrainStep):
             variables = self.model.init(rngs, batch, method=self.method, **self.apply_kwargs)
         return variables, {path: key for path, (_, key) in found.items()}
 
-    def init(self, key: Any, batch: Any) -> _train.TrainState:
+    def init(
+        self,
+        key: Any,
+        batch: Any,
+        *,
+        params: Any = None,
+        embedding_state: Any = None,
+    ) -> _train.TrainState:
         """The initial TrainState: `model.init(key, batch)`, then the optax state.
 
         Args:
@@ -401,6 +440,14 @@ class FlaxTrainStep(_train.TrainStep):
                 is derived from it (or taken from a dict's "train" entry).
             batch: One batch (with accumulate_steps=k, k micro-batches); it fixes the
                 shapes the step expects.
+            params: Start from these dense parameters (the "params" collection, e.g.
+                weights from another framework) instead of `model.init`'s; copied. Their
+                structure, shapes and dtypes must be `model.init`'s.
+            embedding_state: Start from these tables (e.g. `emb.restore_tables(...)` or
+                `jte.checkpoint.restore`) instead of drawing new ones: a
+                `jte.EmbeddingState` for a model with one `Embed`, else {layer path:
+                EmbeddingState} (paths as in `step.embeddings`; layers left out are drawn).
+                Consumed by the first step; `state.step` continues from its step.
         """
         init_rngs, rng = self._init_rngs(key)
         layers: dict = {}
@@ -414,11 +461,12 @@ class FlaxTrainStep(_train.TrainStep):
         if not key_info:
             raise ValueError("jte.flax.make_train_step: the model has no jte.flax.Embed.")
         traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((key, batch)))
+        given = _given_states(layers, embedding_state)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             compiling = [
                 pool.submit(emb.compile_init, key_info[path])
                 for path, (emb, _) in layers.items()
-                if not traced  # Inside another trace nothing is compiled here.
+                if not traced and path not in given  # Nothing is compiled inside a trace.
             ]
             if traced:
                 variables, keys = dense_init(init_rngs, micro)
@@ -428,12 +476,23 @@ class FlaxTrainStep(_train.TrainStep):
                 variables, keys = compiled(init_rngs, micro)
             for done in compiling:
                 done.result()
-        states = {path: layers[path][0].init(k) for path, k in keys.items()}
-        params, collection, model_state = self._split_variables(
+        states = {
+            path: given[path] if path in given else layers[path][0].init(k)
+            for path, k in keys.items()
+        }
+        own_params, collection, model_state = self._split_variables(
             {**variables, COLLECTION: _nested(states)}
         )
+        if params is not None:
+            _guards.check_like(params, own_params, "init: params")
         return self._make_state(
-            params, collection, batch, False, model_state=model_state, rng=rng, owned=True
+            own_params if params is None else params,
+            collection,
+            batch,
+            False,
+            model_state=model_state,
+            rng=rng,
+            owned=params is None,
         )
 
     def _first_micro(self, batch):
@@ -478,6 +537,7 @@ class FlaxTrainStep(_train.TrainStep):
         `model.apply` (e.g. train=False), replacing the step's `apply_kwargs`. A pipelined
         state must be flushed first.
         """
+        _guards.check_not_consumed(state, "FlaxTrainStep.predict", "train state", "state")
         if state.pending is not None and bool(state.pending.valid):
             raise ValueError(
                 "predict: the state has a pending update (pipeline_execution); "

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from . import _config, _embedding, _train
+from . import _config, _embedding, _guards, _train
 from . import checkpoint as _checkpoint
 
 
@@ -283,6 +283,15 @@ class NnxTrainStep(_train.TrainStep):
         """(graphdef, the TrainState of the model as it is now); the first call makes the
         optax state and counters."""
         graphdef, params, tables, rest = _split(self.model)
+        _guards.check_not_consumed(
+            {"params": params, "tables": tables, "rest": rest, "step_state": self.state},
+            "jte.nnx train step",
+            "model",
+            "model",
+            advice="A step donates the model's arrays and puts the new ones in the model: "
+            "arrays taken from the model before a step (nnx.state, nnx.split) must not be "
+            "put back after it; copy them when taking them (jax.tree.map(jnp.copy, ...)).",
+        )
         self._graphdef, self._tables = graphdef, tables
         if self.state is None:
             # Copies of the params and variables, placed on the mesh as the step's outputs
@@ -323,6 +332,50 @@ class NnxTrainStep(_train.TrainStep):
             return
         graphdef, state = self._full_state(None)
         self._write_back(self._nnx_flush_jit(state, graphdef))
+
+    def init(self, *, params: Any = None, embedding_state: Any = None) -> None:
+        """Starts training from given weights: writes them into the model (checked against
+        it) and restarts the optax state and counters at the next step.
+
+        Args:
+            params: The model's `nnx.Param`s, e.g. dense weights from another framework: an
+                `nnx.State` or its pure dict (`nnx.to_pure_dict(nnx.state(model,
+                nnx.Param))`'s structure), with the model's shapes and dtypes; copied.
+            embedding_state: A `jte.EmbeddingState` (e.g. from `emb.restore_tables` or
+                `jte.checkpoint.restore`) for a model with one `Embed`, else {layer path:
+                EmbeddingState} (paths as `jte.nnx.embeds(model)`); consumed by the first
+                step, whose `state.step` continues from it.
+        """
+        layers = embeds(self.model)
+        states = {}
+        if embedding_state is not None:
+            if isinstance(embedding_state, _embedding.EmbeddingState):
+                if len(layers) != 1:
+                    raise ValueError(
+                        f"init: the model has {len(layers)} Embed layers {sorted(layers)}; "
+                        f"give embedding_state as {{layer path: EmbeddingState}}."
+                    )
+                embedding_state = {next(iter(layers)): embedding_state}
+            unknown = sorted(set(embedding_state) - set(layers))
+            if unknown:
+                raise ValueError(
+                    f"init: embedding_state has {unknown}, which are not Embed layers of the "
+                    f"model; its layers are {sorted(layers)}."
+                )
+            for name, state in embedding_state.items():
+                where = f"init: embedding_state[{name!r}]"
+                _guards.check_not_consumed(state, where, "embedding state", "embedding_state")
+                _guards.check_like(state, layers[name].embedding.abstract_state(), where)
+                states[name] = state
+        if params is not None:
+            current = nnx.state(self.model, nnx.Param)
+            given = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+            _guards.check_like(given, nnx.to_pure_dict(current), "init: params")
+            nnx.replace_by_pure_dict(current, jax.tree.map(lambda x: jnp.array(x), given))
+            nnx.update(self.model, current)
+        for name, state in states.items():
+            layers[name].state.set_value(state)
+        self.state = None
 
     @property
     def opt_state(self) -> Any:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _config, _embedding, _inputs
+from . import _config, _embedding, _guards, _inputs
 
 Nested = Any
 
@@ -121,6 +121,7 @@ class Server:
     ):
         if not isinstance(spec, _config.EmbeddingSpec):
             raise TypeError(f"Server: spec must be a jte.EmbeddingSpec, got {type(spec).__name__}.")
+        _guards.check_not_consumed(tables, "serving.Server", "tables", "tables")
         check_tables(spec, tables)
         self.spec = spec
         self.device = device if device is not None else jax.devices("cpu")[0]
@@ -135,6 +136,7 @@ class Server:
         device: jax.Device | None = None,  # pyright: ignore[reportInvalidTypeForm]
     ) -> Server:
         """Serves `state`'s tables, exported in logical rows."""
+        _guards.check_not_consumed(state, "serving.Server.from_embedding")
         return cls(emb.spec, emb.export(state), device)
 
     def __call__(self, features: Nested) -> Nested:
@@ -201,6 +203,7 @@ def export(
     Returns:
         The `jax.export.Exported`; `.serialize()` gives bytes for `jax.export.deserialize`.
     """
+    _guards.check_not_consumed(tables, "serving.export", "tables", "tables")
     check_tables(spec, tables)
     flat = _inputs.flatten_inputs(spec, features)
     _inputs.check_batch(flat, 1, allow_empty=True)

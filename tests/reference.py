@@ -79,9 +79,9 @@ def optimizer_step(name, hp, w, slots, g, lr):
     s = {k: np.array(v, np.float64) for k, v in slots.items()}
     if name == "sgd":
         return w - lr * g, s
-    if name == "adagrad":
+    if name == "adagrad":  # epsilon 0: TF's; > 0: FBGEMM's EXACT_ADAGRAD, torch's.
         a = s["accumulators"] + g * g
-        return w - lr * g / np.sqrt(a), {"accumulators": a}
+        return w - lr * g / (np.sqrt(a) + hp.get("epsilon", 0.0)), {"accumulators": a}
     if name == "adagrad_momentum":
         a = s["accumulators"]
         a = a + g * g if hp["beta2"] == 1 else hp["beta2"] * a + (1 - hp["beta2"]) * g * g

@@ -163,6 +163,13 @@ OPTIMIZERS = {
         dict(beta=0.9),
         False,
     ),
+    # FBGEMM's EXACT_ADAGRAD: accumulators from 0, a large epsilon so that it matters here.
+    "adagrad_epsilon": (
+        jte.Adagrad(0.2, initial_accumulator_value=0.0, epsilon=0.3),
+        "adagrad",
+        dict(epsilon=0.3),
+        False,
+    ),
 }
 BACKENDS = ["xla", "pallas_interpret", "cpu"]
 MESHES = [("div", 1), ("mod", 1), ("div", 8), ("mod", 8)]

@@ -287,8 +287,12 @@ void UpdateRows(const int32_t* keys, int64_t m, const float* scale, const float*
       for (int64_t c = 0; c < d; ++c) {
         float acc = MulAdd(gs[c], gs[c], a[c]);
         a[c] = acc;
-        // XLA's rsqrt(acc) as 1/sqrt(acc): may differ from it in the last bit.
-        upd[c] = w[c] - lr * gs[c] * (1.0f / std::sqrt(acc));
+        if (p.eps > 0.0f) {  // FBGEMM's EXACT_ADAGRAD: lr * g / (sqrt(a) + eps).
+          upd[c] = w[c] - lr * gs[c] / (std::sqrt(acc) + p.eps);
+        } else {
+          // XLA's rsqrt(acc) as 1/sqrt(acc): may differ from it in the last bit.
+          upd[c] = w[c] - lr * gs[c] * (1.0f / std::sqrt(acc));
+        }
       }
     } else {
       // XLA:CPU vectorises mean(g²) and multiplies by 1 / D: the accumulator may differ
