@@ -285,6 +285,12 @@ def _route_lines(res: dict[str, Any]) -> list[str]:
     gather = sum(len(r["tables"]) for r in res["routing"] if r["routing"] == "gather")
     lines = [f"  routing               all-gather: {gather} table(s)"] if gather else []
     for r in res["routing"]:
+        if "fallback" in r:
+            lines.append(
+                f"  fallback              {', '.join(r['tables'])}: {r['kernel']} ops, since "
+                f"{r['fallback']}"
+            )
+    for r in res["routing"]:
         if r["routing"] != "owner":
             continue
         what = (
