@@ -300,6 +300,7 @@ _KILLED_SAVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # A subprocess of its own.
 def test_save_killed_part_way_leaves_previous_checkpoint_restorable(tmp_path):
     directory = tmp_path / "ckpt"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
@@ -644,6 +645,7 @@ _ASYNC_SAVE_THEN_TRAIN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # A subprocess of its own.
 def test_async_save_killed_part_way_leaves_previous_checkpoint_restorable(tmp_path):
     """The process goes on training after save(blocking=False) and is SIGKILLed while orbax
     still writes: the step being written never appears, the previous one restores."""
@@ -703,6 +705,7 @@ _ASYNC_SAVE_THEN_EXIT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # A subprocess of its own.
 def test_async_save_is_completed_when_the_script_ends(tmp_path):
     """A script whose last line is an async save still writes it: interpreter exit joins."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")

@@ -122,10 +122,17 @@ def reference_row_grads(tables, features, grads):
     return {t: reference.row_gradients(tables[t].shape[0], c) for t, c in contributions.items()}
 
 
-@pytest.mark.parametrize("strategy", ["div", "mod"])
-@pytest.mark.parametrize(
-    "num_shards,kind", [(1, "explicit"), (2, "auto"), (4, "explicit"), (8, "auto")]
-)
+def _lookup_cases():
+    """Both strategies on every mesh size; the fast tier keeps each strategy on each mesh kind
+    and each mesh size once (4 of the 8)."""
+    fast = {(1, "explicit", "div"), (2, "auto", "mod"), (4, "explicit", "mod"), (8, "auto", "div")}
+    for n, kind in [(1, "explicit"), (2, "auto"), (4, "explicit"), (8, "auto")]:
+        for strategy in ["div", "mod"]:
+            marks = [] if (n, kind, strategy) in fast else [pytest.mark.slow]
+            yield pytest.param(n, kind, strategy, id=f"{n}-{kind}-{strategy}", marks=marks)
+
+
+@pytest.mark.parametrize("num_shards,kind,strategy", list(_lookup_cases()))
 def test_lookup_matches_reference(kind, strategy, num_shards, rng):
     spec = _features_and_spec(jte.SGD(0.1), strategy=strategy)
     emb = jte.Embedding(spec, make_mesh(num_shards, kind))
@@ -255,20 +262,32 @@ def _two_steps_match_reference(emb, spec, rng, key, *, wide=False, extras=None):
 # tests/test_optimizers.py runs every optimizer on every backend, strategy and mesh size.
 
 
-def test_results_identical_for_every_strategy_and_mesh(rng):
+_EVERY_MESH = [
+    (s, n, "auto" if n % 2 else "explicit") for s in ["div", "mod"] for n in [1, 2, 4, 8]
+]
+
+
+@pytest.mark.parametrize(
+    "meshes",
+    [
+        # Both strategies, both mesh kinds, 1, 4 and 8 devices; the slow tier runs all eight.
+        pytest.param([("div", 1, "auto"), ("mod", 4, "auto"), ("div", 8, "explicit")], id="3"),
+        pytest.param(_EVERY_MESH, id="all", marks=pytest.mark.slow),
+    ],
+)
+def test_results_identical_for_every_strategy_and_mesh(meshes, rng):
     features = [_inputs(rng) for _ in range(2)]
     exports = []
-    for strategy in ["div", "mod"]:
-        for n in [1, 2, 4, 8]:
-            spec = _features_and_spec(
-                jte.Adagrad(0.1), strategy=strategy, table_optimizer=jte.FTRL(0.1)
-            )
-            emb = jte.Embedding(spec, make_mesh(n, "auto" if n % 2 else "explicit"))
-            state = emb.init(jax.random.key(3))
-            g_rng = np.random.default_rng(5)
-            for f in features:
-                state = emb.apply_gradients(state, f, _grads(g_rng, emb.lookup(state, f)))
-            exports.append((emb.export(state), emb.export_slots(state)))
+    for strategy, n, kind in meshes:
+        spec = _features_and_spec(
+            jte.Adagrad(0.1), strategy=strategy, table_optimizer=jte.FTRL(0.1)
+        )
+        emb = jte.Embedding(spec, make_mesh(n, kind))
+        state = emb.init(jax.random.key(3))
+        g_rng = np.random.default_rng(5)
+        for f in features:
+            state = emb.apply_gradients(state, f, _grads(g_rng, emb.lookup(state, f)))
+        exports.append((emb.export(state), emb.export_slots(state)))
     t0, s0 = exports[0]
     for t, s in exports[1:]:
         for name in t0:
@@ -917,6 +936,7 @@ print(peak - before, sum(x.nbytes for x in jax.tree.leaves((state.tables, state.
 """
 
 
+@pytest.mark.slow  # A subprocess of its own.
 def test_init_peak_memory_is_about_the_state():
     """A 1M x 64 Adagrad table (512 MB of state with its slot): init's peak RSS grows by at
     most 1.2 x the state + 256 MB (one logical copy and the physical one, or more, before)."""

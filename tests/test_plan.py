@@ -252,6 +252,7 @@ def test_routing_reports_the_rows_each_device_sends_each_owner_per_round():
     assert "26 stacked tables" in line and "without the VMEM cap" in line, line
 
 
+@pytest.mark.slow  # A subprocess of its own.
 def test_module_entry_point(config):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
