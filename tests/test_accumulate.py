@@ -95,8 +95,8 @@ def assert_same_embedding(emb, got, want, tol=1e-5):
     [
         ("adagrad", "div", 4, "explicit"),
         ("adam", "mod", 4, "auto"),
-        ("sgd", "mod", 2, "explicit"),
-        ("adam", "div", 1, "explicit"),
+        pytest.param("sgd", "mod", 2, "explicit", marks=pytest.mark.slow),
+        pytest.param("adam", "div", 1, "explicit", marks=pytest.mark.slow),
     ],
 )
 def test_accumulated_step_equals_concatenated_step(optimizer, strategy, num_shards, kind):

@@ -20,6 +20,10 @@ import jax_tpu_embed as jte
 from conftest import make_mesh
 from jax_tpu_embed import checkpoint
 
+# The Embeddings, initial states and saved checkpoints cached below serve the whole module: it
+# runs on one pytest-xdist worker (--dist loadgroup), so that they are built once.
+pytestmark = pytest.mark.xdist_group("checkpoint")
+
 B = 24
 
 
@@ -374,8 +378,8 @@ def test_save_killed_part_way_leaves_previous_checkpoint_restorable(tmp_path):
     "save_lanes,restore_lanes,items_opt",
     [
         (128, 0, "rowwise_adagrad"),
-        (0, 128, "rowwise_adagrad"),
-        (128, 0, "adagrad"),
+        pytest.param(0, 128, "rowwise_adagrad", marks=pytest.mark.slow),
+        pytest.param(128, 0, "adagrad", marks=pytest.mark.slow),
         (0, 128, "adagrad"),
     ],
 )
@@ -444,11 +448,10 @@ def _multi_slot_spec(strategy):
 @pytest.mark.parametrize(
     "save_on,restore_on",
     [
-        (("mod", 8, 0), ("div", 2, 0)),
-        (("mod", 8, 128), ("div", 1, 0)),
-        (("div", 2, 0), ("mod", 4, 128)),
+        pytest.param(("mod", 8, 0), ("div", 2, 0), id="mod8-div2", marks=pytest.mark.slow),
+        pytest.param(("mod", 8, 128), ("div", 1, 0), id="mod8-lanes128-div1"),
+        pytest.param(("div", 2, 0), ("mod", 4, 128), id="div2-mod4-lanes128"),
     ],
-    ids=["mod8-div2", "mod8-lanes128-div1", "div2-mod4-lanes128"],
 )
 def test_multi_slot_optimizers_restore_every_slot_by_name(tmp_path, save_on, restore_on):
     """Adam, FTRL, AdagradMomentum and a three-slot CustomOptimizer: each slot comes back as

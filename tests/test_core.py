@@ -361,7 +361,11 @@ def _momentum_sgd(gradient, row, slots, learning_rate, hyperparameters):
     return row - learning_rate * velocity, velocity, count + 1.0
 
 
-@pytest.mark.parametrize("strategy,tpu_kernels", [("div", False), ("mod", "interpret")])
+# The fast tier: the XLA passes (the battery runs a custom optimizer on the kernels too).
+@pytest.mark.parametrize(
+    "strategy,tpu_kernels",
+    [("div", False), pytest.param("mod", "interpret", marks=pytest.mark.slow)],
+)
 def test_custom_optimizer(strategy, tpu_kernels, rng):
     """A user's row function with a schedule, a hyperparameter and a rank-1 slot; also
     through the fused TPU kernels (in Pallas' interpreter, packed 128-lane rows)."""
@@ -456,7 +460,11 @@ def test_same_logical_init_for_every_mesh_and_strategy():
 
 @pytest.mark.parametrize(
     "opt_key,strategy,num_shards",
-    [("adagrad", "div", 4), ("rowwise_adagrad", "mod", 2), ("ftrl", "mod", 8)],
+    [
+        ("adagrad", "div", 4),
+        ("rowwise_adagrad", "mod", 2),
+        pytest.param("ftrl", "mod", 8, marks=pytest.mark.slow),  # Two riders.
+    ],
 )
 def test_lane_packed_layout_gives_identical_results(opt_key, strategy, num_shards, rng):
     """TPU's layout (narrow rows packed into 128 lanes), forced on CPU: every export, slot and
@@ -869,6 +877,7 @@ def test_init_is_the_same_for_every_block_size_mesh_strategy_and_layout(monkeypa
     assert abs(table.mean()) < 0.01 and len(np.unique(table)) > 0.99 * table.size
 
 
+@pytest.mark.slow
 def test_init_draws_every_table_in_one_computation(monkeypatch):
     """26 tables of two widths (the demo's count): `init`'s program draws them with one
     computation per width, in several rounds, and every table and slot is bit for bit what

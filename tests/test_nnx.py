@@ -258,6 +258,7 @@ def test_bad_models_raise():
 # --------------------------------------------------------------------- checkpoints
 
 
+@pytest.mark.slow
 def test_checkpoint_restores_onto_another_mesh_and_strategy(tmp_path):
     """Saved on 8 devices with "mod", restored on 2 devices with "div": the same tables,
     slots, dense params, batch statistics and optimizer state; training continues alike."""
