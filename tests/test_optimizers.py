@@ -383,7 +383,8 @@ def _check_two_steps(emb, tables, rng):
         for name, opt_key in tables.items():
             optimizer, ref_name, hp, _ = OPTIMIZERS[opt_key]
             table, slots = exported[name], exported_slots[name]
-            f, a, g = (x[name] if nested else x for x in (per_table, acts, grads))
+            f = per_table[name]
+            a, g = (acts[name], grads[name]) if nested else (acts, grads)
             try:
                 chex.assert_trees_all_close(
                     jax.tree.map(np.asarray, a), _reference(table, f), rtol=1e-5, atol=1e-6
