@@ -156,7 +156,7 @@ def test_stacks_group_tables_of_one_row_form_and_optimizer():
     [
         pytest.param("mod", 2, "xla", marks=pytest.mark.slow),
         ("mod", 4, "pallas_interpret"),
-        ("div", 8, "xla"),
+        pytest.param("div", 8, "xla", marks=pytest.mark.slow),
     ],
 )
 def test_stacked_tables_train_as_the_reference(strategy, num_shards, backend, rng):
@@ -225,6 +225,7 @@ def test_export_checkpoint_and_shard_rows_speak_per_table_rows(tmp_path, rng):
         np.testing.assert_array_equal(stacked.shard_rows(state, t, 1), want)
 
 
+@pytest.mark.slow
 def test_a_stack_runs_in_parts_where_one_call_would_not_fit(monkeypatch, rng):
     """A stack in one call, or in parts of whole members when the kernels cannot hold every
     feature at once: the same results."""

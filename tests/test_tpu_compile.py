@@ -367,6 +367,7 @@ def test_w1_table_bytes_accessed(dim, kernels, limit):
     assert ratio <= limit, f"D={dim}: {ratio:.1f}x essential (limit {limit}x)"
 
 
+@pytest.mark.slow
 def test_sparse_core_moves_narrow_rows_without_table_copies():
     """What benchmarks/tpu_row_access.py shows for a future SparseCore path, held here so a
     libtpu or JAX upgrade that changes it is noticed: on v5p (DMA granule 32 bytes, where
@@ -392,6 +393,7 @@ def test_sparse_core_moves_narrow_rows_without_table_copies():
 ROUTED_CASES = [Case("v5p:2x2x1", 64, "adagrad", routing="owner")]
 
 
+@pytest.mark.slow  # Part of the full matrix.
 @pytest.mark.parametrize("case", ROUTED_CASES, ids=str)
 def test_routed_train_step_compiles_within_limits(case, compiler):
     test_train_step_compiles_within_limits(case, compiler)
@@ -429,6 +431,7 @@ def test_auto_routing_follows_the_measured_crossover():
         assert jte.Embedding(spec, _aot.mesh(topo)).routing == {"t": want}, topology
 
 
+@pytest.mark.slow
 def test_stacked_tables_share_one_set_of_collectives():
     """Four owner-routed tables in one stack: the train step compiles, fits, keeps its
     state aliased, holds no table-sized temporary, and exchanges as often as one table."""
