@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test test-slow test-all lint format bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,8 +16,28 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m jax_tpu_embed.demo
 
+# The suite in two tiers. `make test` (what a change is checked with) runs the fast tier:
+# every test not marked slow. `make test-slow` runs the slow tier, `-m slow`: the full libtpu
+# AOT matrix, multi-process and subprocess tests, the demo, the full optimizer rotation.
+# `make test-all` runs both in one session. --dist loadgroup spreads tests over both workers
+# one by one, except those of a file marked xdist_group (module state), kept on one worker.
+# ARGS= passes more pytest options, e.g. ARGS="-k routing --durations=20". pytest exits 5
+# when it selects no test: an error here (a tier that runs nothing checks nothing).
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadgroup
+define run_tier
+	$(PYTEST) $(1) $(ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make $@: pytest selected no test (exit 5)" >&2; fi; \
+	exit $$rc
+endef
+
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(call run_tier,-m "not slow")
+
+test-slow: $(STAMP)
+	$(call run_tier,-m slow)
+
+test-all: $(STAMP)
+	$(call run_tier,)
 
 # ruff's linter, ruff's formatter (check only) and pyright (settings in pyproject.toml) over
 # the package, tests/ and benchmarks/, imports resolved in this venv. pyright runs even when

@@ -94,9 +94,9 @@ def assert_same_embedding(emb, got, want, tol=1e-5):
     "optimizer,strategy,num_shards,kind",
     [
         ("adagrad", "div", 4, "explicit"),
-        ("adam", "mod", 4, "auto"),
-        ("sgd", "mod", 2, "explicit"),
-        ("adam", "div", 1, "explicit"),
+        pytest.param("adam", "mod", 4, "auto", marks=pytest.mark.slow),
+        pytest.param("sgd", "mod", 2, "explicit", marks=pytest.mark.slow),
+        pytest.param("adam", "div", 1, "explicit", marks=pytest.mark.slow),
     ],
 )
 def test_accumulated_step_equals_concatenated_step(optimizer, strategy, num_shards, kind):
@@ -155,6 +155,7 @@ def test_one_update_per_row_not_one_per_micro_batch():
     np.testing.assert_array_equal(got[[1, 2, 4]], before[[1, 2, 4]].astype(np.float32))
 
 
+@pytest.mark.slow
 def test_micro_batches_with_pipelining_equal_the_concatenated_pipelined_step():
     spec = make_spec()
     spec = jte.EmbeddingSpec(spec.features, spec.optimizer, pipeline_execution=True)
@@ -279,6 +280,7 @@ def nnx_loss(model, batch):
     return jnp.sum((model(batch["features"]) - batch["y"]) ** 2)
 
 
+@pytest.mark.slow  # The fast tier: the linen and generic forms.
 def test_nnx_accumulated_step_equals_concatenated_step():
     spec, mesh = make_spec("adagrad", "div"), make_mesh(2)
     rng = np.random.default_rng(4)

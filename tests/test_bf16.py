@@ -81,17 +81,24 @@ def test_bf16_results_do_not_depend_on_mesh_or_strategy(rng):
 # dim that is not a power of two (rows padded to 64 lanes, two to a 128-lane row); Adagrad at
 # dims 32-256, unpacked 200 among them. Meshes of 4 give shards of 75 rows: odd physical row
 # counts, padded to row pairs. Owner routing once: the owners' kernels update the rows they
-# receive.
+# receive. The fast tier keeps two: packed rows rounded stochastically with a riding slot and
+# the extras, and unpacked rows rounded to nearest with two slots; the rest
+# (routed among them: test_bf16_results_do_not_depend_on_mesh_or_strategy routes on the XLA
+# ops in the fast tier) are marked slow.
 _KERNEL_OPTIMIZERS = ("sgd+extras", "adagrad+extras", "adam+extras", "rowwise_adagrad")
+_FAST_KERNEL_CASES = ("adagrad+extras-d48", "rmsprop-d200-nearest")
+_KERNEL_CASES = [(key, 48, "mod", 8, True, "gather", f"{key}-d48") for key in _KERNEL_OPTIMIZERS]
+_KERNEL_CASES += [
+    ("adagrad", 32, "div", 4, True, "gather", "adagrad-d32"),
+    ("adagrad+extras", 64, "mod", 4, False, "gather", "adagrad+extras-d64-nearest"),
+    ("adagrad", 128, "div", 4, True, "gather", "adagrad-d128"),
+    ("rmsprop", 200, "mod", 4, False, "gather", "rmsprop-d200-nearest"),
+    ("adam", 256, "div", 8, True, "gather", "adam-d256"),
+    ("adagrad", 48, "div", 4, True, "owner", "adagrad-d48-owner"),
+]
 _KERNEL_CASES = [
-    pytest.param(key, 48, "mod", 8, True, "gather", id=f"{key}-d48") for key in _KERNEL_OPTIMIZERS
-] + [
-    pytest.param("adagrad", 32, "div", 4, True, "gather", id="adagrad-d32"),
-    pytest.param("adagrad+extras", 64, "mod", 4, False, "gather", id="adagrad+extras-d64-nearest"),
-    pytest.param("adagrad", 128, "div", 4, True, "gather", id="adagrad-d128"),
-    pytest.param("rmsprop", 200, "mod", 4, False, "gather", id="rmsprop-d200-nearest"),
-    pytest.param("adam", 256, "div", 8, True, "gather", id="adam-d256"),
-    pytest.param("adagrad", 48, "div", 4, True, "owner", id="adagrad-d48-owner"),
+    pytest.param(*c[:-1], id=c[-1], marks=[] if c[-1] in _FAST_KERNEL_CASES else pytest.mark.slow)
+    for c in _KERNEL_CASES
 ]
 
 
@@ -250,11 +257,27 @@ _CPU_OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize(
-    "strategy,num_shards,stochastic",
-    [("div", 1, True), ("mod", 1, True), ("div", 8, True), ("mod", 8, True), ("mod", 8, False)],
-)
-@pytest.mark.parametrize("opt_key", list(_CPU_OPTIMIZERS))
+def _cpu_cases():
+    """Every optimizer of _CPU_OPTIMIZERS on 1 and 8 devices, "div" and "mod", rounded
+    stochastically, and to nearest on ("mod", 8). The rounding bits depend on the global row
+    only (first + r * stride: on 8 devices first and stride differ between "div" and
+    "mod"); the fast tier keeps 8 devices (and to nearest once), the slow tier 1 device."""
+    meshes = [("div", 1, True), ("mod", 1, True), ("div", 8, True), ("mod", 8, True)]
+    meshes += [("mod", 8, False)]
+    for strategy, n, stochastic in meshes:
+        for key in _CPU_OPTIMIZERS:
+            fast = n == 8 and (stochastic or key == "adagrad+extras")
+            yield pytest.param(
+                key,
+                strategy,
+                n,
+                stochastic,
+                id=f"{key}-{strategy}-{n}-{stochastic}",
+                marks=[] if fast else [pytest.mark.slow],
+            )
+
+
+@pytest.mark.parametrize("opt_key,strategy,num_shards,stochastic", list(_cpu_cases()))
 def test_bf16_cpu_kernels_round_like_the_xla_passes(opt_key, strategy, num_shards, stochastic, rng):
     """The C++ kernels widen bfloat16 rows, update them in float32 and round them back with
     the same bits as the XLA passes: the same bfloat16 table, bit for bit, and the same

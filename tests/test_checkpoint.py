@@ -3,6 +3,7 @@ earlier steps, survive a save killed part-way, and refuse tables that do not fit
 
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,10 @@ import pytest
 import jax_tpu_embed as jte
 from conftest import make_mesh
 from jax_tpu_embed import checkpoint
+
+# The Embeddings, initial states and saved checkpoints cached below serve the whole module: it
+# runs on one pytest-xdist worker (--dist loadgroup), so that they are built once.
+pytestmark = pytest.mark.xdist_group("checkpoint")
 
 B = 24
 
@@ -83,6 +88,32 @@ def _train(emb, state, batches):
     for feats, grads in batches:
         state = emb.apply_gradients(state, feats, grads)
     return state
+
+
+@pytest.fixture(scope="module")
+def _saved_steps(tmp_path_factory):
+    """Checkpoints of `_emb("div", 2, "auto")`, saved once for the module: "init" holds step 0
+    (its initial state), "two" steps 0 and 1 (after one batch). With the export of step 0."""
+    emb = _emb("div", 2, "auto")
+    root = tmp_path_factory.mktemp("saved")
+    state = _init(emb)
+    checkpoint.save(root / "init", emb, state)
+    shutil.copytree(root / "init", root / "two")
+    checkpoint.save(root / "two", emb, _train(emb, state, [_batch(np.random.default_rng(0))]))
+    assert checkpoint.all_steps(root / "two") == [0, 1]
+    return root, emb.export(_init(emb))
+
+
+@pytest.fixture
+def saved(_saved_steps, tmp_path):
+    """A fresh copy of one of `_saved_steps`' checkpoints, in this test's own directory: the
+    test may corrupt it."""
+    root, _ = _saved_steps
+
+    def copy(which: str):
+        return shutil.copytree(root / which, tmp_path / which)
+
+    return copy
 
 
 def _dense_init():
@@ -250,17 +281,15 @@ def test_missing_directory_step_or_checkpoint(tmp_path):
         (dict(items_optimizer=jte.SGD(0.1)), r"table 'items'.*but the spec's optimizer \(SGD\)"),
     ],
 )
-def test_table_that_does_not_fit_is_named(tmp_path, change, match):
-    emb = _emb("div", 2, "auto")
-    checkpoint.save(tmp_path, emb, _init(emb))
+def test_table_that_does_not_fit_is_named(saved, change, match):
+    directory = saved("init")  # _emb("div", 2, "auto")'s initial state.
     other = jte.Embedding(_spec("div", **change), make_mesh(2))
     with pytest.raises(ValueError, match=match):
-        checkpoint.restore(tmp_path, other)
+        checkpoint.restore(directory, other)
 
 
-def test_missing_and_extra_tables_are_named(tmp_path):
-    emb = _emb("div", 2, "auto")
-    checkpoint.save(tmp_path, emb, _init(emb))
+def test_missing_and_extra_tables_are_named(saved):
+    directory = saved("init")  # _emb("div", 2, "auto")'s initial state.
     spec = jte.EmbeddingSpec(
         {
             "u": jte.FeatureConfig(jte.TableConfig(13, 4, name="users")),
@@ -273,7 +302,7 @@ def test_missing_and_extra_tables_are_named(tmp_path):
         match=r"\['zeta'\] are not in the checkpoint.*"
         r"tables \['items'\] are not in",
     ):
-        checkpoint.restore(tmp_path, jte.Embedding(spec, make_mesh(2)))
+        checkpoint.restore(directory, jte.Embedding(spec, make_mesh(2)))
 
 
 def test_state_of_another_embedding_is_refused(tmp_path):
@@ -300,6 +329,7 @@ _KILLED_SAVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # A subprocess of its own.
 def test_save_killed_part_way_leaves_previous_checkpoint_restorable(tmp_path):
     directory = tmp_path / "ckpt"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
@@ -348,8 +378,8 @@ def test_save_killed_part_way_leaves_previous_checkpoint_restorable(tmp_path):
     "save_lanes,restore_lanes,items_opt",
     [
         (128, 0, "rowwise_adagrad"),
-        (0, 128, "rowwise_adagrad"),
-        (128, 0, "adagrad"),
+        pytest.param(0, 128, "rowwise_adagrad", marks=pytest.mark.slow),
+        pytest.param(128, 0, "adagrad", marks=pytest.mark.slow),
         (0, 128, "adagrad"),
     ],
 )
@@ -418,11 +448,10 @@ def _multi_slot_spec(strategy):
 @pytest.mark.parametrize(
     "save_on,restore_on",
     [
-        (("mod", 8, 0), ("div", 2, 0)),
-        (("mod", 8, 128), ("div", 1, 0)),
-        (("div", 2, 0), ("mod", 4, 128)),
+        pytest.param(("mod", 8, 0), ("div", 2, 0), id="mod8-div2", marks=pytest.mark.slow),
+        pytest.param(("mod", 8, 128), ("div", 1, 0), id="mod8-lanes128-div1"),
+        pytest.param(("div", 2, 0), ("mod", 4, 128), id="div2-mod4-lanes128"),
     ],
-    ids=["mod8-div2", "mod8-lanes128-div1", "div2-mod4-lanes128"],
 )
 def test_multi_slot_optimizers_restore_every_slot_by_name(tmp_path, save_on, restore_on):
     """Adam, FTRL, AdagradMomentum and a three-slot CustomOptimizer: each slot comes back as
@@ -504,34 +533,31 @@ _CORRUPTIONS = {
 
 
 @pytest.mark.parametrize("corruption", list(_CORRUPTIONS))
-def test_corrupt_step_names_step_and_file_and_earlier_steps(tmp_path, corruption):
+def test_corrupt_step_names_step_and_file_and_earlier_steps(saved, _saved_steps, corruption):
     emb = _emb("div", 2, "auto")
-    state = _init(emb)
-    want = emb.export(state)
-    checkpoint.save(tmp_path, emb, state)
-    state = _train(emb, state, [_batch(np.random.default_rng(0))])
-    checkpoint.save(tmp_path, emb, state)
+    directory = saved("two")  # Step 0: emb's initial state (`want`); step 1: one batch later.
+    want = _saved_steps[1]
     corrupt, where = _CORRUPTIONS[corruption]
-    corrupt(str(tmp_path))
+    corrupt(str(directory))
     with pytest.raises(checkpoint.CheckpointCorruptError) as info:
-        checkpoint.restore(tmp_path, emb)
+        checkpoint.restore(directory, emb)
     message = str(info.value)
     assert "step 1 is corrupt or incomplete" in message, message
     assert where in message, message
     assert "Earlier steps that may be restored: [0]" in message, message
     assert isinstance(info.value, ValueError)
     # The earlier step still restores, bit for bit.
-    restored, _ = checkpoint.restore(tmp_path, emb, step=0)
+    restored, _ = checkpoint.restore(directory, emb, step=0)
     for name, table in emb.export(restored).items():
         np.testing.assert_array_equal(table, want[name])
 
 
-def test_corrupt_only_step_says_nothing_earlier(tmp_path):
+def test_corrupt_only_step_says_nothing_earlier(saved):
     emb = _emb("div", 2, "auto")
-    checkpoint.save(tmp_path, emb, _init(emb))
-    _truncate(f"{tmp_path}/0/metadata/metadata")
+    directory = saved("init")
+    _truncate(f"{directory}/0/metadata/metadata")
     with pytest.raises(checkpoint.CheckpointCorruptError, match="no earlier step"):
-        checkpoint.restore(tmp_path, emb)
+        checkpoint.restore(directory, emb)
 
 
 @pytest.mark.parametrize("strategy,num_shards", [("mod", 8), ("div", 3)])
@@ -644,6 +670,7 @@ _ASYNC_SAVE_THEN_TRAIN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # A subprocess of its own.
 def test_async_save_killed_part_way_leaves_previous_checkpoint_restorable(tmp_path):
     """The process goes on training after save(blocking=False) and is SIGKILLed while orbax
     still writes: the step being written never appears, the previous one restores."""
@@ -703,6 +730,7 @@ _ASYNC_SAVE_THEN_EXIT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # A subprocess of its own.
 def test_async_save_is_completed_when_the_script_ends(tmp_path):
     """A script whose last line is an async save still writes it: interpreter exit joins."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")

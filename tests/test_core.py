@@ -120,10 +120,17 @@ def reference_row_grads(tables, features, grads):
     return {t: reference.row_gradients(tables[t].shape[0], c) for t, c in contributions.items()}
 
 
-@pytest.mark.parametrize("strategy", ["div", "mod"])
-@pytest.mark.parametrize(
-    "num_shards,kind", [(1, "explicit"), (2, "auto"), (4, "explicit"), (8, "auto")]
-)
+def _lookup_cases():
+    """Both strategies on every mesh size; the fast tier keeps each strategy on each mesh kind
+    and each mesh size once (4 of the 8)."""
+    fast = {(1, "explicit", "div"), (2, "auto", "mod"), (4, "explicit", "mod"), (8, "auto", "div")}
+    for n, kind in [(1, "explicit"), (2, "auto"), (4, "explicit"), (8, "auto")]:
+        for strategy in ["div", "mod"]:
+            marks = [] if (n, kind, strategy) in fast else [pytest.mark.slow]
+            yield pytest.param(n, kind, strategy, id=f"{n}-{kind}-{strategy}", marks=marks)
+
+
+@pytest.mark.parametrize("num_shards,kind,strategy", list(_lookup_cases()))
 def test_lookup_matches_reference(kind, strategy, num_shards, rng):
     spec = _features_and_spec(jte.SGD(0.1), strategy=strategy)
     emb = jte.Embedding(spec, make_mesh(num_shards, kind))
@@ -253,20 +260,32 @@ def _two_steps_match_reference(emb, spec, rng, key, *, wide=False, extras=None):
 # tests/test_optimizers.py runs every optimizer on every backend, strategy and mesh size.
 
 
-def test_results_identical_for_every_strategy_and_mesh(rng):
+_EVERY_MESH = [
+    (s, n, "auto" if n % 2 else "explicit") for s in ["div", "mod"] for n in [1, 2, 4, 8]
+]
+
+
+@pytest.mark.parametrize(
+    "meshes",
+    [
+        # Both strategies, both mesh kinds, 1, 4 and 8 devices; the slow tier runs all eight.
+        pytest.param([("div", 1, "auto"), ("mod", 4, "auto"), ("div", 8, "explicit")], id="3"),
+        pytest.param(_EVERY_MESH, id="all", marks=pytest.mark.slow),
+    ],
+)
+def test_results_identical_for_every_strategy_and_mesh(meshes, rng):
     features = [_inputs(rng) for _ in range(2)]
     exports = []
-    for strategy in ["div", "mod"]:
-        for n in [1, 2, 4, 8]:
-            spec = _features_and_spec(
-                jte.Adagrad(0.1), strategy=strategy, table_optimizer=jte.FTRL(0.1)
-            )
-            emb = jte.Embedding(spec, make_mesh(n, "auto" if n % 2 else "explicit"))
-            state = emb.init(jax.random.key(3))
-            g_rng = np.random.default_rng(5)
-            for f in features:
-                state = emb.apply_gradients(state, f, _grads(g_rng, emb.lookup(state, f)))
-            exports.append((emb.export(state), emb.export_slots(state)))
+    for strategy, n, kind in meshes:
+        spec = _features_and_spec(
+            jte.Adagrad(0.1), strategy=strategy, table_optimizer=jte.FTRL(0.1)
+        )
+        emb = jte.Embedding(spec, make_mesh(n, kind))
+        state = emb.init(jax.random.key(3))
+        g_rng = np.random.default_rng(5)
+        for f in features:
+            state = emb.apply_gradients(state, f, _grads(g_rng, emb.lookup(state, f)))
+        exports.append((emb.export(state), emb.export_slots(state)))
     t0, s0 = exports[0]
     for t, s in exports[1:]:
         for name in t0:
@@ -340,7 +359,11 @@ def _momentum_sgd(gradient, row, slots, learning_rate, hyperparameters):
     return row - learning_rate * velocity, velocity, count + 1.0
 
 
-@pytest.mark.parametrize("strategy,tpu_kernels", [("div", False), ("mod", "interpret")])
+# The fast tier: the XLA passes (the battery runs a custom optimizer on the kernels too).
+@pytest.mark.parametrize(
+    "strategy,tpu_kernels",
+    [("div", False), pytest.param("mod", "interpret", marks=pytest.mark.slow)],
+)
 def test_custom_optimizer(strategy, tpu_kernels, rng):
     """A user's row function with a schedule, a hyperparameter and a rank-1 slot; also
     through the fused TPU kernels (in Pallas' interpreter, packed 128-lane rows)."""
@@ -435,7 +458,12 @@ def test_same_logical_init_for_every_mesh_and_strategy():
 
 @pytest.mark.parametrize(
     "opt_key,strategy,num_shards",
-    [("adagrad", "div", 4), ("rowwise_adagrad", "mod", 2), ("ftrl", "mod", 8)],
+    [
+        ("adagrad", "div", 4),
+        # A rank-1 slot in a packed array of its own (test_checkpoint round-trips it fast).
+        pytest.param("rowwise_adagrad", "mod", 2, marks=pytest.mark.slow),
+        pytest.param("ftrl", "mod", 8, marks=pytest.mark.slow),  # Two riders.
+    ],
 )
 def test_lane_packed_layout_gives_identical_results(opt_key, strategy, num_shards, rng):
     """TPU's layout (narrow rows packed into 128 lanes), forced on CPU: every export, slot and
@@ -868,6 +896,7 @@ def test_init_is_the_same_for_every_block_size_mesh_strategy_and_layout():
     assert abs(table.mean()) < 0.01 and len(np.unique(table)) > 0.99 * table.size
 
 
+@pytest.mark.slow
 def test_init_draws_every_table_in_one_computation():
     """26 tables of two widths (the demo's count): `init`'s program draws them with one
     computation per width, in several rounds, and every table and slot is bit for bit what
@@ -934,6 +963,7 @@ print(peak - before, sum(x.nbytes for x in jax.tree.leaves((state.tables, state.
 """
 
 
+@pytest.mark.slow  # A subprocess of its own.
 def test_init_peak_memory_is_about_the_state():
     """A 1M x 64 Adagrad table (512 MB of state with its slot): init's peak RSS grows by at
     most 1.2 x the state + 256 MB (one logical copy and the physical one, or more, before)."""

@@ -67,6 +67,7 @@ def test_default_config_ships_inside_the_package():
     assert set(yaml.safe_load(path.read_text())) >= {"data", "model", "train", "small"}
 
 
+@pytest.mark.slow
 def test_small_demo_runs_and_learns(tmp_path, capsys):
     summary = demo.main(["--small", "--out", str(tmp_path), "--no-progress"])
     out = capsys.readouterr().out
@@ -81,6 +82,7 @@ def test_small_demo_runs_and_learns(tmp_path, capsys):
         assert (tmp_path / "checkpoint" / str(summary["steps"])).is_dir()
 
 
+@pytest.mark.slow
 def test_demo_trains_on_criteo_files(tmp_path, capsys):
     """--data: a generated Criteo-format file (empty fields, a planted signal, one malformed
     line) trains the same DLRM to a held-out AUC well above chance."""

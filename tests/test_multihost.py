@@ -40,6 +40,10 @@ CASES = (
 )
 JOB_CASES = CASES + ("criteo",)
 NUM_PROCESSES = 2
+
+# One job (the module fixture `job`) serves every case: the module runs on one pytest-xdist
+# worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("multihost")
 JOB_TIMEOUT_S = 180  # Whole job; a normal run takes well under a minute on 2 cores.
 
 
@@ -150,6 +154,7 @@ def job(tmp_path_factory):
     j.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_two_processes_match_one(job, case):
     want = worker.train(*case.split(":"))  # This process: 8 devices, one controller.
@@ -174,6 +179,7 @@ def test_two_processes_match_one(job, case):
         assert got["meta/same_check"].tolist() == [False, True]
 
 
+@pytest.mark.slow
 def test_each_process_reads_its_own_criteo_file(job):
     """Process p reads criteo_p.tsv and its rows land at its devices' positions of each
     global batch (rows [0, 8) from process 0, [8, 16) from process 1 on the explicit mesh)."""
@@ -194,6 +200,7 @@ def test_each_process_reads_its_own_criteo_file(job):
             np.testing.assert_allclose(got[f"{key}/{i}"], expected, rtol=1e-6, err_msg=key)
 
 
+@pytest.mark.slow
 def test_workers_exit_cleanly(job):
     job.wait_exit()
 

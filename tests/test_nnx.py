@@ -134,7 +134,8 @@ def test_embed_outside_the_step_is_a_lookup():
 # ------------------------------------------------------------------- the train step
 
 
-@pytest.mark.parametrize("pipeline", [False, True])
+# Pipelined: test_two_embeds_one_nested_one_pipelined in the fast tier.
+@pytest.mark.parametrize("pipeline", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_nnx_step_equals_generic_step(pipeline):
     """Same tables, same dense params: the NNX step and jte.make_train_step (checked against
     a float64 reference in test_train.py) agree after several steps, metrics included."""
@@ -258,6 +259,7 @@ def test_bad_models_raise():
 # --------------------------------------------------------------------- checkpoints
 
 
+@pytest.mark.slow
 def test_checkpoint_restores_onto_another_mesh_and_strategy(tmp_path):
     """Saved on 8 devices with "mod", restored on 2 devices with "div": the same tables,
     slots, dense params, batch statistics and optimizer state; training continues alike."""

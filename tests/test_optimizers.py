@@ -1,9 +1,19 @@
 """One battery: every optimizer (with and without the extras) against the float64 reference
-of tests/reference.py, on the all-gather path (the XLA passes, the Pallas kernels and the C++
-kernels; "div" and "mod"; 1 and 8 devices) and routed to owners, each optimizer on one of
-those configurations in turn (`_in_turn`) and Adagrad on all.
+of tests/reference.py, factored into the math and the paths.
 
-Each case runs two steps (slots written by the first are read by the second) over one table
+- The math (`test_every_optimizer_matches_reference`): every optimizer on one configuration,
+  the XLA backend on one device, one table per optimizer in one Embedding (the per-row
+  function is one on the XLA and Pallas paths, `_backend.row_step`); and the optimizers the
+  C++ kernels update with math of their own (SGD, Adagrad, RowwiseAdagrad, each with and
+  without the extras) on the `cpu` backend.
+- The paths (`test_optimizer_on_backend_matches_reference`, `..._routed_to_owners_...`):
+  every backend (the XLA passes, the Pallas kernels, the C++ kernels), "div" and "mod", on
+  the all-gather path and routed to owners, with Adagrad (a slot riding in the table's rows)
+  and a CustomOptimizer (a rank-2 and a rank-1 slot), and the extras routed.
+- The slow tier (`-m slow`) adds the earlier full rotation: each optimizer alone on one of
+  the paths in turn (`_in_turn`), Adagrad on every one.
+
+Each case runs two steps (slots written by the first are read by the second) over a table
 shared by a pooled and a sequence feature, with padding and duplicate ids, and checks
 lookups, updated rows and slots, and that untouched rows and slots keep their bits
 (tests/test_core.py covers every input form and combiner). So the backends'
@@ -219,23 +229,105 @@ def _reference(table, features, grads=None):
     return reference.row_gradients(_V, [p + (grads[k],) for p, k in zip(parts, ["multi", "seq"])])
 
 
+def _case_id(key, *config) -> str:
+    return f"{key}-" + "-".join(map(str, config))
+
+
 def _in_turn(configs: list, *always: str) -> list:
     """Each optimizer with one of `configs`, taken in turn, and the `always` ones with every
     config: every config meets several optimizers (the per-row math is one function on every
-    path), and every optimizer meets every path of the battery, for a fraction of the
-    product's time (it would take the whole suite's 15-minute budget)."""
+    path), and every optimizer meets every path of the battery."""
     cases = []
     for i, key in enumerate(OPTIMIZERS):
         picked = configs if key in always else [configs[i % len(configs)]]
-        cases += [pytest.param(key, *c, id=f"{key}-" + "-".join(map(str, c))) for c in picked]
+        cases += [(key, *c) for c in picked]
     return cases
 
 
-# The all-gather path: every backend on 1 and 8 devices, "div" and "mod"; Adagrad on all.
+def _tiered(fast: list, rotation: list) -> list:
+    """The `fast` cases, then those of the full `rotation` not among them, marked slow."""
+    ids = {_case_id(*c) for c in fast}
+    slow = [c for c in rotation if _case_id(*c) not in ids]
+    return [pytest.param(*c, id=_case_id(*c)) for c in fast] + [
+        pytest.param(*c, id=_case_id(*c), marks=pytest.mark.slow) for c in slow
+    ]
+
+
+# ------------------------------------------------------------------------------- the math
+
+# The optimizers whose update the C++ kernels compute themselves (the others sum duplicates
+# there and update with the XLA form, as on the XLA backend).
+CPU_MATH = (
+    "sgd",
+    "sgd+extras",
+    "adagrad",
+    "adagrad+extras",
+    "rowwise_adagrad",
+    "rowwise_adagrad+extras",
+)
+
+
+def _table_name(key: str) -> str:
+    return key.replace("+", "_")
+
+
+def _math_spec(keys, strategy, extras):
+    """One table per optimizer of `keys` (each its table's optimizer), each shared by a pooled
+    and a sequence feature as in `_spec`; the extras are the spec's own (all or none)."""
+    features = {}
+    for key in keys:
+        table = jte.TableConfig(
+            _V, _D, combiner="sqrtn", name=_table_name(key), optimizer=OPTIMIZERS[key][0]
+        )
+        features[_table_name(key)] = {
+            "multi": jte.FeatureConfig(table),
+            "seq": jte.FeatureConfig(table, max_sequence_length=_SEQ),
+        }
+    return jte.EmbeddingSpec(
+        features,
+        jte.SGD(0.1),  # Unused: every table has its own.
+        partition_strategy=strategy,
+        **(_SPEC_EXTRAS if extras else {}),
+    )
+
+
+@pytest.mark.parametrize("extras", [False, True], ids=["plain", "extras"])
+@pytest.mark.parametrize(
+    "backend,strategy,num_shards", [("xla", "div", 1), ("cpu", "mod", 8)], ids=["xla", "cpu"]
+)
+def test_every_optimizer_matches_reference(backend, strategy, num_shards, extras, rng):
+    """Every optimizer of OPTIMIZERS with (or without) the extras, each on a table of its own
+    in one Embedding: on the XLA backend all of them, on the `cpu` backend those whose
+    update the C++ kernels compute (CPU_MATH). Every failing optimizer is named."""
+    _skip_unavailable(backend)
+    keys = [
+        k
+        for k, (_, _, _, has_extras) in OPTIMIZERS.items()
+        if has_extras == extras and (backend != "cpu" or k in CPU_MATH)
+    ]
+    assert len(keys) == {"xla": 6 if extras else 11, "cpu": 3}[backend]
+    emb = jte.Embedding(_math_spec(keys, strategy, extras), make_mesh(num_shards), backend=backend)
+    names = {_table_name(k): k for k in keys}
+    assert emb.backends == dict.fromkeys(names, backend)
+    _check_two_steps(emb, names, rng)
+
+
+# ------------------------------------------------------------------------------ the paths
+
+# The all-gather path: every backend, "div" and "mod", with Adagrad (its accumulator rides in
+# the table's rows on the Pallas backend) and a custom optimizer (rank-2 and rank-1 slots; on
+# the XLA backend it is the math case's). The slow tier adds the earlier rotation: every
+# backend on 1 and 8 devices, "div" and "mod", each optimizer in turn, Adagrad on all.
+PATH_OPTIMIZERS = ("adagrad", "custom")
 GATHERED = [(b, s, n) for b in BACKENDS for s, n in MESHES]
+GATHERED_FAST = [("adagrad", b, s, 8) for b in BACKENDS for s in ("div", "mod")]
+GATHERED_FAST += [("custom", b, s, 8) for b in BACKENDS[1:] for s in ("div", "mod")]
 
 
-@pytest.mark.parametrize("opt_key,backend,strategy,num_shards", _in_turn(GATHERED, "adagrad"))
+@pytest.mark.parametrize(
+    "opt_key,backend,strategy,num_shards",
+    _tiered(GATHERED_FAST, _in_turn(GATHERED, "adagrad")),
+)
 def test_optimizer_on_backend_matches_reference(opt_key, backend, strategy, num_shards, rng):
     _skip_unavailable(backend)
     optimizer = OPTIMIZERS[opt_key][0]
@@ -245,16 +337,21 @@ def test_optimizer_on_backend_matches_reference(opt_key, backend, strategy, num_
         backend=_kernel(backend, block=8),
     )
     assert emb.backends == {"t": backend} and emb.routing == {"t": "gather"}
-    _check_two_steps(emb, opt_key, rng)
+    _check_two_steps(emb, {"t": opt_key}, rng)
 
 
 # Owner routing (ids sent to their rows' owners), on the XLA ops and the Pallas kernels: 16
 # ids per owner and round, so that skewed devices run several rounds, or the default capacity.
+# Adagrad on every one, the custom optimizer on the kernels, the extras on the XLA ops; the
+# slow tier adds every optimizer in turn, and Adam with the extras on every one.
 ROUTED = [("div", 8, 16, "xla"), ("mod", 4, None, "xla"), ("mod", 4, 16, "pallas_interpret")]
+ROUTED_FAST = [("adagrad", *c) for c in ROUTED]
+ROUTED_FAST += [("custom", "mod", 4, 16, "pallas_interpret"), ("adam+extras", "div", 8, 16, "xla")]
 
 
 @pytest.mark.parametrize(
-    "opt_key,strategy,num_shards,max_ids,backend", _in_turn(ROUTED, "adagrad", "adam+extras")
+    "opt_key,strategy,num_shards,max_ids,backend",
+    _tiered(ROUTED_FAST, _in_turn(ROUTED, "adagrad", "adam+extras")),
 )
 def test_optimizer_routed_to_owners_matches_reference(
     opt_key, strategy, num_shards, max_ids, backend, rng
@@ -269,7 +366,7 @@ def test_optimizer_routed_to_owners_matches_reference(
         max_ids_per_shard=max_ids,
     )
     assert emb.routing == {"t": "owner"} and emb.backends == {"t": backend}
-    _check_two_steps(emb, opt_key, rng)
+    _check_two_steps(emb, {"t": opt_key}, rng)
 
 
 def _kernel(backend: str, block: int):
@@ -280,36 +377,54 @@ def _kernel(backend: str, block: int):
     return backend
 
 
-def _check_two_steps(emb, opt_key, rng):
-    optimizer, name, hp, extras = OPTIMIZERS[opt_key]
+def _check_two_steps(emb, tables, rng):
+    """Two steps of `emb`, whose tables are {table name: optimizer key} (`_spec`'s "t" or
+    `_math_spec`'s), against the float64 reference: lookups, updated rows and slots, and
+    untouched rows and slots keep their bits. Each table is checked on its own; the message
+    names every table that failed."""
+    nested = list(tables) != ["t"]
+    (extras,) = {OPTIMIZERS[k][3] for k in tables.values()}  # The spec's: all or none.
     state = emb.init(jax.random.key(7))
+    exported, exported_slots = emb.export(state), emb.export_slots(state)
+    failures = {}
     for _ in range(2):  # Slots written by the first step are read by the second.
-        features = _batch(rng)
-        table, slots = emb.export(state)["t"], emb.export_slots(state)["t"]
+        per_table = {name: _batch(rng) for name in tables}
+        features = per_table if nested else per_table["t"]
         acts = emb.lookup(state, features)
-        chex.assert_trees_all_close(
-            jax.tree.map(np.asarray, acts), _reference(table, features), rtol=1e-5, atol=1e-6
-        )
         grads = _grads(rng, acts)
         if extras:  # Large enough for every clipping to matter.
             grads = jax.tree.map(lambda g: 3 * g, grads)
         state = emb.apply_gradients(state, features, grads)
-        row_grads = _reference(table, features, grads)
-        want_t, want_s = reference.apply(
-            name,
-            hp,
-            table,
-            slots,
-            row_grads,
-            hp.get("lr", optimizer.learning_rate),
-            **(_REF_EXTRAS if extras else {}),
-        )
-        got_t, got_s = emb.export(state)["t"], emb.export_slots(state)["t"]
-        chex.assert_trees_all_close((got_t, got_s), (want_t, want_s), rtol=5e-5, atol=5e-6)
-        untouched = np.setdiff1d(np.arange(_V), list(row_grads))
-        np.testing.assert_array_equal(got_t[untouched], table[untouched])
-        for s in got_s:
-            np.testing.assert_array_equal(got_s[s][untouched], slots[s][untouched])
+        got_tables, got_slots = emb.export(state), emb.export_slots(state)
+        for name, opt_key in tables.items():
+            optimizer, ref_name, hp, _ = OPTIMIZERS[opt_key]
+            table, slots = exported[name], exported_slots[name]
+            f = per_table[name]
+            a, g = (acts[name], grads[name]) if nested else (acts, grads)
+            try:
+                chex.assert_trees_all_close(
+                    jax.tree.map(np.asarray, a), _reference(table, f), rtol=1e-5, atol=1e-6
+                )
+                row_grads = _reference(table, f, g)
+                want_t, want_s = reference.apply(
+                    ref_name,
+                    hp,
+                    table,
+                    slots,
+                    row_grads,
+                    hp.get("lr", optimizer.learning_rate),
+                    **(_REF_EXTRAS if extras else {}),
+                )
+                got_t, got_s = got_tables[name], got_slots[name]
+                chex.assert_trees_all_close((got_t, got_s), (want_t, want_s), rtol=5e-5, atol=5e-6)
+                untouched = np.setdiff1d(np.arange(_V), list(row_grads))
+                np.testing.assert_array_equal(got_t[untouched], table[untouched])
+                for s in got_s:
+                    np.testing.assert_array_equal(got_s[s][untouched], slots[s][untouched])
+            except AssertionError as e:
+                failures.setdefault(opt_key, str(e))
+        exported, exported_slots = got_tables, got_slots  # The next step's "before".
+    assert not failures, "\n".join(f"{k}: {e}" for k, e in failures.items())
     assert int(state.step) == 2
 
 

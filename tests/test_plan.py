@@ -85,6 +85,7 @@ def test_small_config_fits_with_per_chip_figures(config, capsys):
     assert res["collectives"]["count"] > 0 and res["compiler_oom"] is None
 
 
+@pytest.mark.slow  # libtpu compiles: the fast tier keeps test_small_config_fits_*.
 def test_table_output_batch_override_and_capacities(config):
     res = plan.plan(config(SMALL), "v5p:2x2x1", 1024, max_unique_ids_per_shard=64)
     out = plan.format_table(res)
@@ -106,6 +107,7 @@ def test_table_output_batch_override_and_capacities(config):
     assert set(res["max_ids_per_shard"].values()) == {None}
 
 
+@pytest.mark.slow  # libtpu compiles: the fast tier keeps test_small_config_fits_*.
 def test_v4_counts_two_devices_per_chip(config, capsys):
     code, out, err = _run(capsys, "--config", config(SMALL), "--topology", "v4:2x2x1", "--json")
     assert code == 0, err
@@ -117,6 +119,7 @@ def test_v4_counts_two_devices_per_chip(config, capsys):
     assert res["per_chip"]["hbm_bytes"] == 32 * 2**30
 
 
+@pytest.mark.slow  # libtpu compiles: the fast tier keeps test_small_config_fits_*.
 def test_config_that_does_not_fit_says_by_how_much_and_what_to_use(config, capsys):
     code, out, err = _run(capsys, "--config", config(HUGE), "--topology", "v5e:2x2")
     assert code == 1, err
@@ -145,6 +148,7 @@ inputs: {batch: 256}
 """
 
 
+@pytest.mark.slow  # libtpu compiles: the fast tier keeps test_small_config_fits_*.
 def test_table_shard_larger_than_hbm_does_not_fit(config, capsys):
     code, out, err = _run(capsys, "--config", config(SHARD_OVER_HBM), "--topology", "v5e:2x2")
     assert code == 1, err
@@ -252,6 +256,7 @@ def test_routing_reports_the_rows_each_device_sends_each_owner_per_round():
     assert "26 stacked tables" in line and "without the VMEM cap" in line, line
 
 
+@pytest.mark.slow  # A subprocess of its own.
 def test_module_entry_point(config):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(

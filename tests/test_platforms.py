@@ -19,6 +19,7 @@ print("platform", jax.devices()[0].platform, "acts", acts["f"].shape)
 """
 
 
+@pytest.mark.slow  # Two subprocesses of their own.
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu installed")
 @pytest.mark.skipif(_platforms._tpu_chips() > 0, reason="a TPU is attached")
 def test_no_libtpu_noise_without_a_tpu():

@@ -48,7 +48,17 @@ def _sharded(emb, tree):
 
 
 @pytest.mark.parametrize(
-    "strategy,num_shards", [("div", 1), ("mod", 2), ("div", 4), ("mod", 8), ("div", 8)]
+    "strategy,num_shards",
+    [
+        # One device (one round, _routing.capacity's num_shards == 1) is also
+        # test_owner_lookups_match_numpy's; the fast tier keeps mod-8 (the battery routes
+        # "div" on 8 devices).
+        pytest.param("div", 1, marks=pytest.mark.slow),
+        pytest.param("mod", 2, marks=pytest.mark.slow),
+        pytest.param("div", 4, marks=pytest.mark.slow),
+        ("mod", 8),
+        pytest.param("div", 8, marks=pytest.mark.slow),
+    ],
 )
 def test_every_input_form_matches_the_reference(strategy, num_shards, rng):
     spec = _features_and_spec(jte.Adagrad(0.3, initial_accumulator_value=0.2), strategy=strategy)
@@ -79,7 +89,8 @@ def test_every_input_form_matches_the_reference(strategy, num_shards, rng):
             )
 
 
-@pytest.mark.parametrize("kind", ["explicit", "auto"])
+# The fast tier: an Auto mesh (test_inputs.py runs jax.Array inputs on both kinds).
+@pytest.mark.parametrize("kind", [pytest.param("explicit", marks=pytest.mark.slow), "auto"])
 def test_jit_step_on_sharded_arrays_equals_the_gather_path(kind, rng):
     """A jitted lookup -> grad -> update on batch-sharded jax.Arrays: owner routing equals
     the all-gather path."""

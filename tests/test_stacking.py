@@ -155,7 +155,11 @@ def test_stacks_group_tables_of_one_row_form_and_optimizer():
 
 @pytest.mark.parametrize(
     "strategy,num_shards,backend",
-    [("mod", 2, "xla"), ("mod", 4, "pallas_interpret"), ("div", 8, "xla")],
+    [
+        pytest.param("mod", 2, "xla", marks=pytest.mark.slow),
+        ("mod", 4, "pallas_interpret"),
+        pytest.param("div", 8, "xla", marks=pytest.mark.slow),
+    ],
 )
 def test_stacked_tables_train_as_the_reference(strategy, num_shards, backend, rng):
     emb = _owner(strategy, num_shards, backend=backend)
@@ -233,6 +237,7 @@ class _OneTableAtATime(jte.backends.Pallas):
         return len(plan.tables) == 1
 
 
+@pytest.mark.slow
 def test_a_stack_runs_in_parts_where_one_call_would_not_fit(rng):
     """A stack in one call, or in parts of whole members when the kernels cannot hold every
     feature at once: the same results."""
@@ -260,6 +265,7 @@ def test_a_stack_runs_in_parts_where_one_call_would_not_fit(rng):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # Owner routing under jit on an Auto mesh: test_routing's fast case.
 def test_jit_step_on_batch_sharded_arrays_on_an_auto_mesh(rng):
     """The other tests run on Explicit meshes (jax.make_mesh); this one on Auto axes."""
     mesh = make_mesh(8, "auto")
@@ -297,6 +303,7 @@ def test_id_counts_report_the_rounds_of_the_stack(rng):
     assert small["users"]["pairs"] == B * 4 and small["items"]["pairs"] == B * 4
 
 
+@pytest.mark.slow
 def test_a_stack_whose_exchanged_rows_overflow_vmem_stays_one_call(rng):
     """Kernels whose VMEM holds fewer exchanged rows than the stack's default capacity but
     all of its activations: the stack stays one call at the capacity that fits and runs

@@ -21,8 +21,9 @@ Cases known to fail with tables stored as plain (N*S, D) arrays are marked xfail
 with the measured numbers while the engine uses that layout (_KNOWN_UNPACKED); with narrow
 rows packed into 128-lane rows every case must pass.
 The 68 cases take about 2 CPU-minutes of compilation. JTE_TPU_COMPILE_THREADS (default 2)
-sets how many compile at once; JTE_TPU_MATRIX=quick keeps 12 (Adagrad at dims 16, 64, 128) for
-a fast local loop — the default is the full matrix.
+sets how many compile at once. The fast tier (`make test`) runs the quick subset: Adagrad at
+dims 16, 64 and 128 on every topology and the bfloat16 cases at dim 64 (14 cases); the rest of
+the matrix is marked slow (`make test-slow`). JTE_TPU_MATRIX=quick drops the rest altogether.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ if importlib.util.find_spec("libtpu") is None:
     )
 
 from jax_tpu_embed import _aot  # noqa: E402
+
+# The `compiler` fixture compiles every selected case of this module ahead of its tests: the
+# module runs on one pytest-xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("tpu_compile")
 
 TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2", "v4:2x2x1")
 DIMS = (16, 32, 64, 128, 256)
@@ -152,25 +157,36 @@ def _stored_unpacked(topology: str, dim: int) -> bool:
     return dim < 128 and len(shape) == 2 and shape[1] == dim
 
 
+QUICK_DIMS = (16, 64, 128)  # Adagrad at these dims on every topology: the fast tier.
+QUICK_BF16_DIMS = (64,)
+
+
 def _cases():
-    quick = os.environ.get("JTE_TPU_MATRIX", "full") == "quick"
+    """The full matrix; the cases outside the quick subset are marked slow (or, with
+    JTE_TPU_MATRIX=quick, left out)."""
+    only_quick = os.environ.get("JTE_TPU_MATRIX", "full") == "quick"
+
+    def param(case, quick, marks=()):
+        marks = list(marks) + ([] if quick else [pytest.mark.slow])
+        return [] if only_quick and not quick else [pytest.param(case, id=str(case), marks=marks)]
+
     for t, topology in enumerate(TOPOLOGIES):
-        for d, dim in enumerate((16, 64, 128) if quick else DIMS):
+        for d, dim in enumerate(DIMS):
             # Adagrad everywhere; Adam (two slots) and a custom optimizer (one) in turn.
             other = OPTIMIZERS[1 + (t + d) % (len(OPTIMIZERS) - 1)]
-            for opt in ("adagrad",) if quick else (OPTIMIZERS[0], other):
+            for opt in (OPTIMIZERS[0], other):
                 case = Case(topology, dim, opt)
                 why = _KNOWN_UNPACKED.get((topology, dim, opt))
                 if why and not _stored_unpacked(topology, dim):
                     why = None
                 marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
-                yield pytest.param(case, id=str(case), marks=marks)
+                yield from param(case, opt == "adagrad" and dim in QUICK_DIMS, marks)
     # bfloat16 tables (with stochastic rounding) on one topology: the kernels move their
     # rows in pairs of 32-bit words, viewed in place (no table-sized copy).
-    for dim in (64,) if quick else BF16_DIMS:
+    for dim in BF16_DIMS:
         for backend in ("pallas", "xla"):
             case = Case("v5e:2x2", dim, "adagrad", "bfloat16", backend)
-            yield pytest.param(case, id=str(case))
+            yield from param(case, dim in QUICK_BF16_DIMS)
 
 
 def _compile(case: Case) -> _aot.CompileReport:
@@ -310,7 +326,13 @@ def test_hlo_parsers():
 
 
 @pytest.mark.parametrize(
-    "dim,kernels,limit", [(32, True, 5.1), (64, True, 3.0), (128, True, 2.35), (128, False, 40.0)]
+    "dim,kernels,limit",
+    [
+        pytest.param(32, True, 5.1, marks=pytest.mark.slow),
+        (64, True, 3.0),  # The fast tier: the kernels' 3x target.
+        pytest.param(128, True, 2.35, marks=pytest.mark.slow),
+        pytest.param(128, False, 40.0, marks=pytest.mark.slow),
+    ],
 )
 def test_w1_table_bytes_accessed(dim, kernels, limit):
     """One W1 table (1M rows, B = 4,096, L = 20, power-law ids, sum combiner, Adagrad) on
@@ -345,6 +367,7 @@ def test_w1_table_bytes_accessed(dim, kernels, limit):
     assert ratio <= limit, f"D={dim}: {ratio:.1f}x essential (limit {limit}x)"
 
 
+@pytest.mark.slow
 def test_sparse_core_moves_narrow_rows_without_table_copies():
     """What benchmarks/tpu_row_access.py shows for a future SparseCore path, held here so a
     libtpu or JAX upgrade that changes it is noticed: on v5p (DMA granule 32 bytes, where
@@ -370,6 +393,7 @@ def test_sparse_core_moves_narrow_rows_without_table_copies():
 ROUTED_CASES = [Case("v5p:2x2x1", 64, "adagrad", routing="owner")]
 
 
+@pytest.mark.slow  # Part of the full matrix.
 @pytest.mark.parametrize("case", ROUTED_CASES, ids=str)
 def test_routed_train_step_compiles_within_limits(case, compiler):
     test_train_step_compiles_within_limits(case, compiler)
@@ -384,6 +408,7 @@ def _per_chip_bytes(topology: str, routing: str, per_chip: int) -> float:
     return _aot.compile_train_step(emb, per_chip * topo.chips, 20, topo=topo).bytes_accessed
 
 
+@pytest.mark.slow  # Four compiles, one of 16 chips.
 def test_owner_routing_per_chip_bytes_do_not_grow_with_the_slice():
     """Weak scaling (fixed per-chip batch), 4 -> 16 chips: the all-gather path's bytes per
     chip grow with the global batch, owner routing's stay flat."""
@@ -406,6 +431,7 @@ def test_auto_routing_follows_the_measured_crossover():
         assert jte.Embedding(spec, _aot.mesh(topo)).routing == {"t": want}, topology
 
 
+@pytest.mark.slow
 def test_stacked_tables_share_one_set_of_collectives():
     """Four owner-routed tables in one stack: the train step compiles, fits, keeps its
     state aliased, holds no table-sized temporary, and exchanges as often as one table."""

@@ -19,6 +19,10 @@ import jax_tpu_embed as jte
 from conftest import make_mesh
 from jax_tpu_embed import _train
 
+# The compiled steps of `setup` serve the whole module: it runs on one pytest-xdist worker
+# (--dist loadgroup), so that they compile once.
+pytestmark = pytest.mark.xdist_group("train")
+
 B, D = 16, 4
 V_SHARED, V_ONE = 97, 53
 DENSE_LR = 0.05
@@ -191,15 +195,20 @@ def run(optimizer, batches, **kwargs):
     return emb, emb.export(state.embedding), state, losses
 
 
-@pytest.mark.parametrize("pipeline", [False, True])
-@pytest.mark.parametrize(
-    "num_shards,kind,strategy,optimizer",
-    [
-        (1, "explicit", "div", "adagrad"),
-        (8, "explicit", "mod", "adagrad"),
-        (4, "auto", "div", "sgd"),
-    ],
-)
+def _reference_cases():
+    """Each mesh with and without pipelining; the fast tier takes each mesh once and
+    pipelining on 8 devices (the other tests here pipeline on 2)."""
+    meshes = [(1, "explicit", "div", "adagrad"), (8, "explicit", "mod", "adagrad")]
+    meshes += [(4, "auto", "div", "sgd")]
+    for pipeline in [False, True]:
+        for case in meshes:
+            fast = pipeline == (case[0] == 8)
+            marks = [] if fast else [pytest.mark.slow]
+            case_id = "-".join(map(str, case + (pipeline,)))
+            yield pytest.param(*case, pipeline, id=case_id, marks=marks)
+
+
+@pytest.mark.parametrize("num_shards,kind,strategy,optimizer,pipeline", list(_reference_cases()))
 def test_step_matches_float64_reference(num_shards, kind, strategy, optimizer, pipeline):
     rng = np.random.default_rng(num_shards)
     batches = [make_batch(rng) for _ in range(4)]
