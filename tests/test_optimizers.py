@@ -305,7 +305,7 @@ def test_every_optimizer_matches_reference(backend, strategy, num_shards, extras
         for k, (_, _, _, has_extras) in OPTIMIZERS.items()
         if has_extras == extras and (backend != "cpu" or k in CPU_MATH)
     ]
-    assert len(keys) == {"xla": 6 if extras else 11, "cpu": 3}[backend]
+    assert len(keys) == {"xla": 6 if extras else 12, "cpu": 3}[backend]
     emb = jte.Embedding(_math_spec(keys, strategy, extras), make_mesh(num_shards), backend=backend)
     names = {_table_name(k): k for k in keys}
     assert emb.backends == dict.fromkeys(names, backend)

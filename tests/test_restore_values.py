@@ -139,7 +139,7 @@ def _unchecked(emb, state, table, slots):
     """`state` with table "t" and its slots replaced, built past the checks (as a buggy
     writer, or an earlier version that did not check, might have saved it)."""
     physical, stored = emb.storage("t").to_physical(table, slots)
-    tables, slots = emb._join(
+    tables, slots = emb.state_arrays(
         {"t": emb._put(physical)}, {"t": {n: emb._put(x) for n, x in stored.items()}}
     )
     return dataclasses.replace(state, tables=tables, slots=slots)
