@@ -194,3 +194,34 @@ def check_like(given: Any, want: Any, what: str) -> None:
                 f"{what}{jax.tree_util.keystr(path)} is {jnp.result_type(g)}"
                 f"{list(jnp.shape(g))}, expected {jnp.result_type(w)}{list(jnp.shape(w))}."
             )
+
+
+def states_per_layer(embedding_state: Any, engines: dict, state_type: type) -> dict:
+    """{layer name: EmbeddingState} from a train step's `init(embedding_state=)`: one state
+    (a model with one Embed) or {layer name: state}; each checked against its layer's
+    engine (`engines`: {layer name: Embedding}): not consumed, and shaped like its state."""
+    if embedding_state is None:
+        return {}
+    if isinstance(embedding_state, state_type):
+        if len(engines) != 1:
+            raise ValueError(
+                f"init: the model has {len(engines)} Embed layers {sorted(engines)}; give "
+                f"embedding_state as {{layer path: EmbeddingState}}."
+            )
+        embedding_state = {next(iter(engines)): embedding_state}
+    if not isinstance(embedding_state, dict):
+        raise TypeError(
+            f"init: embedding_state must be a jte.EmbeddingState or {{layer path: "
+            f"EmbeddingState}}, got {type(embedding_state).__name__}."
+        )
+    unknown = sorted(set(embedding_state) - set(engines))
+    if unknown:
+        raise ValueError(
+            f"init: embedding_state has {unknown}, which are not Embed layers of the model; "
+            f"its layers are {sorted(engines)}."
+        )
+    for name, state in embedding_state.items():
+        where = f"init: embedding_state[{name!r}]"
+        check_not_consumed(state, where, "embedding state", "embedding_state")
+        check_like(state, engines[name].abstract_state(), where)
+    return dict(embedding_state)

@@ -237,33 +237,10 @@ def _nested(states: dict[tuple, _embedding.EmbeddingState]) -> dict:
 def _given_states(layers: dict, embedding_state: Any) -> dict:
     """{layer path (a tuple): EmbeddingState} from `init`'s embedding_state argument,
     each checked against its layer's Embedding."""
-    if embedding_state is None:
-        return {}
     names = {_path_name(path): path for path in layers}
-    if isinstance(embedding_state, _embedding.EmbeddingState):
-        if len(layers) != 1:
-            raise ValueError(
-                f"init: the model has {len(layers)} Embed layers {sorted(names)}; give "
-                f"embedding_state as {{layer path: EmbeddingState}}."
-            )
-        embedding_state = {next(iter(names)): embedding_state}
-    if not isinstance(embedding_state, dict):
-        raise TypeError(
-            f"init: embedding_state must be a jte.EmbeddingState or {{layer path: "
-            f"EmbeddingState}}, got {type(embedding_state).__name__}."
-        )
-    unknown = sorted(set(embedding_state) - set(names))
-    if unknown:
-        raise ValueError(
-            f"init: embedding_state has {unknown}, which are not Embed layers of the model; "
-            f"its layers are {sorted(names)}."
-        )
-    out = {}
-    for name, state in embedding_state.items():
-        emb = layers[names[name]][0]
-        _guards.check_like(state, emb.abstract_state(), f"init: embedding_state[{name!r}]")
-        out[names[name]] = state
-    return out
+    engines = {name: layers[path][0] for name, path in names.items()}
+    given = _guards.states_per_layer(embedding_state, engines, _embedding.EmbeddingState)
+    return {names[name]: state for name, state in given.items()}
 
 
 class FlaxTrainStep(_train.TrainStep):

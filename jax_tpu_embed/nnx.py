@@ -347,26 +347,8 @@ class NnxTrainStep(_train.TrainStep):
                 step, whose `state.step` continues from it.
         """
         layers = embeds(self.model)
-        states = {}
-        if embedding_state is not None:
-            if isinstance(embedding_state, _embedding.EmbeddingState):
-                if len(layers) != 1:
-                    raise ValueError(
-                        f"init: the model has {len(layers)} Embed layers {sorted(layers)}; "
-                        f"give embedding_state as {{layer path: EmbeddingState}}."
-                    )
-                embedding_state = {next(iter(layers)): embedding_state}
-            unknown = sorted(set(embedding_state) - set(layers))
-            if unknown:
-                raise ValueError(
-                    f"init: embedding_state has {unknown}, which are not Embed layers of the "
-                    f"model; its layers are {sorted(layers)}."
-                )
-            for name, state in embedding_state.items():
-                where = f"init: embedding_state[{name!r}]"
-                _guards.check_not_consumed(state, where, "embedding state", "embedding_state")
-                _guards.check_like(state, layers[name].embedding.abstract_state(), where)
-                states[name] = state
+        engines = {name: layer.embedding for name, layer in layers.items()}
+        states = _guards.states_per_layer(embedding_state, engines, _embedding.EmbeddingState)
         if params is not None:
             current = nnx.state(self.model, nnx.Param)
             given = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
