@@ -130,12 +130,7 @@ def per_table(what: str, requested, tables, allowed, instance=None) -> dict:
     instance of `instance`) for every table, or {table name: one of them} ("auto" for tables
     left out)."""
     if isinstance(requested, Mapping):
-        unknown = sorted(set(requested) - set(tables))
-        if unknown:
-            raise ValueError(
-                f"Embedding: {what} names {unknown}, which are not tables; the "
-                f"tables are {sorted(tables)}."
-            )
+        _known_tables(what, requested, tables)
         per = {name: requested.get(name, "auto") for name in tables}
     else:
         per = {name: requested for name in tables}
@@ -153,6 +148,17 @@ def per_table(what: str, requested, tables, allowed, instance=None) -> dict:
     return {n: b if keep(b) else str(b) for n, b in per.items()}
 
 
+def _known_tables(what: str, given: Mapping, tables) -> None:
+    """ValueError naming the keys of `given` (an Embedding argument `what`) that are not
+    tables."""
+    unknown = sorted(set(given) - set(tables))
+    if unknown:
+        raise ValueError(
+            f"Embedding: {what} names {unknown}, which are not tables; the tables are "
+            f"{sorted(tables)}."
+        )
+
+
 def positive_per_table(what: str, value, spec: _config.EmbeddingSpec) -> dict:
     """{table name: positive int} from an Embedding argument `what`: an int or a mapping."""
     tables = spec.tables()
@@ -160,12 +166,7 @@ def positive_per_table(what: str, value, spec: _config.EmbeddingSpec) -> dict:
         return {}
     if not isinstance(value, Mapping):
         value = {name: value for name in tables}
-    unknown = sorted(set(value) - set(tables))
-    if unknown:
-        raise ValueError(
-            f"Embedding: {what} names {unknown}, which are not tables; "
-            f"the tables are {sorted(tables)}."
-        )
+    _known_tables(what, value, tables)
     for name, v in value.items():
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(
