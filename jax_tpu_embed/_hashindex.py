@@ -1,0 +1,583 @@
+"""The index of a dynamic embedding table: unbounded 64-bit ids to the rows of a fixed table.
+
+A dynamic table has no vocabulary: any int64 id may arrive, and the table holds the ids that
+earned a row (admission) for as long as they keep it (eviction, TTL). This module is only the
+index, ids to rows, inside jit with static shapes; the row arrays are the engine's.
+
+Representation. An id is carried as two uint32 arrays (hi, lo), the halves of its two's
+complement int64, because jax_enable_x64 stays off. The id -1 (both halves all ones) is
+padding in inputs and the empty-slot marker in the index; it is never a key. Keys are stored
+and compared whole, so no id ever reads another id's row, whatever the hashes do.
+
+The index is NB buckets of b slots. An id's bucket g is a hash of (seed, hi, lo) mod NB; its
+slot's global row is g·b + lane. Shard p of N owns buckets [p·NB/N, (p+1)·NB/N) ("div" over
+buckets), so its local row is (g mod NB/N)·b + lane. g does not depend on N: the same ids are
+resident, in the same rows, on every mesh size.
+
+One training step (`update`) sees each shard's distinct ids of the step at once and decides,
+for every bucket, which ids keep, take or lose a slot. The rules (docstring of `update`)
+depend only on keys, steps and counts, never on the input order, so that the result is the
+same however the caller batches or routes the ids; lanes only break ties between slots that
+are interchangeable (empty ones).
+
+Admission filter. With min_count k > 1 an id needs k sightings before it gets a slot. The
+sightings are counted in a second, smaller bucketed table (NF buckets of bf entries). Filter
+bucket f = g // (NB/NF) groups whole index buckets, so it lives on the shard that owns the
+id's bucket on every mesh size (NB/N and NF/N are whole numbers).
+
+Nothing fails silently: every outcome of every id is counted in the per-shard `stats`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._storage import mix32
+
+EVICTIONS = ("lru", "lfu", "none")
+
+# Per-shard counters, one column each of IndexState.stats. Every valid id of an update is
+# exactly one of: hit, admitted, rejected, failed (misses = the last three).
+STAT_NAMES = (
+    "hits",  # found live: keeps its row
+    "misses",  # not found live (absent or expired)
+    "admitted",  # a miss that took a slot
+    "rejected",  # a miss that admission turned away (count or probability)
+    "failed",  # a miss admitted but without room in its bucket
+    "evicted",  # a live occupant that lost its slot to an admitted id
+    "expired",  # a TTL-expired slot reclaimed (reused, or freed by its own id's return)
+    "filter_evicted",  # a filter entry replaced by a new sighting
+    "filter_failed",  # a first sighting the full filter bucket could not record
+)
+_STAT = {name: i for i, name in enumerate(STAT_NAMES)}
+
+PAD = 0xFFFFFFFF
+
+# Salts of the keyed hashes derived from the table's seed: independent streams.
+_SALT_BUCKET, _SALT_PRIORITY, _SALT_ADMIT = 1, 2, 3
+
+# Local rows index int32 arrays inside jit.
+_MAX_LOCAL_SLOTS = 1 << 31
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexConfig:
+    """The shape and policy of one dynamic table's index.
+
+    Attributes:
+        buckets: NB, the index's buckets (global); a multiple of the number of shards.
+        bucket_size: b, slots per bucket. Capacity is NB·b rows.
+        eviction: Who an admitted id may displace when its bucket has no free slot: "lru"
+            (least recently updated first), "lfu" (fewest updates first, then least recent),
+            "none" (nobody: the id fails).
+        ttl_steps: A slot not updated for this many steps is expired: not found, and free.
+            None: slots never expire.
+        min_count: k, sightings (steps with the id among a shard's misses) an id needs before
+            it is admitted; 1 admits at the first.
+        admit_probability: p, a miss that passed min_count is admitted iff a hash of
+            (seed, step, id) falls below p; 1 admits all.
+        filter_buckets: NF, buckets of the admission filter that counts sightings; 0 iff
+            min_count == 1, else a divisor of `buckets` and a multiple of the shards.
+        filter_bucket_size: bf, entries per filter bucket.
+        seed: uint32, keys every hash of this table.
+    """
+
+    buckets: int
+    bucket_size: int = 64
+    eviction: str = "lru"
+    ttl_steps: int | None = None
+    min_count: int = 1
+    admit_probability: float = 1.0
+    filter_buckets: int = 0
+    filter_bucket_size: int = 64
+    seed: int = 0
+
+    def __post_init__(self):
+        def bad(field, allowed):
+            value = getattr(self, field)
+            raise ValueError(f"IndexConfig: {field} must be {allowed}, got {value!r}.")
+
+        if not _is_int(self.buckets) or self.buckets < 1:
+            bad("buckets", "an int >= 1")
+        if not _is_int(self.bucket_size) or self.bucket_size < 1:
+            bad("bucket_size", "an int >= 1")
+        if self.buckets * self.bucket_size >= _MAX_LOCAL_SLOTS:
+            bad("buckets", f"such that buckets * bucket_size < 2**31 (bucket_size {self.bucket_size})")
+        if self.eviction not in EVICTIONS:
+            bad("eviction", f"one of {EVICTIONS}")
+        if self.ttl_steps is not None and (not _is_int(self.ttl_steps) or self.ttl_steps < 1):
+            bad("ttl_steps", "None or an int >= 1")
+        if not _is_int(self.min_count) or self.min_count < 1:
+            bad("min_count", "an int >= 1")
+        p = self.admit_probability
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+            bad("admit_probability", "a float in (0, 1]")
+        if not _is_int(self.filter_buckets) or self.filter_buckets < 0:
+            bad("filter_buckets", "an int >= 0")
+        if self.min_count == 1 and self.filter_buckets != 0:
+            bad("filter_buckets", "0 when min_count == 1 (no filter)")
+        if self.min_count > 1 and (
+            self.filter_buckets < 1 or self.buckets % self.filter_buckets != 0
+        ):
+            bad("filter_buckets", f"a divisor of buckets ({self.buckets}) when min_count > 1")
+        if not _is_int(self.filter_bucket_size) or self.filter_bucket_size < 1:
+            bad("filter_bucket_size", "an int >= 1")
+        if not _is_int(self.seed) or not 0 <= self.seed <= PAD:
+            bad("seed", "an int in [0, 2**32)")
+
+    @property
+    def capacity(self) -> int:
+        return self.buckets * self.bucket_size
+
+    def check_shards(self, num_shards: int) -> None:
+        """ValueError unless both bucket counts split evenly over `num_shards`."""
+        if not _is_int(num_shards) or num_shards < 1:
+            raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}.")
+        for field in ("buckets", "filter_buckets"):
+            if getattr(self, field) % num_shards:
+                raise ValueError(
+                    f"IndexConfig: {field} ({getattr(self, field)}) must be a multiple of "
+                    f"the number of shards ({num_shards})."
+                )
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["hi", "lo", "last", "count", "filter_hi", "filter_lo", "filter_count", "stats"],
+    meta_fields=[],
+)
+@dataclasses.dataclass
+class IndexState:
+    """One dynamic table's index; every array row-sharded over the shard axis (first dim).
+
+    Attributes:
+        hi, lo: (NB, b) uint32, the key of each slot; PAD in both for an empty slot.
+        last: (NB, b) int32, the step of the slot's last update (its admission included).
+        count: (NB, b) int32, steps in which the id was updated since its admission.
+        filter_hi, filter_lo: (NF, bf) uint32, ids being counted by the admission filter.
+        filter_count: (NF, bf) int32, their sightings so far.
+        stats: (N, len(STAT_NAMES)) int32, each shard's counters (STAT_NAMES).
+    """
+
+    hi: Any
+    lo: Any
+    last: Any
+    count: Any
+    filter_hi: Any
+    filter_lo: Any
+    filter_count: Any
+    stats: Any
+
+
+def empty_state(config: IndexConfig, num_shards: int) -> IndexState:
+    """A fresh index for `num_shards` shards, as NumPy arrays (place them row-sharded)."""
+    config.check_shards(num_shards)
+    nb, b = config.buckets, config.bucket_size
+    nf, bf = config.filter_buckets, config.filter_bucket_size
+    return IndexState(
+        hi=np.full((nb, b), PAD, np.uint32),
+        lo=np.full((nb, b), PAD, np.uint32),
+        last=np.zeros((nb, b), np.int32),
+        count=np.zeros((nb, b), np.int32),
+        filter_hi=np.full((nf, bf), PAD, np.uint32),
+        filter_lo=np.full((nf, bf), PAD, np.uint32),
+        filter_count=np.zeros((nf, bf), np.int32),
+        stats=np.zeros((num_shards, len(STAT_NAMES)), np.int32),
+    )
+
+
+# ------------------------------------------------------------------------------- host ids
+
+
+def split_ids(ids) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ids -> (hi, lo) uint32 arrays, the halves of their two's complement."""
+    u = np.asarray(ids, np.int64).view(np.uint64)
+    return (u >> np.uint64(32)).astype(np.uint32), (u & np.uint64(PAD)).astype(np.uint32)
+
+
+def join_ids(hi, lo) -> np.ndarray:
+    """The inverse of split_ids: (hi, lo) uint32 -> int64 ids."""
+    hi = np.asarray(hi).astype(np.uint64)
+    lo = np.asarray(lo).astype(np.uint64)
+    return ((hi << np.uint64(32)) | lo).view(np.int64)
+
+
+# ---------------------------------------------------------------------------------- hashes
+
+
+def _key(seed: int, salt: int):
+    return mix32(jnp.uint32(seed) ^ mix32(jnp.uint32(salt)))
+
+
+def _hash(key, hi, lo):
+    """A keyed 32-bit hash of the whole 64-bit id: every output bit depends on both halves."""
+    return mix32(mix32(lo ^ key) ^ hi)
+
+
+def _u32(x):
+    return jnp.asarray(x).astype(jnp.uint32)
+
+
+def global_bucket(config: IndexConfig, hi, lo):
+    """g, the id's global bucket, int32 (jnp; traceable)."""
+    h = _hash(_key(config.seed, _SALT_BUCKET), _u32(hi), _u32(lo))
+    return (h % jnp.uint32(config.buckets)).astype(jnp.int32)
+
+
+def priority(config: IndexConfig, hi, lo):
+    """The id's uint32 priority, independent of its bucket: orders the admitted ids of a
+    bucket and breaks ties between slots (then (hi, lo), so no two distinct ids tie)."""
+    return _hash(_key(config.seed, _SALT_PRIORITY), _u32(hi), _u32(lo))
+
+
+def _admit_hash(config: IndexConfig, hi, lo, now):
+    h = _hash(_key(config.seed, _SALT_ADMIT), _u32(hi), _u32(lo))
+    return mix32(h ^ mix32(_u32(now)))
+
+
+def _admit_threshold(p: float) -> int:
+    return min(int(p * 2.0**32), PAD)
+
+
+def _is_pad(hi, lo):
+    return (hi == jnp.uint32(PAD)) & (lo == jnp.uint32(PAD))
+
+
+def _expired(config: IndexConfig, last, now):
+    if config.ttl_steps is None:
+        return jnp.zeros(jnp.shape(last), bool)
+    return now - last >= config.ttl_steps
+
+
+# ------------------------------------------------------------------------ per-shard (jit)
+
+
+def locate(config: IndexConfig, num_shards: int, hi, lo):
+    """(owner shard, local bucket), int32, of ids of any shape. Padding gets some bucket;
+    the caller masks it."""
+    config.check_shards(num_shards)
+    per = config.buckets // num_shards
+    g = global_bucket(config, hi, lo)
+    return g // per, g % per
+
+
+def find(config: IndexConfig, state: IndexState, hi, lo, local_bucket, now):
+    """(local row int32, found bool) of ids of any shape in this shard's index; row -1 where
+    not found. Read-only: a lookup (serving, evaluation) changes no slot and no counter.
+    Padding and TTL-expired slots are never found."""
+    b = config.bucket_size
+    hi, lo = _u32(hi), _u32(lo)
+    lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32), 0, state.hi.shape[0] - 1)
+    keys_hi, keys_lo, last = state.hi[lb], state.lo[lb], state.last[lb]
+    match = (keys_hi == hi[..., None]) & (keys_lo == lo[..., None])
+    match &= ~_expired(config, last, now) & ~_is_pad(hi, lo)[..., None]
+    found = match.any(-1)
+    lane = jnp.argmax(match, -1).astype(jnp.int32)
+    return jnp.where(found, lb * b + lane, -1), found
+
+
+def _groups(key, prio, hi, lo, flag):
+    """Candidates grouped by `key` (their bucket), each group in priority order.
+
+    Returns, per candidate in input order: its group's index (the groups numbered 0.. in key
+    order, so arrays of U groups hold them all) and its rank among the flagged candidates of
+    its group. One sort of U: no loop over ids."""
+    u = key.shape[0]
+    iota = lax.iota(jnp.int32, u)
+    skey, _, _, _, perm = lax.sort((key, prio, hi, lo, iota), num_keys=4)
+    start = jnp.ones(u, bool).at[1:].set(skey[1:] != skey[:-1])
+    group_sorted = jnp.cumsum(start.astype(jnp.int32)) - 1
+    f = flag[perm].astype(jnp.int32)
+    before = jnp.cumsum(f) - f
+    # Flagged candidates before the group's first: `before` never decreases, so a running
+    # max of its values at group starts is the current group's.
+    base = lax.cummax(jnp.where(start, before, 0))
+    inverse = jnp.zeros(u, jnp.int32).at[perm].set(iota)
+    return group_sorted[inverse], (before - base)[inverse]
+
+
+def _group_or(group, codes):
+    """Per candidate, the sum over its group of `codes` (U, l): the OR of flags that no two
+    candidates of a group set on the same lane."""
+    return jnp.zeros_like(codes).at[group].add(codes)[group]
+
+
+def _lane_order(keys):
+    """(U, l) lane order: the lanes of each row sorted by `keys` (the last key is the lane)."""
+    return lax.sort(keys, dimension=1, num_keys=len(keys))[-1]
+
+
+def update(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, now):
+    """One training step of this shard's index, inside shard_map (local arrays).
+
+    Args:
+        state: This shard's IndexState (leading dims NB/N, NF/N and 1).
+        hi, lo: The distinct ids this shard owns this step (U of them, any shape); the caller
+            deduplicates. Duplicates of a valid id are not allowed.
+        local_bucket: Their local buckets (`locate`).
+        valid: False for padding and for ids of other shards.
+        now: int32 step; steps increase from call to call.
+
+    Returns:
+        (new state, local row int32 (-1 where the id has no slot), fresh bool: the id took a
+        slot this step, so its row holds another id's values and must be re-initialized).
+
+    Every outcome depends on keys, steps and counts, not on input order or lanes:
+
+    1. TTL: a slot with now - last >= ttl_steps is expired: not found, free for reuse.
+    2. Hit (found live): last = now, count += 1.
+    3. Miss: admission. With min_count k > 1 the filter counts the id's sightings (steps in
+       which it missed); the k-th admits it. With admit_probability p < 1 it is admitted iff
+       a hash of (seed, now, id) < p. Both apply when both are set; a sighting at or past
+       the k-th that the probability turns away stays at k, so the next may pass.
+    4. Placement, per bucket. An admitted id's own expired slot, if any, is freed first
+       (counted expired). Then the admitted ids, in priority order, take the bucket's slots
+       in this order: free ones (empty, freed); expired ones by (last, priority); then,
+       unless eviction is "none", occupied ones not updated this step (last < now), lru by
+       last, lfu by (count, last), ties by priority. Those left over fail. A placed id gets
+       last = now, count = 1, and leaves the filter; one that fails keeps its sightings.
+    5. Filter (k > 1). A sighting of an id in the filter raises its count (up to k). A first
+       sighting takes, in priority order, a free entry (empty, or freed by a placed id),
+       else the entry not sighted this step of lowest (count, priority): filter_evicted;
+       else none: filter_failed.
+    """
+    b = config.bucket_size
+    shape = jnp.shape(hi)
+    hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
+    valid = jnp.asarray(valid, bool).reshape(-1) & ~_is_pad(hi, lo)
+    now = jnp.asarray(now, jnp.int32)
+    nbl = state.hi.shape[0]
+    lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
+    prio = priority(config, hi, lo)
+    lanes = lax.broadcasted_iota(jnp.int32, (hi.shape[0], b), 1)
+
+    # The candidates' buckets, (U, b).
+    keys_hi, keys_lo = state.hi[lb], state.lo[lb]
+    last, count = state.last[lb], state.count[lb]
+    occupied = ~_is_pad(keys_hi, keys_lo)
+    expired = occupied & _expired(config, last, now)
+    live = occupied & ~expired
+    same = (keys_hi == hi[:, None]) & (keys_lo == lo[:, None]) & valid[:, None]
+    hit_lanes, stale_lanes = same & live, same & expired
+    hit = hit_lanes.any(1)
+    miss = valid & ~hit
+    hit_lane = jnp.argmax(hit_lanes, 1).astype(jnp.int32)
+    stale = stale_lanes.any(1)
+    stale_lane = jnp.argmax(stale_lanes, 1).astype(jnp.int32)
+
+    # Admission.
+    admit = miss
+    if config.admit_probability < 1.0:
+        threshold = jnp.uint32(_admit_threshold(config.admit_probability))
+        admit &= _admit_hash(config, hi, lo, now) < threshold
+    if config.min_count > 1:
+        nfl = state.filter_hi.shape[0]
+        fb = lb // (nbl // nfl)
+        f_hi, f_lo, f_count = state.filter_hi[fb], state.filter_lo[fb], state.filter_count[fb]
+        f_same = (f_hi == hi[:, None]) & (f_lo == lo[:, None]) & miss[:, None]
+        in_filter = f_same.any(1)
+        f_lane = jnp.argmax(f_same, 1).astype(jnp.int32)
+        sightings = jnp.minimum(jnp.where(f_same, f_count, 0).sum(1) + 1, config.min_count)
+        admit &= sightings >= config.min_count
+
+    # Placement: every candidate of a bucket sees the same lane order, so the ranks of its
+    # admitted ids pick distinct lanes.
+    group, rank = _groups(jnp.where(valid, lb, nbl), prio, hi, lo, admit)
+    freed = stale & admit
+    codes = hit_lanes.astype(jnp.int32) + 2 * (stale_lanes & freed[:, None]).astype(jnp.int32)
+    seen = _group_or(group, codes)
+    touched, free = (seen & 1) > 0, ((seen & 2) > 0) | ~occupied
+    evictable = live & ~touched & (last < now)
+    if config.eviction == "none":
+        evictable = jnp.zeros_like(evictable)
+    cls = jnp.where(free, 0, jnp.where(expired, 1, jnp.where(evictable, 2, 3)))
+    keyed = (cls == 1) | (cls == 2)
+    z = jnp.uint32(0)
+    tail = (
+        jnp.where(keyed, priority(config, keys_hi, keys_lo), z),
+        jnp.where(keyed, keys_hi, z),
+        jnp.where(keyed, keys_lo, z),
+        lanes,
+    )
+    if config.eviction == "lfu":
+        score = (jnp.where(cls == 2, count, jnp.where(keyed, last, 0)), jnp.where(cls == 2, last, 0))
+    else:
+        score = (jnp.where(keyed, last, 0),)
+    order = _lane_order((cls, *score, *tail))
+    available = (cls < 3).sum(1)
+    placed = admit & (rank < available)
+    lane = jnp.take_along_axis(order, jnp.minimum(rank, b - 1)[:, None], 1)[:, 0]
+    taken = jnp.take_along_axis(cls, lane[:, None], 1)[:, 0]
+
+    # Writes: the freed slots are cleared first, then hits and placements (one scatter each;
+    # a freed slot that an admitted id takes is overwritten by the second).
+    slots = nbl * b
+    base = lb * b
+    flat = lambda x: x.reshape(slots)
+    shaped = lambda x: x.reshape(nbl, b)
+    cleared = jnp.where(freed, base + stale_lane, slots)
+    row = jnp.where(hit, base + hit_lane, jnp.where(placed, base + lane, -1))
+    target = jnp.where(row >= 0, row, slots)
+    hit_count = jnp.take_along_axis(count, hit_lane[:, None], 1)[:, 0]
+
+    def write(array, clear_value, value):
+        out = flat(array).at[cleared].set(clear_value, mode="drop")
+        return shaped(out.at[target].set(value, mode="drop"))
+
+    pad = jnp.uint32(PAD)
+    new = dataclasses.replace(
+        state,
+        hi=write(state.hi, pad, hi),
+        lo=write(state.lo, pad, lo),
+        last=write(state.last, 0, jnp.broadcast_to(now, hi.shape)),
+        count=write(state.count, 0, jnp.where(hit, hit_count + 1, 1)),
+    )
+
+    tally = {
+        "hits": hit.sum(),
+        "misses": miss.sum(),
+        "admitted": placed.sum(),
+        "rejected": (miss & ~admit).sum(),
+        "failed": (admit & ~placed).sum(),
+        "evicted": (placed & (taken == 2)).sum(),
+        "expired": (placed & (taken == 1)).sum() + freed.sum(),
+    }
+
+    if config.min_count > 1:
+        bf = config.filter_bucket_size
+        nfl = state.filter_hi.shape[0]
+        first = miss & ~in_filter
+        f_group, f_rank = _groups(jnp.where(miss, fb, nfl), prio, hi, lo, first)
+        f_seen = _group_or(
+            f_group, f_same.astype(jnp.int32) * jnp.where(placed, 2, 1)[:, None]
+        )
+        f_free = ((f_seen & 2) > 0) | _is_pad(f_hi, f_lo)
+        f_cls = jnp.where(f_free, 0, jnp.where((f_seen & 1) > 0, 3, 1))
+        f_keyed = f_cls == 1
+        f_order = _lane_order(
+            (
+                f_cls,
+                jnp.where(f_keyed, f_count, 0),
+                jnp.where(f_keyed, priority(config, f_hi, f_lo), z),
+                jnp.where(f_keyed, f_hi, z),
+                jnp.where(f_keyed, f_lo, z),
+                lax.broadcasted_iota(jnp.int32, f_hi.shape, 1),
+            )
+        )
+        recorded = first & (f_rank < (f_cls < 3).sum(1))
+        f_new_lane = jnp.take_along_axis(f_order, jnp.minimum(f_rank, bf - 1)[:, None], 1)[:, 0]
+        f_taken = jnp.take_along_axis(f_cls, f_new_lane[:, None], 1)[:, 0]
+        f_slots = nfl * bf
+        seen_row = jnp.where(in_filter, fb * bf + f_lane, f_slots)
+        new_row = jnp.where(recorded, fb * bf + f_new_lane, f_slots)
+
+        def f_write(array, seen_value, first_value):
+            out = array.reshape(f_slots).at[seen_row].set(seen_value, mode="drop")
+            return out.at[new_row].set(first_value, mode="drop").reshape(nfl, bf)
+
+        new = dataclasses.replace(
+            new,
+            filter_hi=f_write(state.filter_hi, jnp.where(placed, pad, hi), hi),
+            filter_lo=f_write(state.filter_lo, jnp.where(placed, pad, lo), lo),
+            filter_count=f_write(
+                state.filter_count, jnp.where(placed, 0, sightings), jnp.ones_like(sightings)
+            ),
+        )
+        tally["filter_evicted"] = (recorded & (f_taken == 1)).sum()
+        tally["filter_failed"] = (first & ~recorded).sum()
+
+    step_stats = jnp.stack(
+        [jnp.asarray(tally.get(name, 0), jnp.int32) for name in STAT_NAMES]
+    )
+    new = dataclasses.replace(new, stats=state.stats + step_stats[None, :])
+    return new, row.reshape(shape), (placed & (row >= 0)).reshape(shape)
+
+
+def occupancy(config: IndexConfig, state: IndexState, now):
+    """Live slots (holding a key, not expired) of an index, int32 (local or global arrays)."""
+    occupied = ~_is_pad(state.hi, state.lo)
+    return (occupied & ~_expired(config, state.last, now)).sum(dtype=jnp.int32)
+
+
+def stats(config: IndexConfig, state: IndexState, now) -> dict:
+    """{name: int32 scalar}: STAT_NAMES summed over the shards, "occupancy" (live slots) and
+    "held" (slots holding a key, expired ones included). admitted - evicted - expired ==
+    held at all times; without TTL held == occupancy."""
+    totals = jnp.asarray(state.stats).sum(0, dtype=jnp.int32)
+    out = {name: totals[i] for i, name in enumerate(STAT_NAMES)}
+    out["occupancy"] = occupancy(config, state, now)
+    out["held"] = (~_is_pad(state.hi, state.lo)).sum(dtype=jnp.int32)
+    return out
+
+
+# -------------------------------------------------------------------- host: checkpoints
+
+
+def export(config: IndexConfig, state: IndexState, now=None):
+    """The entries of an index, NumPy: (ids int64 ascending, global rows int64, last int32,
+    count int32).
+
+    With `now` None every slot holding a key is exported, TTL-expired ones included: they
+    keep their `last`, so `build` restores them expired, and a restored index behaves as the
+    saved one would have. With `now` given, expired entries are left out."""
+    hi, lo = np.asarray(state.hi).reshape(-1), np.asarray(state.lo).reshape(-1)
+    last, count = np.asarray(state.last).reshape(-1), np.asarray(state.count).reshape(-1)
+    keep = ~((hi == PAD) & (lo == PAD))
+    if now is not None and config.ttl_steps is not None:
+        keep &= ~(np.int64(now) - last >= config.ttl_steps)
+    rows = np.nonzero(keep)[0]
+    ids = join_ids(hi[rows], lo[rows])
+    order = np.argsort(ids, kind="stable")
+    rows = rows[order]
+    return ids[order], rows.astype(np.int64), last[rows], count[rows]
+
+
+def build(config: IndexConfig, num_shards: int, ids, last, count):
+    """A fresh index for `num_shards` shards holding the given entries (an `export`), and
+    each id's global row (int64, in the order of `ids`). Filter and stats start empty.
+
+    Lanes are assigned in ascending id order inside each bucket; the rules of `update` do
+    not depend on lanes, so the index behaves as the exported one."""
+    config.check_shards(num_shards)
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    last = np.asarray(last, np.int32).reshape(-1)
+    count = np.asarray(count, np.int32).reshape(-1)
+    if not ids.shape == last.shape == count.shape:
+        raise ValueError(
+            f"build: ids, last and count must have one entry each per id, got shapes "
+            f"{ids.shape}, {last.shape} and {count.shape}."
+        )
+    if (ids == -1).any():
+        raise ValueError("build: -1 is padding, never a key; it may not be among the ids.")
+    if np.unique(ids).size != ids.size:
+        raise ValueError(f"build: the ids must be distinct ({ids.size - np.unique(ids).size} repeat).")
+    hi, lo = split_ids(ids)
+    g = np.asarray(global_bucket(config, hi, lo)).astype(np.int64)
+    order = np.lexsort((ids, g))
+    sorted_g = g[order]
+    first = np.searchsorted(sorted_g, sorted_g, side="left")
+    lane = np.arange(ids.size) - first
+    b = config.bucket_size
+    if ids.size and lane.max() >= b:
+        worst = np.bincount(g).argmax()
+        raise ValueError(
+            f"build: bucket {worst} would hold {np.bincount(g).max()} ids, but its capacity "
+            f"is bucket_size = {b}."
+        )
+    state = empty_state(config, num_shards)
+    rows = np.empty(ids.size, np.int64)
+    rows[order] = sorted_g * b + lane
+    for name, values in (("hi", hi), ("lo", lo), ("last", last), ("count", count)):
+        getattr(state, name).reshape(-1)[rows] = values
+    return state, rows
