@@ -113,7 +113,10 @@ class IndexConfig:
         if not _is_int(self.bucket_size) or self.bucket_size < 1:
             bad("bucket_size", "an int >= 1")
         if self.buckets * self.bucket_size >= _MAX_LOCAL_SLOTS:
-            bad("buckets", f"such that buckets * bucket_size < 2**31 (bucket_size {self.bucket_size})")
+            bad(
+                "buckets",
+                f"such that buckets * bucket_size < 2**31 (bucket_size {self.bucket_size})",
+            )
         if self.eviction not in EVICTIONS:
             bad("eviction", f"one of {EVICTIONS}")
         if self.ttl_steps is not None and (not _is_int(self.ttl_steps) or self.ttl_steps < 1):
@@ -378,6 +381,7 @@ def update(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, 
 
     # Admission.
     admit = miss
+    in_filter = jnp.zeros_like(miss)
     if config.admit_probability < 1.0:
         threshold = jnp.uint32(_admit_threshold(config.admit_probability))
         admit &= _admit_hash(config, hi, lo, now) < threshold
@@ -411,7 +415,10 @@ def update(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, 
         lanes,
     )
     if config.eviction == "lfu":
-        score = (jnp.where(cls == 2, count, jnp.where(keyed, last, 0)), jnp.where(cls == 2, last, 0))
+        score = (
+            jnp.where(cls == 2, count, jnp.where(keyed, last, 0)),
+            jnp.where(cls == 2, last, 0),
+        )
     else:
         score = (jnp.where(keyed, last, 0),)
     order = _lane_order((cls, *score, *tail))
@@ -459,9 +466,7 @@ def update(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, 
         nfl = state.filter_hi.shape[0]
         first = miss & ~in_filter
         f_group, f_rank = _groups(jnp.where(miss, fb, nfl), prio, hi, lo, first)
-        f_seen = _group_or(
-            f_group, f_same.astype(jnp.int32) * jnp.where(placed, 2, 1)[:, None]
-        )
+        f_seen = _group_or(f_group, f_same.astype(jnp.int32) * jnp.where(placed, 2, 1)[:, None])
         f_free = ((f_seen & 2) > 0) | _is_pad(f_hi, f_lo)
         f_cls = jnp.where(f_free, 0, jnp.where((f_seen & 1) > 0, 3, 1))
         f_keyed = f_cls == 1
@@ -497,9 +502,7 @@ def update(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, 
         tally["filter_evicted"] = (recorded & (f_taken == 1)).sum()
         tally["filter_failed"] = (first & ~recorded).sum()
 
-    step_stats = jnp.stack(
-        [jnp.asarray(tally.get(name, 0), jnp.int32) for name in STAT_NAMES]
-    )
+    step_stats = jnp.stack([jnp.asarray(tally.get(name, 0), jnp.int32) for name in STAT_NAMES])
     new = dataclasses.replace(new, stats=state.stats + step_stats[None, :])
     return new, row.reshape(shape), (placed & (row >= 0)).reshape(shape)
 
@@ -560,8 +563,9 @@ def build(config: IndexConfig, num_shards: int, ids, last, count):
         )
     if (ids == -1).any():
         raise ValueError("build: -1 is padding, never a key; it may not be among the ids.")
-    if np.unique(ids).size != ids.size:
-        raise ValueError(f"build: the ids must be distinct ({ids.size - np.unique(ids).size} repeat).")
+    repeats = ids.size - np.unique(ids).size
+    if repeats:
+        raise ValueError(f"build: the ids must be distinct ({repeats} repeat).")
     hi, lo = split_ids(ids)
     g = np.asarray(global_bucket(config, hi, lo)).astype(np.int64)
     order = np.lexsort((ids, g))

@@ -248,9 +248,9 @@ def _run_against_reference(config, steps, width, pool, seed=0):
             assert bool(f) == (what == "placed"), (t, int(i), what)
         flat = hx.join_ids(np.asarray(state.hi), np.asarray(state.lo)).reshape(-1)
         np.testing.assert_array_equal(flat[row[row >= 0]], ids[row >= 0])
-        assert _buckets_of(state) == [
-            {i: tuple(e) for i, e in b.items()} for b in ref.buckets
-        ], f"step {t}"
+        assert _buckets_of(state) == [{i: tuple(e) for i, e in b.items()} for b in ref.buckets], (
+            f"step {t}"
+        )
         assert _filter_of(state) == ref.filter, f"step {t}"
         got = dict(zip(hx.STAT_NAMES, np.asarray(state.stats)[0].tolist()))
         assert got == {k: ref.stats.get(k, 0) for k in hx.STAT_NAMES}, f"step {t}"
