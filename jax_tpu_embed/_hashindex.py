@@ -290,12 +290,13 @@ def find(config: IndexConfig, state: IndexState, hi, lo, local_bucket, now):
     return jnp.where(found, lb * b + lane, -1), found
 
 
-def _groups(key, prio, hi, lo, flag):
+def _groups(key, prio, hi, lo, flag, num_groups: int):
     """Candidates grouped by `key` (their bucket), each group in priority order.
 
-    Returns, per candidate in input order: its group's index (the groups numbered 0.. in key
-    order, so arrays of U groups hold them all) and its rank among the flagged candidates of
-    its group. One sort of U: no loop over ids."""
+    Returns, per candidate in input order, its group (the groups numbered 0.. in key order)
+    and its rank among the flagged candidates of its group; and each group's key
+    (`num_groups` of them: at least the distinct keys; unused ones hold the largest key). One
+    sort of U: no loop over ids."""
     u = key.shape[0]
     iota = lax.iota(jnp.int32, u)
     skey, _, _, _, perm = lax.sort((key, prio, hi, lo, iota), num_keys=4)
@@ -307,18 +308,18 @@ def _groups(key, prio, hi, lo, flag):
     # max of its values at group starts is the current group's.
     base = lax.cummax(jnp.where(start, before, 0))
     inverse = jnp.zeros(u, jnp.int32).at[perm].set(iota)
-    return group_sorted[inverse], (before - base)[inverse]
-
-
-def _group_or(group, codes):
-    """Per candidate, the sum over its group of `codes` (U, l): the OR of flags that no two
-    candidates of a group set on the same lane."""
-    return jnp.zeros_like(codes).at[group].add(codes)[group]
+    group_key = jnp.full(num_groups, skey[-1], skey.dtype).at[group_sorted].set(skey)
+    return group_sorted[inverse], (before - base)[inverse], group_key
 
 
 def _lane_order(keys):
-    """(U, l) lane order: the lanes of each row sorted by `keys` (the last key is the lane)."""
-    return lax.sort(keys, dimension=1, num_keys=len(keys))[-1]
+    """(G, l) lane order: the lanes of each row sorted by `keys`, which leave no ties."""
+    lanes = lax.broadcasted_iota(jnp.int32, keys[0].shape, 1)
+    return lax.sort((*keys, lanes), dimension=1, num_keys=len(keys))[-1]
+
+
+def _pick(table, group, column):
+    return table[group, column]
 
 
 def update(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, now):
@@ -363,11 +364,9 @@ def update(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, 
     nbl = state.hi.shape[0]
     lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
     prio = priority(config, hi, lo)
-    lanes = lax.broadcasted_iota(jnp.int32, (hi.shape[0], b), 1)
 
     # The candidates' buckets, (U, b).
-    keys_hi, keys_lo = state.hi[lb], state.lo[lb]
-    last, count = state.last[lb], state.count[lb]
+    keys_hi, keys_lo, last = state.hi[lb], state.lo[lb], state.last[lb]
     occupied = ~_is_pad(keys_hi, keys_lo)
     expired = occupied & _expired(config, last, now)
     live = occupied & ~expired
@@ -395,37 +394,51 @@ def update(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, 
         sightings = jnp.minimum(jnp.where(f_same, f_count, 0).sum(1) + 1, config.min_count)
         admit &= sightings >= config.min_count
 
-    # Placement: every candidate of a bucket sees the same lane order, so the ranks of its
-    # admitted ids pick distinct lanes.
-    group, rank = _groups(jnp.where(valid, lb, nbl), prio, hi, lo, admit)
+    # Placement. Each bucket's slot order is computed once, for the group of its candidates
+    # (at most one group per local bucket, plus padding's); the ranks of the group's admitted
+    # ids then pick distinct slots of it.
+    u = hi.shape[0]
+    groups = min(u, nbl + 1)
+    group, rank, group_bucket = _groups(jnp.where(valid, lb, nbl), prio, hi, lo, admit, groups)
+    group_bucket = jnp.minimum(group_bucket, nbl - 1)
     freed = stale & admit
-    codes = hit_lanes.astype(jnp.int32) + 2 * (stale_lanes & freed[:, None]).astype(jnp.int32)
-    seen = _group_or(group, codes)
-    touched, free = (seen & 1) > 0, ((seen & 2) > 0) | ~occupied
-    evictable = live & ~touched & (last < now)
+    marks = (
+        jnp.zeros((groups, b), jnp.int32)
+        .at[group, hit_lane]
+        .add(hit.astype(jnp.int32))
+        .at[group, stale_lane]
+        .add(2 * freed.astype(jnp.int32))
+    )
+    g_hi, g_lo = state.hi[group_bucket], state.lo[group_bucket]
+    g_last, g_count = state.last[group_bucket], state.count[group_bucket]
+    g_occupied = ~_is_pad(g_hi, g_lo)
+    g_expired = g_occupied & _expired(config, g_last, now)
+    free = ((marks & 2) > 0) | ~g_occupied
+    evictable = g_occupied & ~g_expired & ((marks & 1) == 0) & (g_last < now)
     if config.eviction == "none":
         evictable = jnp.zeros_like(evictable)
-    cls = jnp.where(free, 0, jnp.where(expired, 1, jnp.where(evictable, 2, 3)))
+    cls = jnp.where(free, 0, jnp.where(g_expired, 1, jnp.where(evictable, 2, 3)))
     keyed = (cls == 1) | (cls == 2)
     z = jnp.uint32(0)
+    g_lanes = lax.broadcasted_iota(jnp.int32, (groups, b), 1).astype(jnp.uint32)
+    # Free and unavailable slots are ordered by lane (interchangeable), the others by key.
     tail = (
-        jnp.where(keyed, priority(config, keys_hi, keys_lo), z),
-        jnp.where(keyed, keys_hi, z),
-        jnp.where(keyed, keys_lo, z),
-        lanes,
+        jnp.where(keyed, priority(config, g_hi, g_lo), g_lanes),
+        jnp.where(keyed, g_hi, z),
+        jnp.where(keyed, g_lo, z),
     )
     if config.eviction == "lfu":
         score = (
-            jnp.where(cls == 2, count, jnp.where(keyed, last, 0)),
-            jnp.where(cls == 2, last, 0),
+            jnp.where(cls == 2, g_count, jnp.where(keyed, g_last, 0)),
+            jnp.where(cls == 2, g_last, 0),
         )
     else:
-        score = (jnp.where(keyed, last, 0),)
+        score = (jnp.where(keyed, g_last, 0),)
     order = _lane_order((cls, *score, *tail))
     available = (cls < 3).sum(1)
-    placed = admit & (rank < available)
-    lane = jnp.take_along_axis(order, jnp.minimum(rank, b - 1)[:, None], 1)[:, 0]
-    taken = jnp.take_along_axis(cls, lane[:, None], 1)[:, 0]
+    placed = admit & (rank < available[group])
+    lane = _pick(order, group, jnp.minimum(rank, b - 1))
+    taken = _pick(cls, group, lane)
 
     # Writes: the freed slots are cleared first, then hits and placements (one scatter each;
     # a freed slot that an admitted id takes is overwritten by the second).
@@ -436,7 +449,7 @@ def update(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, 
     cleared = jnp.where(freed, base + stale_lane, slots)
     row = jnp.where(hit, base + hit_lane, jnp.where(placed, base + lane, -1))
     target = jnp.where(row >= 0, row, slots)
-    hit_count = jnp.take_along_axis(count, hit_lane[:, None], 1)[:, 0]
+    hit_count = flat(state.count)[base + hit_lane]
 
     def write(array, clear_value, value):
         out = flat(array).at[cleared].set(clear_value, mode="drop")
@@ -465,24 +478,34 @@ def update(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, 
         bf = config.filter_bucket_size
         nfl = state.filter_hi.shape[0]
         first = miss & ~in_filter
-        f_group, f_rank = _groups(jnp.where(miss, fb, nfl), prio, hi, lo, first)
-        f_seen = _group_or(f_group, f_same.astype(jnp.int32) * jnp.where(placed, 2, 1)[:, None])
-        f_free = ((f_seen & 2) > 0) | _is_pad(f_hi, f_lo)
-        f_cls = jnp.where(f_free, 0, jnp.where((f_seen & 1) > 0, 3, 1))
+        f_groups = min(u, nfl + 1)
+        f_group, f_rank, f_group_bucket = _groups(
+            jnp.where(miss, fb, nfl), prio, hi, lo, first, f_groups
+        )
+        f_group_bucket = jnp.minimum(f_group_bucket, nfl - 1)
+        f_marks = (
+            jnp.zeros((f_groups, bf), jnp.int32)
+            .at[f_group, f_lane]
+            .add(jnp.where(in_filter, jnp.where(placed, 2, 1), 0))
+        )
+        g_hi, g_lo = state.filter_hi[f_group_bucket], state.filter_lo[f_group_bucket]
+        g_count = state.filter_count[f_group_bucket]
+        f_free = ((f_marks & 2) > 0) | _is_pad(g_hi, g_lo)
+        f_cls = jnp.where(f_free, 0, jnp.where((f_marks & 1) > 0, 3, 1))
         f_keyed = f_cls == 1
+        f_lanes = lax.broadcasted_iota(jnp.int32, (f_groups, bf), 1).astype(jnp.uint32)
         f_order = _lane_order(
             (
                 f_cls,
-                jnp.where(f_keyed, f_count, 0),
-                jnp.where(f_keyed, priority(config, f_hi, f_lo), z),
-                jnp.where(f_keyed, f_hi, z),
-                jnp.where(f_keyed, f_lo, z),
-                lax.broadcasted_iota(jnp.int32, f_hi.shape, 1),
+                jnp.where(f_keyed, g_count, 0),
+                jnp.where(f_keyed, priority(config, g_hi, g_lo), f_lanes),
+                jnp.where(f_keyed, g_hi, z),
+                jnp.where(f_keyed, g_lo, z),
             )
         )
-        recorded = first & (f_rank < (f_cls < 3).sum(1))
-        f_new_lane = jnp.take_along_axis(f_order, jnp.minimum(f_rank, bf - 1)[:, None], 1)[:, 0]
-        f_taken = jnp.take_along_axis(f_cls, f_new_lane[:, None], 1)[:, 0]
+        recorded = first & (f_rank < (f_cls < 3).sum(1)[f_group])
+        f_new_lane = _pick(f_order, f_group, jnp.minimum(f_rank, bf - 1))
+        f_taken = _pick(f_cls, f_group, f_new_lane)
         f_slots = nfl * bf
         seen_row = jnp.where(in_filter, fb * bf + f_lane, f_slots)
         new_row = jnp.where(recorded, fb * bf + f_new_lane, f_slots)
