@@ -90,7 +90,7 @@ def _time_dict(capacity: int, batches, warmup: int):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--slots", type=int, default=1 << 20)
     parser.add_argument("--bucket-size", type=int, default=64)
     parser.add_argument("--keys", type=int, default=1 << 16)
