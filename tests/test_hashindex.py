@@ -378,7 +378,7 @@ MESH_CONFIG = hx.IndexConfig(
     buckets=16,
     bucket_size=4,
     eviction="lfu",
-    ttl_steps=8,
+    ttl_steps=4,
     min_count=2,
     filter_buckets=8,
     filter_bucket_size=2,
@@ -388,7 +388,7 @@ MESH_CONFIG = hx.IndexConfig(
 
 def test_mesh_independence():
     config = MESH_CONFIG
-    stream = _stream(np.random.default_rng(2), 40, 32, 300)
+    stream = _stream(np.random.default_rng(2), 25, 32, 300)
     exports, totals = [], []
     for n in (1, 2, 4, 8):
         mesh = make_mesh(n)
