@@ -27,6 +27,74 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+EVICTIONS = ("lru", "lfu", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTable:
+    """A table without a vocabulary: ids are any int64 but -1, admitted when first trained.
+
+    The table holds `capacity` rows in buckets of `bucket_size` slots; an id's bucket is a
+    hash of it, and its full 64-bit key is stored and compared, so no id ever reads or
+    writes another id's row. `lookup` is read-only: an id without a row gets its initial
+    row, a hash of (table, id) drawn as the default initializer draws. `apply_gradients`
+    admits new ids, evicts old ones and updates rows in one pass (see the README,
+    "Dynamic tables").
+
+    Attributes:
+        capacity: Rows over all shards (rounded up to whole buckets on every shard).
+        eviction: What a new id takes when its bucket is full: "lru" (the slot updated
+            least recently), "lfu" (updated in fewest steps; ties: least recently) or
+            "none" (nothing: the new id is refused and counted as `failed`).
+        ttl_steps: A row not updated for this many steps is expired: lookups no longer
+            find it and its slot is free. None: rows never expire.
+        min_count: Admit an id at the update in which it is seen for the k-th time (one
+            sighting per step), counted in a bounded filter (`filter_capacity`).
+        admit_probability: Admit a new id with this probability per update that sees it,
+            from a hash of (table, step, id): deterministic.
+        bucket_size: Slots per bucket; eviction chooses among one bucket's slots.
+        filter_capacity: Entries of min_count's counting filter (default: capacity);
+            a full filter bucket forgets its lowest count (`filter_evicted`).
+    """
+
+    capacity: int
+    eviction: str = "lru"
+    ttl_steps: int | None = None
+    min_count: int = 1
+    admit_probability: float = 1.0
+    bucket_size: int = 64
+    filter_capacity: int | None = None
+
+    def __post_init__(self):
+        where = "DynamicTable"
+        if not _is_int(self.capacity) or self.capacity <= 0:
+            raise ValueError(f"{where}: capacity must be an int > 0, got {self.capacity!r}.")
+        if self.eviction not in EVICTIONS:
+            raise ValueError(
+                f"{where}: eviction must be one of {list(EVICTIONS)}, got {self.eviction!r}."
+            )
+        if self.ttl_steps is not None and (not _is_int(self.ttl_steps) or self.ttl_steps < 1):
+            raise ValueError(
+                f"{where}: ttl_steps must be an int >= 1 or None, got {self.ttl_steps!r}."
+            )
+        if not _is_int(self.min_count) or self.min_count < 1:
+            raise ValueError(f"{where}: min_count must be an int >= 1, got {self.min_count!r}.")
+        p = self.admit_probability
+        if (
+            isinstance(p, bool)
+            or not isinstance(p, (int, float, np.floating))
+            or not (0.0 < float(p) <= 1.0)
+        ):
+            raise ValueError(f"{where}: admit_probability must be in (0, 1], got {p!r}.")
+        if not _is_int(self.bucket_size) or not 1 <= self.bucket_size <= 1024:
+            raise ValueError(
+                f"{where}: bucket_size must be an int in [1, 1024], got {self.bucket_size!r}."
+            )
+        fc = self.filter_capacity
+        if fc is not None and (not _is_int(fc) or fc <= 0):
+            raise ValueError(f"{where}: filter_capacity must be an int > 0 or None, got {fc!r}.")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TableConfig:
     """One embedding table: `vocabulary_size` rows of width `dim`.
@@ -35,7 +103,7 @@ class TableConfig:
     tables, as in TensorFlow.
 
     Attributes:
-        vocabulary_size: Number of rows V; valid ids are [0, V).
+        vocabulary_size: Number of rows V; valid ids are [0, V). None for a dynamic table.
         dim: Row width D.
         initializer: fn(key, shape, dtype) called with the logical shape (V, D). Default:
             truncated normal, mean 0, stddev 1/sqrt(D) (TensorFlow's default).
@@ -49,22 +117,42 @@ class TableConfig:
             from random bits keyed by (table name, step, row), so results do not depend on
             the mesh, the partition strategy or the backend. False rounds to nearest, which
             loses updates smaller than half a bfloat16 step. Slots stay float32.
+        dynamic: A `DynamicTable`: the table has no vocabulary (vocabulary_size None) and
+            takes any int64 id but -1.
     """
 
-    vocabulary_size: int
-    dim: int
+    vocabulary_size: int | None = None
+    dim: int = None  # type: ignore[assignment]  # Required; checked below.
     initializer: Initializer | None = None
     optimizer: _optimizers.Optimizer | None = None
     combiner: str = "mean"
     name: str | None = None
     dtype: Any = jnp.float32
     stochastic_rounding: bool | None = None
+    dynamic: DynamicTable | None = None
 
     def __post_init__(self):
         where = f"TableConfig(name={self.name!r})"
-        if not _is_int(self.vocabulary_size) or self.vocabulary_size <= 0:
+        if self.dynamic is not None:
+            if not isinstance(self.dynamic, DynamicTable):
+                raise TypeError(
+                    f"{where}: dynamic must be a jte.DynamicTable or None, got {self.dynamic!r}."
+                )
+            if self.vocabulary_size is not None:
+                raise ValueError(
+                    f"{where}: a dynamic table has no vocabulary; give vocabulary_size="
+                    f"{self.vocabulary_size!r} or dynamic=, not both."
+                )
+            if self.initializer is not None:
+                raise ValueError(
+                    f"{where}: a dynamic table draws each id's initial row from a hash of "
+                    f"(table, id) (the default initializer's distribution); initializer= "
+                    f"cannot be evaluated per id: leave it None."
+                )
+        elif not _is_int(self.vocabulary_size) or int(self.vocabulary_size or 0) <= 0:
             raise ValueError(
-                f"{where}: vocabulary_size must be an int > 0, got {self.vocabulary_size!r}."
+                f"{where}: vocabulary_size must be an int > 0 (or dynamic=jte.DynamicTable(...) "
+                f"for a table without a vocabulary), got {self.vocabulary_size!r}."
             )
         if not _is_int(self.dim) or self.dim <= 0:
             raise ValueError(f"{where}: dim must be an int > 0, got {self.dim!r}.")

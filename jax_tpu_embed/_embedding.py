@@ -19,6 +19,7 @@ from . import (
     _backend,
     _config,
     _counts,
+    _dynamic,
     _exchange,
     _guards,
     _inflight,
@@ -35,22 +36,29 @@ Nested = Any
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["tables", "slots", "step"], meta_fields=[]
+    jax.tree_util.register_dataclass,
+    data_fields=["tables", "slots", "step", "index"],
+    meta_fields=[],
 )
 @dataclasses.dataclass
 class EmbeddingState:
     """All trainable embedding state.
 
     Attributes:
-        tables: {table name: (N * S, D) array}, row-sharded; shard p holds rows
-            [p * S, (p + 1) * S) in its local order (see `Embedding.shard_rows`).
-        slots: {table name: {slot name: (N * S, D) or (N * S,) float32 array}}.
+        tables: {state key (`Embedding.stacks`): its physical table array}, row-sharded;
+            shard p holds rows [p * S, (p + 1) * S) in its local order (see
+            `Embedding.shard_rows`). A dynamic table's array holds its slots' rows.
+        slots: {state key: {slot name: physical array}}.
         step: int32 scalar, the number of updates applied so far.
+        index: {dynamic table name: its index (which id holds which row, the scores that
+            eviction reads, the admission filter, counters) and key}; empty without
+            dynamic tables.
     """
 
     tables: dict
     slots: dict
     step: Any  # jax.Array; jax.ShapeDtypeStruct in abstract_state.
+    index: dict = dataclasses.field(default_factory=dict)
 
 
 class Embedding:
@@ -161,9 +169,13 @@ class Embedding:
             )
         self.spec, self.mesh = spec, mesh
         self.axis = str(axis)
+        # Dynamic tables run as static tables of their capacity behind an index (_dynamic).
+        engine_spec, self.dynamic = _dynamic.engine_spec(spec, int(mesh.shape[self.axis]))
+        self._spec_tables = spec.tables()
+        self._dynamic_paths = frozenset(p for d in self.dynamic.values() for p in d.features)
         # Everything decided at construction, frozen: the step reads nothing else.
         self.plan = _planner.build(
-            spec,
+            engine_spec,
             mesh,
             self.axis,
             backend=backend,
@@ -176,6 +188,7 @@ class Embedding:
             init_block_bytes=init_block_bytes,
             cpu_kernels=cpu_kernels,
             tpu_kernels=tpu_kernels,
+            alone=frozenset(self.dynamic),
         )
         self.num_shards = self.plan.num_shards
         self.lane_width = self.plan.lane_width
@@ -245,7 +258,50 @@ class Embedding:
         for name, plan in self.plan.stacks.items():
             tables[name], slots[name] = self._abstract(plan.storage, plan.config.dtype)
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
-        return EmbeddingState(tables, slots, step)
+        index = {
+            name: jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                self._index_shapes(name),
+                self._index_shardings(name),
+            )
+            for name in self.dynamic
+        }
+        return EmbeddingState(tables, slots, step, index)
+
+    def _index_shapes(self, name: str) -> _dynamic.DynamicState:
+        words = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        return jax.eval_shape(functools.partial(self._empty_index, name), words)
+
+    def _index_shardings(self, name: str) -> _dynamic.DynamicState:
+        """The shardings of a dynamic table's `DynamicState`: the index's arrays split by
+        buckets over the axis, the key replicated."""
+        shapes = self._index_shapes(name)
+        return _dynamic.DynamicState(
+            index=jax.tree.map(lambda x: self._rows(x.ndim), shapes.index), key=self._replicated
+        )
+
+    def _empty_index(self, name: str, key_words) -> _dynamic.DynamicState:
+        return _dynamic.DynamicState(
+            _dynamic.empty_index(self.dynamic[name], self.num_shards), key_words
+        )
+
+    def _new_index(self, key) -> dict:
+        """{dynamic table name: its empty index and its key's words}."""
+        out = {}
+        keys = self.initializer.table_keys(key) if self.dynamic else {}
+        for name in self.dynamic:
+            words = jax.random.key_data(keys[name]).reshape(-1).astype(jnp.uint32)
+            state = self._empty_index(name, jnp.stack([words[0], words[-1]]))
+            out[name] = jax.tree.map(
+                lambda x, s: (
+                    _sharding.constrain(x, s)
+                    if isinstance(key, jax.core.Tracer)
+                    else jax.device_put(x, s)
+                ),
+                state,
+                self._index_shardings(name),
+            )
+        return out
 
     def _abstract(self, storage: _storage.TableStorage, dtype) -> tuple:
         table_shape, slot_shapes = storage.shapes()
@@ -267,7 +323,7 @@ class Embedding:
         API promises, in a program of its own; a stack holding one is joined from its
         members' arrays. Works traced inside another jit too.
         """
-        return EmbeddingState(*self.initializer.init(key))
+        return EmbeddingState(*self.initializer.init(key), self._new_index(key))
 
     def init_programs(self) -> dict:
         """{table name: a jitted fn(table key) -> (table, slots) giving what `init` gives for
@@ -284,12 +340,15 @@ class Embedding:
     def restore_tables(
         self, tables: dict, slots: dict | None = None, step: int = 0, key: jax.Array | None = None
     ) -> EmbeddingState:
-        """State from logical tables {name: (V, D)} and slots {name: {slot: (V, D) or (V,)}}.
+        """State from logical tables {name: (V, D)} and slots {name: {slot: (V, D) or (V,)}};
+        a dynamic table's as `jte.DynamicRows` (what `export` / `export_slots` give).
 
         Slots missing from `slots` start at their initial values (random ones drawn from
         `key`, as `init(key)` would).
         """
-        slots = slots or {}
+        tables, given_slots, index = self._restore_dynamic(
+            dict(tables), dict(slots or {}), step, key
+        )
         problems = [f"table {n!r} is missing" for n in self.table_plans if n not in tables]
         problems += [
             f"table {n!r} is not in the spec (its tables are {list(self.table_plans)})"
@@ -309,7 +368,7 @@ class Embedding:
                     f"{storage.logical_shape()}."
                 )
             table = value.astype(plan.config.dtype)
-            given = dict(slots.get(name, {}))
+            given = dict(given_slots.get(name, {}))
             unknown = sorted(set(given) - {s.name for s in storage.slot_specs})
             if unknown:
                 raise ValueError(
@@ -350,7 +409,61 @@ class Embedding:
                 for s in storage.stored
             }
         step_array = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
-        return EmbeddingState(*self.state_arrays(new_tables, new_slots), step_array)
+        return EmbeddingState(*self.state_arrays(new_tables, new_slots), step_array, index)
+
+    def _restore_dynamic(self, tables: dict, slots: dict, step: int, key) -> tuple:
+        """`restore_tables`' dynamic tables: each `DynamicRows` made its slot table's logical
+        rows (unused slots 0, their slots' initial values) and an index holding its ids
+        (scores as if every id had been updated at `step`). Returns (tables, slots,
+        {name: DynamicState on the devices}). The keys of the restored tables' initial rows
+        come from `key` as `init(key)` draws them (default: jax.random.key(0))."""
+        index = {}
+        keys = self.initializer.table_keys(jax.random.key(0) if key is None else key)
+        for name, plan in self.dynamic.items():
+            if name not in tables:
+                continue
+            storage = self.table_plans[name].storage
+            given = tables[name]
+            if not isinstance(given, _dynamic.DynamicRows):
+                raise ValueError(
+                    f"restore_tables: table {name!r} is dynamic: give jte.DynamicRows(ids, "
+                    f"rows) (what export gives), got {type(given).__name__}."
+                )
+            ids, rows = _dynamic.check_rows(name, given, plan.dim)
+            try:
+                built, global_rows = _dynamic.build_index(plan, self.num_shards, ids, step)
+            except ValueError as e:
+                raise ValueError(f"restore_tables: table {name!r}: {e}") from None
+            where = _dynamic.slot_rows(storage, global_rows)
+            logical = np.zeros((plan.rows, plan.dim), np.float32)
+            logical[where] = rows
+            tables[name] = logical
+            table_slots = {}
+            for slot_name, value in dict(slots.get(name, {})).items():
+                if isinstance(value, _dynamic.DynamicRows):
+                    if not np.array_equal(np.asarray(value.ids, np.int64), ids):
+                        raise ValueError(
+                            f"restore_tables: slot {slot_name!r} of table {name!r} holds "
+                            f"other ids than the table's DynamicRows."
+                        )
+                    value = value.rows
+                value = np.asarray(value, np.float32)
+                spec = next((s for s in storage.slot_specs if s.name == slot_name), None)
+                if spec is None or value.shape[0] != len(ids):
+                    table_slots[slot_name] = value  # Named in the checks below.
+                    continue
+                full = np.full((plan.rows,) + value.shape[1:], float(spec.initializer), np.float32)
+                full[where] = value
+                table_slots[slot_name] = full
+            slots[name] = table_slots
+            words = jax.random.key_data(keys[name]).reshape(-1).astype(jnp.uint32)
+            state = _dynamic.DynamicState(
+                built, np.stack([np.asarray(words[0]), np.asarray(words[-1])])
+            )
+            index[name] = jax.tree.map(
+                lambda x, s: jax.device_put(np.asarray(x), s), state, self._index_shardings(name)
+            )
+        return tables, slots, index
 
     # --------------------------------------------------- stacks <-> per-table arrays
 
@@ -428,21 +541,50 @@ class Embedding:
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
-    def export(self, state: EmbeddingState) -> dict[str, np.ndarray]:
-        """{table name: (V, D) np.ndarray} in natural row order, whatever strategy or mesh.
+    def export(self, state: EmbeddingState) -> dict[str, Any]:
+        """{table name: (V, D) np.ndarray} in natural row order, whatever strategy or mesh;
+        a dynamic table's live rows as `jte.DynamicRows(ids, rows)`, ids ascending.
 
         With several processes this gathers the tables onto every process (a collective):
         call it on every process, then write from one.
         """
         _guards.check_not_consumed(state, "Embedding.export")
         tables = self.table_arrays(state)[0]
+        out = {}
+        for name, plan in self.table_plans.items():
+            logical = plan.storage.to_logical(self._fetch(tables[name]))[0]
+            if name in self.dynamic:
+                ids, rows = self._live_rows(state, name)
+                logical = _dynamic.DynamicRows(ids, logical[rows])
+            out[name] = logical
+        return out
+
+    def _live_rows(self, state: EmbeddingState, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids ascending, their slot-table rows) of a dynamic table's live ids (a collective
+        with several processes)."""
+        index = jax.tree.map(self._fetch, state.index[name].index)
+        now = int(np.asarray(jax.device_get(state.step)))
+        plan = self.dynamic[name]
+        ids, rows = _dynamic.live(plan, self.table_plans[name].storage, index, now)
+        return ids, rows
+
+    def dynamic_stats(self, state: EmbeddingState) -> dict[str, dict[str, jax.Array]]:
+        """{dynamic table name: {counter: int32 scalar}}: `occupancy` (live rows), and since
+        `init` (or the restore): `admitted`, `evicted` (by the eviction policy), `expired`
+        (slots of rows past ttl_steps taken by new ids), `rejected` (misses not admitted:
+        below min_count, or not drawn by admit_probability), `failed` (admitted but their
+        bucket had no slot they could take: eviction "none", or every slot updated this
+        step), `hits` and `misses` (ids of updates found or not), `filter_evicted`
+        (min_count's filter forgot an id). Jittable. Nothing is dropped without a count:
+        an id without a row reads its initial row, and its gradient is not applied."""
         return {
-            name: plan.storage.to_logical(self._fetch(tables[name]))[0]
-            for name, plan in self.table_plans.items()
+            name: _dynamic.stats(plan, state.index[name].index, state.step)
+            for name, plan in self.dynamic.items()
         }
 
-    def export_slots(self, state: EmbeddingState) -> dict[str, dict[str, np.ndarray]]:
-        """{table name: {slot name: (V, D) or (V,)}}; {} for a table without slots.
+    def export_slots(self, state: EmbeddingState) -> dict[str, dict[str, Any]]:
+        """{table name: {slot name: (V, D) or (V,)}}; {} for a table without slots; a dynamic
+        table's as `jte.DynamicRows` of its live ids.
 
         A collective with several processes, like `export`.
         """
@@ -456,6 +598,9 @@ class Embedding:
             out[name] = storage.to_logical(
                 table, {n: self._fetch(x) for n, x in slots[name].items()}
             )[1]
+            if name in self.dynamic:
+                ids, rows = self._live_rows(state, name)
+                out[name] = {n: _dynamic.DynamicRows(ids, x[rows]) for n, x in out[name].items()}
         return out
 
     def shard_rows(self, state: EmbeddingState, table_name: str, shard: int) -> np.ndarray:
@@ -529,7 +674,9 @@ class Embedding:
             if any(not isinstance(x, jax.Array) for x in jax.tree.leaves(flat)):
                 self.validate(features)
         _inputs.check_batch(flat, self.num_shards)
-        return flat
+        return {
+            p: _dynamic.split_on_host(x) if p in self._dynamic_paths else x for p, x in flat.items()
+        }
 
     def lookup(self, state: EmbeddingState, features: Nested) -> Nested:
         """Embeds every feature.
@@ -545,7 +692,7 @@ class Embedding:
         """
         _guards.check_not_consumed(state, "Embedding.lookup")
         flat = self._prepare(features)
-        return _config.unflatten(self._lookup_jit(state.tables, flat))
+        return _config.unflatten(self._lookup_jit(state.tables, state.index, state.step, flat))
 
     def apply_gradients(
         self,
@@ -622,6 +769,8 @@ class Embedding:
     def _normalized(self, flat):
         feats = {}
         for f in self.feature_plans:
+            if f.path not in flat:
+                continue
             leaf = flat[f.path]
             ids, weights = _inputs.normalize(f.config, leaf)
             if not isinstance(leaf, _inputs.Weighted):
@@ -661,19 +810,138 @@ class Embedding:
             fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
         )
 
-    def _lookup(self, tables, flat):
+    def _lookup(self, tables, index, step, flat):
+        split = self._split_dynamic(flat)
+        extra = {}
+        if split:
+            rows = self._dynamic_rows(index, step, split)
+            flat = {**flat, **self._dynamic_leaves(split, rows)}
+            extra = self._initial_rows(index, split, rows)
         feats = self._normalized(flat)
         batch = next(iter(feats.values()))[0].shape[0]
         row = P(self.axis)
         acts = self._shard_map(self._lookup_local, (row, row), row)(tables, feats)
+        for path, x in extra.items():
+            acts[path] = acts[path] + x
         return {
             f.path: self._reshape(acts[f.path], self._out_shape(f, batch))
             for f in self.feature_plans
         }
 
+    # Dynamic tables (_dynamic): their features' ids resolved to rows of their slot tables.
+
+    def _split_dynamic(self, flat) -> dict:
+        """{path: (hi, lo, weights or None)} of the dynamic tables' features."""
+        return {
+            path: _dynamic.split_leaf(path, f, flat[path])
+            for plan in self.dynamic.values()
+            for path, f in plan.features.items()
+        }
+
+    def _dynamic_specs(self):
+        row = P(self.axis)
+        return {name: _dynamic.DynamicState(index=row, key=P()) for name in self.dynamic}
+
+    def _dynamic_rows(self, index, step, split) -> dict:
+        """{path: (B, L) int32 slot-table rows of the ids, -1 where an id has none}."""
+        row = P(self.axis)
+
+        def local(index, parts, step):
+            out = {}
+            for name, plan in self.dynamic.items():
+                paths = list(plan.features)
+                rows = _dynamic.lookup_rows(
+                    plan,
+                    self.table_plans[name].storage,
+                    index[name].index,
+                    [parts[p][0] for p in paths],
+                    [parts[p][1] for p in paths],
+                    step,
+                    self.axis,
+                )
+                out.update(zip(paths, rows))
+            return out
+
+        parts = {
+            p: (self._batch_sharded(h), self._batch_sharded(lo)) for p, (h, lo, _) in split.items()
+        }
+        return self._shard_map(local, (self._dynamic_specs(), row, P()), row)(index, parts, step)
+
+    def _dynamic_leaves(self, split, rows) -> dict:
+        """{path: the leaf the engine sees}: Weighted(rows, each position's factor under the
+        table's own combiner, over all its ids)."""
+        out = {}
+        for plan in self.dynamic.values():
+            for path, f in plan.features.items():
+                hi, lo, w = split[path]
+                combiner = self._spec_tables[plan.name].combiner
+                out[path] = _inputs.Weighted(
+                    rows[path], _dynamic.scaled_weights(f, combiner, hi, lo, w)
+                )
+        return out
+
+    def _initial_rows(self, index, split, rows) -> dict:
+        """{path: the natural-shaped activation part of the ids without a row}: their
+        initial rows, combined as their table combines."""
+        out = {}
+        for name, plan in self.dynamic.items():
+            for path, f in plan.features.items():
+                hi, lo, w = split[path]
+                combiner = self._spec_tables[name].combiner
+                scale = _dynamic.scaled_weights(f, combiner, hi, lo, w)
+                scale = jnp.where(rows[path] < 0, scale, 0.0)
+                part = scale[..., None] * _dynamic.initial_rows(index[name].key, hi, lo, plan.dim)
+                out[path] = part if f.is_sequence else jnp.sum(part, axis=1)
+        return out
+
+    def _admit(self, state, split, ok):
+        """One step of the dynamic tables' indexes (admission, eviction, the reset of the
+        rows they give to new ids) -> (index, tables, slots, {path: rows})."""
+        row = P(self.axis)
+        names = list(self.dynamic)
+
+        def local(index, tables, slots, parts, keep, step):
+            new_index, new_tables, new_slots, out = {}, {}, {}, {}
+            for name in names:
+                plan = self.dynamic[name]
+                paths = list(plan.features)
+                idx, table, table_slots, rows = _dynamic.update_rows(
+                    plan,
+                    self.table_plans[name].storage,
+                    index[name].index,
+                    index[name].key,
+                    tables[name],
+                    slots[name],
+                    [parts[p][0] for p in paths],
+                    [parts[p][1] for p in paths],
+                    keep[name],
+                    step,
+                    self.axis,
+                )
+                new_index[name] = _dynamic.DynamicState(idx, index[name].key)
+                new_tables[name], new_slots[name] = table, table_slots
+                out.update(zip(paths, rows))
+            return new_index, new_tables, new_slots, out
+
+        parts = {
+            p: (self._batch_sharded(h), self._batch_sharded(lo)) for p, (h, lo, _) in split.items()
+        }
+        specs = self._dynamic_specs()
+        return self._shard_map(local, (specs, row, row, row, P(), P()), (specs, row, row, row))(
+            state.index,
+            {n: state.tables[n] for n in names},
+            {n: state.slots[n] for n in names},
+            parts,
+            {n: ok[n] for n in names},
+            state.step,
+        )
+
     def _apply(self, state, flat, grads):
-        feats = self._normalized(flat)
-        batch = next(iter(feats.values()))[0].shape[0]
+        split = self._split_dynamic(flat)
+        batch = _inputs.check_batch(flat, self.num_shards)
+        # Padding of static features is -1 or out of range; the dynamic ones' is -1 only.
+        given = self._normalized({p: x for p, x in flat.items() if p not in split})
+        given.update({p: (None, w) for p, (_, _, w) in split.items()})
         local_grads = {}
         for f in self.feature_plans:
             want = self._out_shape(f, batch)
@@ -690,14 +958,21 @@ class Embedding:
             local_grads[f.path] = self._batch_sharded(self._reshape(g, natural))
         # Decided on the global arrays, so that every device skips the same tables; the row
         # functions then keep a skipped table's rows (see _backend.row_step).
-        ok = self._steps_ok(feats, local_grads, state.step)
+        ok = self._steps_ok(given, local_grads, state.step)
+        tables, slots, index = state.tables, state.slots, state.index
+        if split:
+            index, new_tables, new_slots, rows = self._admit(state, split, ok)
+            tables, slots = {**tables, **new_tables}, {**slots, **new_slots}
+            flat = {**flat, **self._dynamic_leaves(split, rows)}
+        feats = self._normalized(flat)
         row, rep = P(self.axis), P()
         tables, slots = self._shard_map(
             self._update_local, (row, row, row, row, rep, rep), (row, row)
-        )(state.tables, state.slots, feats, local_grads, state.step, ok)
+        )(tables, slots, feats, local_grads, state.step, ok)
         any_ok = functools.reduce(jnp.logical_or, ok.values())
         skipped = {name: (~keep).astype(jnp.int32) for name, keep in ok.items()}
-        return EmbeddingState(tables, slots, state.step + any_ok.astype(jnp.int32)), skipped
+        step = state.step + any_ok.astype(jnp.int32)
+        return EmbeddingState(tables, slots, step, index), skipped
 
     def _steps_ok(self, feats, grads, step) -> dict[str, jax.Array]:
         """{table name: bool scalar}: whether this step's values for the table are usable

@@ -172,6 +172,31 @@ def restored_items(
 # ------------------------------------------------------------------ options
 
 
+def refuse_dynamic(spec, where: str) -> None:
+    """ValueError naming the dynamic tables of `spec` for an entry point that cannot hold
+    their index yet."""
+    names = [n for n, t in spec.tables().items() if t.dynamic is not None]
+    if names:
+        raise ValueError(
+            f"{where}: tables {names} are dynamic, which it does not support yet. Use "
+            f"Embedding.export / export_slots and restore_tables (DynamicRows), a "
+            f"jte.make_train_step or jte.nnx model."
+        )
+
+
+def check_no_wide_ids(batch, where: str) -> None:
+    """ValueError for a NumPy int64 array in a jitted step's batch with values beyond int32:
+    without jax_enable_x64, jit would cut them to int32, other ids of a dynamic table."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        if isinstance(leaf, np.ndarray) and leaf.dtype == np.int64 and leaf.size:
+            if leaf.min() < np.iinfo(np.int32).min or leaf.max() > np.iinfo(np.int32).max:
+                raise ValueError(
+                    f"{where}: batch{jax.tree_util.keystr(path)} holds int64 ids beyond "
+                    f"int32, which jit cuts to int32 without jax_enable_x64. Give a dynamic "
+                    f"table's ids as jte.split_ids(ids) (uint32 halves)."
+                )
+
+
 def check_bool(value: Any, where: str, name: str, allow_none: bool = False) -> None:
     """TypeError unless `value` is a bool (NumPy's too; None if `allow_none`): a string
     such as "false" is truthy, and would silently mean True."""

@@ -36,15 +36,15 @@ def default_rows(key, ids, dim: int):
     table's initialisation, and a demo with 26 tables spent most of its start-up there.
     """
     words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
-    return _default_rows_of(words[0], words[-1], ids, dim)
+    return default_rows_of(words[0], words[-1], ids, dim)
 
 
-def _default_rows_of(k0, k1, ids, dim: int):
+def default_rows_of(k0, k1, ids, dim: int):
     """`default_rows` from the key's first and last words: scalars, or (n,) (row i drawn
     with key words k0[i], k1[i]), so that one computation draws rows of several tables."""
     row = _storage.mix32(_storage.mix32(ids.astype(jnp.uint32) ^ k0) + k1)
     col = jnp.arange(dim, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
-    bits = _storage.mix32(_storage.mix32(row[:, None] ^ col) + jnp.reshape(k0, (-1, 1)))
+    bits = _storage.mix32(_storage.mix32(row[..., None] ^ col) + jnp.reshape(k0, (-1, 1)))
     u = (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24)) + (0.5 / (1 << 24))  # (0, 1)
     lo = jax.lax.erf(jnp.float32(-2.0 / math.sqrt(2.0)))
     z = math.sqrt(2.0) * jax.lax.erf_inv(lo + u * (-2.0 * lo))  # Inverse CDF on [-2, 2].
@@ -301,7 +301,7 @@ class Initializer:
             for dim, members in groups.items():
                 owner = np.repeat(np.array(members), block[members]).astype(np.int32)
                 ids = start[owner] + stride[owner] * np.arange(len(owner), dtype=np.int32)
-                out[dim] = _default_rows_of(words[0][owner], words[1][owner], ids, dim)
+                out[dim] = default_rows_of(words[0][owner], words[1][owner], ids, dim)
             return out
 
         def write(arrays, drawn, r):

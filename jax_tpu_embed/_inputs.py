@@ -85,6 +85,37 @@ def pad_ragged(values, *, row_lengths=None, row_splits=None, weights=None, max_l
     return Weighted(ids, w)
 
 
+PAD = 0xFFFFFFFF  # Both uint32 halves of the id -1.
+
+
+class SplitIds(NamedTuple):
+    """int64 ids as their two uint32 halves (two's complement): `hi` the upper 32 bits, `lo`
+    the lower; -1 (padding) is hi = lo = 0xFFFFFFFF. Same shapes, (B,) or (B, L). The form
+    dynamic tables take ids in under `jit` without `jax_enable_x64` (`split_ids`)."""
+
+    hi: Any
+    lo: Any
+
+
+def split_ids(ids) -> SplitIds:
+    """int64 ids (NumPy, a list, or any integer array) -> `SplitIds` of uint32 NumPy arrays.
+    For input pipelines: split on the host, then feed the halves to a jitted step."""
+    a = np.asarray(ids)
+    if not np.issubdtype(a.dtype, np.integer) or a.dtype == np.uint64:
+        raise ValueError(
+            f"split_ids: ids must be a signed integer array (int64 or int32), got dtype {a.dtype}."
+        )
+    u = a.astype(np.int64).view(np.uint64)
+    return SplitIds((u >> np.uint64(32)).astype(np.uint32), (u & np.uint64(PAD)).astype(np.uint32))
+
+
+def join_ids(ids: SplitIds) -> np.ndarray:
+    """The inverse of `split_ids`: int64 NumPy ids."""
+    hi = np.asarray(ids.hi).astype(np.uint64)
+    lo = np.asarray(ids.lo).astype(np.uint64)
+    return ((hi << np.uint64(32)) | lo).view(np.int64)
+
+
 def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
@@ -142,6 +173,22 @@ def validate(spec: _config.EmbeddingSpec, features, num_shards: int) -> None:
                 f"jte.Weighted, got {type(leaf).__name__}."
             )
             continue
+        dynamic = isinstance(f.table, _config.TableConfig) and f.table.dynamic is not None
+        if isinstance(ids, SplitIds):
+            if not dynamic:
+                problems.append(
+                    f"Feature {path!r}: jte.SplitIds are ids of a dynamic table; table "
+                    f"{spec_table_name(spec, f)!r} has a vocabulary: give int ids."
+                )
+                continue
+            halves = [_host_value(h) if _is_concrete(h) else h for h in ids]
+            if any(h.dtype != np.uint32 for h in halves) or halves[0].shape != halves[1].shape:
+                problems.append(
+                    f"Feature {path!r}: SplitIds halves must be uint32 arrays of one shape, "
+                    f"got {[(str(h.dtype), tuple(h.shape)) for h in halves]}."
+                )
+                continue
+            ids = halves[0].astype(np.int32)  # Its shape is all that is checked below.
         if not _is_concrete(ids):
             continue
         ids = _host_value(ids)
@@ -167,6 +214,8 @@ def validate(spec: _config.EmbeddingSpec, features, num_shards: int) -> None:
                 pos = np.argwhere(~np.isfinite(weights) & (ids != -1))[0].tolist()
                 problems.append(f"Feature {path!r}: weight at position {pos} is not finite.")
         assert isinstance(f.table, _config.TableConfig)  # So in every EmbeddingSpec.
+        if dynamic:  # Every int64 is an id; -1 pads.
+            continue
         vocab = f.table.vocabulary_size
         bad = (ids != -1) & ((ids < 0) | (ids >= vocab))
         if bad.any():
@@ -232,6 +281,7 @@ def normalize(feature: _config.FeatureConfig, leaf) -> tuple[jax.Array, jax.Arra
             weights = None if weights is None else jnp.pad(jnp.asarray(weights), pad)
     assert isinstance(feature.table, _config.TableConfig)  # So in every EmbeddingSpec.
     vocab = feature.table.vocabulary_size
+    assert vocab is not None  # A dynamic table's ids are rows by now (_dynamic).
     valid = (ids >= 0) & (ids < vocab)
     ids = jnp.where(valid, ids, -1)
     if weights is None:
@@ -251,7 +301,10 @@ def invalid_counts(spec: _config.EmbeddingSpec, features) -> dict[str, jax.Array
         ids = jnp.asarray(ids)
         table = configs[path].table
         assert isinstance(table, _config.TableConfig)  # So in every EmbeddingSpec.
-        vocab = table.vocabulary_size
+        if table.dynamic is not None:  # Every id but -1 is valid.
+            out[path] = jnp.zeros((), jnp.int32)
+            continue
+        vocab = int(table.vocabulary_size or 0)
         out[path] = jnp.sum((ids != -1) & ((ids < 0) | (ids >= vocab)), dtype=jnp.int32)
     return out
 
@@ -271,7 +324,11 @@ def check_batch(features_flat: dict[str, Any], num_shards: int, allow_empty: boo
     sizes = {}
     for path, leaf in features_flat.items():
         ids, weights = _split(leaf)
-        shape, dtype = np.shape(ids), _dtype(ids)
+        if isinstance(ids, SplitIds):  # Halves checked where they are split (_dynamic).
+            ids = ids.hi
+            shape, dtype = np.shape(ids), np.dtype(np.int32)
+        else:
+            shape, dtype = np.shape(ids), _dtype(ids)
         if not jnp.issubdtype(dtype, jnp.signedinteger):
             problems.append(
                 f"Feature {path!r}: ids have dtype {dtype}; they must have {ID_DTYPES}."

@@ -40,10 +40,12 @@ def build(
     init_block_bytes: int = INIT_BLOCK_BYTES,
     cpu_kernels: bool | None = None,
     tpu_kernels: bool | str | None = None,
+    alone: frozenset = frozenset(),
 ) -> _plan.EmbeddingPlan:
     """The plan of an `Embedding(spec, mesh, axis, **options)`; see `Embedding` for the
-    options. Raises ValueError naming the table and the reason for any option a table
-    cannot take."""
+    options. Tables in `alone` are never stacked (dynamic tables' slot tables, whose rows
+    their index addresses). Raises ValueError naming the table and the reason for any
+    option a table cannot take."""
     num_shards = int(mesh.shape[axis])
     device = mesh.devices.flat[0]
     platform = device.platform
@@ -74,7 +76,12 @@ def build(
     for name, table in tables.items():
         opt = spec.optimizer_of(table)
         storages[name] = _storage.TableStorage(
-            layout=_layout.TableLayout(table.vocabulary_size, num_shards, spec.partition_strategy),
+            layout=_layout.TableLayout(
+                # The engine's spec has slot tables in place of dynamic ones (_dynamic).
+                int(table.vocabulary_size or 0),
+                num_shards,
+                spec.partition_strategy,
+            ),
             dim=table.dim,
             dtype=jnp.dtype(table.dtype),
             slot_specs=tuple(opt.slot_specs()),
@@ -107,7 +114,7 @@ def build(
         )
         for name, table in tables.items()
     }
-    stacks = make_stacks(table_plans, num_shards, stacking)
+    stacks = make_stacks(table_plans, num_shards, stacking, alone)
     stack_of = {t: key for key, plan in stacks.items() for t in plan.tables}
     names = _config.table_names(spec)
     return _plan.EmbeddingPlan(
@@ -290,7 +297,10 @@ def legacy_auto_order(platform: str, cpu_kernels, tpu_kernels, backend):
 
 
 def make_stacks(
-    table_plans: dict[str, _plan.TablePlan], num_shards: int, stacking: bool
+    table_plans: dict[str, _plan.TablePlan],
+    num_shards: int,
+    stacking: bool,
+    alone_tables: frozenset = frozenset(),
 ) -> dict[str, _plan.TablePlan]:
     """{state key: its plan}, in the order of each stack's first table: a table stored
     alone is a stack of its own, under its name; several tables sharing arrays are one
@@ -301,6 +311,7 @@ def make_stacks(
     for name, plan in table_plans.items():
         alone = (
             not stacking
+            or name in alone_tables
             or plan.routing != "owner"
             or jnp.dtype(plan.config.dtype) != jnp.float32
             or plan.config.stochastic_rounding

@@ -143,12 +143,20 @@ def _is_weighted(x) -> bool:
 def _mask_features(features: Nested, keep: jax.Array) -> Nested:
     """Features whose ids all become -1 (never read or written) unless `keep`."""
 
+    def ids(x):
+        if isinstance(x, _inputs.SplitIds):  # A dynamic table's: -1 is both halves all ones.
+            pad = jnp.uint32(_inputs.PAD)
+            return _inputs.SplitIds(jnp.where(keep, x.hi, pad), jnp.where(keep, x.lo, pad))
+        return jnp.where(keep, jnp.asarray(x), -1)
+
     def mask(leaf):
         if _is_weighted(leaf):
-            return _inputs.Weighted(jnp.where(keep, jnp.asarray(leaf.ids), -1), leaf.weights)
-        return jnp.where(keep, jnp.asarray(leaf), -1)
+            return _inputs.Weighted(ids(leaf.ids), leaf.weights)
+        return ids(leaf)
 
-    return jax.tree.map(mask, features, is_leaf=_is_weighted)
+    return jax.tree.map(
+        mask, features, is_leaf=lambda x: _is_weighted(x) or isinstance(x, _inputs.SplitIds)
+    )
 
 
 def _all_finite(*trees) -> jax.Array:
@@ -276,7 +284,10 @@ def _apply_masked(
             slots[name] = jax.tree.map(
                 lambda n, o: jnp.where(keep, n, o), slots[name], state.slots[name]
             )
-    return _embedding.EmbeddingState(tables, slots, jnp.where(keep, new.step, state.step))
+    # A dynamic table's index saw no id unless `keep`: it is as it was.
+    return _embedding.EmbeddingState(
+        tables, slots, jnp.where(keep, new.step, state.step), new.index
+    )
 
 
 class TrainStep:
@@ -332,6 +343,8 @@ class TrainStep:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         """One step on `batch`; returns the new state and the metrics (device arrays)."""
         _guards.check_not_consumed(state, "TrainStep", "train state", "state")
+        if any(e.dynamic for e in self.embeddings.values()):
+            _guards.check_no_wide_ids(batch, "TrainStep")
         state, metrics = self._jit(state, batch)
         self._in_flight.push(metrics["loss"])
         return state, metrics

@@ -108,6 +108,7 @@ def save(
     path = _path(directory)
     wait(path)  # One save in flight per directory: orbax's manager keeps the steps in order.
     _guards.check_not_consumed(state, "checkpoint.save")
+    _guards.refuse_dynamic(emb.spec, "checkpoint.save")
     _guards.check_not_consumed(dense, "checkpoint.save", "dense state", "dense")
     _check_state(emb, state)
     step = int(jax.device_get(state.step))
@@ -265,6 +266,7 @@ def restore(
         ValueError: a table's vocabulary size, dim or slots differ from `emb`'s (the message
             names each such table), or tables are missing or extra.
     """
+    _guards.refuse_dynamic(emb.spec, "checkpoint.restore")
     ocp = _orbax()
     path = _path(directory)
     wait(path)

@@ -96,6 +96,7 @@ class Embed(nn.Module):
     @nn.compact
     def __call__(self, features: Any) -> Any:
         emb = self.embedding
+        _guards.refuse_dynamic(emb.spec, "jte.flax.Embed")
         initial = None
         if not self.has_variable(COLLECTION, "tables"):
             if not self.is_mutable_collection(COLLECTION):

@@ -122,6 +122,7 @@ class Server:
         if not isinstance(spec, _config.EmbeddingSpec):
             raise TypeError(f"Server: spec must be a jte.EmbeddingSpec, got {type(spec).__name__}.")
         _guards.check_not_consumed(tables, "serving.Server", "tables", "tables")
+        _guards.refuse_dynamic(spec, "serving.Server")
         check_tables(spec, tables)
         self.spec = spec
         self.device = device if device is not None else jax.devices("cpu")[0]

@@ -386,6 +386,7 @@ MESH_CONFIG = hx.IndexConfig(
 )
 
 
+@pytest.mark.slow
 def test_mesh_independence():
     config = MESH_CONFIG
     stream = _stream(np.random.default_rng(2), 25, 32, 300)

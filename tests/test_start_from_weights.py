@@ -34,7 +34,7 @@ def test_flax_init_from_given_params_and_tables():
         step.init(jax.random.key(0), batch).params,
     )
     tables = {
-        n: rng.normal(size=(t.vocabulary_size, t.dim)).astype(np.float32)
+        n: rng.normal(size=(t.vocabulary_size or 0, t.dim)).astype(np.float32)
         for n, t in emb.spec.tables().items()
     }
     slots = {n: {"accumulators": np.full(t.shape, 0.3, np.float32)} for n, t in tables.items()}
@@ -108,7 +108,7 @@ def test_nnx_step_from_given_params_and_tables():
     )
     emb = model.embed.embedding
     tables = {
-        n: rng.normal(size=(t.vocabulary_size, t.dim)).astype(np.float32)
+        n: rng.normal(size=(t.vocabulary_size or 0, t.dim)).astype(np.float32)
         for n, t in spec.tables().items()
     }
     step.init(params=theirs, embedding_state=emb.restore_tables(tables, step=3, key=None))

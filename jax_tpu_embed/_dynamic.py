@@ -1,0 +1,427 @@
+"""Dynamic tables: any int64 id, mapped to the rows of a fixed-capacity table by an index.
+
+A dynamic table (`TableConfig(dynamic=jte.DynamicTable(...))`) is stored as a static table
+of `capacity` rows, its *slot table*, plus an index (`_hashindex`) from ids to those rows.
+The engine behind `Embedding` only ever sees slot tables: before the row work, each
+dynamic feature's ids are resolved to rows of its slot table, and the feature goes on as a
+weighted feature of a static table with the "sum" combiner, its weights already scaled by
+the table's own combiner over every id it holds (found or not). So every exchange, row
+kernel, optimizer, stacking rule and checkpoint path serves dynamic tables unchanged, and
+the row kernels never learn that a row belongs to an id.
+
+Resolution runs under `shard_map`, on the shard that owns each id's bucket (the index is
+row-sharded by buckets, "div" over buckets, so which ids are resident does not depend on
+the mesh): each device all-gathers the table's ids of the global batch, the owner finds
+(lookup) or finds, admits and evicts (update) the distinct ids it owns, and one
+reduce-scatter brings each device its examples' rows. An id with no row (never admitted,
+refused, evicted, expired) reads its *initial row*: the default initializer's truncated
+normal, drawn from a hash of (table key, id), so it is the same on every mesh and
+capacity; a row the update gives to a new id is reset to it, and its slots to their
+initial values, before the optimizer step.
+
+Ids travel as two uint32 halves (`SplitIds`), so nothing needs `jax_enable_x64`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _config, _hashindex, _init, _inputs, _storage
+
+PAD = _inputs.PAD  # Both halves of the id -1: padding, and an empty slot in the index.
+SplitIds = _inputs.SplitIds
+split_ids = _inputs.split_ids
+join_ids = _inputs.join_ids
+
+
+class DynamicRows(NamedTuple):
+    """A dynamic table's live rows: `ids` int64 (n,) ascending, `rows` (n, D) float32 (or a
+    slot's (n, D) / (n,)), row i belonging to ids[i]. What `export` gives and
+    `restore_tables` takes for a dynamic table."""
+
+    ids: np.ndarray
+    rows: np.ndarray
+
+    def to_dict(self) -> dict[int, np.ndarray]:
+        return {int(i): r for i, r in zip(self.ids, self.rows)}
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["index", "key"], meta_fields=[])
+@dataclasses.dataclass
+class DynamicState:
+    """One dynamic table's state beside its slot table: the index, and the table's key
+    (uint32 (2,), replicated) that its initial rows are drawn from."""
+
+    index: Any  # _hashindex.IndexState
+    key: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicPlan:
+    """A dynamic table as the engine stores it: its index's configuration and the features
+    that look it up ({path: FeatureConfig as the user gave it})."""
+
+    name: str
+    index: _hashindex.IndexConfig
+    dim: int
+    features: Mapping[str, _config.FeatureConfig]
+
+    @property
+    def rows(self) -> int:
+        """Rows of the slot table (the capacity rounded up to whole buckets per shard)."""
+        return self.index.buckets * self.index.bucket_size
+
+
+def engine_spec(spec: _config.EmbeddingSpec, num_shards: int):
+    """(the spec the engine runs, {table name: DynamicPlan}): each dynamic table replaced by
+    its slot table (a static table of the same name, dim, optimizer and dtype, combiner
+    "sum"), each of its features by one on the slot table. A spec without dynamic tables
+    is returned as it is."""
+    tables = spec.tables()
+    dynamic = {n: t for n, t in tables.items() if t.dynamic is not None}
+    if not dynamic:
+        return spec, {}
+    for name, t in dynamic.items():
+        opt = spec.optimizer_of(t)
+        random = [s.name for s in opt.slot_specs() if callable(s.initializer)]
+        if opt.dense_update:
+            raise ValueError(
+                f"Table {name!r}: {type(opt).__name__} updates every row each step; a dynamic "
+                f"table's rows belong to ids only while they are resident. Use a sparse "
+                f"optimizer."
+            )
+        if random:
+            raise ValueError(
+                f"Table {name!r}: a dynamic table resets a new id's slots to their initial "
+                f"values inside the update; slots {random} of {type(opt).__name__} have "
+                f"random initializers. Give them constant initial values."
+            )
+    slot_tables = {}
+    plans = {}
+    for name, t in dynamic.items():
+        d = t.dynamic
+        assert d is not None
+        b = d.bucket_size
+        buckets = -(-d.capacity // b)
+        buckets = -(-buckets // num_shards) * num_shards
+        filter_buckets = 0
+        if d.min_count > 1:  # NF divides NB and splits over the shards (_hashindex).
+            target = -(-(d.filter_capacity or d.capacity) // b)
+            r = max(1, buckets // target)
+            while buckets % r or (buckets // r) % num_shards:
+                r -= 1
+            filter_buckets = buckets // r
+        index = _hashindex.IndexConfig(
+            buckets=buckets,
+            bucket_size=b,
+            eviction=d.eviction,
+            ttl_steps=d.ttl_steps,
+            min_count=d.min_count,
+            admit_probability=float(d.admit_probability),
+            filter_buckets=filter_buckets,
+            seed=_storage.table_seed(name),
+        )
+        slot_tables[id(t)] = dataclasses.replace(
+            t, vocabulary_size=buckets * b, dynamic=None, combiner="sum", name=name
+        )
+        feats = {p: f for p, f in spec.flat_features if f.table is t}
+        plans[name] = DynamicPlan(name, index, t.dim, feats)
+    flat = {
+        p: dataclasses.replace(f, table=slot_tables[id(f.table)])
+        if id(f.table) in slot_tables
+        else f
+        for p, f in spec.flat_features
+    }
+    return dataclasses.replace(spec, features=_config.unflatten(flat)), plans
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+def is_pad(hi, lo):
+    return (hi == jnp.uint32(PAD)) & (lo == jnp.uint32(PAD))
+
+
+def split_leaf(path: str, feature: _config.FeatureConfig, leaf):
+    """A dynamic feature's leaf (ids (B,) or (B, L): SplitIds, or signed integers, int32
+    values sign-extended; or `Weighted` of these) -> (hi, lo, weights or None), uint32
+    (B, L) halves laid out as the feature's ids are (sequence features padded or cut to
+    their length). NumPy int64 is split on the host; everything else is traceable."""
+    ids, weights = (leaf.ids, leaf.weights) if isinstance(leaf, _inputs.Weighted) else (leaf, None)
+    if isinstance(ids, SplitIds):
+        hi, lo = jnp.asarray(ids.hi), jnp.asarray(ids.lo)
+        for half, x in (("hi", hi), ("lo", lo)):
+            if x.dtype != jnp.uint32:
+                raise ValueError(
+                    f"Feature {path!r}: SplitIds.{half} has dtype {x.dtype}; both halves "
+                    f"must be uint32 (jte.split_ids makes them)."
+                )
+        if hi.shape != lo.shape:
+            raise ValueError(
+                f"Feature {path!r}: SplitIds halves have shapes {hi.shape} and {lo.shape}."
+            )
+    else:
+        if isinstance(ids, (np.ndarray, list, tuple, int, np.integer)):
+            host = np.asarray(ids)
+            if host.dtype.kind in "iu" and host.dtype.itemsize == 8:
+                if host.dtype == np.uint64:
+                    raise ValueError(
+                        f"Feature {path!r}: ids have dtype uint64; a dynamic table takes "
+                        f"int64 ids (view them as int64)."
+                    )
+                s = split_ids(host)
+                hi, lo = jnp.asarray(s.hi), jnp.asarray(s.lo)
+                return _shaped(feature, hi, lo, weights)
+        x = jnp.asarray(ids)
+        if not jnp.issubdtype(x.dtype, jnp.signedinteger):
+            raise ValueError(
+                f"Feature {path!r}: ids have dtype {x.dtype}; a dynamic table takes int64 "
+                f"ids (NumPy), jte.SplitIds (under jit), or int32 (sign-extended)."
+            )
+        x = x.astype(jnp.int32)
+        hi = jnp.where(x < 0, jnp.uint32(PAD), jnp.uint32(0))
+        lo = lax.bitcast_convert_type(x, jnp.uint32)
+    return _shaped(feature, hi, lo, weights)
+
+
+def _shaped(feature, hi, lo, weights):
+    if hi.ndim == 1:
+        hi, lo = hi[:, None], lo[:, None]
+        weights = None if weights is None else jnp.asarray(weights)[:, None]
+    if feature.is_sequence:
+        length = feature.max_sequence_length
+        if hi.shape[1] > length:
+            hi, lo = hi[:, :length], lo[:, :length]
+            weights = None if weights is None else jnp.asarray(weights)[:, :length]
+        elif hi.shape[1] < length:
+            pad = ((0, 0), (0, length - hi.shape[1]))
+            hi = jnp.pad(hi, pad, constant_values=jnp.uint32(PAD))
+            lo = jnp.pad(lo, pad, constant_values=jnp.uint32(PAD))
+            weights = None if weights is None else jnp.pad(jnp.asarray(weights), pad)
+    return hi, lo, weights
+
+
+def scaled_weights(feature: _config.FeatureConfig, combiner: str, hi, lo, weights):
+    """(B, L) float32: each position's factor in the combined output, the table's combiner
+    applied over every id the example holds (found or not); 0 at padding."""
+    valid = ~is_pad(hi, lo)
+    w = valid.astype(jnp.float32) if weights is None else jnp.where(valid, weights, 0.0)
+    w = w.astype(jnp.float32)
+    return w if feature.is_sequence else _inputs.combiner_scale(w, combiner)
+
+
+def id_words(hi, lo):
+    """One uint32 per id for its initial row: a hash of both halves."""
+    return _storage.mix32(hi ^ _storage.mix32(lo + jnp.uint32(0x9E3779B9)))
+
+
+def initial_rows(key, hi, lo, dim: int):
+    """(..., dim) float32: the initial rows of ids (hi, lo) of a table with key words `key`
+    ((2,) uint32): the default initializer's truncated normal, a hash of (key, id)."""
+    return _init.default_rows_of(key[0], key[1], id_words(hi, lo), dim)
+
+
+# --------------------------------------------------------------------- the shard's work
+
+
+def _gathered(hi_parts, lo_parts, axis):
+    """This device's ids of every feature of a table, flattened and joined, then
+    all-gathered: (N * M,) each."""
+    hi = jnp.concatenate([h.reshape(-1) for h in hi_parts])
+    lo = jnp.concatenate([x.reshape(-1) for x in lo_parts])
+    return lax.all_gather(hi, axis, tiled=True), lax.all_gather(lo, axis, tiled=True)
+
+
+def _scatter_back(global_rows, shapes, axis):
+    """Rows (-1: none) of the gathered ids, summed over devices (each id has one owner) and
+    scattered back: {i: (b, L) rows of this device's i-th feature}."""
+    local = lax.psum_scatter(global_rows + 1, axis, scatter_dimension=0, tiled=True) - 1
+    out, start = [], 0
+    for shape in shapes:
+        n = int(np.prod(shape))
+        out.append(local[start : start + n].reshape(shape))
+        start += n
+    return out
+
+
+def _distinct(hi, lo, valid):
+    """Sorted distinct (hi, lo) of the valid entries (the rest padding, after them), a
+    mask of the distinct ones, and each entry's position in the distinct list."""
+    n = hi.shape[0]
+    hi = jnp.where(valid, hi, jnp.uint32(PAD))
+    lo = jnp.where(valid, lo, jnp.uint32(PAD))
+    order = jnp.arange(n, dtype=jnp.int32)
+    s_hi, s_lo, perm = lax.sort((hi, lo, order), num_keys=2)
+    first = jnp.concatenate(
+        [jnp.ones((1,), bool), (s_hi[1:] != s_hi[:-1]) | (s_lo[1:] != s_lo[:-1])]
+    )
+    segment = jnp.cumsum(first.astype(jnp.int32)) - 1
+    u_hi = jnp.full((n,), PAD, jnp.uint32).at[segment].set(s_hi)
+    u_lo = jnp.full((n,), PAD, jnp.uint32).at[segment].set(s_lo)
+    u_valid = ~is_pad(u_hi, u_lo)
+    where = jnp.zeros((n,), jnp.int32).at[perm].set(segment)
+    return u_hi, u_lo, u_valid, where
+
+
+def lookup_rows(plan: DynamicPlan, storage, index, hi_parts, lo_parts, now, axis):
+    """Inside shard_map: the global slot-table rows (-1: none) of this device's ids of each
+    of the table's features (`hi_parts`/`lo_parts`: (b, L) each). Read-only."""
+    n = lax.axis_size(axis)
+    me = lax.axis_index(axis)
+    hi, lo = _gathered(hi_parts, lo_parts, axis)
+    owner, bucket = _hashindex.locate(plan.index, n, hi, lo)
+    row, found = _hashindex.find(plan.index, index, hi, lo, bucket, now)
+    mine = found & (owner == me) & ~is_pad(hi, lo)
+    rows = jnp.where(mine, storage.layout.global_ids(me, row), -1)
+    return _scatter_back(rows, [h.shape for h in hi_parts], axis)
+
+
+def update_rows(
+    plan: DynamicPlan, storage, index, key, table, slots, hi_parts, lo_parts, keep, now, axis
+):
+    """Inside shard_map: one step's admission and eviction on this shard's buckets, and the
+    reset of the rows it gives to new ids (table row to the id's initial row, slots to
+    their initial values). Returns (index, table, slots, [(b, L) global rows, -1 where the
+    id has no row, per feature]). `keep` False: the table is skipped this step (its index
+    is left as it is)."""
+    n = lax.axis_size(axis)
+    me = lax.axis_index(axis)
+    hi, lo = _gathered(hi_parts, lo_parts, axis)
+    owner, _ = _hashindex.locate(plan.index, n, hi, lo)
+    mine = (owner == me) & ~is_pad(hi, lo) & keep
+    u_hi, u_lo, u_valid, where = _distinct(hi, lo, mine)
+    _, u_bucket = _hashindex.locate(plan.index, n, u_hi, u_lo)
+    index, u_row, fresh = _hashindex.update(plan.index, index, u_hi, u_lo, u_bucket, u_valid, now)
+    fresh = fresh & u_valid & (u_row >= 0)
+    table, slots = _reset(
+        storage, table, slots, u_row, fresh, initial_rows(key, u_hi, u_lo, plan.dim)
+    )
+    row = u_row[where]
+    rows = jnp.where(mine & (row >= 0), storage.layout.global_ids(me, row), -1)
+    return index, table, slots, _scatter_back(rows, [h.shape for h in hi_parts], axis)
+
+
+def _reset(storage: _storage.TableStorage, table, slots: dict, rows, fresh, init_rows):
+    """This shard's arrays with local rows `rows` where `fresh` set to a new id's initial
+    row and its slots to their initial values; other rows untouched (writes to a row past
+    the shard, where not fresh, are dropped)."""
+    target = jnp.where(fresh, rows, jnp.int32(1 << 30))  # Past every shard: dropped.
+    riders = {s.name: _constant(s, init_rows.shape[0], storage.dim) for s in storage.riders}
+    value = storage.join_row(init_rows.astype(jnp.float32), riders)
+    table = _write_rows(storage.packing, table, target, value.astype(table.dtype))
+    out = dict(slots)
+    for s in storage.stored:
+        value = _constant(s, init_rows.shape[0], storage.dim)
+        out[s.name] = _write_rows(storage.slot_packing(s), slots[s.name], target, value)
+    return table, out
+
+
+def _constant(slot, n: int, dim: int):
+    shape = (n, dim) if slot.rank == 2 else (n,)
+    return jnp.full(shape, float(slot.initializer), jnp.float32)
+
+
+def _write_rows(packing, array, rows, values):
+    """Logical rows `rows` (out of range: dropped) of one shard's physical array set to
+    `values` ((n, width) or (n,)). A packed array is viewed as its logical rows (k per
+    physical row, each `padded_width` lanes), which is the same memory."""
+    if not packing.packed:
+        return array.at[rows].set(values, mode="drop")
+    w = packing.padded_width
+    view = array.reshape(-1, w)
+    if values.ndim == 1:
+        values = values[:, None]
+    values = jnp.pad(values, ((0, 0), (0, w - values.shape[1])))
+    return view.at[rows].set(values.astype(array.dtype), mode="drop").reshape(array.shape)
+
+
+def empty_index(plan: DynamicPlan, num_shards: int):
+    """The index of a table that holds no id yet (jnp arrays, traceable)."""
+    return jax.tree.map(jnp.asarray, _hashindex.empty_state(plan.index, num_shards))
+
+
+def split_on_host(leaf):
+    """A dynamic feature's leaf with NumPy int64 ids (which `jit` would cut to int32 without
+    `jax_enable_x64`) split into `SplitIds` on the host; any other leaf as it is."""
+    ids, weights = (leaf.ids, leaf.weights) if isinstance(leaf, _inputs.Weighted) else (leaf, None)
+    if isinstance(ids, np.ndarray) and ids.dtype == np.int64:
+        ids = split_ids(ids)
+        return ids if weights is None else _inputs.Weighted(ids, weights)
+    return leaf
+
+
+def stats(plan: DynamicPlan, index, now) -> dict:
+    """{counter: int32 scalar} of one table's index (see `Embedding.dynamic_stats`)."""
+    return _hashindex.stats(plan.index, index, now)
+
+
+def slot_rows(storage, global_rows):
+    """The slot table's logical rows (its ids under the spec's partition strategy) of the
+    index's global rows (bucket * bucket_size + lane, "div" over buckets). NumPy."""
+    s = storage.layout.rows_per_shard
+    shard, local = np.divmod(np.asarray(global_rows, np.int64), s)
+    if storage.layout.strategy == "mod":
+        return local * storage.layout.num_shards + shard
+    return shard * s + local
+
+
+def index_rows(storage, rows):
+    """The inverse of `slot_rows`."""
+    rows = np.asarray(rows, np.int64)
+    shard, local = storage.layout.owner_and_local(rows)
+    return np.asarray(shard, np.int64) * storage.layout.rows_per_shard + local
+
+
+def live(plan: DynamicPlan, storage, index, now: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids ascending, slot-table rows) of the live ids of a table's index (NumPy arrays)."""
+    ids, global_rows, _, _ = _hashindex.export(plan.index, index, now)
+    return np.asarray(ids, np.int64), slot_rows(storage, global_rows)
+
+
+def check_rows(name: str, given: DynamicRows, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int64, rows float32) of a `DynamicRows` given for table `name`, checked: distinct
+    ids other than -1, one (dim,) row each."""
+    ids = np.asarray(given.ids)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.signedinteger):
+        raise ValueError(
+            f"restore_tables: table {name!r}: DynamicRows.ids must be a 1-D signed integer "
+            f"array, got {ids.dtype} {ids.shape}."
+        )
+    ids = ids.astype(np.int64)
+    rows = np.asarray(given.rows, np.float32)
+    if rows.shape != (len(ids), dim):
+        raise ValueError(
+            f"restore_tables: table {name!r}: DynamicRows.rows has shape {rows.shape}, "
+            f"expected ({len(ids)}, {dim}) (one row per id)."
+        )
+    if np.any(ids == -1):
+        raise ValueError(f"restore_tables: table {name!r}: -1 is padding, never an id.")
+    order = np.argsort(ids, kind="stable")
+    ids, rows = ids[order], rows[order]
+    if len(ids) > 1 and np.any(ids[1:] == ids[:-1]):
+        dup = ids[1:][ids[1:] == ids[:-1]][0]
+        raise ValueError(f"restore_tables: table {name!r}: id {dup} is given twice.")
+    return ids, rows
+
+
+def build_index(plan: DynamicPlan, num_shards: int, ids: np.ndarray, step: int):
+    """(an index holding `ids`, each one's global row), its scores as if every id had been
+    updated at `step`. ValueError when the capacity cannot hold them."""
+    capacity = plan.rows
+    if len(ids) > capacity:
+        raise ValueError(
+            f"{len(ids)} ids do not fit its capacity of {capacity} rows "
+            f"({plan.index.buckets} buckets of {plan.index.bucket_size})."
+        )
+    n = len(ids)
+    return _hashindex.build(
+        plan.index, num_shards, ids, np.full(n, step, np.int32), np.ones(n, np.int32)
+    )

@@ -1,0 +1,431 @@
+"""Dynamic tables: any int64 id, admission, eviction, export and restore, against a float64
+dict reference (rows and Adagrad accumulators per id), on 1-8 devices, both exchanges."""
+
+import jax
+import numpy as np
+import pytest
+
+import jax_tpu_embed as jte
+from conftest import make_mesh
+from jax_tpu_embed import _dynamic
+
+DIM = 8
+LR = 0.2
+
+
+def spec_of(dynamic, combiner="mean", optimizer=None):
+    users = jte.TableConfig(dim=DIM, combiner=combiner, name="users", dynamic=dynamic)
+    items = jte.TableConfig(vocabulary_size=64, dim=DIM, name="items")
+    return jte.EmbeddingSpec(
+        features={
+            "user": jte.FeatureConfig(users),  # Multi-hot, weighted.
+            "hist": jte.FeatureConfig(users, max_sequence_length=3),  # Same table, sequence.
+            "item": jte.FeatureConfig(items),
+        },
+        optimizer=optimizer or jte.Adagrad(learning_rate=LR),
+    )
+
+
+def draw_ids(rng, shape, pool):
+    """Ids from a power law over `pool` (int64 across the whole range, negatives too), with
+    -1 padding."""
+    rank = np.minimum(rng.zipf(1.3, size=shape), len(pool)) - 1
+    ids = pool[rank]
+    ids[rng.random(shape) < 0.2] = -1
+    return ids
+
+
+def batches(seed, steps, batch=8, pool_size=200):
+    rng = np.random.default_rng(seed)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=pool_size, dtype=np.int64)
+    pool[:3] = [0, 5, -7]  # Small ids, a negative one.
+    out = []
+    for _ in range(steps):
+        user = draw_ids(rng, (batch, 4), pool)
+        weights = rng.uniform(0.5, 2.0, size=(batch, 4)).astype(np.float32)
+        feats = {
+            "user": jte.Weighted(user, weights),
+            "hist": draw_ids(rng, (batch, 2), pool),  # Shorter than its length: padded.
+            "item": rng.integers(0, 64, size=(batch,)).astype(np.int32),
+        }
+        grads = {
+            "user": rng.normal(size=(batch, DIM)).astype(np.float32),
+            "hist": rng.normal(size=(batch, 3, DIM)).astype(np.float32),
+            "item": rng.normal(size=(batch, DIM)).astype(np.float32),
+        }
+        out.append((feats, grads))
+    return out
+
+
+def users(out) -> jte.DynamicRows:
+    assert isinstance(out, jte.DynamicRows)
+    return out
+
+
+def initial_row(key_words, ids):
+    hi, lo = jte.split_ids(np.asarray(ids, np.int64))
+    return np.asarray(_dynamic.initial_rows(key_words, hi, lo, DIM), np.float64)
+
+
+class Reference:
+    """The dynamic table as a dict {id: [row, accumulator]} in float64 (Adagrad, TF's)."""
+
+    def __init__(self, key_words, combiner):
+        self.key, self.combiner, self.rows = key_words, combiner, {}
+
+    def row(self, i):
+        return self.rows[i][0] if i in self.rows else initial_row(self.key, [i])[0]
+
+    def scales(self, ids, weights, sequence):
+        valid = ids != -1
+        w = np.where(valid, 1.0 if weights is None else np.asarray(weights, np.float64), 0.0)
+        if sequence or self.combiner == "sum":
+            return w
+        d = (
+            w.sum(1, keepdims=True)
+            if self.combiner == "mean"
+            else np.sqrt((w * w).sum(1, keepdims=True))
+        )
+        return np.divide(w, d, out=np.zeros_like(w), where=d != 0)
+
+    def features(self, feats):
+        user = feats["user"]
+        hist = np.pad(feats["hist"], ((0, 0), (0, 1)), constant_values=-1)
+        return [
+            (user.ids, self.scales(user.ids, user.weights, False), False),
+            (hist, self.scales(hist, None, True), True),
+        ]
+
+    def lookup(self, feats):
+        out = []
+        for ids, scale, sequence in self.features(feats):
+            rows = np.zeros(ids.shape + (DIM,))
+            for b, l in zip(*np.nonzero(ids != -1)):
+                rows[b, l] = scale[b, l] * self.row(int(ids[b, l]))
+            out.append(rows if sequence else rows.sum(1))
+        return out
+
+    def update(self, feats, grads, admitted=None):
+        """Adds up each id's gradient, then steps the ids in `admitted` (default: all)."""
+        g = {}
+        for (ids, scale, sequence), grad in zip(
+            self.features(feats), [grads["user"], grads["hist"]]
+        ):
+            for b, l in zip(*np.nonzero(ids != -1)):
+                i = int(ids[b, l])
+                g[i] = g.get(i, 0.0) + scale[b, l] * np.asarray(
+                    grad[b, l] if sequence else grad[b], np.float64
+                )
+        for i, gi in g.items():
+            if admitted is not None and i not in admitted:
+                continue
+            row, acc = self.rows.get(i, (initial_row(self.key, [i])[0], np.full(DIM, 0.1)))
+            acc = acc + gi * gi
+            self.rows[i] = (row - LR * gi / np.sqrt(acc), acc)
+
+
+def key_words(state):
+    return np.asarray(jax.device_get(state.index["users"].key))
+
+
+@pytest.mark.parametrize(
+    "n, routing, backend, combiner, kind",
+    [
+        (1, "gather", "xla", "mean", "explicit"),
+        pytest.param(4, "gather", "cpu", "sqrtn", "auto", marks=pytest.mark.slow),
+        pytest.param(8, "owner", "xla", "sum", "explicit", marks=pytest.mark.slow),
+    ],
+)
+def test_matches_the_dict_reference(n, routing, backend, combiner, kind):
+    """No eviction: exactly the ids seen in updates are resident, rows and accumulators to
+    float32 rounding, lookups of unseen ids read their initial rows."""
+    spec = spec_of(jte.DynamicTable(capacity=4096, bucket_size=64), combiner)
+    emb = jte.Embedding(spec, make_mesh(n, kind), routing=routing, backend=backend)
+    state = emb.init(jax.random.key(3))
+    ref = Reference(key_words(state), combiner)
+    seen = set()
+    for feats, grads in batches(1, 5):
+        acts = emb.lookup(state, feats)
+        want_user, want_hist = ref.lookup(feats)
+        np.testing.assert_allclose(np.asarray(acts["user"]), want_user, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(acts["hist"]), want_hist, rtol=1e-5, atol=1e-6)
+        state = emb.apply_gradients(state, feats, grads)
+        ref.update(feats, grads)
+        seen |= {
+            int(i)
+            for i in np.concatenate([feats["user"].ids.ravel(), feats["hist"].ravel()])
+            if i != -1
+        }
+    out = users(emb.export(state)["users"])
+    assert isinstance(out, jte.DynamicRows)
+    assert out.ids.dtype == np.int64 and list(out.ids) == sorted(seen)
+    np.testing.assert_allclose(
+        out.rows, np.stack([ref.rows[int(i)][0] for i in out.ids]), rtol=1e-5, atol=1e-6
+    )
+    acc = emb.export_slots(state)["users"]["accumulators"]
+    np.testing.assert_array_equal(acc.ids, out.ids)
+    np.testing.assert_allclose(
+        acc.rows, np.stack([ref.rows[int(i)][1] for i in out.ids]), rtol=1e-5
+    )
+    stats = jax.tree.map(int, emb.dynamic_stats(state))["users"]
+    assert stats["occupancy"] == len(seen) == stats["admitted"]
+    assert stats["evicted"] == stats["failed"] == stats["rejected"] == 0
+
+
+def run_stream(n, routing, dynamic, steps, seed=2, strategy="div"):
+    spec = spec_of(dynamic)
+    if strategy != "div":
+        spec = jte.EmbeddingSpec(
+            features=spec.features, optimizer=spec.optimizer, partition_strategy=strategy
+        )
+    emb = jte.Embedding(spec, make_mesh(n), routing=routing, backend="xla")
+    state = emb.init(jax.random.key(0))
+    exports, lookups = [], []
+    for feats, grads in batches(seed, steps, pool_size=400):
+        lookups.append(np.asarray(emb.lookup(state, feats)["user"]))
+        state = emb.apply_gradients(state, feats, grads)
+        exports.append(users(emb.export(state)["users"]))
+    return emb, state, exports, lookups
+
+
+@pytest.mark.slow
+def test_the_same_on_every_mesh_and_exchange_with_eviction():
+    """A table too small for the stream (LRU evicts every step): the same ids resident and
+    the same counters on 1, 2 and 8 devices, both exchanges, div and mod; exported rows
+    bit-identical on every mesh with the all-gather exchange, to float32 rounding with the
+    owner exchange, and lookups to float32 rounding (their sums of several owners' rows run
+    in another order on each mesh, as for static tables)."""
+    dynamic = jte.DynamicTable(capacity=64, bucket_size=8)
+    runs = [
+        run_stream(1, "gather", dynamic, 12),
+        run_stream(2, "owner", dynamic, 12, strategy="mod"),
+        run_stream(8, "gather", dynamic, 12),
+    ]
+    base_emb, base_state, base_exports, base_lookups = runs[0]
+    base_stats = jax.tree.map(int, base_emb.dynamic_stats(base_state))
+    assert base_stats["users"]["evicted"] > 0
+    for (emb, state, exports, lookups), exact in zip(runs[1:], [False, True]):
+        rtol, atol = (0.0, 0.0) if exact else (1e-6, 1e-7)
+        assert jax.tree.map(int, emb.dynamic_stats(state)) == base_stats
+        for a, b in zip(exports, base_exports):
+            np.testing.assert_array_equal(a.ids, b.ids)
+            np.testing.assert_allclose(a.rows, b.rows, rtol=rtol, atol=atol)
+        for a, b in zip(lookups, base_lookups):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "eviction",
+    [
+        "lru",
+        pytest.param("lfu", marks=pytest.mark.slow),
+        pytest.param("none", marks=pytest.mark.slow),
+    ],
+)
+def test_eviction_invariants(eviction):
+    """Occupancy <= capacity; counters add up; each resident id's row is its initial row plus
+    only its own updates since its last admission; rows of ids not in a step stay
+    bit-identical."""
+    capacity = 48
+    spec = spec_of(jte.DynamicTable(capacity=capacity, bucket_size=8, eviction=eviction))
+    emb = jte.Embedding(spec, make_mesh(4), backend="xla")
+    state = emb.init(jax.random.key(1))
+    ref = Reference(key_words(state), "mean")
+    before = {}
+    for feats, grads in batches(5, 10, pool_size=300):
+        state = emb.apply_gradients(state, feats, grads)
+        out = users(emb.export(state)["users"])
+        now = {int(i): r for i, r in zip(out.ids, out.rows)}
+        stats = jax.tree.map(int, emb.dynamic_stats(state))["users"]
+        assert len(now) == stats["occupancy"] <= emb.dynamic["users"].rows
+        assert stats["admitted"] - stats["evicted"] - stats["expired"] == stats["occupancy"]
+        in_batch = {
+            int(i)
+            for i in np.concatenate([feats["user"].ids.ravel(), feats["hist"].ravel()])
+            if i != -1
+        }
+        assert stats["hits"] + stats["misses"] > 0
+        for i in set(ref.rows) - set(now):  # Evicted: forgotten.
+            del ref.rows[i]
+        ref.update(feats, grads, admitted=set(now))
+        for i, row in now.items():
+            np.testing.assert_allclose(row, ref.rows[i][0], rtol=1e-5, atol=1e-6)
+            if i not in in_batch:
+                np.testing.assert_array_equal(row, before[i])
+        before = now
+    if eviction == "none":
+        assert stats["evicted"] == 0 and stats["failed"] > 0
+    else:
+        assert stats["evicted"] > 0
+
+
+def test_admission_rules_and_ttl():
+    """min_count=2 admits at the second update that sees an id; until then lookups read its
+    initial row and its gradient is not applied (counted as rejected). ttl_steps expires a
+    row: lookups read the initial row again."""
+    spec = spec_of(jte.DynamicTable(capacity=1024, min_count=2, ttl_steps=2))
+    emb = jte.Embedding(spec, make_mesh(2), backend="xla")
+    state = emb.init(jax.random.key(4))
+    ids = np.array([[11, -1, -1, -1], [2**40, -3, -1, -1]], np.int64)
+    feats = {
+        "user": jte.Weighted(ids, np.ones((2, 4), np.float32)),
+        "hist": np.full((2, 1), -1, np.int64),
+        "item": np.array([1, 2], np.int32),
+    }
+    grads = jax.tree.map(lambda x: np.ones(x.shape, np.float32), emb.lookup(state, feats))
+    init = np.asarray(emb.lookup(state, feats)["user"])
+    state = emb.apply_gradients(state, feats, grads)  # First sighting: not admitted.
+    np.testing.assert_array_equal(np.asarray(emb.lookup(state, feats)["user"]), init)
+    s = jax.tree.map(int, emb.dynamic_stats(state))["users"]
+    assert (s["rejected"], s["admitted"], s["occupancy"]) == (3, 0, 0)
+    state = emb.apply_gradients(state, feats, grads)  # Second: admitted and updated.
+    s = jax.tree.map(int, emb.dynamic_stats(state))["users"]
+    assert (s["admitted"], s["occupancy"]) == (3, 3)
+    assert not np.allclose(np.asarray(emb.lookup(state, feats)["user"]), init)
+    other = {
+        **feats,
+        "user": jte.Weighted(np.full((2, 4), -1, np.int64), np.ones((2, 4), np.float32)),
+    }
+    for _ in range(2):  # Two steps without the ids: expired.
+        state = emb.apply_gradients(state, other, grads)
+    assert int(emb.dynamic_stats(state)["users"]["occupancy"]) == 0
+    np.testing.assert_array_equal(np.asarray(emb.lookup(state, feats)["user"]), init)
+
+
+@pytest.mark.slow
+def test_admit_probability_is_deterministic():
+    """admit_probability=0.5 admits about half of 512 new ids, the same ones on every mesh,
+    and counts the others as rejected."""
+    spec = spec_of(jte.DynamicTable(capacity=4096, admit_probability=0.5))
+    ids = np.random.default_rng(0).integers(-(2**62), 2**62, size=(64, 8), dtype=np.int64)
+    feats = {
+        "user": jte.Weighted(ids.reshape(64, 8)[:, :4], np.ones((64, 4), np.float32)),
+        "hist": ids.reshape(64, 8)[:, 4:6],
+        "item": np.zeros((64,), np.int32),
+    }
+    exported = []
+    for n in (1, 4):
+        emb = jte.Embedding(spec, make_mesh(n), backend="xla")
+        state = emb.init(jax.random.key(0))
+        grads = jax.tree.map(lambda x: np.ones(x.shape, np.float32), emb.lookup(state, feats))
+        state = emb.apply_gradients(state, feats, grads)
+        exported.append(users(emb.export(state)["users"]))
+        s = jax.tree.map(int, emb.dynamic_stats(state))["users"]
+        assert s["admitted"] + s["rejected"] == 6 * 64
+        assert 0.42 < s["admitted"] / (6 * 64) < 0.58
+    np.testing.assert_array_equal(exported[0].ids, exported[1].ids)
+    np.testing.assert_array_equal(exported[0].rows, exported[1].rows)
+
+
+def test_jitted_step_with_split_ids_and_int32_ids():
+    """Under jit without x64: ids as jte.SplitIds (from jte.split_ids) give what NumPy int64
+    gives eagerly; int32 ids are their int64 values (sign-extended)."""
+    spec = spec_of(jte.DynamicTable(capacity=512))
+    emb = jte.Embedding(spec, make_mesh(4), backend="xla")
+    ((feats, grads),) = batches(3, 1)
+    eager = emb.apply_gradients(emb.init(jax.random.key(0)), feats, grads)
+
+    def as_split(f):
+        return {
+            "user": jte.Weighted(jte.split_ids(f["user"].ids), f["user"].weights),
+            "hist": jte.split_ids(f["hist"]),
+            "item": f["item"],
+        }
+
+    step = jax.jit(lambda s, f, g: emb.apply_gradients(s, f, g))
+    jitted = step(emb.init(jax.random.key(0)), as_split(feats), grads)
+    for a, b in [(users(emb.export(eager)["users"]), users(emb.export(jitted)["users"]))]:
+        np.testing.assert_array_equal(a.ids, b.ids)
+        np.testing.assert_array_equal(a.rows, b.rows)
+    small = {**feats, "hist": np.array([[-5, 3]] * 8, np.int32)}
+    wide = {**feats, "hist": np.array([[-5, 3]] * 8, np.int64)}
+    state = emb.init(jax.random.key(0))
+    np.testing.assert_array_equal(
+        np.asarray(emb.lookup(state, small)["hist"]), np.asarray(emb.lookup(state, wide)["hist"])
+    )
+    stats = jax.jit(emb.dynamic_stats)(jitted)
+    assert int(stats["users"]["occupancy"]) == len(users(emb.export(jitted)["users"]).ids)
+
+
+@pytest.mark.slow
+def test_restore_onto_another_mesh_continues_the_same():
+    """export on 8 devices -> restore_tables on 2 -> continue = continue on 8 (no eviction);
+    a capacity too small for the rows is a clear error."""
+    stream = batches(9, 6)
+    dynamic = jte.DynamicTable(capacity=2048)
+    big = jte.Embedding(spec_of(dynamic), make_mesh(8), backend="xla")
+    state = big.init(jax.random.key(0))
+    for feats, grads in stream[:3]:
+        state = big.apply_gradients(state, feats, grads)
+    tables, slots = big.export(state), big.export_slots(state)
+    small = jte.Embedding(spec_of(dynamic), make_mesh(2), backend="xla")
+    restored = small.restore_tables(tables, slots, step=3, key=jax.random.key(0))
+    for feats, grads in stream[3:]:
+        state = big.apply_gradients(state, feats, grads)
+        restored = small.apply_gradients(restored, feats, grads)
+    a, b = users(big.export(state)["users"]), users(small.export(restored)["users"])
+    np.testing.assert_array_equal(a.ids, b.ids)
+    np.testing.assert_allclose(a.rows, b.rows, rtol=1e-6, atol=1e-7)
+    tiny = jte.Embedding(spec_of(jte.DynamicTable(capacity=8, bucket_size=8)), make_mesh(2))
+    with pytest.raises(ValueError, match=r"table 'users'.*do not fit its capacity of 16"):
+        tiny.restore_tables(tables, slots)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(vocabulary_size=10, dynamic=jte.DynamicTable(capacity=8)), "not both"),
+        (
+            dict(dynamic=jte.DynamicTable(capacity=8), initializer=jax.nn.initializers.zeros),
+            "cannot be evaluated per id",
+        ),
+        (dict(), "vocabulary_size must be an int > 0"),
+    ],
+)
+def test_bad_table_configs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jte.TableConfig(dim=4, name="t", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(capacity=0), "capacity must be an int > 0, got 0"),
+        (
+            dict(capacity=8, eviction="fifo"),
+            r"eviction must be one of \['lru', 'lfu', 'none'\], got 'fifo'",
+        ),
+        (dict(capacity=8, min_count=0), "min_count must be an int >= 1, got 0"),
+        (
+            dict(capacity=8, admit_probability=0.0),
+            r"admit_probability must be in \(0, 1\], got 0.0",
+        ),
+        (
+            dict(capacity=8, admit_probability=1.5),
+            r"admit_probability must be in \(0, 1\], got 1.5",
+        ),
+        (dict(capacity=8, ttl_steps=0), "ttl_steps must be an int >= 1 or None, got 0"),
+    ],
+)
+def test_bad_dynamic_fields(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jte.DynamicTable(**kwargs)
+
+
+def test_bad_ids_and_optimizers():
+    emb = jte.Embedding(spec_of(jte.DynamicTable(capacity=64)), make_mesh(2))
+    state = emb.init(jax.random.key(0))
+    ((feats, _),) = batches(0, 1)
+    with pytest.raises(ValueError, match=r"Feature 'hist': ids have dtype float32"):
+        emb.lookup(state, {**feats, "hist": feats["hist"].astype(np.float32)})
+    with pytest.raises(ValueError, match=r"Feature 'hist': ids have dtype uint64"):
+        emb.lookup(state, {**feats, "hist": feats["hist"].astype(np.uint64)})
+    with pytest.raises(ValueError, match=r"restore_tables: table 'users' is dynamic"):
+        emb.restore_tables({"users": np.zeros((4, DIM)), "items": np.zeros((64, DIM))})
+    custom = jte.CustomOptimizer(
+        lambda g, row, slots, lr, hps: (row - lr * g, slots),
+        slot_names=("v",),
+        slot_initializers=(jax.nn.initializers.normal(),),
+    )
+    with pytest.raises(ValueError, match=r"slots \['v'\].*random initializers"):
+        jte.Embedding(spec_of(jte.DynamicTable(capacity=64), optimizer=custom), make_mesh(2))
