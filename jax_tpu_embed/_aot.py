@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _config, _platforms
+from . import _config, _inputs, _platforms
 
 GiB = 1 << 30
 
@@ -187,7 +187,11 @@ def abstract_features(emb, batch: int, ids_per_example: int | Mapping[str, int] 
             length = int(ids_per_example.get(f.path, 1))
         else:
             length = int(ids_per_example)
-        out[f.path] = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=sharding)
+        ids = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=sharding)
+        if f.path in emb.dynamic_paths:  # A dynamic table's int64 ids, as two halves.
+            half = jax.ShapeDtypeStruct((batch, length), jnp.uint32, sharding=sharding)
+            ids = _inputs.SplitIds(half, half)
+        out[f.path] = ids
     return _config.unflatten(out)  # Features mirror the spec's nesting.
 
 
@@ -608,7 +612,7 @@ def _state_aliasing(hlo: str) -> tuple[list[str], list[str]]:
         number = int(rest.split(")", 1)[0])
         meta = re.search(r'op_name="((?:[^"\\]|\\.)*)"', rest)
         label = meta.group(1).replace("\\'", "'") if meta else ""
-        if label.startswith(("state.tables", "state.slots")):
+        if label.startswith(("state.tables", "state.slots", "state.index")):
             (aliased if number in aliased_params else unaliased).append(label)
     return aliased, unaliased
 

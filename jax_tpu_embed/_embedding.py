@@ -172,7 +172,8 @@ class Embedding:
         # Dynamic tables run as static tables of their capacity behind an index (_dynamic).
         engine_spec, self.dynamic = _dynamic.engine_spec(spec, int(mesh.shape[self.axis]))
         self._spec_tables = spec.tables()
-        self._dynamic_paths = frozenset(p for d in self.dynamic.values() for p in d.features)
+        # The features of dynamic tables, whose ids are int64 (SplitIds under jit).
+        self.dynamic_paths = frozenset(p for d in self.dynamic.values() for p in d.features)
         # Everything decided at construction, frozen: the step reads nothing else.
         self.plan = _planner.build(
             engine_spec,
@@ -675,7 +676,7 @@ class Embedding:
                 self.validate(features)
         _inputs.check_batch(flat, self.num_shards)
         return {
-            p: _dynamic.split_on_host(x) if p in self._dynamic_paths else x for p, x in flat.items()
+            p: _dynamic.split_on_host(x) if p in self.dynamic_paths else x for p, x in flat.items()
         }
 
     def lookup(self, state: EmbeddingState, features: Nested) -> Nested:
