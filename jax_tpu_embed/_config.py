@@ -151,8 +151,8 @@ class TableConfig:
                 )
         elif not _is_int(self.vocabulary_size) or int(self.vocabulary_size or 0) <= 0:
             raise ValueError(
-                f"{where}: vocabulary_size must be an int > 0 (or dynamic=jte.DynamicTable(...) "
-                f"for a table without a vocabulary), got {self.vocabulary_size!r}."
+                f"{where}: vocabulary_size must be an int > 0, got {self.vocabulary_size!r} "
+                f"(or give dynamic=jte.DynamicTable(...) for a table without a vocabulary)."
             )
         if not _is_int(self.dim) or self.dim <= 0:
             raise ValueError(f"{where}: dim must be an int > 0, got {self.dim!r}.")

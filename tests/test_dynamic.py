@@ -379,7 +379,7 @@ def test_restore_onto_another_mesh_continues_the_same():
             dict(dynamic=jte.DynamicTable(capacity=8), initializer=jax.nn.initializers.zeros),
             "cannot be evaluated per id",
         ),
-        (dict(), "vocabulary_size must be an int > 0"),
+        (dict(), "vocabulary_size must be an int > 0, got None"),
     ],
 )
 def test_bad_table_configs(kwargs, match):

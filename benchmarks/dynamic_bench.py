@@ -1,0 +1,266 @@
+"""Dynamic tables against static ones, and bucket eviction against exact global LRU.
+
+    python benchmarks/dynamic_bench.py                  # W0 step times + eviction quality
+    python benchmarks/dynamic_bench.py --workload W1 --steps 5 --json out.json
+    python benchmarks/dynamic_bench.py --tpu v5p:2x2x1  # also TPU compiler bytes (no TPU needed)
+
+1. CPU train step (lookup, backward, update; jitted, state donated) on the workload's tables
+   as static tables, and as dynamic tables fed the same batches with every id remapped to a
+   random int64 (a fixed random map per table). The dynamic tables are sized so that the
+   ids of the cycled batches fill them to `--occupancy` (0.8), and are filled by one pass
+   over the batches before timing. Both are measured in the same run, alternating, so the
+   ratio holds on a noisy machine.
+2. Eviction quality: a Zipf(1.05) stream of int64 ids through a dynamic table's index
+   (`_hashindex.update`, LRU, one step = one batch of distinct ids) at `--eviction-occupancy`
+   (0.85) of the stream's distinct ids, against exact global LRU of the same capacity (a
+   Python OrderedDict): the hit rates and their difference in points.
+3. With --tpu: the TPU compiler's bytes accessed per device of the step, static and dynamic.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import workloads  # noqa: E402
+
+import jax_tpu_embed as jte  # noqa: E402
+from jax_tpu_embed import _hashindex  # noqa: E402
+
+
+def remapped(wl) -> list[list[np.ndarray]]:
+    """Every id of table t replaced by a fixed random int64 (distinct per row)."""
+    out = [[None] * wl.config.tables for _ in range(wl.num_batches)]
+    for t in range(wl.config.tables):
+        rng = np.random.default_rng([7, t])
+        table = rng.integers(-(2**63), 2**63 - 1, size=wl.config.vocabulary_size, dtype=np.int64)
+        for k in range(wl.num_batches):
+            out[k][t] = table[wl.ids[k][t]]
+    return out
+
+
+def make_step(wl, dynamic_capacity: int | None):
+    c = wl.config
+    mesh = Mesh(np.array(jax.devices()), ("shard",))
+    names = [f"t{i}" for i in range(c.tables)]
+    tables = [
+        jte.TableConfig(
+            None if dynamic_capacity else c.vocabulary_size,
+            c.dim,
+            combiner="sum",
+            name=n,
+            dynamic=jte.DynamicTable(capacity=dynamic_capacity) if dynamic_capacity else None,
+        )
+        for n in names
+    ]
+    spec = jte.EmbeddingSpec(
+        {n: jte.FeatureConfig(t) for n, t in zip(names, tables)}, jte.Adagrad(learning_rate=0.05)
+    )
+    emb = jte.Embedding(spec, mesh)
+    sharding = NamedSharding(mesh, P("shard"))
+    ids = remapped(wl) if dynamic_capacity else wl.ids
+    batches = []
+    for k in range(wl.num_batches):
+        feats = {}
+        for i, n in enumerate(names):
+            x = ids[k][i]
+            if dynamic_capacity:
+                s = jte.split_ids(x)
+                x = jte.SplitIds(jax.device_put(s.hi, sharding), jax.device_put(s.lo, sharding))
+            else:
+                x = jax.device_put(x, sharding)
+            feats[n] = x
+        batches.append(feats)
+    R = {n: jax.device_put(wl.R[i], sharding) for i, n in enumerate(names)}
+
+    def train_step(state, features, R):
+        acts = emb.lookup(state, features)
+        loss, vjp = jax.vjp(lambda a: sum(jnp.sum(a[f] * R[f]) for f in a), acts)
+        (grads,) = vjp(jnp.ones_like(loss))
+        return emb.apply_gradients(state, features, grads)
+
+    fn = jax.jit(train_step, donate_argnums=0)
+    return emb, fn, batches, R
+
+
+def step_times(wl, occupancy: float, steps: int) -> dict:
+    distinct = max(
+        len(np.unique(np.concatenate([wl.ids[k][t].ravel() for k in range(wl.num_batches)])))
+        for t in range(wl.config.tables)
+    )
+    capacity = int(np.ceil(distinct / occupancy / 64)) * 64
+    runs = {}
+    for label, cap in (("static", None), ("dynamic", capacity)):
+        emb, fn, batches, R = make_step(wl, cap)
+        state = emb.init(jax.random.key(0))
+        for k in range(wl.num_batches):  # Compile, and fill the dynamic tables.
+            state = fn(state, batches[k], R)
+        jax.block_until_ready(state)
+        runs[label] = [emb, fn, batches, R, state, []]
+    for i in range(steps):  # Alternating, so that both see the same machine.
+        for run in runs.values():
+            emb, fn, batches, R, state, times = run
+            t0 = time.perf_counter()
+            state = fn(state, batches[i % len(batches)], R)
+            jax.block_until_ready(state)
+            times.append(time.perf_counter() - t0)
+            run[4] = state
+    out = {label: float(np.median(run[5]) * 1e3) for label, run in runs.items()}
+    emb, state = runs["dynamic"][0], runs["dynamic"][4]
+    stats = {n: {k: int(v) for k, v in s.items()} for n, s in emb.dynamic_stats(state).items()}
+    occupied = np.mean([s["occupancy"] for s in stats.values()]) / emb.dynamic["t0"].rows
+    return {
+        "static_ms": out["static"],
+        "dynamic_ms": out["dynamic"],
+        "ratio": out["dynamic"] / out["static"],
+        "capacity": capacity,
+        "occupancy": float(occupied),
+        "stats_t0": stats["t0"],
+    }
+
+
+def eviction_quality(
+    occupancy: float, steps: int, batch: int, universe: int, bucket_size: int = 64
+) -> dict:
+    rng = np.random.default_rng(0)
+    ids_of_rank = rng.integers(-(2**63), 2**63 - 1, size=universe, dtype=np.int64)
+    cdf = workloads.power_law_cdf(universe, 1.05)
+    stream = [
+        np.unique(ids_of_rank[workloads.sample_ranks(cdf, (batch,), rng)]) for _ in range(steps)
+    ]
+    distinct = len(np.unique(np.concatenate(stream)))
+    buckets = max(1, int(round(distinct * occupancy / bucket_size)))
+    capacity = buckets * bucket_size
+    config = _hashindex.IndexConfig(buckets=buckets, bucket_size=bucket_size, seed=1)
+    state = jax.tree.map(jnp.asarray, _hashindex.empty_state(config, 1))
+    size = max(len(s) for s in stream)
+
+    @jax.jit
+    def step(state, hi, lo, valid, now):
+        _, bucket = _hashindex.locate(config, 1, hi, lo)
+        return _hashindex.update(config, state, hi, lo, bucket, valid, now)[0]
+
+    lru: collections.OrderedDict = collections.OrderedDict()
+    hits = exact_hits = total = 0
+    warm = steps // 4
+    for now, ids in enumerate(stream):
+        before = _hashindex.stats(config, state, now)["hits"]
+        hi, lo = _hashindex.split_ids(np.pad(ids, (0, size - len(ids)), constant_values=-1))
+        valid = np.arange(size) < len(ids)
+        state = step(state, hi, lo, valid, jnp.int32(now))
+        got = int(_hashindex.stats(config, state, now)["hits"]) - int(before)
+        exact = 0
+        for i in ids.tolist():
+            if i in lru:
+                exact += 1
+                lru.move_to_end(i)
+            else:
+                lru[i] = True
+                if len(lru) > capacity:
+                    lru.popitem(last=False)
+        if now >= warm:
+            hits, exact_hits, total = hits + got, exact_hits + exact, total + len(ids)
+    return {
+        "capacity": capacity,
+        "distinct_in_stream": distinct,
+        "bucket_lru_hit_rate": hits / total,
+        "exact_lru_hit_rate": exact_hits / total,
+        "difference_points": 100 * (exact_hits - hits) / total,
+    }
+
+
+def tpu_bytes(topology: str, dim: int) -> dict:
+    from jax_tpu_embed import _aot
+
+    topo = _aot.topology(topology)
+    out = {}
+    for label, dynamic in (("static", False), ("dynamic", True)):
+        tables = [
+            jte.TableConfig(
+                None if dynamic else 1_000_000,
+                dim,
+                combiner="sum",
+                name=f"t{i}",
+                dynamic=jte.DynamicTable(capacity=1_000_000) if dynamic else None,
+            )
+            for i in range(8)
+        ]
+        spec = jte.EmbeddingSpec(
+            {f"t{i}": jte.FeatureConfig(t) for i, t in enumerate(tables)},
+            jte.Adagrad(learning_rate=0.05),
+        )
+        emb = jte.Embedding(spec, _aot.mesh(topo))
+        r = _aot.compile_train_step(emb, 4096, 20, topo=topo)
+        out[label] = {
+            "bytes_accessed_per_device": r.bytes_accessed,
+            "temp_bytes": r.temp_bytes,
+            "fits": r.fits,
+            "unaliased_state": r.unaliased_state,
+            "collectives": len(r.collectives),
+        }
+    out["ratio"] = (
+        out["dynamic"]["bytes_accessed_per_device"] / out["static"]["bytes_accessed_per_device"]
+    )
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", default="W0")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--occupancy", type=float, default=0.8)
+    p.add_argument("--eviction-occupancy", type=float, default=0.85)
+    p.add_argument("--eviction-steps", type=int, default=200)
+    p.add_argument("--tpu", default=None, help="a topology, e.g. v5p:2x2x1")
+    p.add_argument("--dim", type=int, default=64, help="table width for --tpu")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    wl = workloads.generate(workloads.load_config(args.workload))
+    result = {"workload": args.workload, "devices": len(jax.devices())}
+    result["step"] = step_times(wl, args.occupancy, args.steps)
+    s = result["step"]
+    print(f"{args.workload} train step, {len(jax.devices())} CPU devices (median ms)")
+    print(
+        f"  static {s['static_ms']:9.1f}   dynamic {s['dynamic_ms']:9.1f}   ratio {s['ratio']:.2f}x"
+    )
+    print(f"  dynamic capacity {s['capacity']} per table, occupancy {s['occupancy']:.2f}")
+    q = eviction_quality(args.eviction_occupancy, args.eviction_steps, 4096, 1_000_000)
+    result["eviction"] = q
+    print(
+        f"eviction: capacity {q['capacity']} ({args.eviction_occupancy} of "
+        f"{q['distinct_in_stream']} distinct ids), hit rate bucket LRU "
+        f"{q['bucket_lru_hit_rate']:.4f}, exact LRU {q['exact_lru_hit_rate']:.4f}, "
+        f"difference {q['difference_points']:.2f} points"
+    )
+    if args.tpu:
+        result["tpu"] = tpu_bytes(args.tpu, args.dim)
+        t = result["tpu"]
+        print(
+            f"TPU {args.tpu} D={args.dim}: bytes accessed per device static "
+            f"{t['static']['bytes_accessed_per_device'] / 1e6:.1f} MB, dynamic "
+            f"{t['dynamic']['bytes_accessed_per_device'] / 1e6:.1f} MB, ratio {t['ratio']:.1f}x"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
