@@ -19,7 +19,7 @@ from jax_tpu_embed import _dynamic, checkpoint
 DIM = 4
 
 
-def spec_of(dynamic, optimizer=None):
+def spec_of(dynamic, optimizer=None, strategy="div"):
     users = jte.TableConfig(dim=DIM, combiner="mean", name="users", dynamic=dynamic)
     items = jte.TableConfig(vocabulary_size=16, dim=DIM, name="items")
     return jte.EmbeddingSpec(
@@ -29,6 +29,7 @@ def spec_of(dynamic, optimizer=None):
             "item": jte.FeatureConfig(items),
         },
         optimizer=optimizer or jte.Adagrad(learning_rate=0.3),
+        partition_strategy=strategy,
     )
 
 
@@ -92,7 +93,7 @@ def saved(tmp_path_factory):
     checkpoint.save(path, emb, state)
     then = Snapshot(emb, state)
     state = train(emb, state, steps[SAVED_AT:])
-    return path, steps, then, Snapshot(emb, state), emb
+    return path, steps, then, Snapshot(emb, state), (emb, state)
 
 
 class Snapshot:
@@ -119,11 +120,13 @@ class Snapshot:
 
 
 def test_checkpoint_restores_onto_another_mesh_and_continues_the_same(saved):
-    """8 devices -> 2: the restored state shows what the saved one did, and 4 more steps give
+    """8 devices, "div" -> 2 devices, "mod", lane-packed (Adagrad's accumulator riding in
+    the table's rows): the restored state shows what the saved one did, and 4 more steps give
     what the uninterrupted run gave (the same ids resident, the same counters: scores, the
     admission filter, the key and the counters came back)."""
     path, steps, then, after, _ = saved
-    emb = jte.Embedding(spec_of(DYNAMIC), make_mesh(2))
+    emb = jte.Embedding(spec_of(DYNAMIC, strategy="mod"), make_mesh(2), lane_width=128)
+    assert len(emb.storage("users").riders) == 1
     state, _ = checkpoint.restore(path, emb)
     Snapshot(emb, state).assert_equals(then, exact=True)
     state = train(emb, state, steps[SAVED_AT:])
@@ -156,6 +159,7 @@ def test_checkpoint_item_is_the_logical_form(saved):
     assert info["filter_ids"] > 0 and np.all(item["filter_count"] >= 1)
 
 
+@pytest.mark.slow
 def test_checkpoint_restores_onto_a_larger_capacity_and_refuses_a_small_one(saved):
     """Capacity 64 on 2 devices: the same live rows, scores and counters (then steps of
     resident ids continue the same); a capacity below the held ids, or a bucket that cannot
@@ -218,21 +222,51 @@ def flax_batches(seed, steps):
     return out
 
 
-def test_flax_model_trains_a_dynamic_table():
-    """A flax model with a dynamic table: its index lives in the "embedding" collection
-    beside tables, slots and step; the flax step admits every id it sees (capacity to
-    spare: the counters count exactly the distinct ids) and equals the generic step started
-    from the same state; model.apply reads the trained rows."""
-    batches = flax_batches(2, 3)
+def flax_setup(batches):
     dynamic = jte.DynamicTable(capacity=512, bucket_size=8)
     emb = jte.Embedding(spec_of(dynamic), make_mesh(4))
     model = Model(jte.flax.Embed.from_embedding(emb))
     step = jte.flax.make_train_step(model, mse, optax.adam(0.05))
-    state = step.init(jax.random.key(0), batches[0])
+    return emb, model, step, step.init(jax.random.key(0), batches[0])
+
+
+def test_flax_model_trains_a_dynamic_table():
+    """A flax model with a dynamic table: its index lives in the "embedding" collection
+    beside tables, slots and step; the flax step admits every id it sees (capacity to
+    spare: the counters count exactly the distinct ids, and they are the exported ids);
+    model.apply reads the trained rows as predict does."""
+    batches = flax_batches(2, 3)
+    emb, model, step, state = flax_setup(batches)
     layer = state.embedding["embed"]
     assert set(layer) == {"tables", "slots", "step", "index"}
     assert set(layer["index"]) == {"users"}
+    before = emb.lookup(jte.flax.embedding_states(state.embedding)["embed"], batches[0]["features"])
+    before = np.asarray(before["user"])
+    for batch in batches:
+        state, _ = step(state, batch)
+    assert step.trace_count == 1
+    trained = jte.flax.embedding_states(state.embedding)["embed"]
+    seen = set()
+    for batch in batches:
+        for ids in (batch["features"]["user"].ids, batch["features"]["hist"]):
+            seen |= set(jte.join_ids(ids).ravel().tolist())
+    seen.discard(-1)
+    s = stats(emb, trained)["users"]
+    assert s["admitted"] == s["occupancy"] == s["misses"] == len(seen)
+    assert s["evicted"] == s["rejected"] == s["failed"] == 0 and int(trained.step) == 3
+    np.testing.assert_array_equal(emb.export(trained)["users"].ids, np.sort(list(seen)))
+    after = emb.lookup(trained, batches[0]["features"])["user"]
+    assert not np.allclose(np.asarray(after), before)  # The rows trained.
+    out: Any = model.apply(step.variables(state), batches[0])
+    np.testing.assert_allclose(out, step.predict(state, batches[0]), rtol=1e-6, atol=1e-6)
 
+
+@pytest.mark.slow
+def test_flax_step_with_a_dynamic_table_equals_the_generic_step():
+    """The flax step and jte.make_train_step, started from the same state: the same losses,
+    ids and rows."""
+    batches = flax_batches(2, 3)
+    emb, _, step, state = flax_setup(batches)
     head = nn.Dense(1)
 
     def loss_fn(params, acts, batch):
@@ -248,21 +282,10 @@ def test_flax_model_trains_a_dynamic_table():
         g_state, g_metrics = generic(g_state, batch)
         np.testing.assert_allclose(metrics["loss"], g_metrics["loss"], rtol=1e-6)
     trained = jte.flax.embedding_states(state.embedding)["embed"]
-    seen = set()
-    for batch in batches:
-        for ids in (batch["features"]["user"].ids, batch["features"]["hist"]):
-            seen |= set(jte.join_ids(ids).ravel().tolist())
-    seen.discard(-1)
-    s = stats(emb, trained)["users"]
-    assert s["admitted"] == s["occupancy"] == s["misses"] == len(seen)
-    assert s["evicted"] == s["rejected"] == s["failed"] == 0
     got, want = emb.export(trained)["users"], emb.export(g_state.embedding)["users"]
-    np.testing.assert_array_equal(got.ids, np.sort(list(seen)))
     np.testing.assert_array_equal(got.ids, want.ids)
     np.testing.assert_allclose(got.rows, want.rows, rtol=1e-5, atol=1e-6)
-    # Evaluation: model.apply with the collection looks the trained rows up.
-    out: Any = model.apply(step.variables(state), batches[0])
-    np.testing.assert_allclose(out, step.predict(state, batches[0]), rtol=1e-6, atol=1e-6)
+    assert stats(emb, trained) == stats(emb, g_state.embedding)
 
 
 # ---------------------------------------------------------------------------- serving
@@ -322,11 +345,10 @@ def as_split(feats):
 
 
 @pytest.fixture(scope="module")
-def trained():
-    steps = stream(3, 4)
-    emb = jte.Embedding(spec_of(jte.DynamicTable(capacity=32, bucket_size=4)), make_mesh(4))
-    state = train(emb, emb.init(jax.random.key(5)), steps)
-    assert stats(emb, state)["users"]["evicted"] > 0
+def trained(saved):
+    """The checkpoint test's run after its 11 steps, and a batch of ids it holds and ids it
+    never saw or did not admit."""
+    emb, state = saved[-1]
     feats = with_unknown(stream(4, 1)[0][0], 0)  # Other draws of the pool: known and not.
     return emb, state, feats
 
