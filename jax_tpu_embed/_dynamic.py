@@ -425,3 +425,79 @@ def build_index(plan: DynamicPlan, num_shards: int, ids: np.ndarray, step: int):
     return _hashindex.build(
         plan.index, num_shards, ids, np.full(n, step, np.int32), np.ones(n, np.int32)
     )
+
+
+# ------------------------------------------- the index's logical form (checkpoints, IO)
+
+
+def held(plan: DynamicPlan, index) -> dict[str, np.ndarray]:
+    """A table's index in logical form, independent of the mesh and the capacity (NumPy;
+    `index` an IndexState of host arrays): "ids" int64 ascending, every id holding a slot
+    (TTL-expired ones too: they restore expired), "rows" their global rows in this index
+    (int64), "last" and "count" their scores (int32); "filter_ids" (int64 ascending) and
+    "filter_count" (int32), the admission filter's entries; "counters" (int64, one per
+    `_hashindex.STAT_NAMES`), summed over the shards."""
+    ids, rows, last, count = _hashindex.export(plan.index, index, now=None)
+    f_hi = np.asarray(index.filter_hi).reshape(-1)
+    f_lo = np.asarray(index.filter_lo).reshape(-1)
+    f_count = np.asarray(index.filter_count).reshape(-1)
+    keep = ~((f_hi == PAD) & (f_lo == PAD))
+    f_ids = _hashindex.join_ids(f_hi[keep], f_lo[keep])
+    order = np.argsort(f_ids, kind="stable")
+    return {
+        "ids": np.asarray(ids, np.int64),
+        "rows": np.asarray(rows, np.int64),
+        "last": np.asarray(last, np.int32),
+        "count": np.asarray(count, np.int32),
+        "filter_ids": f_ids[order].astype(np.int64),
+        "filter_count": f_count[keep][order].astype(np.int32),
+        "counters": np.asarray(index.stats, np.int64).sum(0),
+    }
+
+
+def rebuild(plan: DynamicPlan, num_shards: int, entries: Mapping[str, Any]):
+    """The inverse of `held` onto `plan`'s index for `num_shards` shards: (IndexState of
+    NumPy arrays, each id's global row (int64, in the order of entries["ids"])). The ids
+    keep their `last` and `count` (so eviction and TTL go on as before); the filter's
+    entries go to their filter buckets (one with fewer entries than given keeps the highest
+    (count, priority), the ones its own eviction would keep), and none when min_count is
+    1; the counters ({name: total} or an array in STAT_NAMES order) go on shard 0.
+    ValueError (not naming the table) when the capacity or a bucket cannot hold the ids."""
+    config = plan.index
+    ids = np.asarray(entries["ids"], np.int64).reshape(-1)
+    if len(ids) > config.capacity:
+        raise ValueError(
+            f"{len(ids)} ids do not fit its capacity of {config.capacity} rows "
+            f"({config.buckets} buckets of {config.bucket_size})."
+        )
+    try:
+        state, rows = _hashindex.build(config, num_shards, ids, entries["last"], entries["count"])
+    except ValueError as e:
+        raise ValueError(
+            f"its {len(ids)} ids do not fit its capacity of {config.capacity} rows: "
+            f"{str(e).removeprefix('build: ')}"
+        ) from None
+    f_ids = np.asarray(entries.get("filter_ids", np.zeros(0, np.int64)), np.int64).reshape(-1)
+    f_count = np.asarray(entries.get("filter_count", np.zeros(0, np.int32)), np.int32)
+    if config.filter_buckets and f_ids.size:
+        hi, lo = _hashindex.split_ids(f_ids)
+        g = np.asarray(_hashindex.global_bucket(config, hi, lo)).astype(np.int64)
+        f = g // (config.buckets // config.filter_buckets)
+        prio = np.asarray(_hashindex.priority(config, hi, lo)).astype(np.int64)
+        # Per filter bucket, highest (count, priority, hi, lo) first.
+        order = np.lexsort((-lo.astype(np.int64), -hi.astype(np.int64), -prio, -f_count, f))
+        sorted_f = f[order]
+        lane = np.arange(f.size) - np.searchsorted(sorted_f, sorted_f, side="left")
+        bf = config.filter_bucket_size
+        kept = lane < bf
+        at = sorted_f[kept] * bf + lane[kept]
+        src = order[kept]
+        state.filter_hi.reshape(-1)[at] = hi[src]
+        state.filter_lo.reshape(-1)[at] = lo[src]
+        state.filter_count.reshape(-1)[at] = f_count.reshape(-1)[src]
+    counters = entries.get("counters")
+    if counters is not None:
+        if isinstance(counters, Mapping):
+            counters = [counters.get(n, 0) for n in _hashindex.STAT_NAMES]
+        state.stats[0] = np.asarray(counters, np.int64).astype(np.int32)
+    return state, rows

@@ -172,18 +172,6 @@ def restored_items(
 # ------------------------------------------------------------------ options
 
 
-def refuse_dynamic(spec, where: str) -> None:
-    """ValueError naming the dynamic tables of `spec` for an entry point that cannot hold
-    their index yet."""
-    names = [n for n, t in spec.tables().items() if t.dynamic is not None]
-    if names:
-        raise ValueError(
-            f"{where}: tables {names} are dynamic, which it does not support yet. Use "
-            f"Embedding.export / export_slots and restore_tables (DynamicRows), a "
-            f"jte.make_train_step or jte.nnx model."
-        )
-
-
 def check_no_wide_ids(batch, where: str) -> None:
     """ValueError for a NumPy int64 array in a jitted step's batch with values beyond int32:
     without jax_enable_x64, jit would cut them to int32, other ids of a dynamic table."""

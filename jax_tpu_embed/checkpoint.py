@@ -56,10 +56,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _embedding, _guards, _optimizers, _storage
+from . import _dynamic, _embedding, _guards, _hashindex, _optimizers, _storage
 
 _FORMAT = "jax_tpu_embed.checkpoint/1"
-_ITEMS = ("embedding", "metadata", "dense")
+_ITEMS = ("embedding", "metadata", "dense", "dynamic")
 
 
 def _orbax():
@@ -108,13 +108,18 @@ def save(
     path = _path(directory)
     wait(path)  # One save in flight per directory: orbax's manager keeps the steps in order.
     _guards.check_not_consumed(state, "checkpoint.save")
-    _guards.refuse_dynamic(emb.spec, "checkpoint.save")
     _guards.check_not_consumed(dense, "checkpoint.save", "dense state", "dense")
     _check_state(emb, state)
     step = int(jax.device_get(state.step))
     embedding = {"tables": {}, "slots": {}}
     physical, physical_slots = emb.table_arrays(state)  # Each table's arrays as stored alone.
+    dynamic = {
+        name: _dynamic_logical(emb, state, name, physical.pop(name), physical_slots.pop(name))
+        for name in emb.dynamic
+    }
     for name, plan in emb.table_plans.items():
+        if name in emb.dynamic:
+            continue
         storage = plan.storage
         table, riders = _to_logical(emb, storage, None, physical.pop(name))
         embedding["tables"][name] = table
@@ -127,8 +132,12 @@ def save(
         }
     items = {
         "embedding": ocp.args.StandardSave(embedding),
-        "metadata": ocp.args.JsonSave(_metadata(emb, step, dense is not None)),
+        "metadata": ocp.args.JsonSave(_metadata(emb, step, dense is not None, dynamic)),
     }
+    if dynamic:
+        items["dynamic"] = ocp.args.StandardSave(
+            {n: {k: v for k, v in d.items() if k not in _COUNTS} for n, d in dynamic.items()}
+        )
     if dense is not None:
         items["dense"] = ocp.args.StandardSave(dense)
     earlier = all_steps(path)
@@ -266,7 +275,6 @@ def restore(
         ValueError: a table's vocabulary size, dim or slots differ from `emb`'s (the message
             names each such table), or tables are missing or extra.
     """
-    _guards.refuse_dynamic(emb.spec, "checkpoint.restore")
     ocp = _orbax()
     path = _path(directory)
     wait(path)
@@ -301,6 +309,16 @@ def restore(
                     embedding=ocp.args.StandardRestore(_embedding_target(emb), strict=False)
                 ),
             ).embedding
+        saved_dynamic = meta.get("dynamic", {})
+        dynamic = {}
+        if saved_dynamic:
+            with _reading(path, step, "dynamic", earlier):
+                dynamic = manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        dynamic=ocp.args.StandardRestore(_dynamic_target(emb, saved_dynamic))
+                    ),
+                ).dynamic
         dense = None
         if meta["has_dense"]:
             hint = "" if dense_target is None else "dense_target does not match it, or "
@@ -317,9 +335,15 @@ def restore(
                 f"checkpoint.restore: dense_target was given but the checkpoint "
                 f"{path}/{step} holds no dense state."
             )
-    _check_values(emb, stored, f"checkpoint.restore: step {step} of {path}")
-    tables, slots = {}, {}
+    where = f"checkpoint.restore: step {step} of {path}"
+    _check_values(emb, stored, where)
+    tables, slots, index = {}, {}, {}
+    for name in emb.dynamic:
+        entries = _unpadded(dynamic[name], saved_dynamic[name])
+        tables[name], slots[name], index[name] = _dynamic_state(emb, name, entries, where)
     for name, plan in emb.table_plans.items():
+        if name in emb.dynamic:
+            continue
         storage = plan.storage
         # pop: each read copy is freed as soon as it is converted.
         own = stored["slots"].pop(name)
@@ -331,7 +355,7 @@ def restore(
             s.name: _to_physical(emb, storage, s, own.pop(s.name)) for s in storage.stored
         }
     step_array = jax.device_put(jnp.asarray(meta["step"], jnp.int32), NamedSharding(emb.mesh, P()))
-    state = _embedding.EmbeddingState(*emb.state_arrays(tables, slots), step_array)
+    state = _embedding.EmbeddingState(*emb.state_arrays(tables, slots), step_array, index)
     return state, dense
 
 
@@ -432,6 +456,7 @@ def _manager(path: str, read_only: bool, asynchronous: bool = False):
             "embedding": ocp.StandardCheckpointHandler(),
             "metadata": ocp.JsonCheckpointHandler(),
             "dense": ocp.StandardCheckpointHandler(),
+            "dynamic": ocp.StandardCheckpointHandler(),
         }
         # Any, as the `with` statement typed it before: orbax's restore results are
         # attribute-style Composites that its Mapping annotation does not describe.
@@ -535,8 +560,8 @@ def _slot_info(plan) -> dict:
     return {s.name: {"rank": s.rank} for s in plan.storage.slot_specs}
 
 
-def _metadata(emb, step: int, has_dense: bool) -> dict:
-    return {
+def _metadata(emb, step: int, has_dense: bool, dynamic: dict | None = None) -> dict:
+    meta = {
         "format": _FORMAT,
         "step": step,
         "has_dense": has_dense,
@@ -551,8 +576,186 @@ def _metadata(emb, step: int, has_dense: bool) -> dict:
                 "slots": _slot_info(plan),
             }
             for name, plan in emb.table_plans.items()
+            if name not in emb.dynamic
         },
     }
+    if dynamic:
+        meta["dynamic"] = {name: _dynamic_info(emb, name, dynamic[name]) for name in dynamic}
+    return meta
+
+
+def _dynamic_info(emb, name: str, saved: dict) -> dict:
+    """A dynamic table's metadata: its config, what its index was on the saving mesh, and
+    how many entries its item's arrays hold (each array has at least one: orbax stores no
+    empty arrays, so an empty one holds one padding entry, id -1)."""
+    plan = emb.dynamic[name]
+    table = emb.table_plans[name]
+    config = emb.spec.tables()[name].dynamic
+    return {
+        "dim": plan.dim,
+        "dtype": jnp.dtype(table.config.dtype).name,
+        "slots": _slot_info(table),
+        "ids": int(saved["n_ids"]),
+        "filter_ids": int(saved["n_filter"]),
+        "counters": list(_hashindex.STAT_NAMES),
+        "config": {
+            "capacity": config.capacity,
+            "eviction": config.eviction,
+            "ttl_steps": config.ttl_steps,
+            "min_count": config.min_count,
+            "admit_probability": float(config.admit_probability),
+            "bucket_size": config.bucket_size,
+            "filter_capacity": config.filter_capacity,
+        },
+        "buckets": plan.index.buckets,
+        "filter_buckets": plan.index.filter_buckets,
+    }
+
+
+# ------------------------------------------------------------------ dynamic tables
+
+
+def _host(x) -> np.ndarray:
+    """A jax.Array's whole value on this host (a collective with several processes)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+@jax.jit
+def _take(array, rows):
+    return array[rows]
+
+
+def _padded(x: np.ndarray, fill) -> np.ndarray:
+    """`x` with one entry of `fill` when empty (orbax stores no empty arrays)."""
+    if len(x):
+        return x
+    return np.full((1,) + x.shape[1:], fill, x.dtype)
+
+
+def _dynamic_logical(emb, state, name: str, physical, physical_slots) -> dict:
+    """A dynamic table's checkpoint item, NumPy: {"ids" int64 ascending (every id holding a
+    slot, TTL-expired ones too), "last", "count" int32 (the index's scores), "rows" float32
+    (n, D), "slots" {slot: (n, D) or (n,)}, "filter_ids" int64, "filter_count" int32 (the
+    admission filter), "key" uint32 (2,) (the words its initial rows are drawn from),
+    "counters" int64 (one per _hashindex.STAT_NAMES, summed over the shards)}; arrays of
+    no entries hold one, id -1. Only the rows of held ids leave the devices. "n_ids" and
+    "n_filter" (the real counts) go to the metadata, not the item."""
+    plan = emb.dynamic[name]
+    storage = emb.table_plans[name].storage
+    index = jax.tree.map(_host, state.index[name])
+    entries = _dynamic.held(plan, index.index)
+    where = _dynamic.slot_rows(storage, entries["rows"]).astype(np.int32)
+    table, riders = _to_logical(emb, storage, None, physical)
+    rows = _host(_take(table, where)).astype(np.float32)
+    slots = {}
+    for s in storage.slot_specs:
+        array = (
+            riders[s.name]
+            if s.name in riders
+            else _to_logical(emb, storage, s, physical_slots[s.name])
+        )
+        slots[s.name] = _padded(_host(_take(array, where)).astype(np.float32), 0.0)
+    return {
+        "ids": _padded(entries["ids"], -1),
+        "last": _padded(entries["last"], 0),
+        "count": _padded(entries["count"], 0),
+        "rows": _padded(rows, 0.0),
+        "slots": slots,
+        "filter_ids": _padded(entries["filter_ids"], -1),
+        "filter_count": _padded(entries["filter_count"], 0),
+        "key": np.asarray(index.key, np.uint32).reshape(2),
+        "counters": entries["counters"].astype(np.int64),
+        "n_ids": len(entries["ids"]),
+        "n_filter": len(entries["filter_ids"]),
+    }
+
+
+_COUNTS = ("n_ids", "n_filter")
+
+
+def _placed(value, abstract: jax.ShapeDtypeStruct) -> jax.Array:
+    """A host array placed as `abstract` says (works with several processes)."""
+    host = np.asarray(value, abstract.dtype)
+    return jax.make_array_from_callback(abstract.shape, abstract.sharding, lambda i: host[i])
+
+
+def _dynamic_target(emb, saved: dict) -> dict:
+    """Host (NumPy) targets of the dynamic item, shaped from the metadata."""
+    out = {}
+    for name, info in saved.items():
+        if name not in emb.dynamic:
+            continue
+        n, nf, d = max(info["ids"], 1), max(info["filter_ids"], 1), info["dim"]
+        out[name] = {
+            "ids": np.zeros((n,), np.int64),
+            "last": np.zeros((n,), np.int32),
+            "count": np.zeros((n,), np.int32),
+            "rows": np.zeros((n, d), np.float32),
+            "slots": {
+                s: np.zeros((n, d) if v["rank"] == 2 else (n,), np.float32)
+                for s, v in info["slots"].items()
+            },
+            "filter_ids": np.zeros((nf,), np.int64),
+            "filter_count": np.zeros((nf,), np.int32),
+            "key": np.zeros((2,), np.uint32),
+            "counters": np.zeros((len(info["counters"]),), np.int64),
+        }
+    return out
+
+
+def _unpadded(stored: dict, info: dict) -> dict:
+    """The dynamic item of one table without its padding entries; counters by name."""
+    n, nf = info["ids"], info["filter_ids"]
+    out: dict[str, Any] = {k: np.asarray(stored[k])[:n] for k in ("ids", "last", "count", "rows")}
+    out["slots"] = {s: np.asarray(v)[:n] for s, v in stored["slots"].items()}
+    out["filter_ids"] = np.asarray(stored["filter_ids"])[:nf]
+    out["filter_count"] = np.asarray(stored["filter_count"])[:nf]
+    out["key"] = np.asarray(stored["key"], np.uint32)
+    out["counters"] = dict(zip(info["counters"], np.asarray(stored["counters"]).tolist()))
+    return out
+
+
+def _dynamic_state(emb, name: str, entries: dict, where: str) -> tuple:
+    """(physical table, {slot: physical array}, DynamicState) of a dynamic table from its
+    logical form: the index rebuilt for emb's mesh and capacity (scores, filter, counters
+    and key as saved), the rows written to the slots the ids get."""
+    plan = emb.dynamic[name]
+    table_plan = emb.table_plans[name]
+    storage = table_plan.storage
+    ids = entries["ids"]
+    _guards.check_restored(
+        _guards.restored_items(
+            name, table_plan.optimizer, entries["rows"], entries["slots"], storage.slot_specs
+        ),
+        where,
+    )
+    try:
+        built, global_rows = _dynamic.rebuild(plan, emb.num_shards, entries)
+    except ValueError as e:
+        raise ValueError(f"{where}: table {name!r}: {e}") from None
+    rows = _dynamic.slot_rows(storage, global_rows)
+    logical = np.zeros((plan.rows, plan.dim), np.float32)
+    logical[rows] = entries["rows"]
+    full = {}
+    for s in storage.slot_specs:
+        value = entries["slots"][s.name]
+        full[s.name] = np.full((plan.rows,) + value.shape[1:], float(s.initializer), np.float32)
+        full[s.name][rows] = value
+    put = lambda x: jax.make_array_from_callback(
+        x.shape, _row_sharding(emb, True, x.ndim), lambda i: x[i]
+    )
+    riders = {s.name: put(full[s.name]) for s in storage.riders}
+    table = storage.join_row(put(logical.astype(table_plan.config.dtype)), riders)
+    physical = _to_physical(emb, storage, None, table)
+    slots = {s.name: _to_physical(emb, storage, s, put(full[s.name])) for s in storage.stored}
+    state = _dynamic.DynamicState(built, entries["key"])
+    index = jax.tree.map(_placed, state, emb.abstract_state().index[name])
+    assert len(ids) == len(rows)
+    return physical, slots, index
 
 
 def _check_state(emb, state) -> None:
@@ -590,6 +793,8 @@ def _check_values(emb, stored: dict, where: str) -> None:
     not looked at)."""
     items = []
     for name, plan in emb.table_plans.items():
+        if name in emb.dynamic:
+            continue
         v = plan.storage.layout.vocabulary_size
         items += _guards.restored_items(
             name,
@@ -609,21 +814,34 @@ def _check_compatible(emb, meta: dict, where: str) -> None:
             f"(format {meta.get('format')!r}, expected {_FORMAT!r})."
         )
     saved = meta["tables"]
+    saved_dynamic = meta.get("dynamic", {})
+    static = {n: p for n, p in emb.table_plans.items() if n not in emb.dynamic}
     problems = []
-    missing = sorted(n for n in emb.table_plans if n not in saved)
-    extra = sorted(n for n in saved if n not in emb.table_plans)
+    for name in emb.dynamic:
+        if name in saved:
+            problems.append(
+                f"table {name!r} is dynamic in the spec but has a vocabulary in the checkpoint"
+            )
+    for name in saved_dynamic:
+        if name in static:
+            problems.append(
+                f"table {name!r} is dynamic in the checkpoint but has a vocabulary in the spec"
+            )
+    known = set(saved) | set(saved_dynamic)
+    missing = sorted(n for n in emb.table_plans if n not in known)
+    extra = sorted(n for n in known if n not in emb.table_plans)
     if missing:
-        problems.append(f"tables {missing} are not in the checkpoint (it has {sorted(saved)})")
+        problems.append(f"tables {missing} are not in the checkpoint (it has {sorted(known)})")
     if extra:
         problems.append(f"the checkpoint's tables {extra} are not in the embedding's spec")
     for name, plan in emb.table_plans.items():
-        if name not in saved:
+        s = saved.get(name) if name in static else saved_dynamic.get(name)
+        if s is None:
             continue
-        s = saved[name]
-        for field, have in (
-            ("vocabulary_size", plan.config.vocabulary_size),
-            ("dim", plan.config.dim),
-        ):
+        fields = [("dim", plan.config.dim)]
+        if name in static:
+            fields.insert(0, ("vocabulary_size", plan.config.vocabulary_size))
+        for field, have in fields:
             if s[field] != have:
                 problems.append(
                     f"table {name!r}: {field} is {s[field]} in the checkpoint "
@@ -651,6 +869,8 @@ def _embedding_target(emb) -> dict:
     """Abstract logical arrays (padded to `emb`'s N * S rows) on `emb`'s mesh."""
     tables, slots = {}, {}
     for name, plan in emb.table_plans.items():
+        if name in emb.dynamic:
+            continue
         rows, d = plan.layout.padded_rows, plan.config.dim
         tables[name] = jax.ShapeDtypeStruct(
             (rows, d), plan.config.dtype, sharding=_row_sharding(emb, True, 2)

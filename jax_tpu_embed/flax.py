@@ -15,7 +15,8 @@
     state, metrics = step(state, batch)
 
 The tables, their optimizer slots and their step counter live in the variable collection
-"embedding" (`tables`, `slots`, `step` under the layer's path), never in "params": an optax
+"embedding" (`tables`, `slots`, `step` under the layer's path, and `index`, the dynamic
+tables' indexes and keys, when the spec has dynamic tables), never in "params": an optax
 optimizer over "params" never sees a table. `model.apply({"params": ..., "embedding": ...},
 batch)` runs the model for evaluation.
 """
@@ -36,7 +37,7 @@ import optax
 from . import _config, _embedding, _guards, _sharding, _train
 
 COLLECTION = "embedding"
-_STATE_KEYS = ("tables", "slots", "step")
+_STATE_KEYS = ("tables", "slots", "step")  # And "index", only with dynamic tables.
 
 
 class Embed(nn.Module):
@@ -96,7 +97,6 @@ class Embed(nn.Module):
     @nn.compact
     def __call__(self, features: Any) -> Any:
         emb = self.embedding
-        _guards.refuse_dynamic(emb.spec, "jte.flax.Embed")
         initial = None
         if not self.has_variable(COLLECTION, "tables"):
             if not self.is_mutable_collection(COLLECTION):
@@ -115,7 +115,10 @@ class Embed(nn.Module):
         tables = self.variable(COLLECTION, "tables", lambda: created().tables)
         slots = self.variable(COLLECTION, "slots", lambda: created().slots)
         step = self.variable(COLLECTION, "step", lambda: created().step)
-        state = _embedding.EmbeddingState(tables.value, slots.value, step.value)
+        index = {}
+        if emb.dynamic:  # Only then: a static layer's variables are as they always were.
+            index = self.variable(COLLECTION, "index", lambda: created().index).value
+        state = _embedding.EmbeddingState(tables.value, slots.value, step.value, index)
         return emb.lookup(state, features)
 
 
@@ -152,7 +155,7 @@ def embedding_states(collection: dict) -> dict[str, _embedding.EmbeddingState]:
     def walk(node, path):
         if isinstance(node, dict) and set(_STATE_KEYS) <= set(node):
             out[_path_name(path)] = _embedding.EmbeddingState(
-                node["tables"], node["slots"], node["step"]
+                node["tables"], node["slots"], node["step"], node.get("index", {})
             )
             return
         if not isinstance(node, dict):
@@ -184,7 +187,10 @@ def replace_embedding_states(
             if name not in states:
                 return node
             s = states[name]
-            return {**node, "tables": s.tables, "slots": s.slots, "step": s.step}
+            out = {**node, "tables": s.tables, "slots": s.slots, "step": s.step}
+            if s.index or "index" in node:
+                out["index"] = s.index
+            return out
         return {k: walk(v, path + (k,)) for k, v in node.items()}
 
     return walk(collection, ())
@@ -232,6 +238,8 @@ def _nested(states: dict[tuple, _embedding.EmbeddingState]) -> dict:
         for part in path:
             node = node.setdefault(part, {})
         node.update(tables=state.tables, slots=state.slots, step=state.step)
+        if state.index:
+            node["index"] = state.index
     return collection
 
 

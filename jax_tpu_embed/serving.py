@@ -12,6 +12,18 @@ Inputs take every form `Embedding.lookup` takes (one-hot (B,), padded (B, L), `j
 sequence features, ids outside [0, V) treated as -1) and are brought to (ids, weights) by the
 same `_inputs.normalize`; combiners use the same `_inputs.combiner_scale`. Unlike TensorFlow,
 tables trained with "mod" serve like any other: exports are always in natural row order.
+
+Dynamic tables serve their exported `jte.DynamicRows` (ids int64, rows): at load the ids are
+split into uint32 halves and sorted, and the jitted lookup finds each id by a binary search
+over them (static shapes, so it exports). An id that is not served reads zeros
+(`unknown="zeros"`, the default) or its initial row (`unknown="init"`: what
+`Embedding.lookup` gives it, drawn from the table's key words, `state.index[name].key`:
+`Server.from_embedding` takes them from the state, else pass `keys=`). Their ids arrive as
+int64 NumPy (split on the host) or `jte.SplitIds` (what a jitted or exported lookup takes).
+
+    server = jte.serving.Server.from_embedding(emb, state, unknown="init")
+    server = jte.serving.Server(spec, emb.export(state), unknown="init",
+                                keys={"users": state.index["users"].key})
 """
 
 from __future__ import annotations
@@ -25,50 +37,190 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _config, _embedding, _guards, _inputs
+from . import _config, _dynamic, _embedding, _guards, _inputs
 
 Nested = Any
 
-try:
-    # jax.export must know how to (de)serialize the Weighted input container.
-    jax.export.register_namedtuple_serialization(
-        _inputs.Weighted, serialized_name="jax_tpu_embed.Weighted"
-    )
-except ValueError:  # Already registered (module reloaded).
-    pass
+UNKNOWN = ("zeros", "init")
+
+for _type, _name in ((_inputs.Weighted, "Weighted"), (_inputs.SplitIds, "SplitIds")):
+    try:
+        # jax.export must know how to (de)serialize the input containers.
+        jax.export.register_namedtuple_serialization(
+            _type, serialized_name=f"jax_tpu_embed.{_name}"
+        )
+    except ValueError:  # Already registered (module reloaded).
+        pass
 
 
-def lookup(spec: _config.EmbeddingSpec, tables: Mapping[str, Any], features: Nested) -> Nested:
+def _dynamic_names(spec: _config.EmbeddingSpec) -> set[str]:
+    return {n for n, t in spec.tables().items() if t.dynamic is not None}
+
+
+def served_rows(rows: _dynamic.DynamicRows, key: Any = None) -> dict[str, np.ndarray]:
+    """A dynamic table's `DynamicRows` as a served table: {"hi", "lo": uint32 (n,), the ids'
+    halves sorted as unsigned 64-bit keys; "rows": (n, D) in that order; "key": uint32 (2,)
+    when given, the table's key words (`state.index[name].key`) that unknown="init" draws
+    initial rows from}. No ids: one padding entry (id -1, never found). NumPy."""
+    ids = np.asarray(rows.ids)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.signedinteger):
+        raise ValueError(
+            f"serving: DynamicRows.ids must be a 1-D signed integer array, got "
+            f"{ids.dtype} {ids.shape}."
+        )
+    ids = ids.astype(np.int64)
+    values = np.asarray(rows.rows)
+    if values.ndim != 2 or values.shape[0] != len(ids):
+        raise ValueError(
+            f"serving: DynamicRows.rows has shape {values.shape}; expected ({len(ids)}, D), "
+            f"one row per id."
+        )
+    if (ids == -1).any():
+        raise ValueError("serving: -1 is padding, never an id of DynamicRows.")
+    order = np.argsort(ids.view(np.uint64), kind="stable")
+    ids, values = ids[order], values[order]
+    if len(ids) > 1 and (ids[1:] == ids[:-1]).any():
+        raise ValueError(f"serving: id {ids[1:][ids[1:] == ids[:-1]][0]} is given twice.")
+    if not len(ids):
+        ids, values = np.full((1,), -1, np.int64), np.zeros((1, values.shape[1]), values.dtype)
+    split = _inputs.split_ids(ids)
+    out = {"hi": split.hi, "lo": split.lo, "rows": values}
+    if key is not None:
+        words = np.asarray(key)
+        if words.shape != (2,) or words.dtype != np.uint32:
+            raise ValueError(
+                f"serving: a dynamic table's key must be its two uint32 key words "
+                f"(state.index[name].key), got {words.dtype} {words.shape}."
+            )
+        out["key"] = words
+    return out
+
+
+def served_tables(
+    spec: _config.EmbeddingSpec, tables: Mapping[str, Any], keys: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """`tables` with each dynamic table's `DynamicRows` made its served form (`served_rows`,
+    with its key from `keys` if there); everything else as it is."""
+    keys = dict(keys or {})
+    dynamic = _dynamic_names(spec)
+    unknown = sorted(set(keys) - dynamic)
+    if unknown:
+        raise ValueError(
+            f"serving: keys are given for {unknown}, which are not dynamic tables of the "
+            f"spec (its dynamic tables: {sorted(dynamic)})."
+        )
+    out = dict(tables)
+    for name in dynamic:
+        if isinstance(out.get(name), _dynamic.DynamicRows):
+            out[name] = served_rows(out[name], keys.get(name))
+        elif name in keys and isinstance(out.get(name), Mapping):
+            out[name] = {**out[name], "key": np.asarray(keys[name])}
+    return out
+
+
+def lookup(
+    spec: _config.EmbeddingSpec,
+    tables: Mapping[str, Any],
+    features: Nested,
+    unknown: str = "zeros",
+) -> Nested:
     """Embeds every feature from logical tables; pure and jittable.
 
     Args:
         spec: The EmbeddingSpec the tables were trained with.
-        tables: {table name: (V, D) array} in natural row order, as `Embedding.export` gives.
+        tables: {table name: (V, D) array} in natural row order, as `Embedding.export` gives;
+            a dynamic table's in its served form (`served_rows`; `jte.DynamicRows` outside
+            jit).
         features: Mirrors the spec; leaves as for `Embedding.lookup` (B need not be a
-            multiple of anything).
+            multiple of anything). A dynamic table's ids as `jte.SplitIds` under jit.
+        unknown: What a dynamic table's id that is not served reads: "zeros", or "init",
+            its initial row (as `Embedding.lookup`; the served table needs its "key").
 
     Returns:
         Same structure: float32 (B, D) per feature, (B, L, D) for sequence features (or
         output_shape + (D,)). Examples with no ids give zeros.
     """
+    _check_unknown(unknown, "serving.lookup")
+    if any(isinstance(t, _dynamic.DynamicRows) for t in tables.values()):
+        tables = served_tables(spec, tables)
     flat = _inputs.flatten_inputs(spec, features)
     names = _config.table_names(spec)
+    dynamic = _dynamic_names(spec)
     out = {}
     for path, feature in spec.flat_features:
-        table = jnp.asarray(tables[names[id(feature.table)]])
-        out[path] = _embed(path, feature, table, flat[path])
+        name = names[id(feature.table)]
+        if name in dynamic:
+            out[path] = _embed_dynamic(path, feature, name, tables[name], flat[path], unknown)
+        else:
+            table = jnp.asarray(tables[name])
+            out[path] = _embed(path, feature, table, flat[path])
     return _config.unflatten(out)
+
+
+def _check_unknown(unknown: str, where: str) -> None:
+    if unknown not in UNKNOWN:
+        raise ValueError(f"{where}: unknown must be one of {list(UNKNOWN)}, got {unknown!r}.")
 
 
 def _embed(path: str, feature: _config.FeatureConfig, table, leaf):
     ids, weights = _inputs.normalize(feature, leaf)  # (B, L); -1 and 0 where nothing.
     rows = jnp.take(table, jnp.maximum(ids, 0), axis=0).astype(jnp.float32)  # (B, L, D)
     if feature.is_sequence:
-        acts = rows * weights[..., None]
+        return _shaped(path, feature, rows * weights[..., None])
+    assert isinstance(feature.table, _config.TableConfig)  # So in every EmbeddingSpec.
+    scale = _inputs.combiner_scale(weights, feature.table.combiner)
+    return _shaped(path, feature, _combined(scale, rows))
+
+
+def _combined(scale, rows):
+    return jnp.einsum("bl,bld->bd", scale, rows, precision=lax.Precision.HIGHEST)
+
+
+def _embed_dynamic(path: str, feature: _config.FeatureConfig, name: str, table, leaf, unknown):
+    assert isinstance(feature.table, _config.TableConfig)  # So in every EmbeddingSpec.
+    if unknown == "init" and "key" not in table:
+        raise ValueError(
+            f"serving: unknown='init' draws the initial rows of table {name!r} from its key "
+            f"words; give them (keys={{{name!r}: state.index[{name!r}].key}}, or "
+            f"Server.from_embedding)."
+        )
+    hi, lo, weights = _dynamic.split_leaf(path, feature, leaf)  # (B, L) halves.
+    scale = _dynamic.scaled_weights(feature, feature.table.combiner, hi, lo, weights)
+    keys_hi, keys_lo = jnp.asarray(table["hi"]), jnp.asarray(table["lo"])
+    position, found = find(keys_hi, keys_lo, hi, lo)
+    rows = jnp.take(jnp.asarray(table["rows"]), position, axis=0).astype(jnp.float32)
+    if unknown == "init":
+        other = _dynamic.initial_rows(jnp.asarray(table["key"]), hi, lo, feature.table.dim)
     else:
-        assert isinstance(feature.table, _config.TableConfig)  # So in every EmbeddingSpec.
-        scale = _inputs.combiner_scale(weights, feature.table.combiner)
-        acts = jnp.einsum("bl,bld->bd", scale, rows, precision=lax.Precision.HIGHEST)
+        other = jnp.zeros_like(rows)
+    rows = jnp.where(found[..., None], rows, other)
+    if feature.is_sequence:
+        return _shaped(path, feature, rows * scale[..., None])
+    return _shaped(path, feature, _combined(scale, rows))
+
+
+def find(keys_hi, keys_lo, hi, lo):
+    """(position int32, found bool) of ids (hi, lo) (any shape) among n served keys sorted
+    as unsigned 64-bit (hi, lo): a binary search of ceil(log2(n + 1)) static steps. Padding
+    (-1) is never found."""
+    n = keys_hi.shape[0]
+    hi, lo = jnp.asarray(hi, jnp.uint32), jnp.asarray(lo, jnp.uint32)
+    start = jnp.zeros(hi.shape, jnp.int32)
+    stop = jnp.full(hi.shape, n, jnp.int32)
+    for _ in range(max(1, int(n).bit_length())):
+        mid = (start + stop) // 2
+        at = jnp.minimum(mid, n - 1)
+        k_hi, k_lo = keys_hi[at], keys_lo[at]
+        less = (k_hi < hi) | ((k_hi == hi) & (k_lo < lo))
+        active = start < stop
+        start = jnp.where(active & less, mid + 1, start)
+        stop = jnp.where(active & ~less, mid, stop)
+    position = jnp.minimum(start, n - 1)
+    found = (keys_hi[position] == hi) & (keys_lo[position] == lo) & ~_dynamic.is_pad(hi, lo)
+    return position, found
+
+
+def _shaped(path: str, feature: _config.FeatureConfig, acts):
     if feature.output_shape is None:
         return acts
     outputs = math.prod(acts.shape[:-1])
@@ -86,7 +238,9 @@ def _parts(leaf):
 
 
 def check_tables(spec: _config.EmbeddingSpec, tables: Mapping[str, Any]) -> None:
-    """ValueError listing every table that is missing, unknown or of the wrong shape."""
+    """ValueError listing every table that is missing, unknown or of the wrong shape (a
+    dynamic table's: `jte.DynamicRows` or its served form, of (n, D) rows)."""
+    dynamic = _dynamic_names(spec)
     want = {name: (t.vocabulary_size, t.dim) for name, t in spec.tables().items()}
     problems = [f"table {n!r} is missing" for n in want if n not in tables]
     problems += [
@@ -94,14 +248,44 @@ def check_tables(spec: _config.EmbeddingSpec, tables: Mapping[str, Any]) -> None
         for n in tables
         if n not in want
     ]
-    problems += [
-        f"table {n!r} has shape {tuple(np.shape(tables[n]))}, the spec says "
-        f"(vocabulary_size, dim) = {want[n]}"
-        for n in want
-        if n in tables and tuple(np.shape(tables[n])) != want[n]
-    ]
+    for n in want:
+        if n not in tables:
+            continue
+        t = tables[n]
+        if n not in dynamic:
+            if tuple(np.shape(t)) != want[n]:
+                problems.append(
+                    f"table {n!r} has shape {tuple(np.shape(t))}, the spec says "
+                    f"(vocabulary_size, dim) = {want[n]}"
+                )
+            continue
+        rows = t.rows if isinstance(t, _dynamic.DynamicRows) else None
+        if isinstance(t, Mapping) and {"hi", "lo", "rows"} <= set(t):
+            rows = t["rows"]
+        if rows is None:
+            problems.append(
+                f"table {n!r} is dynamic: give jte.DynamicRows(ids, rows) (what "
+                f"Embedding.export gives), got {type(t).__name__}"
+            )
+        elif len(np.shape(rows)) != 2 or np.shape(rows)[1] != want[n][1]:
+            problems.append(
+                f"table {n!r} has rows of shape {tuple(np.shape(rows))}, the spec says "
+                f"(ids, dim) = (n, {want[n][1]})"
+            )
     if problems:
         raise ValueError("serving: the tables do not fit the spec: " + "; ".join(problems) + ".")
+
+
+def _host_split(spec: _config.EmbeddingSpec, flat: dict) -> dict:
+    """{path: leaf} with a dynamic table's NumPy int64 ids split into `jte.SplitIds` on the
+    host (jit would cut them to int32 without jax_enable_x64)."""
+    dynamic = _dynamic_names(spec)
+    names = _config.table_names(spec)
+    features = dict(spec.flat_features)
+    return {
+        p: _dynamic.split_on_host(x) if names[id(features[p].table)] in dynamic else x
+        for p, x in flat.items()
+    }
 
 
 class Server:
@@ -109,8 +293,16 @@ class Server:
 
     Args:
         spec: The EmbeddingSpec the tables were trained with.
-        tables: {table name: (V, D) np.ndarray}, e.g. `emb.export(state)`.
+        tables: {table name: (V, D) np.ndarray}, e.g. `emb.export(state)`; a dynamic
+            table's as `jte.DynamicRows` (what export gives it) or its served form.
         device: Where to keep the tables and run; default `jax.devices("cpu")[0]`.
+        unknown: What a dynamic table's id that is not served reads: "zeros" (default) or
+            "init", its initial row, as `Embedding.lookup` gives it (needs `keys`).
+        keys: {dynamic table name: its key words, `state.index[name].key` (uint32 (2,))};
+            `from_embedding` takes them from the state.
+
+    `tables` holds what serves: a dynamic table's as {"hi", "lo", "rows"[, "key"]}
+    (`served_rows`), the form `export`'s artifacts take.
     """
 
     def __init__(
@@ -118,16 +310,33 @@ class Server:
         spec: _config.EmbeddingSpec,
         tables: Mapping[str, Any],
         device: jax.Device | None = None,  # pyright: ignore[reportInvalidTypeForm]
+        *,
+        unknown: str = "zeros",
+        keys: Mapping[str, Any] | None = None,
     ):
         if not isinstance(spec, _config.EmbeddingSpec):
             raise TypeError(f"Server: spec must be a jte.EmbeddingSpec, got {type(spec).__name__}.")
         _guards.check_not_consumed(tables, "serving.Server", "tables", "tables")
-        _guards.refuse_dynamic(spec, "serving.Server")
+        _check_unknown(unknown, "serving.Server")
         check_tables(spec, tables)
-        self.spec = spec
+        self.spec, self.unknown = spec, unknown
         self.device = device if device is not None else jax.devices("cpu")[0]
-        self.tables = {n: jax.device_put(np.asarray(tables[n]), self.device) for n in spec.tables()}
-        self._jit = jax.jit(lambda t, f: lookup(self.spec, t, f))
+        served = served_tables(spec, tables, keys)
+        dynamic = _dynamic_names(spec)
+        if unknown == "init":
+            missing = sorted(n for n in dynamic if "key" not in served[n])
+            if missing:
+                raise ValueError(
+                    f"serving.Server: unknown='init' draws initial rows from each dynamic "
+                    f"table's key words; none given for {missing} (keys={{name: "
+                    f"state.index[name].key}}, or Server.from_embedding)."
+                )
+        put = lambda x: jax.device_put(np.asarray(x), self.device)
+        self.tables = {
+            n: jax.tree.map(put, served[n]) if n in dynamic else put(served[n])
+            for n in spec.tables()
+        }
+        self._jit = jax.jit(lambda t, f: lookup(self.spec, t, f, self.unknown))
 
     @classmethod
     def from_embedding(
@@ -135,10 +344,14 @@ class Server:
         emb: _embedding.Embedding,
         state: _embedding.EmbeddingState,
         device: jax.Device | None = None,  # pyright: ignore[reportInvalidTypeForm]
+        *,
+        unknown: str = "zeros",
     ) -> Server:
-        """Serves `state`'s tables, exported in logical rows."""
+        """Serves `state`'s tables, exported in logical rows (a dynamic table's live ids,
+        with its key words from the state)."""
         _guards.check_not_consumed(state, "serving.Server.from_embedding")
-        return cls(emb.spec, emb.export(state), device)
+        keys = {n: np.asarray(jax.device_get(state.index[n].key)) for n in emb.dynamic}
+        return cls(emb.spec, emb.export(state), device, unknown=unknown, keys=keys)
 
     def __call__(self, features: Nested) -> Nested:
         """Activations of `features` (any batch size B); mirrors `Embedding.lookup`."""
@@ -149,13 +362,19 @@ class Server:
         put = lambda x: jax.device_put(
             x if isinstance(x, jax.Array) else np.asarray(x), self.device
         )
+
+        def placed(ids):
+            if isinstance(ids, _inputs.SplitIds):
+                return _inputs.SplitIds(put(ids.hi), put(ids.lo))
+            return put(ids)
+
         flat = {
             path: (
-                _inputs.Weighted(put(leaf.ids), put(leaf.weights))
+                _inputs.Weighted(placed(leaf.ids), put(leaf.weights))
                 if isinstance(leaf, _inputs.Weighted)
-                else put(leaf)
+                else placed(leaf)
             )
-            for path, leaf in flat.items()
+            for path, leaf in _host_split(self.spec, flat).items()
         }
         return self._jit(self.tables, _config.unflatten(flat))
 
@@ -175,6 +394,7 @@ class Server:
             include_tables=include_tables,
             platforms=platforms,
             polymorphic_batch=polymorphic_batch,
+            unknown=self.unknown,
         )
 
 
@@ -186,27 +406,37 @@ def export(
     include_tables: bool = False,
     platforms: Sequence[str] | None = ("cpu",),
     polymorphic_batch: bool = False,
+    unknown: str = "zeros",
+    keys: Mapping[str, Any] | None = None,
 ) -> jax.export.Exported:
     """Exports the serving lookup with `jax.export`.
 
     Args:
         spec: The EmbeddingSpec.
-        tables: {name: (V, D)} arrays (or jax.ShapeDtypeStruct when include_tables=False).
+        tables: {name: (V, D)} arrays (or jax.ShapeDtypeStruct when include_tables=False); a
+            dynamic table's as `jte.DynamicRows` or its served form (`served_rows`, leaves
+            arrays or jax.ShapeDtypeStruct). The artifact takes the served form (as
+            `Server.tables` holds it), with the same number of ids.
         features: Example inputs (arrays or jax.ShapeDtypeStruct) fixing every feature's
-            form, shape and dtype.
+            form, shape and dtype. A dynamic table's NumPy int64 ids are taken as
+            `jte.SplitIds`, which is what the artifact takes.
         include_tables: False: the function is `call(tables, features)` and the tables stay
             outside the artifact. True: the tables are constants inside it and the function
             is `call(features)` (only for tables small enough to ship in the artifact).
         platforms: Lowering platforms, e.g. ("cpu", "tpu"); None: the default backend's.
         polymorphic_batch: Export B as a symbolic dimension, so one artifact serves any batch
             size. Not possible when a feature has output_shape (fixed by B).
+        unknown, keys: As for `Server`.
 
     Returns:
         The `jax.export.Exported`; `.serialize()` gives bytes for `jax.export.deserialize`.
     """
     _guards.check_not_consumed(tables, "serving.export", "tables", "tables")
+    _check_unknown(unknown, "serving.export")
     check_tables(spec, tables)
-    flat = _inputs.flatten_inputs(spec, features)
+    tables = served_tables(spec, tables, keys)
+    flat = _host_split(spec, _inputs.flatten_inputs(spec, features))
+    features = _config.unflatten(flat)
     _inputs.check_batch(flat, 1, allow_empty=True)
     if polymorphic_batch:
         shaped = [p for p, f in spec.flat_features if f.output_shape is not None]
@@ -226,11 +456,11 @@ def export(
         return jax.ShapeDtypeStruct(shape, x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
 
     feature_specs = jax.tree.map(spec_of, features)
-    table_specs = {n: jax.ShapeDtypeStruct(tuple(np.shape(t)), t.dtype) for n, t in tables.items()}
+    table_specs = jax.tree.map(lambda t: jax.ShapeDtypeStruct(tuple(np.shape(t)), t.dtype), tables)
     platforms = None if platforms is None else tuple(platforms)
     if include_tables:
-        constants = {n: np.asarray(t) for n, t in tables.items()}
-        fn = jax.jit(lambda f: lookup(spec, constants, f))
+        constants = jax.tree.map(np.asarray, tables)
+        fn = jax.jit(lambda f: lookup(spec, constants, f, unknown))
         return jax.export.export(fn, platforms=platforms)(feature_specs)
-    fn = jax.jit(lambda t, f: lookup(spec, t, f))
+    fn = jax.jit(lambda t, f: lookup(spec, t, f, unknown))
     return jax.export.export(fn, platforms=platforms)(table_specs, feature_specs)

@@ -1,0 +1,405 @@
+"""Dynamic tables through jte.checkpoint, jte.flax and jte.serving: saved in logical form
+(ids, rows, slots, scores, filter, key, counters) and restored onto any mesh and capacity
+that holds them; a flax model trains one; a Server answers what Embedding.lookup does."""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jax_tpu_embed as jte
+from conftest import make_mesh
+from jax_tpu_embed import _dynamic, checkpoint
+
+DIM = 4
+
+
+def spec_of(dynamic, optimizer=None, strategy="div"):
+    users = jte.TableConfig(dim=DIM, combiner="mean", name="users", dynamic=dynamic)
+    items = jte.TableConfig(vocabulary_size=16, dim=DIM, name="items")
+    return jte.EmbeddingSpec(
+        features={
+            "user": jte.FeatureConfig(users),  # Multi-hot, weighted.
+            "hist": jte.FeatureConfig(users, max_sequence_length=2),  # Same table, sequence.
+            "item": jte.FeatureConfig(items),
+        },
+        optimizer=optimizer or jte.Adagrad(learning_rate=0.3),
+        partition_strategy=strategy,
+    )
+
+
+def stream(seed, steps, batch=16, pool_size=120):
+    """(features, activation gradients) per step: power-law ids over the whole int64 range
+    (negatives too), with duplicates and -1 padding."""
+    rng = np.random.default_rng(seed)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=pool_size, dtype=np.int64)
+    pool[:2] = [0, -7]
+    out = []
+    for _ in range(steps):
+        rank = np.minimum(rng.zipf(1.2, size=(batch, 5)), pool_size) - 1
+        ids = pool[rank]
+        ids[rng.random(ids.shape) < 0.2] = -1
+        feats = {
+            "user": jte.Weighted(ids[:, :3], rng.uniform(0.5, 2, (batch, 3)).astype(np.float32)),
+            "hist": ids[:, 3:],
+            "item": rng.integers(0, 16, size=(batch,)).astype(np.int32),
+        }
+        grads = {
+            "user": rng.normal(size=(batch, DIM)).astype(np.float32),
+            "hist": rng.normal(size=(batch, 2, DIM)).astype(np.float32),
+            "item": rng.normal(size=(batch, DIM)).astype(np.float32),
+        }
+        out.append((feats, grads))
+    return out
+
+
+def train(emb, state, steps):
+    for feats, grads in steps:
+        state = emb.apply_gradients(state, feats, grads)
+    return state
+
+
+def stats(emb, state):
+    return jax.tree.map(int, emb.dynamic_stats(state))
+
+
+# ------------------------------------------------------------------------- checkpoints
+
+
+# Too small for the stream: LRU evicts, TTL expires, min_count rejects (a filter to save).
+TTL = 5
+DYNAMIC = jte.DynamicTable(capacity=32, bucket_size=4, eviction="lru", ttl_steps=TTL, min_count=2)
+
+
+SAVED_AT = 7
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint of 7 steps on 8 devices, and what the run it was cut from gives: the
+    state's exports and counters then, and after 4 more steps."""
+    path = tmp_path_factory.mktemp("dynamic")
+    steps = stream(0, SAVED_AT + 4)
+    emb = jte.Embedding(spec_of(DYNAMIC), make_mesh(8))
+    state = train(emb, emb.init(jax.random.key(0)), steps[:SAVED_AT])
+    s = stats(emb, state)["users"]
+    assert s["evicted"] > 0 and s["rejected"] > 0 and s["expired"] > 0
+    assert s["held"] > s["occupancy"]  # An expired id still holds its slot: saved too.
+    checkpoint.save(path, emb, state)
+    then = Snapshot(emb, state)
+    state = train(emb, state, steps[SAVED_AT:])
+    return path, steps, then, Snapshot(emb, state), (emb, state)
+
+
+class Snapshot:
+    """What a state shows: exports, slots, counters, step, and its index's held entries."""
+
+    def __init__(self, emb, state):
+        self.tables, self.slots = emb.export(state), emb.export_slots(state)
+        self.stats, self.step = stats(emb, state), int(state.step)
+        self.key = np.asarray(state.index["users"].key)
+
+    def assert_equals(self, other, exact=False):
+        rtol, atol = (0.0, 0.0) if exact else (1e-6, 1e-7)
+        a, b = self.tables, other.tables
+        np.testing.assert_array_equal(a["users"].ids, b["users"].ids)
+        np.testing.assert_allclose(a["users"].rows, b["users"].rows, rtol=rtol, atol=atol)
+        np.testing.assert_allclose(a["items"], b["items"], rtol=rtol, atol=atol)
+        for name, x in self.slots["users"].items():
+            y = other.slots["users"][name]
+            np.testing.assert_array_equal(x.ids, y.ids)
+            np.testing.assert_allclose(x.rows, y.rows, rtol=rtol, atol=atol)
+        assert self.stats == other.stats
+        assert self.step == other.step
+        np.testing.assert_array_equal(self.key, other.key)
+
+
+def test_checkpoint_restores_onto_another_mesh_and_continues_the_same(saved):
+    """8 devices, "div" -> 2 devices, "mod", lane-packed (Adagrad's accumulator riding in
+    the table's rows): the restored state shows what the saved one did, and 4 more steps give
+    what the uninterrupted run gave (the same ids resident, the same counters: scores, the
+    admission filter, the key and the counters came back)."""
+    path, steps, then, after, _ = saved
+    emb = jte.Embedding(spec_of(DYNAMIC, strategy="mod"), make_mesh(2), lane_width=128)
+    assert len(emb.storage("users").riders) == 1
+    state, _ = checkpoint.restore(path, emb)
+    Snapshot(emb, state).assert_equals(then, exact=True)
+    state = train(emb, state, steps[SAVED_AT:])
+    Snapshot(emb, state).assert_equals(after)
+
+
+def test_checkpoint_item_is_the_logical_form(saved):
+    """The dynamic item, read by plain orbax: every held id ascending (int64), its row and
+    slots, scores, key and counters; the metadata records the config and the counts."""
+    path, _, then, _, _ = saved
+    item = ocp.StandardCheckpointer().restore(path / str(SAVED_AT) / "dynamic")["users"]
+    meta = ocp.JsonCheckpointHandler().restore(path / str(SAVED_AT) / "metadata")
+    info = meta["dynamic"]["users"]
+    assert "users" not in meta["tables"] and "items" in meta["tables"]
+    assert info["config"]["capacity"] == 32 and info["config"]["min_count"] == 2
+    assert info["ids"] == then.stats["users"]["held"] == len(item["ids"])
+    assert item["ids"].dtype == np.int64 and np.all(np.diff(item["ids"]) > 0)
+    live = then.tables["users"]
+    where = np.searchsorted(item["ids"], live.ids)
+    np.testing.assert_array_equal(item["ids"][where], live.ids)
+    np.testing.assert_array_equal(item["rows"][where], live.rows)
+    np.testing.assert_array_equal(
+        item["slots"]["accumulators"][where], then.slots["users"]["accumulators"].rows
+    )
+    assert np.all(item["last"] <= SAVED_AT) and np.all(item["count"] >= 1)
+    assert np.all(item["last"][where] > SAVED_AT - TTL)  # Live: not expired.
+    np.testing.assert_array_equal(item["key"], then.key)
+    counters = dict(zip(info["counters"], item["counters"].tolist()))
+    assert all(counters[k] == v for k, v in then.stats["users"].items() if k in counters)
+    assert info["filter_ids"] > 0 and np.all(item["filter_count"] >= 1)
+
+
+@pytest.mark.slow
+def test_checkpoint_restores_onto_a_larger_capacity_and_refuses_a_small_one(saved):
+    """Capacity 64 on 2 devices: the same live rows, scores and counters (then steps of
+    resident ids continue the same); a capacity below the held ids, or a bucket that cannot
+    hold its ids, is a ValueError naming the table, the ids and the capacity."""
+    path, steps, then, _, _ = saved
+    larger = jte.DynamicTable(**{**vars(DYNAMIC), "capacity": 64})
+    emb = jte.Embedding(spec_of(larger), make_mesh(2))
+    state, _ = checkpoint.restore(path, emb)
+    Snapshot(emb, state).assert_equals(then, exact=True)
+    # Steps of resident ids only (all hits): the same as with the saved capacity.
+    resident = then.tables["users"].ids
+    ref_emb = jte.Embedding(spec_of(DYNAMIC), make_mesh(8))
+    ref, _ = checkpoint.restore(path, ref_emb)
+    rng = np.random.default_rng(1)
+    for feats, grads in steps[SAVED_AT:]:
+        feats = {
+            **feats,
+            "user": jte.Weighted(rng.choice(resident, (16, 3)), feats["user"].weights),
+            "hist": rng.choice(resident, (16, 2)),
+        }
+        state = emb.apply_gradients(state, feats, grads)
+        ref = ref_emb.apply_gradients(ref, feats, grads)
+    Snapshot(emb, state).assert_equals(Snapshot(ref_emb, ref))
+    n = then.stats["users"]["held"]
+    tiny = jte.Embedding(spec_of(jte.DynamicTable(capacity=8, bucket_size=4)), make_mesh(2))
+    with pytest.raises(ValueError, match=rf"table 'users': {n} ids do not fit its capacity of 8"):
+        checkpoint.restore(path, tiny)
+    narrow = jte.Embedding(spec_of(jte.DynamicTable(capacity=32, bucket_size=1)), make_mesh(2))
+    with pytest.raises(ValueError, match=rf"table 'users': its {n} ids do not fit .*bucket"):
+        checkpoint.restore(path, narrow)
+
+
+# ------------------------------------------------------------------------------- flax
+
+
+class Model(nn.Module):
+    embed: jte.flax.Embed
+
+    @nn.compact
+    def __call__(self, batch):
+        acts = self.embed(batch["features"])
+        x = jnp.concatenate([acts["user"], acts["hist"].reshape(-1, 2 * DIM), acts["item"]], -1)
+        return nn.Dense(1, name="head")(jnp.tanh(x))[:, 0]
+
+
+def mse(outputs, batch):
+    return jnp.mean((outputs - batch["y"]) ** 2)
+
+
+def flax_batches(seed, steps):
+    """Batches of the jitted step: the dynamic table's ids as jte.SplitIds."""
+    out = []
+    for feats, grads in stream(seed, steps):
+        feats = {
+            **feats,
+            "user": jte.Weighted(jte.split_ids(feats["user"].ids), feats["user"].weights),
+            "hist": jte.split_ids(feats["hist"]),
+        }
+        out.append({"features": feats, "y": grads["item"][:, 0]})
+    return out
+
+
+def flax_setup(batches):
+    dynamic = jte.DynamicTable(capacity=512, bucket_size=8)
+    emb = jte.Embedding(spec_of(dynamic), make_mesh(4))
+    model = Model(jte.flax.Embed.from_embedding(emb))
+    step = jte.flax.make_train_step(model, mse, optax.adam(0.05))
+    return emb, model, step, step.init(jax.random.key(0), batches[0])
+
+
+def test_flax_model_trains_a_dynamic_table():
+    """A flax model with a dynamic table: its index lives in the "embedding" collection
+    beside tables, slots and step; the flax step admits every id it sees (capacity to
+    spare: the counters count exactly the distinct ids, and they are the exported ids);
+    model.apply reads the trained rows as predict does."""
+    batches = flax_batches(2, 3)
+    emb, model, step, state = flax_setup(batches)
+    layer = state.embedding["embed"]
+    assert set(layer) == {"tables", "slots", "step", "index"}
+    assert set(layer["index"]) == {"users"}
+    before = emb.lookup(jte.flax.embedding_states(state.embedding)["embed"], batches[0]["features"])
+    before = np.asarray(before["user"])
+    for batch in batches:
+        state, _ = step(state, batch)
+    assert step.trace_count == 1
+    trained = jte.flax.embedding_states(state.embedding)["embed"]
+    seen = set()
+    for batch in batches:
+        for ids in (batch["features"]["user"].ids, batch["features"]["hist"]):
+            seen |= set(jte.join_ids(ids).ravel().tolist())
+    seen.discard(-1)
+    s = stats(emb, trained)["users"]
+    assert s["admitted"] == s["occupancy"] == s["misses"] == len(seen)
+    assert s["evicted"] == s["rejected"] == s["failed"] == 0 and int(trained.step) == 3
+    np.testing.assert_array_equal(emb.export(trained)["users"].ids, np.sort(list(seen)))
+    after = emb.lookup(trained, batches[0]["features"])["user"]
+    assert not np.allclose(np.asarray(after), before)  # The rows trained.
+    out: Any = model.apply(step.variables(state), batches[0])
+    np.testing.assert_allclose(out, step.predict(state, batches[0]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_flax_step_with_a_dynamic_table_equals_the_generic_step():
+    """The flax step and jte.make_train_step, started from the same state: the same losses,
+    ids and rows."""
+    batches = flax_batches(2, 3)
+    emb, _, step, state = flax_setup(batches)
+    head = nn.Dense(1)
+
+    def loss_fn(params, acts, batch):
+        x = jnp.concatenate([acts["user"], acts["hist"].reshape(-1, 2 * DIM), acts["item"]], -1)
+        out: Any = head.apply({"params": params["head"]}, jnp.tanh(x))
+        return mse(out[:, 0], batch)
+
+    generic = jte.make_train_step(emb, loss_fn, optax.adam(0.05))
+    start = jax.tree.map(jnp.copy, jte.flax.embedding_states(state.embedding)["embed"])
+    g_state = generic.init(None, jax.tree.map(jnp.copy, state.params), embedding_state=start)
+    for batch in batches:
+        state, metrics = step(state, batch)
+        g_state, g_metrics = generic(g_state, batch)
+        np.testing.assert_allclose(metrics["loss"], g_metrics["loss"], rtol=1e-6)
+    trained = jte.flax.embedding_states(state.embedding)["embed"]
+    got, want = emb.export(trained)["users"], emb.export(g_state.embedding)["users"]
+    np.testing.assert_array_equal(got.ids, want.ids)
+    np.testing.assert_allclose(got.rows, want.rows, rtol=1e-5, atol=1e-6)
+    assert stats(emb, trained) == stats(emb, g_state.embedding)
+
+
+# ---------------------------------------------------------------------------- serving
+
+
+def reference_lookup(tables, feats, rule):
+    """float64 NumPy: each id's served row ({id: row}; an id not there reads `rule(id)`),
+    combined as the spec says (user: weighted mean; hist: a sequence; item: static)."""
+    served = tables["users"].to_dict()
+
+    def rows(ids):
+        out = np.zeros(ids.shape + (DIM,))
+        for at in zip(*np.nonzero(ids != -1)):
+            i = int(ids[at])
+            out[at] = served[i] if i in served else rule(i)
+        return out
+
+    w = np.where(feats["user"].ids != -1, feats["user"].weights, 0.0).astype(np.float64)
+    total = w.sum(1, keepdims=True)
+    scale = np.divide(w, total, out=np.zeros_like(w), where=total != 0)
+    hist = np.pad(feats["hist"], ((0, 0), (0, 2 - feats["hist"].shape[1])), constant_values=-1)
+    return {
+        "user": np.einsum("bl,bld->bd", scale, rows(feats["user"].ids)),
+        "hist": rows(hist),
+        "item": np.asarray(tables["items"], np.float64)[feats["item"]],
+    }
+
+
+def assert_close(got, want, rtol=1e-5, atol=1e-6):
+    for path in want:
+        np.testing.assert_allclose(np.asarray(got[path]), want[path], rtol=rtol, atol=atol)
+
+
+def with_unknown(feats, seed):
+    """`feats` with about a third of the dynamic ids replaced by ids never trained."""
+    rng = np.random.default_rng(seed)
+
+    def mixed(ids):
+        fresh = rng.integers(-(2**63), 2**63 - 1, size=ids.shape, dtype=np.int64)
+        return np.where((rng.random(ids.shape) < 0.35) & (ids != -1), fresh, ids)
+
+    user = feats["user"]
+    return {
+        **feats,
+        "user": jte.Weighted(mixed(user.ids), user.weights),
+        "hist": mixed(feats["hist"]),
+    }
+
+
+def as_split(feats):
+    user = feats["user"]
+    return {
+        **feats,
+        "user": jte.Weighted(jte.split_ids(user.ids), user.weights),
+        "hist": jte.split_ids(feats["hist"]),
+    }
+
+
+@pytest.fixture(scope="module")
+def trained(saved):
+    """The checkpoint test's run after its 11 steps, and a batch of ids it holds and ids it
+    never saw or did not admit."""
+    emb, state = saved[-1]
+    feats = with_unknown(stream(4, 1)[0][0], 0)  # Other draws of the pool: known and not.
+    return emb, state, feats
+
+
+def test_serving_a_dynamic_table_matches_lookup(trained):
+    """unknown="init" (keys from the state) gives Embedding.lookup's activations for known
+    and unknown ids; "zeros" gives a float64 reference's, which reads zeros for ids not
+    served; int64 and SplitIds ids agree; no key with "init" is an error."""
+    emb, state, feats = trained
+    tables = emb.export(state)
+    known = set(tables["users"].ids.tolist())
+    ids = np.concatenate([feats["user"].ids.ravel(), feats["hist"].ravel()])
+    assert {i for i in ids.tolist() if i != -1} - known and known & set(ids.tolist())
+    want = {p: np.asarray(x) for p, x in emb.lookup(state, feats).items()}
+    server = jte.serving.Server.from_embedding(emb, state, unknown="init")
+    assert_close(server(feats), want, rtol=1e-6, atol=1e-7)
+    assert_close(server(as_split(feats)), want, rtol=1e-6, atol=1e-7)
+    key = np.asarray(state.index["users"].key)
+
+    def initial(i):
+        hi, lo = jte.split_ids(np.array([i], np.int64))
+        return np.asarray(_dynamic.initial_rows(key, hi, lo, DIM))[0]
+
+    assert_close(server(feats), reference_lookup(tables, feats, initial))
+    zeros = jte.serving.Server(emb.spec, tables)
+    assert_close(zeros(feats), reference_lookup(tables, feats, lambda i: np.zeros(DIM)))
+    with pytest.raises(ValueError, match=r"unknown='init'.*key words.*\['users'\]"):
+        jte.serving.Server(emb.spec, tables, unknown="init")
+    with pytest.raises(ValueError, match=r"table 'users' is dynamic: give jte.DynamicRows"):
+        jte.serving.Server(emb.spec, {**tables, "users": np.zeros((3, DIM), np.float32)})
+
+
+def test_serving_export_of_a_dynamic_table(trained):
+    """jax.export: the artifact takes the served tables and SplitIds, serializes, and answers
+    what the Server does (tables outside or inside it, any batch size)."""
+    emb, state, feats = trained
+    server = jte.serving.Server.from_embedding(emb, state, unknown="init")
+    want = {p: np.asarray(x) for p, x in server(feats).items()}
+    blob = server.export(feats).serialize()
+    call = jax.export.deserialize(blob).call
+    assert_close(call(server.tables, as_split(feats)), want, rtol=0, atol=0)
+    inner = jax.export.deserialize(server.export(feats, include_tables=True).serialize())
+    assert_close(inner.call(as_split(feats)), want, rtol=0, atol=0)
+    exp = jte.serving.export(
+        emb.spec,
+        emb.export(state),
+        feats,
+        polymorphic_batch=True,
+        unknown="init",
+        keys={"users": state.index["users"].key},
+    )
+    small = jax.tree.map(lambda x: x[:3], as_split(feats))
+    got = jax.export.deserialize(exp.serialize()).call(server.tables, small)
+    assert_close(got, {p: x[:3] for p, x in want.items()}, rtol=1e-6, atol=1e-7)
