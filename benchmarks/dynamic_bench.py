@@ -221,7 +221,7 @@ def tpu_bytes(topology: str, dim: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--workload", default="W0")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--occupancy", type=float, default=0.8)
