@@ -53,6 +53,7 @@ EXTRA = {
         40,
         400,
     ),
+    "wide": (hx.IndexConfig(buckets=2, bucket_size=16, eviction="lfu", seed=4), 48, 300),
     "lfu_filter": (
         hx.IndexConfig(
             buckets=4,
@@ -69,8 +70,8 @@ EXTRA = {
 }
 ALL = {**CASES, **EXTRA}
 # These four cover every policy and rule (about 5 s each, most of it compiling the XLA
-# update); the others are the slow tier.
-FAST = ("lru", "none_ttl", "lru_all", "tiny_all")
+# update), "wide" many placements per bucket and step; the others are the slow tier.
+FAST = ("none_ttl", "lru_all", "tiny_all", "wide")
 STEPS = 300
 
 

@@ -5,9 +5,10 @@
 // `_hashindex.update` and `_dynamic._distinct`, bit for bit. The XLA update decides every
 // bucket at once with sorts; here one pass over the ids decides the same, sequentially:
 //
-//   A. Read only: each id's hit lane, its own expired ("stale") lane, miss, admission
-//      (probability hash, filter sightings). Every read of the old index happens here.
-//   B. Writes of hits (last = now, count + 1) and clears of the stale slots of admitted ids.
+//   A. Each id's hit lane, its own expired ("stale") lane, miss, admission (probability
+//      hash, filter sightings), from the old index.
+//   B. Writes of hits (last = now, count + 1) and clears of the stale slots of admitted ids,
+//      done as A reaches each id: the slot is the id's own, which no other id reads.
 //   C. The admitted ids in (bucket, priority, hi, lo) order; per bucket, its slot order
 //      (free by lane; expired by (last, priority); unless "none", live slots with last < now,
 //      lru by last, lfu by (count, last), ties by priority; the rest unavailable) computed on
@@ -28,6 +29,10 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -71,11 +76,61 @@ inline uint32_t Ordered(int32_t x) { return uint32_t(x) ^ 0x80000000u; }
 struct Ttl {
   int64_t steps;
   bool Expired(int32_t last, int32_t now) const {
-    return steps >= 0 && int64_t(int32_t(uint32_t(now) - uint32_t(last))) >= steps;
+    return (steps >= 0) & (int64_t(int32_t(uint32_t(now) - uint32_t(last))) >= steps);
   }
 };
 
-inline int64_t Clamp(int32_t x, int64_t n) { return std::min<int64_t>(std::max<int64_t>(x, 0), n - 1); }
+// `jnp.clip(x, 0, n - 1)`: the local bucket of an id, as the XLA index clips it.
+inline int64_t Clamp(int32_t x, int64_t n) {
+  return std::min<int64_t>(std::max<int64_t>(x, 0), n - 1);
+}
+
+// Bit k set where p[k] == v, for the lanes [0, n), n <= 8: the first pass of a bucket scan
+// (its `lo` words), eight lanes at a time.
+inline uint32_t Match8(const uint32_t* p, int64_t n, uint32_t v) {
+#ifdef __AVX2__
+  if (n == 8) {
+    __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    __m256i eq = _mm256_cmpeq_epi32(x, _mm256_set1_epi32(int32_t(v)));
+    return uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(eq)));
+  }
+#endif
+  uint32_t m = 0;
+  for (int64_t k = 0; k < n; ++k) m |= uint32_t(p[k] == v) << k;
+  return m;
+}
+
+// The first lane in [from, b) of a bucket whose `lo` word is l; b if none.
+inline int64_t FirstLoMatch(const uint32_t* keys_lo, int64_t b, int64_t from, uint32_t l) {
+  for (int64_t j0 = from; j0 < b; j0 += 8) {
+    const uint32_t m = Match8(keys_lo + j0, std::min<int64_t>(8, b - j0), l);
+    if (m) return j0 + __builtin_ctz(m);
+  }
+  return b;
+}
+
+// Calls f(lane) for the lanes of a bucket of b slots holding key (h, l), in lane order from
+// `from` (a lane at or before the first match, found by FirstLoMatch on the index as it
+// was: both words are checked again), until f returns true.
+template <typename F>
+inline void ForEachMatch(const uint32_t* keys_hi, const uint32_t* keys_lo, int64_t b,
+                         int64_t from, uint32_t h, uint32_t l, F f) {
+  for (int64_t j = from; j < b; j = FirstLoMatch(keys_lo, b, j + 1, l)) {
+    if (keys_lo[j] == l && keys_hi[j] == h && f(j)) return;
+  }
+}
+
+// Buckets are scanned in two passes over the ids so that the memory reads of many ids are in
+// flight at once: the first finds each id's first lane whose lo word matches (its bucket's lo
+// words prefetched kAhead ids ahead), the second checks hi (and last) from there (that
+// lane's hi and last prefetched kAhead ids ahead).
+constexpr int64_t kAhead = 8;
+
+// The b 4-byte words of a bucket, into the cache.
+inline void PrefetchBucket(const void* words, int64_t b) {
+  const char* p = static_cast<const char*>(words);
+  for (int64_t j = 0; j < b; j += 16) __builtin_prefetch(p + 4 * j);
+}
 
 // A sort key of a slot or filter entry: (a, b, c) lexicographic, no two lanes equal.
 struct LaneKey {
@@ -87,6 +142,47 @@ struct LaneKey {
     return c < o.c;
   }
 };
+
+// Appends to `order` the lanes of the `take` smallest keys. The keys come with their priority
+// (the low word of b) zero: it is computed, prio(lane), only for the keys at or below the
+// take-th smallest on (a, b), the only ones that can be among the `take` smallest (slots
+// updated in the same step tie on last, and need it).
+template <typename P>
+void AppendSmallest(LaneKey* first_key, LaneKey* last_key, size_t take, P prio,
+                    std::vector<int32_t>& order) {
+  if (take == 0) return;
+  const LaneKey* const begin = first_key;
+  const LaneKey* const end_key = last_key;
+  auto coarse = [](const LaneKey& x, const LaneKey& y) {
+    return x.a != y.a ? x.a < y.a : x.b < y.b;
+  };
+  // t: the take-th smallest coarse key. Few slots are taken per bucket and step: find the
+  // smallest distinct coarse keys one scan each, while they cover fewer than `take` keys.
+  LaneKey t{};
+  if (take <= 4) {
+    size_t covered = 0;
+    bool first = true;
+    while (covered < take) {
+      const LaneKey* m = nullptr;
+      for (const LaneKey* x = begin; x != end_key; ++x) {
+        if ((first || coarse(t, *x)) && (m == nullptr || coarse(*x, *m))) m = x;
+      }
+      t = *m;
+      first = false;
+      for (const LaneKey* x = begin; x != end_key; ++x) {
+        covered += !coarse(*x, t) && !coarse(t, *x);
+      }
+    }
+  } else {
+    std::nth_element(first_key, first_key + (take - 1), last_key, coarse);
+    t = first_key[take - 1];
+  }
+  LaneKey* end =
+      std::partition(first_key, last_key, [&](const LaneKey& x) { return !coarse(t, x); });
+  for (LaneKey* it = first_key; it != end; ++it) it->b |= prio(it->lane);
+  std::partial_sort(first_key, first_key + take, end);
+  for (size_t k = 0; k < take; ++k) order.push_back(first_key[k].lane);
+}
 
 // A candidate of a bucket: ordered by (bucket, priority, hi, lo).
 struct Candidate {
@@ -113,6 +209,7 @@ ffi::Error FindImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buf
   const int64_t n = hi.element_count();
   auto dims = keys_hi.dimensions();
   const int64_t nbl = dims[0], b = dims[1];
+  if (nbl == 0) return ffi::Error::InvalidArgument("jte hashindex find: empty index");
   const Ttl ttl{ttl_steps};
   const int32_t now = now_buf.typed_data()[0];
   const uint32_t *qh = hi.typed_data(), *ql = lo.typed_data();
@@ -121,26 +218,29 @@ ffi::Error FindImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buf
   const int32_t* kt = last.typed_data();
   int32_t* out_row = row->typed_data();
   bool* out_found = found->typed_data();
-  constexpr int64_t kAhead = 8;  // Queries ahead whose buckets are prefetched.
-  auto prefetch = [&](int64_t i) {
-    if (nbl == 0) return;
-    const uint32_t* p = kl + Clamp(qb[i], nbl) * b;
-    for (int64_t l = 0; l < b; l += 16) __builtin_prefetch(p + l);
-  };
-  for (int64_t i = 0; i < std::min(n, kAhead); ++i) prefetch(i);
+  // Pass 1: each query's first lane whose lo word matches, in out_row (-1: none).
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) prefetch(i + kAhead);
-    const uint32_t h = qh[i], l = ql[i];
+    if (i + kAhead < n) PrefetchBucket(kl + Clamp(qb[i + kAhead], nbl) * b, b);
+    const int64_t base = Clamp(qb[i], nbl) * b;
+    const int64_t j = IsPad(qh[i], ql[i]) ? b : FirstLoMatch(kl + base, b, 0, ql[i]);
+    out_row[i] = j < b ? int32_t(j) : -1;
+  }
+  // Pass 2: hi and TTL from there.
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n && out_row[i + kAhead] >= 0) {
+      const int64_t s = Clamp(qb[i + kAhead], nbl) * b + out_row[i + kAhead];
+      __builtin_prefetch(kh + s);
+      if (ttl.steps >= 0) __builtin_prefetch(kt + s);
+    }
+    const int64_t from = out_row[i];
     int32_t r = -1;
-    if (nbl > 0 && !IsPad(h, l)) {
+    if (from >= 0) {
       const int64_t base = Clamp(qb[i], nbl) * b;
-      const uint32_t *bl = kl + base, *bh = kh + base;
-      for (int64_t j = 0; j < b; ++j) {
-        if (bl[j] == l && bh[j] == h && !ttl.Expired(kt[base + j], now)) {
-          r = int32_t(base + j);
-          break;
-        }
-      }
+      ForEachMatch(kh + base, kl + base, b, from, qh[i], ql[i], [&](int64_t j) {
+        if (ttl.Expired(kt[base + j], now)) return false;
+        r = int32_t(base + j);
+        return true;
+      });
     }
     out_row[i] = r;
     out_found[i] = r >= 0;
@@ -223,28 +323,53 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf
     sightings.assign(size_t(u), 0);
   }
   const uint32_t admit_now = Mix32(uint32_t(now));
+  // Pass 1 of the bucket scans (see kAhead): the first lane whose lo word matches, in
+  // hit_lane for now.
   for (int64_t i = 0; i < u; ++i) {
-    const uint32_t h = hi[i], l = lo[i];
-    const int64_t g = Clamp(lb[i], nbl);
-    base[i] = g * b;
+    if (i + kAhead < u) PrefetchBucket(kl + Clamp(lb[i + kAhead], nbl) * b, b);
+    base[i] = Clamp(lb[i], nbl) * b;
+    const bool v = valid[i] && !IsPad(hi[i], lo[i]);
+    const int64_t j = v ? FirstLoMatch(kl + base[i], b, 0, lo[i]) : b;
+    hit_lane[i] = j < b ? int32_t(j) : -1;
     row[i] = -1;
     fresh[i] = false;
+  }
+  std::vector<Candidate> admitted;
+  for (int64_t i = 0; i < u; ++i) {
+    if (i + kAhead < u && hit_lane[i + kAhead] >= 0) {
+      const int64_t s = base[i + kAhead] + hit_lane[i + kAhead];
+      __builtin_prefetch(ki + s);
+      __builtin_prefetch(kt + s, 1);
+      __builtin_prefetch(kc + s, 1);
+    }
+    if (filter && i + kAhead < u) {
+      const int64_t fb = base[i + kAhead] / b / (nbl / nfl);
+      for (int64_t j = 0; j < bf; j += 16) __builtin_prefetch(fl + fb * bf + j);
+    }
+    const uint32_t h = hi[i], l = lo[i];
+    const int64_t g = base[i] / b;
     if (!valid[i] || IsPad(h, l)) continue;
     prio[i] = Hash(c.prio_key, h, l);
-    const uint32_t *bl = kl + base[i], *bh = ki + base[i];
     const int32_t* bt = kt + base[i];
-    for (int64_t j = 0; j < b; ++j) {
-      if (bl[j] == l && bh[j] == h) {
+    const int64_t from = hit_lane[i];
+    hit_lane[i] = -1;
+    if (from >= 0) {
+      ForEachMatch(ki + base[i], kl + base[i], b, from, h, l, [&](int64_t j) {
         if (ttl.Expired(bt[j], now)) {
           if (stale_lane[i] < 0) stale_lane[i] = int32_t(j);
         } else if (hit_lane[i] < 0) {
           hit_lane[i] = int32_t(j);
         }
-      }
+        return false;
+      });
     }
     if (hit_lane[i] >= 0) {
+      // B (for hits). No other id reads this slot, so it is written now.
+      const int64_t s = base[i] + hit_lane[i];
       ++tally[kHits];
-      row[i] = int32_t(base[i] + hit_lane[i]);
+      row[i] = int32_t(s);
+      kt[s] = now;
+      kc[s] = int32_t(uint32_t(kc[s]) + 1u);
       continue;
     }
     miss[i] = 1;
@@ -266,71 +391,68 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf
       ok = ok && sightings[i] >= c.min_count;
     }
     admit[i] = ok;
-    if (!ok) ++tally[kRejected];
-  }
-
-  // B. Hits, and the stale slots of admitted ids cleared.
-  std::vector<Candidate> admitted;
-  for (int64_t i = 0; i < u; ++i) {
-    if (hit_lane[i] >= 0) {
-      const int64_t s = base[i] + hit_lane[i];
-      kt[s] = now;
-      kc[s] = int32_t(uint32_t(kc[s]) + 1u);
-    } else if (admit[i]) {
-      if (stale_lane[i] >= 0) {
-        const int64_t s = base[i] + stale_lane[i];
-        ki[s] = kPad;
-        kl[s] = kPad;
-        kt[s] = 0;
-        kc[s] = 0;
-        ++tally[kExpired];
-      }
-      admitted.push_back({(uint64_t(base[i] / b) << 32) | prio[i], Join(hi[i], lo[i]),
-                          int32_t(i)});
+    if (!ok) {
+      ++tally[kRejected];
+      continue;
     }
+    // B (for admitted ids): the id's own expired slot is cleared. No other id reads it.
+    if (stale_lane[i] >= 0) {
+      const int64_t s = base[i] + stale_lane[i];
+      ki[s] = kPad;
+      kl[s] = kPad;
+      kt[s] = 0;
+      kc[s] = 0;
+      ++tally[kExpired];
+    }
+    admitted.push_back({(uint64_t(g) << 32) | prio[i], Join(h, l), int32_t(i)});
   }
 
   // C. Placement, bucket by bucket.
   std::sort(admitted.begin(), admitted.end());
   std::vector<int32_t> order;
-  std::vector<LaneKey> keyed;
+  std::vector<LaneKey> keyed(static_cast<size_t>(std::max(b, bf)));  // The keyed lanes.
   std::vector<uint8_t> cls(static_cast<size_t>(b));
   for (size_t start = 0; start < admitted.size();) {
     const uint64_t bucket = admitted[start].bucket_prio >> 32;
+    if (start + kAhead < admitted.size()) {  // A later group's bucket.
+      const int64_t ahead = int64_t(admitted[start + kAhead].bucket_prio >> 32) * b;
+      PrefetchBucket(ki + ahead, b);
+      PrefetchBucket(kl + ahead, b);
+      PrefetchBucket(kt + ahead, b);
+      if (c.eviction == kLfu) PrefetchBucket(kc + ahead, b);
+    }
     size_t end = start + 1;
     while (end < admitted.size() && (admitted[end].bucket_prio >> 32) == bucket) ++end;
     const size_t want = end - start;
     const int64_t s0 = int64_t(bucket) * b;
     order.clear();
+    // Each slot's class, without branches: 0 free, 1 expired, 2 evictable, 3 unavailable.
+    const bool evicts = c.eviction != kNone;
     for (int64_t j = 0; j < b; ++j) {
-      if (IsPad(ki[s0 + j], kl[s0 + j])) {
-        cls[j] = 0;
-        order.push_back(int32_t(j));
-      } else if (ttl.Expired(kt[s0 + j], now)) {
-        cls[j] = 1;
-      } else if (c.eviction != kNone && kt[s0 + j] < now) {
-        cls[j] = 2;
-      } else {
-        cls[j] = 3;
-      }
+      const bool pad = IsPad(ki[s0 + j], kl[s0 + j]);
+      const bool expired = ttl.Expired(kt[s0 + j], now);
+      const bool evictable = evicts & (kt[s0 + j] < now);
+      cls[j] = pad ? 0 : expired ? 1 : evictable ? 2 : 3;
+    }
+    for (int64_t j = 0; j < b; ++j) {
+      if (cls[j] == 0) order.push_back(int32_t(j));
     }
     if (order.size() < want) {  // Free slots do not suffice: expired, then evictable ones.
-      keyed.clear();
+      size_t n = 0;
       for (int64_t j = 0; j < b; ++j) {
         if (cls[j] != 1 && cls[j] != 2) continue;
         const int64_t s = s0 + j;
-        const uint32_t p = Hash(c.prio_key, ki[s], kl[s]);
         uint32_t s1 = Ordered(kt[s]), s2 = 0;
         if (c.eviction == kLfu && cls[j] == 2) {
           s1 = Ordered(kc[s]);
           s2 = Ordered(kt[s]);
         }
-        keyed.push_back({(uint64_t(cls[j]) << 32) | s1, (uint64_t(s2) << 32) | p,
-                         Join(ki[s], kl[s]), int32_t(j)});
+        keyed[n++] = {(uint64_t(cls[j]) << 32) | s1, uint64_t(s2) << 32, Join(ki[s], kl[s]),
+                      int32_t(j)};
       }
-      const size_t take = std::min(keyed.size(), want - order.size());
-      std::partial_sort(keyed.begin(), keyed.begin() + take, keyed.end());
-      for (size_t k = 0; k < take; ++k) order.push_back(keyed[k].lane);
+      const size_t take = std::min(n, want - order.size());
+      auto prio_of = [&](int32_t j) { return Hash(c.prio_key, ki[s0 + j], kl[s0 + j]); };
+      AppendSmallest(keyed.data(), keyed.data() + n, take, prio_of, order);
     }
     for (size_t k = 0; k < want; ++k) {
       const int32_t i = admitted[start + k].index;
@@ -343,8 +465,8 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf
       if (cls[j] == 1) ++tally[kExpired];
       if (cls[j] == 2) ++tally[kEvicted];
       ++tally[kAdmitted];
-      ki[s] = hi[i];
-      kl[s] = lo[i];
+      ki[s] = uint32_t(admitted[start + k].id >> 32);
+      kl[s] = uint32_t(admitted[start + k].id);
       kt[s] = now;
       kc[s] = 1;
       row[i] = int32_t(s);
@@ -388,7 +510,7 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf
       const int64_t s0 = int64_t(fb) * bf;
       auto mark = std::lower_bound(sighted.begin(), sighted.end(), s0);
       order.clear();
-      keyed.clear();
+      size_t n = 0;
       for (int64_t j = 0; j < bf; ++j) {
         const int64_t s = s0 + j;
         while (mark != sighted.end() && *mark < s) ++mark;
@@ -399,14 +521,13 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf
           fcls[j] = 3;
         } else {
           fcls[j] = 1;
-          keyed.push_back({Ordered(fc[s]), Hash(c.prio_key, fi[s], fl[s]), Join(fi[s], fl[s]),
-                           int32_t(j)});
+          keyed[n++] = {Ordered(fc[s]), 0, Join(fi[s], fl[s]), int32_t(j)};
         }
       }
       if (order.size() < want) {
-        const size_t take = std::min(keyed.size(), want - order.size());
-        std::partial_sort(keyed.begin(), keyed.begin() + take, keyed.end());
-        for (size_t k = 0; k < take; ++k) order.push_back(keyed[k].lane);
+        const size_t take = std::min(n, want - order.size());
+        auto prio_of = [&](int32_t j) { return Hash(c.prio_key, fi[s0 + j], fl[s0 + j]); };
+        AppendSmallest(keyed.data(), keyed.data() + n, take, prio_of, order);
       }
       for (size_t k = 0; k < want; ++k) {
         const int32_t i = firsts[start + k].index;
@@ -417,8 +538,8 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf
         const int32_t j = order[k];
         const int64_t s = s0 + j;
         if (fcls[j] == 1) ++tally[kFilterEvicted];
-        fi[s] = hi[i];
-        fl[s] = lo[i];
+        fi[s] = uint32_t(firsts[start + k].id >> 32);
+        fl[s] = uint32_t(firsts[start + k].id);
         fc[s] = 1;
       }
       start = end;
