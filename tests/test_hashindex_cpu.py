@@ -69,6 +69,9 @@ EXTRA = {
     ),
 }
 ALL = {**CASES, **EXTRA}
+# XLA:CPU's LLVM optimizations only speed up the code (integer ops: same results), and take
+# half of the compile time of these tests; "lru_all" keeps the default.
+QUICK = {"xla_backend_optimization_level": 0}
 # These four cover every policy and rule (about 5 s each, most of it compiling the XLA
 # update), "wide" many placements per bucket and step; the others are the slow tier.
 FAST = ("none_ttl", "lru_all", "tiny_all", "wide")
@@ -77,7 +80,7 @@ STEPS = 300
 
 @functools.cache
 def _jitted(impl: str, fn: str, config):
-    return jax.jit(functools.partial(getattr(IMPLS[impl], fn), config))
+    return jax.jit(functools.partial(getattr(IMPLS[impl], fn), config), compiler_options=QUICK)
 
 
 def _assert_same(want, got, what):
@@ -101,7 +104,7 @@ def _inputs(config, rng, ids):
 
 
 @functools.cache
-def _side_by_side(config):
+def _side_by_side(config, quick: bool):
     """A whole stream in one jitted scan: each step runs both updates from the same state
     and both finds on the new state, and says, per output array, whether they agree."""
 
@@ -115,7 +118,8 @@ def _side_by_side(config):
         same = [jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got))]
         return want[0], jnp.stack(same)
 
-    return jax.jit(lambda state, xs: jax.lax.scan(step, state, xs))
+    scan = lambda state, xs: jax.lax.scan(step, state, xs)
+    return jax.jit(scan, compiler_options=QUICK if quick else None)
 
 
 def _leaf_names(config):
@@ -137,7 +141,7 @@ def test_update_and_find_identical(case):
     q_hi, q_lo = hx.split_ids(queries)
     xs += (q_hi, q_lo, np.asarray(hx.locate(config, 1, q_hi, q_lo)[1]))
     state = jax.tree.map(jnp.asarray, hx.empty_state(config, 1))
-    state, same = _side_by_side(config)(state, xs)
+    state, same = _side_by_side(config, quick=case != "lru_all")(state, xs)
     same = np.asarray(same)
     if not same.all():
         t, leaf = np.argwhere(~same)[0]
@@ -226,15 +230,10 @@ def _both_sharded(config, mesh):
         return want[0], jnp.stack(same)[None]
 
     shard, rep = P("shard"), P()
-    return jax.jit(
-        jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(shard, rep, rep, rep),
-            out_specs=(shard, shard),
-            check_vma=False,
-        )
+    fn = jax.shard_map(
+        local, mesh=mesh, in_specs=(shard, rep, rep, rep), out_specs=(shard, shard), check_vma=False
     )
+    return jax.jit(fn, compiler_options=QUICK)
 
 
 @pytest.mark.parametrize("shards", [1, 4])
