@@ -187,7 +187,7 @@ def test_update_on_odd_states():
         state = want[0]
 
 
-@pytest.mark.parametrize("n", [1, 7, 64, 1000])
+@pytest.mark.parametrize("n", [1, 7, 64, 1000, 20000])  # 20000: the radix sort
 def test_distinct_identical(n, rng):
     pool = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, max(2, n // 3), np.int64)
     pool[0] = -1  # (PAD, PAD): padding even where valid

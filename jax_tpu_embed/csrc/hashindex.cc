@@ -558,6 +558,36 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf
 
 // -------------------------------------------------------------------------------- distinct
 
+// Sorts (key, index) pairs by key: LSD radix sort, 11 bits a pass, the passes whose digit is
+// the same for every key skipped; std::sort for few pairs. Stable (not needed here).
+void SortPairs(std::vector<std::pair<uint64_t, int32_t>>& pairs) {
+  const size_t n = pairs.size();
+  if (n < 2048) {
+    std::sort(pairs.begin(), pairs.end());
+    return;
+  }
+  constexpr int kBits = 11, kPasses = 6;  // 66 >= 64 bits
+  constexpr size_t kDigits = size_t(1) << kBits;
+  std::vector<uint32_t> count(kPasses * kDigits, 0);
+  auto digit = [](uint64_t key, int k) { return size_t(key >> (k * kBits)) & (kDigits - 1); };
+  for (const auto& p : pairs) {
+    for (int k = 0; k < kPasses; ++k) ++count[k * kDigits + digit(p.first, k)];
+  }
+  std::vector<std::pair<uint64_t, int32_t>> other(n);
+  for (int k = 0; k < kPasses; ++k) {
+    uint32_t* c = count.data() + k * kDigits;
+    if (c[digit(pairs[0].first, k)] == n) continue;  // One digit.
+    uint32_t sum = 0;
+    for (size_t d = 0; d < kDigits; ++d) {
+      const uint32_t t = c[d];
+      c[d] = sum;
+      sum += t;
+    }
+    for (const auto& p : pairs) other[c[digit(p.first, k)]++] = p;
+    pairs.swap(other);
+  }
+}
+
 ffi::Error DistinctImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf,
                         ffi::Buffer<ffi::PRED> valid_buf, ffi::ResultBuffer<ffi::U32> u_hi,
                         ffi::ResultBuffer<ffi::U32> u_lo, ffi::ResultBuffer<ffi::PRED> u_valid,
@@ -570,7 +600,7 @@ ffi::Error DistinctImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_b
   for (int64_t i = 0; i < n; ++i) {
     keys[i] = {valid[i] ? Join(hi[i], lo[i]) : ~uint64_t(0), int32_t(i)};
   }
-  std::sort(keys.begin(), keys.end());
+  SortPairs(keys);
   uint32_t* oh = u_hi->typed_data();
   uint32_t* ol = u_lo->typed_data();
   bool* ov = u_valid->typed_data();
