@@ -248,6 +248,53 @@ ffi::Error FindImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buf
   return ffi::Error::Success();
 }
 
+// Sorts (key, index) pairs by key: LSD radix sort, 11 bits a pass, the passes whose digit is
+// the same for every key skipped; std::sort for few pairs. Stable (not needed here).
+void SortPairs(std::vector<std::pair<uint64_t, int32_t>>& pairs) {
+  const size_t n = pairs.size();
+  if (n < 2048) {
+    std::sort(pairs.begin(), pairs.end());
+    return;
+  }
+  constexpr int kBits = 11, kPasses = 6;  // 66 >= 64 bits
+  constexpr size_t kDigits = size_t(1) << kBits;
+  std::vector<uint32_t> count(kPasses * kDigits, 0);
+  auto digit = [](uint64_t key, int k) { return size_t(key >> (k * kBits)) & (kDigits - 1); };
+  for (const auto& p : pairs) {
+    for (int k = 0; k < kPasses; ++k) ++count[k * kDigits + digit(p.first, k)];
+  }
+  std::vector<std::pair<uint64_t, int32_t>> other(n);
+  for (int k = 0; k < kPasses; ++k) {
+    uint32_t* c = count.data() + k * kDigits;
+    if (c[digit(pairs[0].first, k)] == n) continue;  // One digit.
+    uint32_t sum = 0;
+    for (size_t d = 0; d < kDigits; ++d) {
+      const uint32_t t = c[d];
+      c[d] = sum;
+      sum += t;
+    }
+    for (const auto& p : pairs) other[c[digit(p.first, k)]++] = p;
+    pairs.swap(other);
+  }
+}
+
+// Sorts candidates by (bucket, priority, id): SortPairs on (bucket, priority), then runs
+// that tie on it (a 32-bit priority collision in one bucket) by id.
+void SortCandidates(std::vector<Candidate>& cands) {
+  std::vector<std::pair<uint64_t, int32_t>> pairs(cands.size());
+  for (size_t k = 0; k < cands.size(); ++k) pairs[k] = {cands[k].bucket_prio, int32_t(k)};
+  SortPairs(pairs);
+  std::vector<Candidate> sorted(cands.size());
+  for (size_t k = 0; k < cands.size(); ++k) sorted[k] = cands[size_t(pairs[k].second)];
+  for (size_t k = 0; k + 1 < sorted.size();) {
+    size_t end = k + 1;
+    while (end < sorted.size() && sorted[end].bucket_prio == sorted[k].bucket_prio) ++end;
+    if (end - k > 1) std::sort(sorted.begin() + k, sorted.begin() + end);
+    k = end;
+  }
+  cands.swap(sorted);
+}
+
 // ---------------------------------------------------------------------------------- update
 
 struct Config {
@@ -408,7 +455,7 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf
   }
 
   // C. Placement, bucket by bucket.
-  std::sort(admitted.begin(), admitted.end());
+  SortCandidates(admitted);
   std::vector<int32_t> order;
   std::vector<LaneKey> keyed(static_cast<size_t>(std::max(b, bf)));  // The keyed lanes.
   std::vector<uint8_t> cls(static_cast<size_t>(b));
@@ -500,7 +547,7 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf
       }
     }
     std::sort(sighted.begin(), sighted.end());
-    std::sort(firsts.begin(), firsts.end());
+    SortCandidates(firsts);
     std::vector<uint8_t> fcls(static_cast<size_t>(bf));
     for (size_t start = 0; start < firsts.size();) {
       const uint64_t fb = firsts[start].bucket_prio >> 32;
@@ -557,36 +604,6 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf
 }
 
 // -------------------------------------------------------------------------------- distinct
-
-// Sorts (key, index) pairs by key: LSD radix sort, 11 bits a pass, the passes whose digit is
-// the same for every key skipped; std::sort for few pairs. Stable (not needed here).
-void SortPairs(std::vector<std::pair<uint64_t, int32_t>>& pairs) {
-  const size_t n = pairs.size();
-  if (n < 2048) {
-    std::sort(pairs.begin(), pairs.end());
-    return;
-  }
-  constexpr int kBits = 11, kPasses = 6;  // 66 >= 64 bits
-  constexpr size_t kDigits = size_t(1) << kBits;
-  std::vector<uint32_t> count(kPasses * kDigits, 0);
-  auto digit = [](uint64_t key, int k) { return size_t(key >> (k * kBits)) & (kDigits - 1); };
-  for (const auto& p : pairs) {
-    for (int k = 0; k < kPasses; ++k) ++count[k * kDigits + digit(p.first, k)];
-  }
-  std::vector<std::pair<uint64_t, int32_t>> other(n);
-  for (int k = 0; k < kPasses; ++k) {
-    uint32_t* c = count.data() + k * kDigits;
-    if (c[digit(pairs[0].first, k)] == n) continue;  // One digit.
-    uint32_t sum = 0;
-    for (size_t d = 0; d < kDigits; ++d) {
-      const uint32_t t = c[d];
-      c[d] = sum;
-      sum += t;
-    }
-    for (const auto& p : pairs) other[c[digit(p.first, k)]++] = p;
-    pairs.swap(other);
-  }
-}
 
 ffi::Error DistinctImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf,
                         ffi::Buffer<ffi::PRED> valid_buf, ffi::ResultBuffer<ffi::U32> u_hi,
