@@ -82,7 +82,9 @@ def _cpu_flags() -> list[str]:
     return isa + (["-mfma"] if " fma" in flags else [])
 
 
-def _build() -> pathlib.Path:
+def _build(source_path: pathlib.Path = _SOURCE) -> pathlib.Path:
+    """The shared library of one C++ source (default: csrc/cpu_kernels.cc), compiled once
+    into the cache and named after the source's stem."""
     cxx = shutil.which(os.environ.get("CXX", "g++"))
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
@@ -97,14 +99,14 @@ def _build() -> pathlib.Path:
         "-I",
         jax.ffi.include_dir(),
     ]
-    source = _SOURCE.read_bytes()
+    source = source_path.read_bytes()
     key = hashlib.sha256(
         source + " ".join([cxx] + flags).encode() + jax.__version__.encode()
     ).hexdigest()[:16]
     cache = pathlib.Path(
         os.environ.get("JTE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "jax_tpu_embed"
     )
-    lib = cache / f"cpu_kernels-{key}.so"
+    lib = cache / f"{source_path.stem}-{key}.so"
     if lib.exists():
         return lib
     cache.mkdir(parents=True, exist_ok=True)
@@ -113,7 +115,7 @@ def _build() -> pathlib.Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [cxx, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True
+            [cxx, *flags, str(source_path), "-o", tmp], capture_output=True, text=True
         )
         if result.returncode != 0:
             raise RuntimeError(f"g++ failed:\n{result.stderr[-2000:]}")

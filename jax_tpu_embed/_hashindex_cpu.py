@@ -1,0 +1,172 @@
+"""The dynamic table's index on CPU: `_hashindex`'s per-shard work in C++ through XLA FFI.
+
+XLA:CPU runs `_hashindex.update`'s multi-key sorts one element at a time. On CPU meshes
+these run instead, shard by shard inside shard_map, with the same signatures and the same
+outputs bit for bit:
+
+- `find`: `_hashindex.find` (rows and found of any-shaped queries; read-only).
+- `update`: `_hashindex.update`, every output: the whole new local IndexState, the local
+  rows and the fresh flags, for every config (lru/lfu/none, TTL, min_count and its
+  filter, admit_probability). One sequential pass over the step's ids (csrc/hashindex.cc
+  says how it reproduces the XLA order). The index arrays are donated operands aliased to
+  the results (`input_output_aliases`), so the kernel writes the slots it changes where
+  they are: with the state donated to the jitted step a step costs O(ids), not O(capacity).
+- `distinct`: `_dynamic._distinct` (sorted distinct ids, their mask, each entry's position).
+
+The source (csrc/hashindex.cc) is compiled on first use by `_cpu_kernels`' builder, into the
+same cache. Without g++ `available()` is False after one warning, and callers keep the XLA
+path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+import threading
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _cpu_kernels
+from . import _hashindex as hx
+
+_SOURCE = pathlib.Path(__file__).parent / "csrc" / "hashindex.cc"
+_TARGETS = {
+    "jte_hashindex_find": "JteHashindexFind",
+    "jte_hashindex_update": "JteHashindexUpdate",
+    "jte_hashindex_distinct": "JteHashindexDistinct",
+}
+_EVICTION = {"lru": 0, "lfu": 1, "none": 2}  # Must match `Eviction` in the C++ source.
+_FIELDS = ("hi", "lo", "last", "count", "filter_hi", "filter_lo", "filter_count", "stats")
+_DTYPES = (jnp.uint32, jnp.uint32, jnp.int32, jnp.int32, jnp.uint32, jnp.uint32, jnp.int32)
+_DTYPES += (jnp.int32,)
+
+_lock = threading.Lock()
+_state: dict = {}  # "ok": bool once tried; "lib": the loaded library.
+
+
+def available() -> bool:
+    """True when the kernels are compiled, loaded and registered (tried once per process)."""
+    with _lock:
+        if "ok" not in _state:
+            try:
+                lib = ctypes.cdll.LoadLibrary(str(_cpu_kernels._build(_SOURCE)))
+                for name, symbol in _TARGETS.items():
+                    jax.ffi.register_ffi_target(
+                        name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
+                    )
+                _state.update(ok=True, lib=lib)
+            except Exception as e:  # noqa: BLE001 - any failure means: use the XLA path.
+                warnings.warn(
+                    f"jax_tpu_embed: C++ hash index unavailable ({e}); using the XLA path.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                _state["ok"] = False
+        return _state["ok"]
+
+
+def _require() -> None:
+    """The FFI targets must be registered before a call is traced (lowered)."""
+    if not available():
+        raise RuntimeError("jax_tpu_embed: the C++ hash index is unavailable (see the warning).")
+
+
+def _mix32(x: int) -> int:
+    """`_storage.mix32` on a Python int (the hash keys are attributes, fixed at trace time)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & hx.PAD
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & hx.PAD
+    return x ^ (x >> 16)
+
+
+def _key(seed: int, salt: int) -> int:
+    """`_hashindex._key(seed, salt)` as a Python int."""
+    return _mix32(seed ^ _mix32(salt))
+
+
+def _ttl(config: hx.IndexConfig) -> np.int64:
+    return np.int64(-1 if config.ttl_steps is None else config.ttl_steps)
+
+
+def _now(now):
+    return jnp.asarray(now, jnp.int32).reshape(1)
+
+
+def find(config: hx.IndexConfig, state: hx.IndexState, hi, lo, local_bucket, now):
+    """`_hashindex.find`: (local row int32, found bool) of ids of any shape; row -1 where
+    not found. Read-only."""
+    _require()
+    shape = jnp.shape(hi)
+    n = int(np.prod(shape))
+    row, found = jax.ffi.ffi_call(
+        "jte_hashindex_find",
+        (jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.bool_)),
+    )(
+        jnp.asarray(hi).astype(jnp.uint32).reshape(n),
+        jnp.asarray(lo).astype(jnp.uint32).reshape(n),
+        jnp.asarray(local_bucket, jnp.int32).reshape(n),
+        _now(now),
+        jnp.asarray(state.hi, jnp.uint32),
+        jnp.asarray(state.lo, jnp.uint32),
+        jnp.asarray(state.last, jnp.int32),
+        ttl_steps=_ttl(config),
+    )
+    return row.reshape(shape), found.reshape(shape)
+
+
+def update(config: hx.IndexConfig, state: hx.IndexState, hi, lo, local_bucket, valid, now):
+    """`_hashindex.update`, bit for bit: (new state, local row int32 (-1: no slot), fresh
+    bool). The state's arrays are updated in place where the caller donates them."""
+    _require()
+    shape = jnp.shape(hi)
+    u = int(np.prod(shape))
+    arrays = [jnp.asarray(getattr(state, f), d) for f, d in zip(_FIELDS, _DTYPES)]
+    threshold = -1
+    if config.admit_probability < 1.0:
+        threshold = hx._admit_threshold(config.admit_probability)
+    out = jax.ffi.ffi_call(
+        "jte_hashindex_update",
+        tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+        + (jax.ShapeDtypeStruct((u,), jnp.int32), jax.ShapeDtypeStruct((u,), jnp.bool_)),
+        input_output_aliases={5 + i: i for i in range(len(arrays))},
+    )(
+        jnp.asarray(hi).astype(jnp.uint32).reshape(u),
+        jnp.asarray(lo).astype(jnp.uint32).reshape(u),
+        jnp.asarray(local_bucket, jnp.int32).reshape(u),
+        jnp.broadcast_to(jnp.asarray(valid, bool), shape).reshape(u),
+        _now(now),
+        *arrays,
+        ttl_steps=_ttl(config),
+        eviction=np.int32(_EVICTION[config.eviction]),
+        min_count=np.int32(config.min_count),
+        threshold=np.int64(threshold),
+        prio_key=np.int64(_key(config.seed, hx._SALT_PRIORITY)),
+        admit_key=np.int64(_key(config.seed, hx._SALT_ADMIT)),
+    )
+    new = hx.IndexState(*out[: len(arrays)])
+    return new, out[-2].reshape(shape), out[-1].reshape(shape)
+
+
+def distinct(hi, lo, valid):
+    """`_dynamic._distinct`: sorted distinct (hi, lo) of the valid entries (the rest
+    padding, after them), a mask of the distinct ones, and each entry's position in the
+    distinct list. (n,) arrays."""
+    _require()
+    n = hi.shape[0]
+    return jax.ffi.ffi_call(
+        "jte_hashindex_distinct",
+        (
+            jax.ShapeDtypeStruct((n,), jnp.uint32),
+            jax.ShapeDtypeStruct((n,), jnp.uint32),
+            jax.ShapeDtypeStruct((n,), jnp.bool_),
+            jax.ShapeDtypeStruct((n,), jnp.int32),
+        ),
+    )(
+        jnp.asarray(hi).astype(jnp.uint32),
+        jnp.asarray(lo).astype(jnp.uint32),
+        jnp.broadcast_to(jnp.asarray(valid, bool), (n,)),
+    )

@@ -1,0 +1,699 @@
+// The dynamic table's index (../_hashindex.py) on one shard, in C++ through XLA FFI (see
+// ../_hashindex_cpu.py).
+//
+// `Find`, `Update` and `Distinct` give the same outputs as `_hashindex.find`,
+// `_hashindex.update` and `_dynamic._distinct`, bit for bit. The XLA update decides every
+// bucket at once with sorts; here one pass over the ids decides the same, sequentially:
+//
+//   A. Each id's hit lane, its own expired ("stale") lane, miss, admission (probability
+//      hash, filter sightings), from the old index.
+//   B. Writes of hits (last = now, count + 1) and clears of the stale slots of admitted ids,
+//      done as A reaches each id: the slot is the id's own, which no other id reads.
+//   C. The admitted ids in (bucket, priority, hi, lo) order; per bucket, its slot order
+//      (free by lane; expired by (last, priority); unless "none", live slots with last < now,
+//      lru by last, lfu by (count, last), ties by priority; the rest unavailable) computed on
+//      the index after B, and the k-th admitted id takes the k-th slot.
+//   D. The filter: sightings written (a placed id's entry freed), then first sightings in
+//      (filter bucket, priority) order take free entries, else the unsighted one of lowest
+//      (count, priority).
+//
+// Computing the slot order after B is the XLA order: a slot hit this step has last == now, so
+// it is neither expired nor evictable (XLA marks it unavailable), and a cleared slot is empty
+// (XLA marks it free); nothing else that B writes is read by C. The index arrays are the
+// donated operands (aliased to the results), so a step reads and writes O(ids) memory.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr uint32_t kPad = 0xFFFFFFFFu;
+constexpr int kStats = 9;  // _hashindex.STAT_NAMES, in order:
+enum Stat {
+  kHits,
+  kMisses,
+  kAdmitted,
+  kRejected,
+  kFailed,
+  kEvicted,
+  kExpired,
+  kFilterEvicted,
+  kFilterFailed
+};
+enum Eviction { kLru = 0, kLfu = 1, kNone = 2 };
+
+// `_storage.mix32` (lowbias32) in uint32 arithmetic.
+inline uint32_t Mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
+// `_hashindex._hash`: a keyed hash of the whole id.
+inline uint32_t Hash(uint32_t key, uint32_t hi, uint32_t lo) { return Mix32(Mix32(lo ^ key) ^ hi); }
+
+inline bool IsPad(uint32_t hi, uint32_t lo) { return (hi & lo) == kPad; }
+
+inline uint64_t Join(uint32_t hi, uint32_t lo) { return (uint64_t(hi) << 32) | lo; }
+
+// int32 in an order-preserving uint32.
+inline uint32_t Ordered(int32_t x) { return uint32_t(x) ^ 0x80000000u; }
+
+// `_hashindex._expired`: now - last >= ttl_steps in int32 arithmetic (ttl < 0: no TTL).
+struct Ttl {
+  int64_t steps;
+  bool Expired(int32_t last, int32_t now) const {
+    return (steps >= 0) & (int64_t(int32_t(uint32_t(now) - uint32_t(last))) >= steps);
+  }
+};
+
+// `jnp.clip(x, 0, n - 1)`: the local bucket of an id, as the XLA index clips it.
+inline int64_t Clamp(int32_t x, int64_t n) {
+  return std::min<int64_t>(std::max<int64_t>(x, 0), n - 1);
+}
+
+// Bit k set where p[k] == v, for the lanes [0, n), n <= 8: the first pass of a bucket scan
+// (its `lo` words), eight lanes at a time.
+inline uint32_t Match8(const uint32_t* p, int64_t n, uint32_t v) {
+#ifdef __AVX2__
+  if (n == 8) {
+    __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    __m256i eq = _mm256_cmpeq_epi32(x, _mm256_set1_epi32(int32_t(v)));
+    return uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(eq)));
+  }
+#endif
+  uint32_t m = 0;
+  for (int64_t k = 0; k < n; ++k) m |= uint32_t(p[k] == v) << k;
+  return m;
+}
+
+// The first lane in [from, b) of a bucket whose `lo` word is l; b if none.
+inline int64_t FirstLoMatch(const uint32_t* keys_lo, int64_t b, int64_t from, uint32_t l) {
+  for (int64_t j0 = from; j0 < b; j0 += 8) {
+    const uint32_t m = Match8(keys_lo + j0, std::min<int64_t>(8, b - j0), l);
+    if (m) return j0 + __builtin_ctz(m);
+  }
+  return b;
+}
+
+// Calls f(lane) for the lanes of a bucket of b slots holding key (h, l), in lane order from
+// `from` (a lane at or before the first match, found by FirstLoMatch on the index as it
+// was: both words are checked again), until f returns true.
+template <typename F>
+inline void ForEachMatch(const uint32_t* keys_hi, const uint32_t* keys_lo, int64_t b,
+                         int64_t from, uint32_t h, uint32_t l, F f) {
+  for (int64_t j = from; j < b; j = FirstLoMatch(keys_lo, b, j + 1, l)) {
+    if (keys_lo[j] == l && keys_hi[j] == h && f(j)) return;
+  }
+}
+
+// Buckets are scanned in two passes over the ids so that the memory reads of many ids are in
+// flight at once: the first finds each id's first lane whose lo word matches (its bucket's lo
+// words prefetched kAhead ids ahead), the second checks hi (and last) from there (that
+// lane's hi and last prefetched kAhead ids ahead).
+constexpr int64_t kAhead = 8;
+
+// The b 4-byte words of a bucket, into the cache.
+inline void PrefetchBucket(const void* words, int64_t b) {
+  const char* p = static_cast<const char*>(words);
+  for (int64_t j = 0; j < b; j += 16) __builtin_prefetch(p + 4 * j);
+}
+
+// A sort key of a slot or filter entry: (a, b, c) lexicographic, no two lanes equal.
+struct LaneKey {
+  uint64_t a, b, c;
+  int32_t lane;
+  bool operator<(const LaneKey& o) const {
+    if (a != o.a) return a < o.a;
+    if (b != o.b) return b < o.b;
+    return c < o.c;
+  }
+};
+
+// Appends to `order` the lanes of the `take` smallest keys. The keys come with their priority
+// (the low word of b) zero: it is computed, prio(lane), only for the keys at or below the
+// take-th smallest on (a, b), the only ones that can be among the `take` smallest (slots
+// updated in the same step tie on last, and need it).
+template <typename P>
+void AppendSmallest(LaneKey* first_key, LaneKey* last_key, size_t take, P prio,
+                    std::vector<int32_t>& order) {
+  if (take == 0) return;
+  const LaneKey* const begin = first_key;
+  const LaneKey* const end_key = last_key;
+  auto coarse = [](const LaneKey& x, const LaneKey& y) {
+    return x.a != y.a ? x.a < y.a : x.b < y.b;
+  };
+  // t: the take-th smallest coarse key. Few slots are taken per bucket and step: find the
+  // smallest distinct coarse keys one scan each, while they cover fewer than `take` keys.
+  LaneKey t{};
+  if (take <= 4) {
+    size_t covered = 0;
+    bool first = true;
+    while (covered < take) {
+      const LaneKey* m = nullptr;
+      for (const LaneKey* x = begin; x != end_key; ++x) {
+        if ((first || coarse(t, *x)) && (m == nullptr || coarse(*x, *m))) m = x;
+      }
+      t = *m;
+      first = false;
+      for (const LaneKey* x = begin; x != end_key; ++x) {
+        covered += !coarse(*x, t) && !coarse(t, *x);
+      }
+    }
+  } else {
+    std::nth_element(first_key, first_key + (take - 1), last_key, coarse);
+    t = first_key[take - 1];
+  }
+  LaneKey* end =
+      std::partition(first_key, last_key, [&](const LaneKey& x) { return !coarse(t, x); });
+  for (LaneKey* it = first_key; it != end; ++it) it->b |= prio(it->lane);
+  std::partial_sort(first_key, first_key + take, end);
+  for (size_t k = 0; k < take; ++k) order.push_back(first_key[k].lane);
+}
+
+// A candidate of a bucket: ordered by (bucket, priority, hi, lo).
+struct Candidate {
+  uint64_t bucket_prio, id;
+  int32_t index;
+  bool operator<(const Candidate& o) const {
+    if (bucket_prio != o.bucket_prio) return bucket_prio < o.bucket_prio;
+    return id < o.id;
+  }
+};
+
+template <typename T>
+void CopyIfNotAliased(const T* in, T* out, int64_t n) {
+  if (in != out && n > 0) std::memcpy(out, in, sizeof(T) * size_t(n));
+}
+
+// ------------------------------------------------------------------------------------ find
+
+ffi::Error FindImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buffer<ffi::S32> lb,
+                    ffi::Buffer<ffi::S32> now_buf, ffi::Buffer<ffi::U32> keys_hi,
+                    ffi::Buffer<ffi::U32> keys_lo, ffi::Buffer<ffi::S32> last,
+                    ffi::ResultBuffer<ffi::S32> row, ffi::ResultBuffer<ffi::PRED> found,
+                    int64_t ttl_steps) {
+  const int64_t n = hi.element_count();
+  auto dims = keys_hi.dimensions();
+  const int64_t nbl = dims[0], b = dims[1];
+  if (nbl == 0) return ffi::Error::InvalidArgument("jte hashindex find: empty index");
+  const Ttl ttl{ttl_steps};
+  const int32_t now = now_buf.typed_data()[0];
+  const uint32_t *qh = hi.typed_data(), *ql = lo.typed_data();
+  const int32_t* qb = lb.typed_data();
+  const uint32_t *kh = keys_hi.typed_data(), *kl = keys_lo.typed_data();
+  const int32_t* kt = last.typed_data();
+  int32_t* out_row = row->typed_data();
+  bool* out_found = found->typed_data();
+  // Pass 1: each query's first lane whose lo word matches, in out_row (-1: none).
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) PrefetchBucket(kl + Clamp(qb[i + kAhead], nbl) * b, b);
+    const int64_t base = Clamp(qb[i], nbl) * b;
+    const int64_t j = IsPad(qh[i], ql[i]) ? b : FirstLoMatch(kl + base, b, 0, ql[i]);
+    out_row[i] = j < b ? int32_t(j) : -1;
+  }
+  // Pass 2: hi and TTL from there.
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n && out_row[i + kAhead] >= 0) {
+      const int64_t s = Clamp(qb[i + kAhead], nbl) * b + out_row[i + kAhead];
+      __builtin_prefetch(kh + s);
+      if (ttl.steps >= 0) __builtin_prefetch(kt + s);
+    }
+    const int64_t from = out_row[i];
+    int32_t r = -1;
+    if (from >= 0) {
+      const int64_t base = Clamp(qb[i], nbl) * b;
+      ForEachMatch(kh + base, kl + base, b, from, qh[i], ql[i], [&](int64_t j) {
+        if (ttl.Expired(kt[base + j], now)) return false;
+        r = int32_t(base + j);
+        return true;
+      });
+    }
+    out_row[i] = r;
+    out_found[i] = r >= 0;
+  }
+  return ffi::Error::Success();
+}
+
+// Sorts (key, index) pairs by key: LSD radix sort, 11 bits a pass, the passes whose digit is
+// the same for every key skipped; std::sort for few pairs. Stable (not needed here).
+void SortPairs(std::vector<std::pair<uint64_t, int32_t>>& pairs) {
+  const size_t n = pairs.size();
+  if (n < 2048) {
+    std::sort(pairs.begin(), pairs.end());
+    return;
+  }
+  constexpr int kBits = 11, kPasses = 6;  // 66 >= 64 bits
+  constexpr size_t kDigits = size_t(1) << kBits;
+  std::vector<uint32_t> count(kPasses * kDigits, 0);
+  auto digit = [](uint64_t key, int k) { return size_t(key >> (k * kBits)) & (kDigits - 1); };
+  for (const auto& p : pairs) {
+    for (int k = 0; k < kPasses; ++k) ++count[k * kDigits + digit(p.first, k)];
+  }
+  std::vector<std::pair<uint64_t, int32_t>> other(n);
+  for (int k = 0; k < kPasses; ++k) {
+    uint32_t* c = count.data() + k * kDigits;
+    if (c[digit(pairs[0].first, k)] == n) continue;  // One digit.
+    uint32_t sum = 0;
+    for (size_t d = 0; d < kDigits; ++d) {
+      const uint32_t t = c[d];
+      c[d] = sum;
+      sum += t;
+    }
+    for (const auto& p : pairs) other[c[digit(p.first, k)]++] = p;
+    pairs.swap(other);
+  }
+}
+
+// Sorts candidates by (bucket, priority, id): SortPairs on (bucket, priority), then runs
+// that tie on it (a 32-bit priority collision in one bucket) by id.
+void SortCandidates(std::vector<Candidate>& cands) {
+  std::vector<std::pair<uint64_t, int32_t>> pairs(cands.size());
+  for (size_t k = 0; k < cands.size(); ++k) pairs[k] = {cands[k].bucket_prio, int32_t(k)};
+  SortPairs(pairs);
+  std::vector<Candidate> sorted(cands.size());
+  for (size_t k = 0; k < cands.size(); ++k) sorted[k] = cands[size_t(pairs[k].second)];
+  for (size_t k = 0; k + 1 < sorted.size();) {
+    size_t end = k + 1;
+    while (end < sorted.size() && sorted[end].bucket_prio == sorted[k].bucket_prio) ++end;
+    if (end - k > 1) std::sort(sorted.begin() + k, sorted.begin() + end);
+    k = end;
+  }
+  cands.swap(sorted);
+}
+
+// ---------------------------------------------------------------------------------- update
+
+struct Config {
+  int64_t ttl_steps;
+  int32_t eviction, min_count;
+  int64_t threshold;  // Admission threshold of the probability hash; < 0: admit all.
+  uint32_t prio_key, admit_key;
+};
+
+ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf,
+                      ffi::Buffer<ffi::S32> lb_buf, ffi::Buffer<ffi::PRED> valid_buf,
+                      ffi::Buffer<ffi::S32> now_buf, ffi::Buffer<ffi::U32> in_hi,
+                      ffi::Buffer<ffi::U32> in_lo, ffi::Buffer<ffi::S32> in_last,
+                      ffi::Buffer<ffi::S32> in_count, ffi::Buffer<ffi::U32> in_fhi,
+                      ffi::Buffer<ffi::U32> in_flo, ffi::Buffer<ffi::S32> in_fcount,
+                      ffi::Buffer<ffi::S32> in_stats, ffi::ResultBuffer<ffi::U32> out_hi,
+                      ffi::ResultBuffer<ffi::U32> out_lo, ffi::ResultBuffer<ffi::S32> out_last,
+                      ffi::ResultBuffer<ffi::S32> out_count, ffi::ResultBuffer<ffi::U32> out_fhi,
+                      ffi::ResultBuffer<ffi::U32> out_flo,
+                      ffi::ResultBuffer<ffi::S32> out_fcount,
+                      ffi::ResultBuffer<ffi::S32> out_stats, ffi::ResultBuffer<ffi::S32> row_buf,
+                      ffi::ResultBuffer<ffi::PRED> fresh_buf, int64_t ttl_steps,
+                      int32_t eviction, int32_t min_count, int64_t threshold, int64_t prio_key,
+                      int64_t admit_key) {
+  const Config c{ttl_steps, eviction, min_count, threshold, uint32_t(prio_key),
+                 uint32_t(admit_key)};
+  const Ttl ttl{c.ttl_steps};
+  const int64_t u = hi_buf.element_count();
+  const int64_t nbl = in_hi.dimensions()[0], b = in_hi.dimensions()[1];
+  const int64_t nfl = in_fhi.dimensions()[0], bf = in_fhi.dimensions()[1];
+  const int64_t slots = nbl * b, fslots = nfl * bf;
+  const int32_t now = now_buf.typed_data()[0];
+  const bool filter = c.min_count > 1;
+  if (nbl == 0 || (filter && nfl == 0)) {
+    return ffi::Error::InvalidArgument("jte hashindex update: empty index");
+  }
+
+  // The index, in place (the operands are donated and aliased to the results).
+  uint32_t* ki = out_hi->typed_data();
+  uint32_t* kl = out_lo->typed_data();
+  int32_t* kt = out_last->typed_data();
+  int32_t* kc = out_count->typed_data();
+  uint32_t* fi = out_fhi->typed_data();
+  uint32_t* fl = out_flo->typed_data();
+  int32_t* fc = out_fcount->typed_data();
+  int32_t* st = out_stats->typed_data();
+  CopyIfNotAliased(in_hi.typed_data(), ki, slots);
+  CopyIfNotAliased(in_lo.typed_data(), kl, slots);
+  CopyIfNotAliased(in_last.typed_data(), kt, slots);
+  CopyIfNotAliased(in_count.typed_data(), kc, slots);
+  CopyIfNotAliased(in_fhi.typed_data(), fi, fslots);
+  CopyIfNotAliased(in_flo.typed_data(), fl, fslots);
+  CopyIfNotAliased(in_fcount.typed_data(), fc, fslots);
+  CopyIfNotAliased(in_stats.typed_data(), st, int64_t(in_stats.element_count()));
+
+  const uint32_t* hi = hi_buf.typed_data();
+  const uint32_t* lo = lo_buf.typed_data();
+  const int32_t* lb = lb_buf.typed_data();
+  const bool* valid = valid_buf.typed_data();
+  int32_t* row = row_buf->typed_data();
+  bool* fresh = fresh_buf->typed_data();
+  int64_t tally[kStats] = {};
+
+  // A. Read only.
+  std::vector<int64_t> base(size_t(u), 0);       // The bucket's first slot.
+  std::vector<int32_t> hit_lane(size_t(u), -1);  // -1: not a hit.
+  std::vector<int32_t> stale_lane(size_t(u), -1);
+  std::vector<uint8_t> miss(size_t(u), 0), admit(size_t(u), 0);
+  std::vector<int32_t> f_lane, sightings;
+  std::vector<uint32_t> prio(size_t(u), 0);
+  if (filter) {
+    f_lane.assign(size_t(u), -1);
+    sightings.assign(size_t(u), 0);
+  }
+  const uint32_t admit_now = Mix32(uint32_t(now));
+  // Pass 1 of the bucket scans (see kAhead): the first lane whose lo word matches, in
+  // hit_lane for now.
+  for (int64_t i = 0; i < u; ++i) {
+    if (i + kAhead < u) PrefetchBucket(kl + Clamp(lb[i + kAhead], nbl) * b, b);
+    base[i] = Clamp(lb[i], nbl) * b;
+    const bool v = valid[i] && !IsPad(hi[i], lo[i]);
+    const int64_t j = v ? FirstLoMatch(kl + base[i], b, 0, lo[i]) : b;
+    hit_lane[i] = j < b ? int32_t(j) : -1;
+    row[i] = -1;
+    fresh[i] = false;
+  }
+  std::vector<Candidate> admitted;
+  for (int64_t i = 0; i < u; ++i) {
+    if (i + kAhead < u && hit_lane[i + kAhead] >= 0) {
+      const int64_t s = base[i + kAhead] + hit_lane[i + kAhead];
+      __builtin_prefetch(ki + s);
+      __builtin_prefetch(kt + s, 1);
+      __builtin_prefetch(kc + s, 1);
+    }
+    if (filter && i + kAhead < u) {
+      const int64_t fb = base[i + kAhead] / b / (nbl / nfl);
+      for (int64_t j = 0; j < bf; j += 16) __builtin_prefetch(fl + fb * bf + j);
+    }
+    const uint32_t h = hi[i], l = lo[i];
+    const int64_t g = base[i] / b;
+    if (!valid[i] || IsPad(h, l)) continue;
+    prio[i] = Hash(c.prio_key, h, l);
+    const int32_t* bt = kt + base[i];
+    const int64_t from = hit_lane[i];
+    hit_lane[i] = -1;
+    if (from >= 0) {
+      ForEachMatch(ki + base[i], kl + base[i], b, from, h, l, [&](int64_t j) {
+        if (ttl.Expired(bt[j], now)) {
+          if (stale_lane[i] < 0) stale_lane[i] = int32_t(j);
+        } else if (hit_lane[i] < 0) {
+          hit_lane[i] = int32_t(j);
+        }
+        return false;
+      });
+    }
+    if (hit_lane[i] >= 0) {
+      // B (for hits). No other id reads this slot, so it is written now.
+      const int64_t s = base[i] + hit_lane[i];
+      ++tally[kHits];
+      row[i] = int32_t(s);
+      kt[s] = now;
+      kc[s] = int32_t(uint32_t(kc[s]) + 1u);
+      continue;
+    }
+    miss[i] = 1;
+    ++tally[kMisses];
+    bool ok = true;
+    if (c.threshold >= 0) ok = int64_t(Mix32(Hash(c.admit_key, h, l) ^ admit_now)) < c.threshold;
+    if (filter) {
+      const int64_t fb = g / (nbl / nfl);
+      const uint32_t *gl = fl + fb * bf, *gh = fi + fb * bf;
+      const int32_t* gc = fc + fb * bf;
+      uint32_t sum = 0;  // int32 sum, wrapping as XLA's does.
+      for (int64_t j = 0; j < bf; ++j) {
+        if (gl[j] == l && gh[j] == h) {
+          if (f_lane[i] < 0) f_lane[i] = int32_t(j);
+          sum += uint32_t(gc[j]);
+        }
+      }
+      sightings[i] = std::min(int32_t(sum + 1u), c.min_count);
+      ok = ok && sightings[i] >= c.min_count;
+    }
+    admit[i] = ok;
+    if (!ok) {
+      ++tally[kRejected];
+      continue;
+    }
+    // B (for admitted ids): the id's own expired slot is cleared. No other id reads it.
+    if (stale_lane[i] >= 0) {
+      const int64_t s = base[i] + stale_lane[i];
+      ki[s] = kPad;
+      kl[s] = kPad;
+      kt[s] = 0;
+      kc[s] = 0;
+      ++tally[kExpired];
+    }
+    admitted.push_back({(uint64_t(g) << 32) | prio[i], Join(h, l), int32_t(i)});
+  }
+
+  // C. Placement, bucket by bucket.
+  SortCandidates(admitted);
+  std::vector<int32_t> order;
+  std::vector<LaneKey> keyed(static_cast<size_t>(std::max(b, bf)));  // The keyed lanes.
+  std::vector<uint8_t> cls(static_cast<size_t>(b));
+  for (size_t start = 0; start < admitted.size();) {
+    const uint64_t bucket = admitted[start].bucket_prio >> 32;
+    if (start + kAhead < admitted.size()) {  // A later group's bucket.
+      const int64_t ahead = int64_t(admitted[start + kAhead].bucket_prio >> 32) * b;
+      PrefetchBucket(ki + ahead, b);
+      PrefetchBucket(kl + ahead, b);
+      PrefetchBucket(kt + ahead, b);
+      if (c.eviction == kLfu) PrefetchBucket(kc + ahead, b);
+    }
+    size_t end = start + 1;
+    while (end < admitted.size() && (admitted[end].bucket_prio >> 32) == bucket) ++end;
+    const size_t want = end - start;
+    const int64_t s0 = int64_t(bucket) * b;
+    order.clear();
+    // Each slot's class, without branches: 0 free, 1 expired, 2 evictable, 3 unavailable.
+    const bool evicts = c.eviction != kNone;
+    for (int64_t j = 0; j < b; ++j) {
+      const bool pad = IsPad(ki[s0 + j], kl[s0 + j]);
+      const bool expired = ttl.Expired(kt[s0 + j], now);
+      const bool evictable = evicts & (kt[s0 + j] < now);
+      cls[j] = pad ? 0 : expired ? 1 : evictable ? 2 : 3;
+    }
+    for (int64_t j = 0; j < b; ++j) {
+      if (cls[j] == 0) order.push_back(int32_t(j));
+    }
+    if (order.size() < want) {  // Free slots do not suffice: expired, then evictable ones.
+      size_t n = 0;
+      for (int64_t j = 0; j < b; ++j) {
+        if (cls[j] != 1 && cls[j] != 2) continue;
+        const int64_t s = s0 + j;
+        uint32_t s1 = Ordered(kt[s]), s2 = 0;
+        if (c.eviction == kLfu && cls[j] == 2) {
+          s1 = Ordered(kc[s]);
+          s2 = Ordered(kt[s]);
+        }
+        keyed[n++] = {(uint64_t(cls[j]) << 32) | s1, uint64_t(s2) << 32, Join(ki[s], kl[s]),
+                      int32_t(j)};
+      }
+      const size_t take = std::min(n, want - order.size());
+      auto prio_of = [&](int32_t j) { return Hash(c.prio_key, ki[s0 + j], kl[s0 + j]); };
+      AppendSmallest(keyed.data(), keyed.data() + n, take, prio_of, order);
+    }
+    for (size_t k = 0; k < want; ++k) {
+      const int32_t i = admitted[start + k].index;
+      if (k >= order.size()) {
+        ++tally[kFailed];
+        continue;
+      }
+      const int32_t j = order[k];
+      const int64_t s = s0 + j;
+      if (cls[j] == 1) ++tally[kExpired];
+      if (cls[j] == 2) ++tally[kEvicted];
+      ++tally[kAdmitted];
+      ki[s] = uint32_t(admitted[start + k].id >> 32);
+      kl[s] = uint32_t(admitted[start + k].id);
+      kt[s] = now;
+      kc[s] = 1;
+      row[i] = int32_t(s);
+      fresh[i] = true;
+    }
+    start = end;
+  }
+
+  // D. The admission filter.
+  if (filter) {
+    const int64_t per = nbl / nfl;
+    std::vector<int64_t> sighted;  // Filter slots sighted this step that keep their id.
+    std::vector<Candidate> firsts;
+    for (int64_t i = 0; i < u; ++i) {
+      if (!miss[i]) continue;
+      const int64_t fb = (base[i] / b) / per;
+      if (f_lane[i] >= 0) {
+        const int64_t s = fb * bf + f_lane[i];
+        if (fresh[i]) {
+          fi[s] = kPad;
+          fl[s] = kPad;
+          fc[s] = 0;
+        } else {
+          fi[s] = hi[i];
+          fl[s] = lo[i];
+          fc[s] = sightings[i];
+          sighted.push_back(s);
+        }
+      } else {
+        firsts.push_back({(uint64_t(fb) << 32) | prio[i], Join(hi[i], lo[i]), int32_t(i)});
+      }
+    }
+    std::sort(sighted.begin(), sighted.end());
+    SortCandidates(firsts);
+    std::vector<uint8_t> fcls(static_cast<size_t>(bf));
+    for (size_t start = 0; start < firsts.size();) {
+      const uint64_t fb = firsts[start].bucket_prio >> 32;
+      size_t end = start + 1;
+      while (end < firsts.size() && (firsts[end].bucket_prio >> 32) == fb) ++end;
+      const size_t want = end - start;
+      const int64_t s0 = int64_t(fb) * bf;
+      auto mark = std::lower_bound(sighted.begin(), sighted.end(), s0);
+      order.clear();
+      size_t n = 0;
+      for (int64_t j = 0; j < bf; ++j) {
+        const int64_t s = s0 + j;
+        while (mark != sighted.end() && *mark < s) ++mark;
+        if (IsPad(fi[s], fl[s])) {
+          fcls[j] = 0;
+          order.push_back(int32_t(j));
+        } else if (mark != sighted.end() && *mark == s) {
+          fcls[j] = 3;
+        } else {
+          fcls[j] = 1;
+          keyed[n++] = {Ordered(fc[s]), 0, Join(fi[s], fl[s]), int32_t(j)};
+        }
+      }
+      if (order.size() < want) {
+        const size_t take = std::min(n, want - order.size());
+        auto prio_of = [&](int32_t j) { return Hash(c.prio_key, fi[s0 + j], fl[s0 + j]); };
+        AppendSmallest(keyed.data(), keyed.data() + n, take, prio_of, order);
+      }
+      for (size_t k = 0; k < want; ++k) {
+        const int32_t i = firsts[start + k].index;
+        if (k >= order.size()) {
+          ++tally[kFilterFailed];
+          continue;
+        }
+        const int32_t j = order[k];
+        const int64_t s = s0 + j;
+        if (fcls[j] == 1) ++tally[kFilterEvicted];
+        fi[s] = uint32_t(firsts[start + k].id >> 32);
+        fl[s] = uint32_t(firsts[start + k].id);
+        fc[s] = 1;
+      }
+      start = end;
+    }
+  }
+
+  // Every shard row of stats gets the step's counts (XLA broadcasts them the same way).
+  const int64_t stat_rows = int64_t(in_stats.element_count()) / kStats;
+  for (int64_t r = 0; r < stat_rows; ++r) {
+    for (int k = 0; k < kStats; ++k) {
+      st[r * kStats + k] = int32_t(uint32_t(st[r * kStats + k]) + uint32_t(tally[k]));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// -------------------------------------------------------------------------------- distinct
+
+ffi::Error DistinctImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf,
+                        ffi::Buffer<ffi::PRED> valid_buf, ffi::ResultBuffer<ffi::U32> u_hi,
+                        ffi::ResultBuffer<ffi::U32> u_lo, ffi::ResultBuffer<ffi::PRED> u_valid,
+                        ffi::ResultBuffer<ffi::S32> where) {
+  const int64_t n = hi_buf.element_count();
+  const uint32_t* hi = hi_buf.typed_data();
+  const uint32_t* lo = lo_buf.typed_data();
+  const bool* valid = valid_buf.typed_data();
+  std::vector<std::pair<uint64_t, int32_t>> keys(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    keys[i] = {valid[i] ? Join(hi[i], lo[i]) : ~uint64_t(0), int32_t(i)};
+  }
+  SortPairs(keys);
+  uint32_t* oh = u_hi->typed_data();
+  uint32_t* ol = u_lo->typed_data();
+  bool* ov = u_valid->typed_data();
+  int32_t* ow = where->typed_data();
+  int64_t segment = -1;
+  for (int64_t k = 0; k < n; ++k) {
+    const uint64_t key = keys[k].first;
+    if (k == 0 || key != keys[k - 1].first) {
+      ++segment;
+      oh[segment] = uint32_t(key >> 32);
+      ol[segment] = uint32_t(key);
+      ov[segment] = key != ~uint64_t(0);
+    }
+    ow[keys[k].second] = int32_t(segment);
+  }
+  for (int64_t k = segment + 1; k < n; ++k) {
+    oh[k] = kPad;
+    ol[k] = kPad;
+    ov[k] = false;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexFind, FindImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Attr<int64_t>("ttl_steps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexUpdate, UpdateImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // hi
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // lo
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // local bucket
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // valid
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // now, (1,)
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // the IndexState, donated
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()  // the new IndexState
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // local row
+                                  .Ret<ffi::Buffer<ffi::PRED>>()  // fresh
+                                  .Attr<int64_t>("ttl_steps")
+                                  .Attr<int32_t>("eviction")
+                                  .Attr<int32_t>("min_count")
+                                  .Attr<int64_t>("threshold")
+                                  .Attr<int64_t>("prio_key")
+                                  .Attr<int64_t>("admit_key"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexDistinct, DistinctImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());

@@ -1,0 +1,305 @@
+"""The C++ index kernels (`_hashindex_cpu`) against the XLA index (`_hashindex`, `_dynamic`).
+
+Every step of every stream runs `_hashindex.update` and `_hashindex_cpu.update` from the same
+state and asserts that all of their outputs are identical: the whole new IndexState (keys,
+last, count, the filter, stats), the rows and the fresh flags. `find` and `distinct` the
+same. tests/test_hashindex.py checks the XLA index against a sequential reference, so these
+kernels are checked against it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from conftest import make_mesh
+from jax_tpu_embed import _dynamic, _hashindex_cpu
+from jax_tpu_embed import _hashindex as hx
+from test_hashindex import CASES, MESH_CONFIG, _stream
+
+pytestmark = pytest.mark.skipif(
+    not _hashindex_cpu.available(), reason="the C++ hash index does not compile here"
+)
+
+IMPLS = {"xla": hx, "cpp": _hashindex_cpu}
+
+# Configs beyond test_hashindex's: every policy crossed with TTL, admission by count and
+# probability together, a filter much smaller than the index.
+EXTRA = {
+    "none_ttl": (hx.IndexConfig(buckets=8, bucket_size=4, eviction="none", ttl_steps=5), 24, 200),
+    "lfu_ttl": (
+        hx.IndexConfig(buckets=8, bucket_size=4, eviction="lfu", ttl_steps=7, seed=21),
+        24,
+        200,
+    ),
+    "lru_all": (
+        hx.IndexConfig(
+            buckets=8,
+            bucket_size=8,
+            ttl_steps=9,
+            min_count=3,
+            admit_probability=0.6,
+            filter_buckets=2,
+            filter_bucket_size=8,
+            seed=0xFFFFFFFF,
+        ),
+        40,
+        400,
+    ),
+    "wide": (hx.IndexConfig(buckets=2, bucket_size=16, eviction="lfu", seed=4), 48, 300),
+    "lfu_filter": (
+        hx.IndexConfig(
+            buckets=4,
+            bucket_size=8,
+            eviction="lfu",
+            min_count=2,
+            filter_buckets=4,
+            filter_bucket_size=2,
+            seed=5,
+        ),
+        32,
+        300,
+    ),
+}
+ALL = {**CASES, **EXTRA}
+# XLA:CPU's LLVM optimizations only speed up the code (integer ops: same results), and take
+# half of the compile time of these tests; "lru_all" keeps the default.
+QUICK = {"xla_backend_optimization_level": 0}
+# These four cover every policy and rule (about 5 s each, most of it compiling the XLA
+# update), "wide" many placements per bucket and step; the others are the slow tier.
+FAST = ("none_ttl", "lru_all", "tiny_all", "wide")
+STEPS = 300
+
+
+@functools.cache
+def _jitted(impl: str, fn: str, config):
+    return jax.jit(functools.partial(getattr(IMPLS[impl], fn), config), compiler_options=QUICK)
+
+
+def _assert_same(want, got, what):
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got)
+    ):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape, (what, path, a.dtype, b.dtype)
+        if not np.array_equal(a, b):
+            bad = np.argwhere(a != b)[:5].tolist()
+            raise AssertionError(f"{what}: {jax.tree_util.keystr(path)} differs at {bad}")
+
+
+def _inputs(config, rng, ids):
+    """(hi, lo, local bucket, valid) of one step: the stream's ids, some of them not valid
+    (another shard's)."""
+    hi, lo = hx.split_ids(ids)
+    _, lb = hx.locate(config, 1, hi, lo)
+    valid = (ids != -1) & (rng.random(ids.shape) < 0.9)
+    return hi, lo, np.asarray(lb), valid
+
+
+@functools.cache
+def _side_by_side(config, quick: bool):
+    """A whole stream in one jitted scan: each step runs both updates from the same state
+    and both finds on the new state, and says, per output array, whether they agree."""
+
+    def step(state, xs):
+        hi, lo, lb, valid, now, q_hi, q_lo, q_lb = xs
+        want = hx.update(config, state, hi, lo, lb, valid, now)
+        got = _hashindex_cpu.update(config, state, hi, lo, lb, valid, now)
+        args = (want[0], q_hi, q_lo, q_lb, now + 1)
+        want += hx.find(config, *args)
+        got += _hashindex_cpu.find(config, *args)
+        same = [jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got))]
+        return want[0], jnp.stack(same)
+
+    scan = lambda state, xs: jax.lax.scan(step, state, xs)
+    return jax.jit(scan, compiler_options=QUICK if quick else None)
+
+
+def _leaf_names(config):
+    state = hx.empty_state(config, 1)
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
+    return names + ["row", "fresh", "find row", "found"]
+
+
+@pytest.mark.parametrize(
+    "case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in ALL]
+)
+def test_update_and_find_identical(case):
+    config, width, pool = ALL[case]
+    rng = np.random.default_rng(sum(map(ord, case)))
+    ids = np.stack(_stream(rng, STEPS, width, pool))
+    # Queries: each step's ids, other ids of the pool, padding.
+    queries = np.concatenate([ids, np.stack(_stream(rng, STEPS, width, pool))], axis=1)
+    xs = (*_inputs(config, rng, ids), np.arange(1, STEPS + 1, dtype=np.int32))
+    q_hi, q_lo = hx.split_ids(queries)
+    xs += (q_hi, q_lo, np.asarray(hx.locate(config, 1, q_hi, q_lo)[1]))
+    state = jax.tree.map(jnp.asarray, hx.empty_state(config, 1))
+    state, same = _side_by_side(config, quick=case != "lru_all")(state, xs)
+    same = np.asarray(same)
+    if not same.all():
+        t, leaf = np.argwhere(~same)[0]
+        raise AssertionError(f"{case}: {_leaf_names(config)[leaf]} differs at step {t + 1}")
+    s = dict(zip(hx.STAT_NAMES, np.asarray(state.stats)[0].tolist()))
+    # The stream exercised the rules of this case.
+    assert s["hits"] and s["admitted"]
+    if config.eviction != "none" and config.ttl_steps is None and config.min_count == 1:
+        assert s["evicted"]
+    if config.eviction == "none":
+        assert s["failed"]
+    if config.ttl_steps is not None:
+        assert s["expired"]
+    if config.min_count > 1:
+        assert s["filter_evicted"]
+    if config.min_count > 1 or config.admit_probability < 1:
+        assert s["rejected"]
+
+
+def test_update_on_odd_states():
+    """States the stream does not reach: local buckets out of range (clipped), steps that go
+    back (last > now), counts at the int32 edge; ids of any shape (2-D)."""
+    config = dataclasses.replace(EXTRA["lfu_ttl"][0], ttl_steps=3)
+    rng = np.random.default_rng(7)
+    state = jax.tree.map(jnp.asarray, hx.empty_state(config, 1))
+    for t, ids in enumerate(_stream(rng, 40, 24, 200), start=1):
+        hi, lo, lb, valid = _inputs(config, rng, ids)
+        if t == 20:
+            state = dataclasses.replace(
+                state, count=jnp.where(state.count > 0, np.int32(2**31 - 1), state.count)
+            )
+        lb = np.where(rng.random(lb.shape) < 0.1, rng.integers(-3, 12, lb.shape), lb)
+        now = np.int32(t if t < 30 else 60 - t)
+        hi, lo, lb, valid = (x.reshape(2, -1) for x in (hi, lo, lb, valid))
+        want = _jitted("xla", "update", config)(state, hi, lo, lb, valid, now)
+        got = _jitted("cpp", "update", config)(state, hi, lo, lb, valid, now)
+        _assert_same(want, got, f"step {t}")
+        q_lb = np.where(rng.random(lb.shape) < 0.2, rng.integers(-3, 12, lb.shape), lb)
+        args = (want[0], hi, lo, q_lb, now)
+        _assert_same(
+            _jitted("xla", "find", config)(*args), _jitted("cpp", "find", config)(*args), "find"
+        )
+        state = want[0]
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 1000, 20000])  # 20000: the radix sort
+def test_distinct_identical(n, rng):
+    pool = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, max(2, n // 3), np.int64)
+    pool[0] = -1  # (PAD, PAD): padding even where valid
+    pool[1] = -(1 << 32)  # hi PAD, lo 0: a real id just below padding
+    ids = rng.choice(pool, n)
+    hi, lo = hx.split_ids(ids)
+    for valid in (np.ones(n, bool), rng.random(n) < 0.7, np.zeros(n, bool)):
+        _assert_same(
+            jax.jit(_dynamic._distinct)(hi, lo, valid),
+            jax.jit(_hashindex_cpu.distinct)(hi, lo, valid),
+            f"distinct n={n}",
+        )
+
+
+# Every rule happens in a short stream on 4 shards.
+MESH = dataclasses.replace(MESH_CONFIG, ttl_steps=8, filter_bucket_size=4)
+
+
+def _both_sharded(config, mesh):
+    """Inside shard_map, as `_dynamic.update_rows` runs it, with each implementation from
+    the same state: the gathered ids deduplicated, then updated on their owner; and a lookup
+    of them. Returns the XLA state and, per output array, whether the two agree."""
+    n = mesh.shape["shard"]
+
+    def path(impl, state, hi, lo, now):
+        m = IMPLS[impl]
+        distinct = _dynamic._distinct if impl == "xla" else _hashindex_cpu.distinct
+        owner, lb = hx.locate(config, n, hi, lo)
+        mine = (owner == jax.lax.axis_index("shard")) & ~_dynamic.is_pad(hi, lo)
+        u_hi, u_lo, u_valid, where = distinct(hi, lo, mine)
+        _, u_lb = hx.locate(config, n, u_hi, u_lo)
+        state, row, fresh = m.update(config, state, u_hi, u_lo, u_lb, u_valid, now)
+        found_row, found = m.find(config, state, hi, lo, lb, now)
+        return state, (u_hi, u_lo, u_valid, where, row[where], fresh, found_row, found)
+
+    def local(state, hi, lo, now):
+        want = path("xla", state, hi, lo, now)
+        got = path("cpp", state, hi, lo, now)
+        same = [jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got))]
+        return want[0], jnp.stack(same)[None]
+
+    shard, rep = P("shard"), P()
+    fn = jax.shard_map(
+        local, mesh=mesh, in_specs=(shard, rep, rep, rep), out_specs=(shard, shard), check_vma=False
+    )
+    return jax.jit(fn, compiler_options=QUICK)
+
+
+@pytest.mark.parametrize("shards", [1, 4])
+def test_identical_under_shard_map(shards):
+    config = MESH
+    mesh = make_mesh(shards)
+    step = _both_sharded(config, mesh)
+    state = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, P("shard"))),
+        hx.empty_state(config, shards),
+    )
+    stream = _stream(np.random.default_rng(shards), 40, 32, 300)
+    for t, ids in enumerate(stream, start=1):
+        ids = np.concatenate([ids, ids[: len(ids) // 4]])  # repeats, as a batch has them
+        hi, lo = hx.split_ids(ids)
+        state, same = step(state, hi, lo, np.int32(t))
+        same = np.asarray(same)
+        assert same.all(), (t, np.argwhere(~same).tolist())
+    s = hx.stats(config, state, len(stream))
+    assert int(s["evicted"]) and int(s["expired"]) and int(s["filter_evicted"])
+
+
+@pytest.mark.parametrize("shards", [0, 2])
+def test_update_is_in_place(shards):
+    """A donated step writes into the index buffers: no copy of the (NB, b) arrays, the
+    same buffers before and after, and temporaries of O(ids), not O(capacity). Plain jit
+    (shards 0) and inside shard_map on 2 devices, as `_dynamic` runs it."""
+    config = hx.IndexConfig(buckets=8192, bucket_size=64, ttl_steps=50, min_count=2,
+                            filter_buckets=4096, filter_bucket_size=16)  # fmt: skip
+    u, n = 512, max(shards, 1)
+
+    def local(state, hi, lo, now):
+        owner, lb = hx.locate(config, n, hi, lo)
+        mine = owner == (jax.lax.axis_index("shard") if shards else 0)
+        state, row, fresh = _hashindex_cpu.update(config, state, hi, lo, lb, mine, now)
+        return state, row[None], fresh[None]
+
+    state = hx.empty_state(config, n)
+    if shards:
+        mesh = make_mesh(shards)
+        shard, rep = P("shard"), P()
+        local = jax.shard_map(
+            local, mesh=mesh, in_specs=(shard, rep, rep, rep), out_specs=shard, check_vma=False
+        )
+        state = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, shard)), state)
+    state = jax.tree.map(jnp.asarray, state)
+    step = jax.jit(local, donate_argnums=0)
+    rng = np.random.default_rng(0)
+    batches = [hx.split_ids(rng.integers(0, 1 << 40, u, np.int64))] * 3  # seen, admitted, hit
+    compiled = step.lower(state, *batches[0], np.int32(1)).compile()
+    hlo = compiled.as_text()
+    assert hlo is not None
+    nb, nf = 8192 // n, 4096 // n  # local arrays
+    for shape in (f"u32[{nb},64]", f"s32[{nb},64]", f"u32[{nf},16]", f"s32[{nf},16]"):
+        copies = [line for line in hlo.splitlines() if " copy(" in line and shape in line]
+        assert not copies, copies
+    memory = compiled.memory_analysis()
+    assert memory is not None and memory.temp_size_in_bytes < config.capacity * 4 // 20
+    pointers = lambda s: [b.data.unsafe_buffer_pointer() for x in jax.tree.leaves(s)
+                          for b in x.addressable_shards]  # fmt: skip
+    # From the first step's outputs on (a device_put may leave an input's buffer shared
+    # with its NumPy array, and then it cannot be donated).
+    state, row, _ = compiled(state, *batches[0], np.int32(1))
+    before = pointers(state)
+    for t, (hi, lo) in enumerate(batches[1:], start=2):
+        state, row, _ = compiled(state, hi, lo, np.int32(t))
+    assert pointers(state) == before
+    assert ((np.asarray(row) >= 0).sum(0) == 1).all()  # every id has a row, on its owner
+    assert np.asarray(state.stats)[:, hx.STAT_NAMES.index("hits")].sum() == u
