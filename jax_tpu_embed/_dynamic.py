@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _config, _hashindex, _init, _inputs, _storage
+from . import _config, _hashindex, _hashindex_cpu, _init, _inputs, _storage
 
 PAD = _inputs.PAD  # Both halves of the id -1: padding, and an empty slot in the index.
 SplitIds = _inputs.SplitIds
@@ -73,6 +73,7 @@ class DynamicPlan:
     index: _hashindex.IndexConfig
     dim: int
     features: Mapping[str, _config.FeatureConfig]
+    kernel: str = "xla"  # Who runs the index: "xla" (_hashindex) or "cpu" (_hashindex_cpu).
 
     @property
     def rows(self) -> int:
@@ -223,6 +224,29 @@ def id_words(hi, lo):
     return _storage.mix32(hi ^ _storage.mix32(lo + jnp.uint32(0x9E3779B9)))
 
 
+def initial_rows_where(key, hi, lo, mask, dim: int):
+    """`initial_rows` where `mask`, zeros elsewhere, drawing only the masked ones while they
+    are at most an eighth of all (a trained table's lookups and updates mostly find their
+    ids), every row otherwise: the same values either way."""
+    shape, n = mask.shape, mask.size
+    k = min(n, max(8, n // 8))
+    flat = mask.reshape(-1)
+
+    def few(_):
+        at = jnp.nonzero(flat, size=k, fill_value=n)[0]
+        picked = jnp.minimum(at, n - 1)
+        rows = initial_rows(key, hi.reshape(-1)[picked], lo.reshape(-1)[picked], dim)
+        out = jnp.zeros((n, dim), jnp.float32).at[at].set(rows, mode="drop")
+        return out.reshape(shape + (dim,))
+
+    def every(_):
+        return jnp.where(mask[..., None], initial_rows(key, hi, lo, dim), 0.0)
+
+    if k == n:
+        return every(None)
+    return lax.cond(jnp.sum(flat, dtype=jnp.int32) <= k, few, every, None)
+
+
 def initial_rows(key, hi, lo, dim: int):
     """(..., dim) float32: the initial rows of ids (hi, lo) of a table with key words `key`
     ((2,) uint32): the default initializer's truncated normal, a hash of (key, id)."""
@@ -271,6 +295,21 @@ def _distinct(hi, lo, valid):
     return u_hi, u_lo, u_valid, where
 
 
+def index_ops(plan: DynamicPlan):
+    """(find, update, distinct) of the plan's index kernel: the C++ one is bit-identical to
+    the XLA one (tests/test_hashindex_cpu.py)."""
+    if plan.kernel == "cpu":
+        return _hashindex_cpu.find, _hashindex_cpu.update, _hashindex_cpu.distinct
+    return _hashindex.find, _hashindex.update, _distinct
+
+
+def with_kernel(plan: DynamicPlan, table_backend: str) -> DynamicPlan:
+    """The plan with its index run by the C++ kernel when its slot table's backend is the
+    C++ one ("cpu") and the kernel builds here, else by XLA ops."""
+    cpu = table_backend == "cpu" and _hashindex_cpu.available()
+    return dataclasses.replace(plan, kernel="cpu" if cpu else "xla")
+
+
 def lookup_rows(plan: DynamicPlan, storage, index, hi_parts, lo_parts, now, axis):
     """Inside shard_map: the global slot-table rows (-1: none) of this device's ids of each
     of the table's features (`hi_parts`/`lo_parts`: (b, L) each). Read-only."""
@@ -278,7 +317,8 @@ def lookup_rows(plan: DynamicPlan, storage, index, hi_parts, lo_parts, now, axis
     me = lax.axis_index(axis)
     hi, lo = _gathered(hi_parts, lo_parts, axis)
     owner, bucket = _hashindex.locate(plan.index, n, hi, lo)
-    row, found = _hashindex.find(plan.index, index, hi, lo, bucket, now)
+    find, _, _ = index_ops(plan)
+    row, found = find(plan.index, index, hi, lo, bucket, now)
     mine = found & (owner == me) & ~is_pad(hi, lo)
     rows = jnp.where(mine, storage.layout.global_ids(me, row), -1)
     return _scatter_back(rows, [h.shape for h in hi_parts], axis)
@@ -297,13 +337,13 @@ def update_rows(
     hi, lo = _gathered(hi_parts, lo_parts, axis)
     owner, _ = _hashindex.locate(plan.index, n, hi, lo)
     mine = (owner == me) & ~is_pad(hi, lo) & keep
-    u_hi, u_lo, u_valid, where = _distinct(hi, lo, mine)
+    _, update, distinct = index_ops(plan)
+    u_hi, u_lo, u_valid, where = distinct(hi, lo, mine)
     _, u_bucket = _hashindex.locate(plan.index, n, u_hi, u_lo)
-    index, u_row, fresh = _hashindex.update(plan.index, index, u_hi, u_lo, u_bucket, u_valid, now)
+    index, u_row, fresh = update(plan.index, index, u_hi, u_lo, u_bucket, u_valid, now)
     fresh = fresh & u_valid & (u_row >= 0)
-    table, slots = _reset(
-        storage, table, slots, u_row, fresh, initial_rows(key, u_hi, u_lo, plan.dim)
-    )
+    new_rows = initial_rows_where(key, u_hi, u_lo, fresh, plan.dim)
+    table, slots = _reset(storage, table, slots, u_row, fresh, new_rows)
     row = u_row[where]
     rows = jnp.where(mine & (row >= 0), storage.layout.global_ids(me, row), -1)
     return index, table, slots, _scatter_back(rows, [h.shape for h in hi_parts], axis)

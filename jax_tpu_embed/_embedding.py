@@ -191,6 +191,11 @@ class Embedding:
             tpu_kernels=tpu_kernels,
             alone=frozenset(self.dynamic),
         )
+        # A dynamic table's index runs in C++ where its slot table's row work does.
+        self.dynamic = {
+            name: _dynamic.with_kernel(plan, self.plan.tables[name].backend.name)
+            for name, plan in self.dynamic.items()
+        }
         self.num_shards = self.plan.num_shards
         self.lane_width = self.plan.lane_width
         self._replicated = NamedSharding(mesh, P())
@@ -890,9 +895,18 @@ class Embedding:
                 hi, lo, w = split[path]
                 combiner = self._spec_tables[name].combiner
                 scale = _dynamic.scaled_weights(f, combiner, hi, lo, w)
-                scale = jnp.where(rows[path] < 0, scale, 0.0)
-                part = scale[..., None] * _dynamic.initial_rows(index[name].key, hi, lo, plan.dim)
-                out[path] = part if f.is_sequence else jnp.sum(part, axis=1)
+
+                def local(key, hi, lo, rows, scale, f=f, dim=plan.dim):
+                    missing = (rows < 0) & (scale != 0)
+                    init = _dynamic.initial_rows_where(key, hi, lo, missing, dim)
+                    part = scale[..., None] * init
+                    return part if f.is_sequence else jnp.sum(part, axis=1)
+
+                row = P(self.axis)
+                parts = [self._batch_sharded(x) for x in (hi, lo, rows[path], scale)]
+                out[path] = self._shard_map(local, (P(), row, row, row, row), row)(
+                    index[name].key, *parts
+                )
         return out
 
     def _admit(self, state, split, ok):
