@@ -19,6 +19,9 @@ The format (YAML shown; TOML has the same structure, see configs/example_small.t
         initializer: {name: truncated_normal, stddev: 0.05}   # or just "zeros"
         optimizer: {name: sgd, learning_rate: 0.1}            # overrides the global one
       items: {vocabulary_size: 5000, dim: 16}
+      clicks:                        # a dynamic table: no vocabulary_size, any int64 id
+        dim: 16
+        dynamic: {capacity: 1000000, eviction: lru, ttl_steps: 10000, min_count: 2}
 
     features:                        # nested mappings; a mapping with `table` is a feature,
       user: {table: users}           # any other mapping is a group (paths "group/feature")
@@ -79,7 +82,9 @@ _TABLE_KEYS = (
     "stochastic_rounding",
     "initializer",
     "optimizer",
+    "dynamic",
 )
+_DYNAMIC_KEYS = tuple(f.name for f in dataclasses.fields(_config.DynamicTable))
 _FEATURE_KEYS = ("table", "max_sequence_length", "output_shape", "name")
 
 _OPTIMIZERS = {
@@ -315,10 +320,19 @@ def _table(w: _Where, key: str, name: str, t) -> _config.TableConfig:
     _check_keys(w, key, t, _TABLE_KEYS)
     if t.get("name", name) != name:
         raise w.error(f"{key}.name", f"{t['name']!r} differs from the table's key {name!r}.")
-    for field in ("vocabulary_size", "dim"):
+    dynamic = None
+    if t.get("dynamic") is not None:
+        dynamic = _dynamic(w, f"{key}.dynamic", t["dynamic"])
+    for field in ("dim",) if dynamic else ("vocabulary_size", "dim"):
         if field not in t:
             raise w.error(key, f"missing {field!r} (table {name!r} is {dict(t)!r}).")
-    vocab = _int(w, f"{key}.vocabulary_size", t["vocabulary_size"], 1)
+    if dynamic and t.get("vocabulary_size") is not None:
+        raise w.error(
+            f"{key}.vocabulary_size",
+            f"a dynamic table has no vocabulary; give vocabulary_size or dynamic, not both "
+            f"(got {t['vocabulary_size']!r}).",
+        )
+    vocab = None if dynamic else _int(w, f"{key}.vocabulary_size", t["vocabulary_size"], 1)
     dim = _int(w, f"{key}.dim", t["dim"], 1)
     combiner = t.get("combiner", "mean")
     if combiner not in _config.COMBINERS:
@@ -347,7 +361,19 @@ def _table(w: _Where, key: str, name: str, t) -> _config.TableConfig:
             name=name,
             dtype=_DTYPES[dtype],
             stochastic_rounding=rounding,
+            dynamic=dynamic,
         )
+    except (ValueError, TypeError) as e:
+        raise w.error(key, str(e)) from e
+
+
+def _dynamic(w: _Where, key: str, raw) -> _config.DynamicTable:
+    """`dynamic: {capacity: N, ...}`: the fields of jte.DynamicTable."""
+    if not isinstance(raw, Mapping) or "capacity" not in raw:
+        raise w.error(key, f"must be a mapping with at least `capacity`, got {raw!r}.")
+    _check_keys(w, key, raw, _DYNAMIC_KEYS)
+    try:
+        return _config.DynamicTable(**dict(raw))
     except (ValueError, TypeError) as e:
         raise w.error(key, str(e)) from e
 

@@ -177,19 +177,27 @@ def _result(
 ) -> dict[str, Any]:
     per_chip = topo.devices_per_chip
     tables = []
+    index_shapes = emb.abstract_state().index
     for name, table in spec.tables().items():
         plan_ = emb.table_plans[name]
-        tables.append(
-            {
-                "name": name,
-                "vocabulary_size": table.vocabulary_size,
-                "dim": table.dim,
-                "optimizer": type(plan_.optimizer).__name__,
-                "rows_per_shard": plan_.layout.rows_per_shard,
-                "table_bytes_per_chip": r.table_bytes[name] * per_chip,
-                "slot_bytes_per_chip": r.slot_bytes[name] * per_chip,
-            }
-        )
+        entry = {
+            "name": name,
+            "vocabulary_size": table.vocabulary_size,
+            "dim": table.dim,
+            "optimizer": type(plan_.optimizer).__name__,
+            "rows_per_shard": plan_.layout.rows_per_shard,
+            "table_bytes_per_chip": r.table_bytes[name] * per_chip,
+            "slot_bytes_per_chip": r.slot_bytes[name] * per_chip,
+            "index_bytes_per_chip": 0,
+        }
+        if name in emb.dynamic:  # Rows of its capacity, and its index (ids, scores, filter).
+            entry["capacity"] = emb.dynamic[name].rows
+            entry["index_bytes_per_chip"] = per_chip * sum(
+                math.prod(x.shape) * x.dtype.itemsize // emb.num_shards
+                for x in jax.tree.leaves(index_shapes[name])
+                if len(x.shape) and x.shape[0] % emb.num_shards == 0
+            )
+        tables.append(entry)
     state = r.state_bytes * per_chip
     total = r.peak_bytes * per_chip
     hbm = topo.hbm_per_chip
@@ -211,6 +219,7 @@ def _result(
         "per_chip": {
             "table_bytes": sum(t["table_bytes_per_chip"] for t in tables),
             "slot_bytes": sum(t["slot_bytes_per_chip"] for t in tables),
+            "index_bytes": sum(t["index_bytes_per_chip"] for t in tables),
             "other_argument_bytes": (r.argument_bytes - r.state_bytes) * per_chip,
             "temp_bytes": r.temp_bytes * per_chip,
             "total_bytes": total,
@@ -345,8 +354,13 @@ def format_table(res: dict[str, Any]) -> str:
         f"{'rows/shard':>11s} {'table/chip':>13s} {'slots/chip':>13s}",
     ]
     for t in res["tables"]:
+        rows = (
+            f"{t['vocabulary_size']:>12,}"
+            if t["vocabulary_size"] is not None
+            else f"{'dyn ' + format(t['capacity'], ','):>12s}"
+        )
         lines.append(
-            f"{t['name'][:24]:24s} {t['vocabulary_size']:>12,} {t['dim']:>5} "
+            f"{t['name'][:24]:24s} {rows} {t['dim']:>5} "
             f"{t['optimizer'][:15]:>15s} {t['rows_per_shard']:>11,} "
             f"{fb(t['table_bytes_per_chip']):>13s} {fb(t['slot_bytes_per_chip']):>13s}"
         )
@@ -367,7 +381,13 @@ def format_table(res: dict[str, Any]) -> str:
         "per chip (compiler's memory and cost analysis of one train step):",
         f"  tables                {fb(c['table_bytes']):>13s}",
         f"  optimizer slots       {fb(c['slot_bytes']):>13s}",
-        f"  other inputs          {fb(c['other_argument_bytes']):>13s}   (ids, dense layer)",
+        *(
+            [f"  dynamic tables' index {fb(c['index_bytes']):>13s}   (ids, scores, filter)"]
+            if c["index_bytes"]
+            else []
+        ),
+        f"  other inputs          {fb(c['other_argument_bytes'] - c['index_bytes']):>13s}   "
+        f"(ids, dense layer)",
         f"  temporaries           {fb(c['temp_bytes']):>13s}   largest: {temps}",
         f"  total                 {fb(c['total_bytes']):>13s}   of {fb(c['hbm_bytes'])} HBM "
         f"({pct:.1f}%): {verdict}",

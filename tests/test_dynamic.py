@@ -429,3 +429,51 @@ def test_bad_ids_and_optimizers():
     )
     with pytest.raises(ValueError, match=r"slots \['v'\].*random initializers"):
         jte.Embedding(spec_of(jte.DynamicTable(capacity=64), optimizer=custom), make_mesh(2))
+
+
+def test_config_files_take_dynamic_tables(tmp_path):
+    """`dynamic: {...}` in a config file is a jte.DynamicTable; its errors name file and key."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "optimizer: {name: adagrad, learning_rate: 0.05}\n"
+        "tables:\n"
+        "  users: {dim: 16, dynamic: {capacity: 4096, eviction: lfu, min_count: 2}}\n"
+        "  items: {vocabulary_size: 100, dim: 16}\n"
+        "features: {user: users, item: items}\n"
+    )
+    users = jte.load_spec(str(path)).tables()["users"]
+    assert users.vocabulary_size is None
+    assert users.dynamic == jte.DynamicTable(capacity=4096, eviction="lfu", min_count=2)
+    for table, match in [
+        ("{dim: 16, dynamic: {capacity: 0}}", r"tables.u.dynamic: .*capacity must be an int > 0"),
+        ("{dim: 16, dynamic: {capacity: 8, evict: lru}}", r"tables.u.dynamic.evict: unknown"),
+        ("{vocabulary_size: 9, dim: 16, dynamic: {capacity: 8}}", r"not both \(got 9\)"),
+    ]:
+        path.write_text(f"optimizer: sgd\ntables:\n  u: {table}\nfeatures:\n  u: u\n")
+        with pytest.raises(ValueError, match=match):
+            jte.load_spec(str(path))
+
+
+@pytest.mark.slow
+def test_plan_reports_a_dynamic_tables_index(tmp_path):
+    """`jte.plan` counts a dynamic table's rows (its capacity), slots and index bytes."""
+    from jax_tpu_embed import plan
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "optimizer: {name: adagrad, learning_rate: 0.05}\n"
+        "tables:\n"
+        "  users: {dim: 64, dynamic: {capacity: 2000000}}\n"
+        "features: {user: users}\n"
+    )
+    res = plan.plan(str(path), "v5p:2x2x1", batch=1024)
+    (users,) = res["tables"]
+    assert users["vocabulary_size"] is None and users["capacity"] == 2_000_128
+    # Keys (8 B), last step and count (4 B each) per slot, a quarter of them per chip, and
+    # the chip's row of int32 counters.
+    from jax_tpu_embed import _hashindex
+
+    counters = 4 * len(_hashindex.STAT_NAMES)
+    assert users["index_bytes_per_chip"] == 2_000_128 // 4 * 16 + counters
+    assert res["per_chip"]["index_bytes"] == users["index_bytes_per_chip"]
+    assert res["fits"] and "dyn 2,000,128" in plan.format_table(res)
