@@ -317,9 +317,12 @@ def lookup_rows(plan: DynamicPlan, storage, index, hi_parts, lo_parts, now, axis
     me = lax.axis_index(axis)
     hi, lo = _gathered(hi_parts, lo_parts, axis)
     owner, bucket = _hashindex.locate(plan.index, n, hi, lo)
+    # Other shards' ids as padding, which the index passes over without reading a bucket.
+    others = owner != me
+    hi, lo = jnp.where(others, jnp.uint32(PAD), hi), jnp.where(others, jnp.uint32(PAD), lo)
     find, _, _ = index_ops(plan)
     row, found = find(plan.index, index, hi, lo, bucket, now)
-    mine = found & (owner == me) & ~is_pad(hi, lo)
+    mine = found & ~others & ~is_pad(hi, lo)
     rows = jnp.where(mine, storage.layout.global_ids(me, row), -1)
     return _scatter_back(rows, [h.shape for h in hi_parts], axis)
 
