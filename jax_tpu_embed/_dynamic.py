@@ -544,3 +544,12 @@ def rebuild(plan: DynamicPlan, num_shards: int, entries: Mapping[str, Any]):
             counters = [counters.get(n, 0) for n in _hashindex.STAT_NAMES]
         state.stats[0] = np.asarray(counters, np.int64).astype(np.int32)
     return state, rows
+
+
+def counters(index) -> dict:
+    """{counter: int32 scalar} summed over the shards, and "held" (admitted - evicted -
+    expired): O(shards), no scan of the index."""
+    totals = jnp.asarray(index.stats).sum(0, dtype=jnp.int32)
+    out = {name: totals[i] for i, name in enumerate(_hashindex.STAT_NAMES)}
+    out["held"] = out["admitted"] - out["evicted"] - out["expired"]
+    return out

@@ -574,6 +574,13 @@ class Embedding:
         ids, rows = _dynamic.live(plan, self.table_plans[name].storage, index, now)
         return ids, rows
 
+    def dynamic_counters(self, state: EmbeddingState) -> dict[str, dict[str, jax.Array]]:
+        """`dynamic_stats` without `occupancy`: the counters, and `held` (ids holding a row,
+        TTL-expired ones included: admitted - evicted - expired), from O(shards) counters
+        where `dynamic_stats` counts live rows over the whole index. Jittable; what the
+        train step's metrics carry."""
+        return {name: _dynamic.counters(state.index[name].index) for name in self.dynamic}
+
     def dynamic_stats(self, state: EmbeddingState) -> dict[str, dict[str, jax.Array]]:
         """{dynamic table name: {counter: int32 scalar}}: `occupancy` (live rows), and since
         `init` (or the restore): `admitted`, `evicted` (by the eviction policy), `expired`

@@ -299,7 +299,9 @@ class TrainStep:
 
     metrics: {"loss": float32 scalar, "skipped": int32 0 or 1 (non-finite step, see the
     module doc), "invalid_ids": int32 count of ids outside [0, V) other than -1 (treated as
-    -1), "aux": what loss_fn returned besides the loss (only when it returned a pair)}.
+    -1), "aux": what loss_fn returned besides the loss (only when it returned a pair),
+    "dynamic": {dynamic table: `Embedding.dynamic_counters`} (only with dynamic tables; keyed
+    "layer/table" when the model has several embeddings)}.
 
     Attributes:
         trace_count: How many times the step was traced. One per input shape and structure;
@@ -676,6 +678,12 @@ class TrainStep:
             "skipped": (~ok).astype(jnp.int32),
             "invalid_ids": jnp.asarray(invalid, jnp.int32),
         }
+        dynamic = {}
+        for n in embs:  # The indexes' counters: O(shards) each, never a scan of an index.
+            for table, counts in embs[n].dynamic_counters(new_states[n]).items():
+                dynamic[table if len(embs) == 1 else f"{n}/{table}"] = counts
+        if dynamic:
+            metrics["dynamic"] = dynamic
         if aux is not None:
             metrics["aux"] = aux
         self.trace_count += 1  # Counted once the trace succeeded.

@@ -2,6 +2,7 @@
 dict reference (rows and Adagrad accumulators per id), on 1-8 devices, both exchanges."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -477,3 +478,85 @@ def test_plan_reports_a_dynamic_tables_index(tmp_path):
     assert users["index_bytes_per_chip"] == 2_000_128 // 4 * 16 + counters
     assert res["per_chip"]["index_bytes"] == users["index_bytes_per_chip"]
     assert res["fits"] and "dyn 2,000,128" in plan.format_table(res)
+
+
+def test_train_step_fed_by_split_ids():
+    """jte.make_train_step with a dynamic table: a pipeline gives jte.split_ids halves; the
+    table learns (loss falls), the metrics carry the index's counters, and int64 NumPy ids
+    beyond int32 are an error instead of being cut by jit."""
+    import optax
+
+    users = jte.TableConfig(dim=DIM, name="users", dynamic=jte.DynamicTable(capacity=1024))
+    spec = jte.EmbeddingSpec(
+        features={"user": jte.FeatureConfig(users)}, optimizer=jte.Adagrad(learning_rate=0.5)
+    )
+    emb = jte.Embedding(spec, make_mesh(2))
+
+    def loss_fn(params, acts, batch):
+        return jnp.mean((acts["user"] @ params["w"] - batch["y"]) ** 2)
+
+    step = jte.make_train_step(emb, loss_fn, optax.sgd(0.1))
+    state = step.init(jax.random.key(0), {"w": jnp.ones((DIM,))})
+    rng = np.random.default_rng(0)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=32, dtype=np.int64)
+    target = {int(i): float(v) for i, v in zip(pool, rng.normal(size=32))}
+    losses, metrics, y = [], {}, None
+    for _ in range(30):
+        ids = rng.choice(pool, size=16)
+        y = np.array([target[int(i)] for i in ids], np.float32)
+        state, metrics = step(state, {"features": {"user": jte.split_ids(ids)}, "y": y})
+        losses.append(float(metrics["loss"]))
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+    stats = jax.tree.map(int, emb.dynamic_stats(state.embedding))["users"]
+    assert stats["occupancy"] == stats["admitted"] == 32
+    counted = jax.tree.map(int, metrics["dynamic"]["users"])  # The last step's metrics.
+    assert counted == {k: v for k, v in stats.items() if k != "occupancy"}
+    with pytest.raises(ValueError, match=r"int64 ids beyond int32.*jte.split_ids"):
+        step(state, {"features": {"user": pool[:16]}, "y": y})
+
+
+def test_nnx_layer_and_micro_batches():
+    """A dynamic table in a jte.nnx.Embed trains under jte.nnx.make_train_step; with
+    accumulate_steps=2 each micro-batch's ids are admitted."""
+    import optax
+    from flax import nnx
+
+    table = jte.TableConfig(dim=DIM, name="users", dynamic=jte.DynamicTable(capacity=1024))
+    spec = jte.EmbeddingSpec(
+        features={"user": jte.FeatureConfig(table)}, optimizer=jte.Adagrad(learning_rate=0.5)
+    )
+    mesh = make_mesh(2)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = jte.nnx.Embed(spec, mesh, rngs=rngs)
+            self.head = nnx.Linear(DIM, 1, rngs=rngs)
+
+        def __call__(self, features):
+            return self.head(self.embed(features)["user"])[:, 0]
+
+    def loss_fn(model, batch):
+        return jnp.mean((model(batch["features"]) - batch["y"]) ** 2)
+
+    rng = np.random.default_rng(1)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=24, dtype=np.int64)
+    model = Model(nnx.Rngs(0))
+    step = jte.nnx.make_train_step(model, loss_fn, optax.sgd(0.05))
+    seen = set()
+    for _ in range(5):
+        ids = rng.choice(pool, size=8)
+        seen |= set(ids.tolist())
+        y = rng.normal(size=8).astype(np.float32)
+        step({"features": {"user": jte.split_ids(ids)}, "y": y})
+    emb, state = model.embed.embedding, model.embed.embedding_state
+    assert set(users(emb.export(state)["users"]).ids.tolist()) == seen
+
+    emb = jte.Embedding(spec, mesh)
+    accum = jte.make_train_step(
+        emb, lambda p, acts, b: jnp.mean(acts["user"] ** 2), optax.sgd(0.0), accumulate_steps=2
+    )
+    state = accum.init(jax.random.key(0), {})
+    ids = rng.choice(pool, size=(2, 8))
+    state, _ = accum(state, {"features": {"user": jte.split_ids(ids)}})
+    exported = users(emb.export(state.embedding)["users"])
+    assert set(exported.ids.tolist()) == set(ids.ravel().tolist())
