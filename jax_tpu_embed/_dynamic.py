@@ -229,7 +229,7 @@ def initial_rows_where(key, hi, lo, mask, dim: int):
     are at most an eighth of all (a trained table's lookups and updates mostly find their
     ids), every row otherwise: the same values either way."""
     shape, n = mask.shape, mask.size
-    k = min(n, max(8, n // 8))
+    k = _few(n)
     flat = mask.reshape(-1)
 
     def few(_):
@@ -245,6 +245,30 @@ def initial_rows_where(key, hi, lo, mask, dim: int):
     if k == n:
         return every(None)
     return lax.cond(jnp.sum(flat, dtype=jnp.int32) <= k, few, every, None)
+
+
+def missing_rows(key, hi, lo, scale, missing, dim: int):
+    """Σ_l scale·(initial row) over the positions `missing` of (b, L) ids: (b, dim) float32,
+    a combined feature's part from its ids without a row. Draws only those while they are
+    at most `_few` of all, adding them into their examples; every row otherwise."""
+    b, length = missing.shape
+    n = missing.size
+    k = _few(n)
+
+    def few(_):
+        at = jnp.nonzero(missing.reshape(-1), size=k, fill_value=n)[0]
+        picked = jnp.minimum(at, n - 1)
+        rows = initial_rows(key, hi.reshape(-1)[picked], lo.reshape(-1)[picked], dim)
+        part = jnp.where((at < n)[:, None], scale.reshape(-1)[picked][:, None] * rows, 0.0)
+        return jnp.zeros((b, dim), jnp.float32).at[picked // length].add(part)
+
+    def every(_):
+        init = jnp.where(missing[..., None], initial_rows(key, hi, lo, dim), 0.0)
+        return jnp.sum(scale[..., None] * init, axis=1)
+
+    if k == n:
+        return every(None)
+    return lax.cond(jnp.sum(missing, dtype=jnp.int32) <= k, few, every, None)
 
 
 def initial_rows(key, hi, lo, dim: int):
@@ -345,11 +369,36 @@ def update_rows(
     _, u_bucket = _hashindex.locate(plan.index, n, u_hi, u_lo)
     index, u_row, fresh = update(plan.index, index, u_hi, u_lo, u_bucket, u_valid, now)
     fresh = fresh & u_valid & (u_row >= 0)
-    new_rows = initial_rows_where(key, u_hi, u_lo, fresh, plan.dim)
-    table, slots = _reset(storage, table, slots, u_row, fresh, new_rows)
+    table, slots = _reset_fresh(storage, table, slots, u_row, fresh, key, u_hi, u_lo, plan.dim)
     row = u_row[where]
     rows = jnp.where(mine & (row >= 0), storage.layout.global_ids(me, row), -1)
     return index, table, slots, _scatter_back(rows, [h.shape for h in hi_parts], axis)
+
+
+def _few(n: int) -> int:
+    """How many of n ids the compact paths serve (`_reset_fresh`, `initial_rows_where`): a
+    trained table's steps find most of their ids, so few need an initial row."""
+    return min(n, max(8, n // 8))
+
+
+def _reset_fresh(storage, table, slots: dict, rows, fresh, key, hi, lo, dim: int):
+    """`_reset` of the rows given to new ids (`fresh`), drawing and writing only those while
+    they are at most `_few` of all (one scatter of that many rows), every row otherwise."""
+    n = fresh.shape[0]
+    k = _few(n)
+
+    def few(arrays):
+        at = jnp.nonzero(fresh, size=k, fill_value=n)[0]
+        picked = jnp.minimum(at, n - 1)
+        init = initial_rows(key, hi[picked], lo[picked], dim)
+        return _reset(storage, *arrays, rows[picked], at < n, init)
+
+    def every(arrays):
+        return _reset(storage, *arrays, rows, fresh, initial_rows(key, hi, lo, dim))
+
+    if k == n:
+        return every((table, slots))
+    return lax.cond(jnp.sum(fresh, dtype=jnp.int32) <= k, few, every, (table, slots))
 
 
 def _reset(storage: _storage.TableStorage, table, slots: dict, rows, fresh, init_rows):

@@ -905,9 +905,10 @@ class Embedding:
 
                 def local(key, hi, lo, rows, scale, f=f, dim=plan.dim):
                     missing = (rows < 0) & (scale != 0)
+                    if not f.is_sequence:
+                        return _dynamic.missing_rows(key, hi, lo, scale, missing, dim)
                     init = _dynamic.initial_rows_where(key, hi, lo, missing, dim)
-                    part = scale[..., None] * init
-                    return part if f.is_sequence else jnp.sum(part, axis=1)
+                    return scale[..., None] * init
 
                 row = P(self.axis)
                 parts = [self._batch_sharded(x) for x in (hi, lo, rows[path], scale)]
