@@ -13,12 +13,34 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 import jax.extend  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+# A persistent XLA compilation cache for one pytest run, shared by its pytest-xdist workers:
+# many tests build the same program in a fresh Embedding (a fresh closure, so jit's own cache
+# misses), and the persistent cache, keyed by the lowered program, compiles it once. The
+# controller loads this file before it starts the workers, which inherit the variable; the
+# process that made the directory removes it at exit, so every run starts empty (as a fresh
+# clone in CI does) and no result depends on an earlier run. JTE_TEST_XLA_CACHE=off turns it
+# off (to compare, or to rule it out); a directory given there is used and kept.
+_CACHE_ENV = "JTE_TEST_XLA_CACHE"
+_CACHE_ON = os.environ.get(_CACHE_ENV) != "off"
+if _CACHE_ON:
+    if not os.environ.get(_CACHE_ENV):
+        os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="jte-xla-cache-")
+        atexit.register(shutil.rmtree, os.environ[_CACHE_ENV], ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def make_mesh(num_shards: int, kind: str = "explicit", axis: str = "shard"):
@@ -42,6 +64,24 @@ def count_primitive(jaxpr, name: str) -> int:
                 elif isinstance(sub, jax.extend.core.Jaxpr):
                     count += count_primitive(sub, name)
     return count
+
+
+@pytest.fixture(scope="module")
+def no_persistent_cache():
+    """The persistent compilation cache off for a module that compiles with libtpu for a TPU
+    topology: such an executable is written to the cache but cannot be read back without a
+    TPU client (a warning, then a compile anyway), so caching it only costs time."""
+    if not _CACHE_ON:
+        yield
+        return
+    # Whether the cache is used is decided once per process: reset_cache asks again.
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
 
 
 @pytest.fixture

@@ -22,6 +22,9 @@ if importlib.util.find_spec("libtpu") is None:
 
 from jax_tpu_embed import plan  # noqa: E402
 
+# libtpu's executables cannot be read back from the persistent compilation cache (conftest).
+pytestmark = pytest.mark.usefixtures("no_persistent_cache")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CRITEO = os.path.join(REPO, "configs", "criteo_1tb_dcnv2.yaml")
 

@@ -48,8 +48,12 @@ if importlib.util.find_spec("libtpu") is None:
 from jax_tpu_embed import _aot  # noqa: E402
 
 # The `compiler` fixture compiles every selected case of this module ahead of its tests: the
-# module runs on one pytest-xdist worker (--dist loadgroup).
-pytestmark = pytest.mark.xdist_group("tpu_compile")
+# module runs on one pytest-xdist worker (--dist loadgroup). libtpu's executables cannot be
+# read back from the persistent compilation cache (conftest).
+pytestmark = [
+    pytest.mark.xdist_group("tpu_compile"),
+    pytest.mark.usefixtures("no_persistent_cache"),
+]
 
 TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2", "v4:2x2x1")
 DIMS = (16, 32, 64, 128, 256)
