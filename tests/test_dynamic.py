@@ -260,6 +260,7 @@ def test_eviction_invariants(eviction):
         assert stats["evicted"] > 0
 
 
+@pytest.mark.slow
 def test_admission_rules_and_ttl():
     """min_count=2 admits at the second update that sees an id; until then lookups read its
     initial row and its gradient is not applied (counted as rejected). ttl_steps expires a
@@ -318,6 +319,7 @@ def test_admit_probability_is_deterministic():
     np.testing.assert_array_equal(exported[0].rows, exported[1].rows)
 
 
+@pytest.mark.slow
 def test_jitted_step_with_split_ids_and_int32_ids():
     """Under jit without x64: ids as jte.SplitIds (from jte.split_ids) give what NumPy int64
     gives eagerly; int32 ids are their int64 values (sign-extended)."""
@@ -515,6 +517,7 @@ def test_train_step_fed_by_split_ids():
         step(state, {"features": {"user": pool[:16]}, "y": y})
 
 
+@pytest.mark.slow
 def test_nnx_layer_and_micro_batches():
     """A dynamic table in a jte.nnx.Embed trains under jte.nnx.make_train_step; with
     accumulate_steps=2 each micro-batch's ids are admitted."""

@@ -230,6 +230,7 @@ def flax_setup(batches):
     return emb, model, step, step.init(jax.random.key(0), batches[0])
 
 
+@pytest.mark.slow
 def test_flax_model_trains_a_dynamic_table():
     """A flax model with a dynamic table: its index lives in the "embedding" collection
     beside tables, slots and step; the flax step admits every id it sees (capacity to
@@ -381,6 +382,7 @@ def test_serving_a_dynamic_table_matches_lookup(trained):
         jte.serving.Server(emb.spec, {**tables, "users": np.zeros((3, DIM), np.float32)})
 
 
+@pytest.mark.slow
 def test_serving_export_of_a_dynamic_table(trained):
     """jax.export: the artifact takes the served tables and SplitIds, serializes, and answers
     what the Server does (tables outside or inside it, any batch size)."""

@@ -291,7 +291,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# The fast tier keeps the case with every option on; the slow tier runs each rule alone.
+@pytest.mark.parametrize(
+    "case", [c if c == "tiny_all" else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
+)
 def test_update_equals_reference(case):
     config, width, pool = CASES[case]
     _, ref, outcomes = _run_against_reference(config, 200, width, pool)
@@ -312,6 +315,7 @@ def test_update_equals_reference(case):
         assert s["filter_failed"] > 0
 
 
+@pytest.mark.slow
 def test_find_is_read_only_and_agrees(rng):
     config, width, pool = CASES["ttl"]
     state, ref, _ = _run_against_reference(config, 40, width, pool, seed=1)
@@ -411,6 +415,7 @@ def test_mesh_independence():
     assert totals[0]["evicted"] and totals[0]["expired"] and totals[0]["filter_evicted"]
 
 
+@pytest.mark.slow
 def test_mesh_matches_reference_on_8_shards():
     config = MESH_CONFIG
     stream = _stream(np.random.default_rng(3), 25, 32, 300)
