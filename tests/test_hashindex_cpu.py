@@ -132,12 +132,29 @@ def _leaf_names(config):
     "case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in ALL]
 )
 def test_update_and_find_identical(case):
+    _identical_over_a_stream(case, STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["lru_all", "lfu_filter", "none_ttl"])
+def test_ten_thousand_steps_identical(case):
+    """10^4 steps of power-law int64 ids (duplicates removed per step, padding, a full
+    table, TTL expiry, admission thresholds): both kernels agree on every array after every
+    step, and the counters add up."""
+    state = _identical_over_a_stream(case, 10_000)
+    s = dict(zip(hx.STAT_NAMES, np.asarray(state.stats)[0].tolist()))
+    held = int(np.sum(~((np.asarray(state.hi) == hx.PAD) & (np.asarray(state.lo) == hx.PAD))))
+    assert s["admitted"] - s["evicted"] - s["expired"] == held
+    assert s["misses"] == s["admitted"] + s["rejected"] + s["failed"]
+
+
+def _identical_over_a_stream(case, steps):
     config, width, pool = ALL[case]
     rng = np.random.default_rng(sum(map(ord, case)))
-    ids = np.stack(_stream(rng, STEPS, width, pool))
+    ids = np.stack(_stream(rng, steps, width, pool))
     # Queries: each step's ids, other ids of the pool, padding.
-    queries = np.concatenate([ids, np.stack(_stream(rng, STEPS, width, pool))], axis=1)
-    xs = (*_inputs(config, rng, ids), np.arange(1, STEPS + 1, dtype=np.int32))
+    queries = np.concatenate([ids, np.stack(_stream(rng, steps, width, pool))], axis=1)
+    xs = (*_inputs(config, rng, ids), np.arange(1, steps + 1, dtype=np.int32))
     q_hi, q_lo = hx.split_ids(queries)
     xs += (q_hi, q_lo, np.asarray(hx.locate(config, 1, q_hi, q_lo)[1]))
     state = jax.tree.map(jnp.asarray, hx.empty_state(config, 1))
@@ -159,6 +176,7 @@ def test_update_and_find_identical(case):
         assert s["filter_evicted"]
     if config.min_count > 1 or config.admit_probability < 1:
         assert s["rejected"]
+    return state
 
 
 def test_update_on_odd_states():
