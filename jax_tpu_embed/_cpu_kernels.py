@@ -67,9 +67,6 @@ _MULTIPLIER, _CLIP_LIMIT, _CLIP_VALUE, _DECAY, _DECAY_BY_LR, _W_MIN, _W_MAX, _ST
     128,
 )
 
-_lock = threading.Lock()
-_state: dict = {}  # "ok": bool once tried; "lib": the loaded library.
-
 
 def _cpu_flags() -> list[str]:
     try:
@@ -126,25 +123,43 @@ def _build(source_path: pathlib.Path = _SOURCE) -> pathlib.Path:
     return lib
 
 
+class Library:
+    """One C++ source (`_build`), loaded and its FFI targets ({name: symbol}) registered
+    once per process, on first use; `what` names it in the warning when that fails."""
+
+    def __init__(self, source: pathlib.Path, targets: dict[str, str], what: str):
+        self.source, self.targets, self.what = source, targets, what
+        self._lock = threading.Lock()
+        self._ok: bool | None = None
+
+    def available(self) -> bool:
+        """True when the kernels are compiled, loaded and registered (tried once)."""
+        with self._lock:
+            if self._ok is None:
+                try:
+                    lib = ctypes.cdll.LoadLibrary(str(_build(self.source)))
+                    for name, symbol in self.targets.items():
+                        jax.ffi.register_ffi_target(
+                            name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
+                        )
+                    self._lib, self._ok = lib, True
+                except Exception as e:  # noqa: BLE001 - any failure means: use the XLA path.
+                    warnings.warn(
+                        f"jax_tpu_embed: {self.what} unavailable ({e}); using the portable XLA "
+                        f"path.",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                    self._ok = False
+            return self._ok
+
+
+_LIBRARY = Library(_SOURCE, _TARGETS, "CPU kernels")
+
+
 def available() -> bool:
     """True when the kernels are compiled, loaded and registered (tried once per process)."""
-    with _lock:
-        if "ok" not in _state:
-            try:
-                lib = ctypes.cdll.LoadLibrary(str(_build()))
-                for name, symbol in _TARGETS.items():
-                    jax.ffi.register_ffi_target(
-                        name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
-                    )
-                _state.update(ok=True, lib=lib)
-            except Exception as e:  # noqa: BLE001 - any failure means: use the portable path.
-                warnings.warn(
-                    f"jax_tpu_embed: CPU kernels unavailable ({e}); using the portable XLA path.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                _state["ok"] = False
-        return _state["ok"]
+    return _LIBRARY.available()
 
 
 def supports_update(optimizer: _optimizers.Optimizer) -> bool:

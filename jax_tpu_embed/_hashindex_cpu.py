@@ -20,10 +20,7 @@ path.
 
 from __future__ import annotations
 
-import ctypes
 import pathlib
-import threading
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -43,29 +40,12 @@ _FIELDS = ("hi", "lo", "last", "count", "filter_hi", "filter_lo", "filter_count"
 _DTYPES = (jnp.uint32, jnp.uint32, jnp.int32, jnp.int32, jnp.uint32, jnp.uint32, jnp.int32)
 _DTYPES += (jnp.int32,)
 
-_lock = threading.Lock()
-_state: dict = {}  # "ok": bool once tried; "lib": the loaded library.
+_LIBRARY = _cpu_kernels.Library(_SOURCE, _TARGETS, "C++ hash index")
 
 
 def available() -> bool:
     """True when the kernels are compiled, loaded and registered (tried once per process)."""
-    with _lock:
-        if "ok" not in _state:
-            try:
-                lib = ctypes.cdll.LoadLibrary(str(_cpu_kernels._build(_SOURCE)))
-                for name, symbol in _TARGETS.items():
-                    jax.ffi.register_ffi_target(
-                        name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
-                    )
-                _state.update(ok=True, lib=lib)
-            except Exception as e:  # noqa: BLE001 - any failure means: use the XLA path.
-                warnings.warn(
-                    f"jax_tpu_embed: C++ hash index unavailable ({e}); using the XLA path.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                _state["ok"] = False
-        return _state["ok"]
+    return _LIBRARY.available()
 
 
 def _require() -> None:
