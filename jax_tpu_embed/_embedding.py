@@ -282,8 +282,10 @@ class Embedding:
         """The shardings of a dynamic table's `DynamicState`: the index's arrays split by
         buckets over the axis, the key replicated."""
         shapes = self._index_shapes(name)
+        # The key replicated as a step's output spells it, P(None): one compile, not two.
         return _dynamic.DynamicState(
-            index=jax.tree.map(lambda x: self._rows(x.ndim), shapes.index), key=self._replicated
+            index=jax.tree.map(lambda x: self._rows(x.ndim), shapes.index),
+            key=NamedSharding(self.mesh, P(None)),
         )
 
     def _empty_index(self, name: str, key_words) -> _dynamic.DynamicState:
@@ -985,6 +987,12 @@ class Embedding:
         tables, slots, index = state.tables, state.slots, state.index
         if split:
             index, new_tables, new_slots, rows = self._admit(state, split, ok)
+            # Laid out as `init` lays it out, so that the next call's input matches the last
+            # call's output and the step compiles once.
+            index = {
+                name: jax.tree.map(_sharding.constrain, x, self._index_shardings(name))
+                for name, x in index.items()
+            }
             tables, slots = {**tables, **new_tables}, {**slots, **new_slots}
             flat = {**flat, **self._dynamic_leaves(split, rows)}
         feats = self._normalized(flat)

@@ -524,6 +524,8 @@ class FlaxTrainStep(_train.TrainStep):
         state must be flushed first.
         """
         _guards.check_not_consumed(state, "FlaxTrainStep.predict", "train state", "state")
+        if any(e.dynamic for e in self.embeddings.values()):
+            _guards.check_no_wide_ids(batch, "FlaxTrainStep.predict")
         if state.pending is not None and bool(state.pending.valid):
             raise ValueError(
                 "predict: the state has a pending update (pipeline_execution); "

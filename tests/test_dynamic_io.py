@@ -260,6 +260,9 @@ def test_flax_model_trains_a_dynamic_table():
     assert not np.allclose(np.asarray(after), before)  # The rows trained.
     out: Any = model.apply(step.variables(state), batches[0])
     np.testing.assert_allclose(out, step.predict(state, batches[0]), rtol=1e-6, atol=1e-6)
+    wide = jte.join_ids(batches[0]["features"]["hist"])  # NumPy int64 beyond int32.
+    with pytest.raises(ValueError, match="int64 ids beyond int32"):
+        step.predict(state, {**batches[0], "features": {**batches[0]["features"], "hist": wide}})
 
 
 @pytest.mark.slow
