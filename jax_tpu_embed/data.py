@@ -6,6 +6,9 @@
         state, metrics = step(state, batch)
     batches.skipped          # malformed lines skipped (on_error="skip")
 
+    # Dynamic tables: the raw values as int64 ids (jte.SplitIds halves with a sharding).
+    batches = jte.data.criteo(paths, 8192, None, id_mapping="raw", sharding=batch_sharding)
+
 The format is Criteo's click-log TSV, the same in the Kaggle display-advertising file
 (`train.txt`) and the Criteo 1TB day files (`day_0` .. `day_23`, usually gzipped): one example
 per line, 40 tab-separated fields: the label (0 or 1), 13 integer features I1..I13 and 26
@@ -24,6 +27,11 @@ gives:
   seeded per feature) mod V, which spreads values evenly over V rows whatever their
   distribution (use it for data whose categorical values are not already hashes). An empty
   field is x = 0, as in the reference preprocessing, so it shares a row with the value 0.
+  `"raw"` keeps x itself as an int64 id, for dynamic tables (`jte.DynamicTable`): no
+  vocabulary, no collisions; an empty field is -1, the padding id (no row, a zero vector
+  under every combiner), so it never shares a row with the value 0. Values of 16 hex digits
+  from 8000000000000000 up are read as 64-bit two's complement (negative ids, which dynamic
+  tables take), except ffffffffffffffff: that would be -1, so such a line is malformed.
 - labels: float32 0. or 1.
 
 A malformed line (not 40 fields, a label other than 0/1, an integer field that is not an
@@ -54,6 +62,8 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
+from . import _inputs
+
 NUM_DENSE = 13
 NUM_SPARSE = 26
 DENSE_NAMES = tuple(f"I{i + 1}" for i in range(NUM_DENSE))
@@ -80,14 +90,25 @@ def _grain():
     return grain
 
 
-def hash_ids(values: np.ndarray, vocabulary_sizes: Sequence[int], mapping: str) -> np.ndarray:
+ID_MAPPINGS = ("mod", "hash", "raw")
+
+
+def hash_ids(
+    values: np.ndarray, vocabulary_sizes: Sequence[int] | None, mapping: str
+) -> np.ndarray:
     """Row ids of categorical values: (n, F) uint64 values -> (n, F) int32 ids in [0, V_f).
 
     "mod": value mod V_f. "hash": splitmix64's finalizer of (value + golden * (f + 1)),
-    mod V_f, so each feature hashes differently.
+    mod V_f, so each feature hashes differently. "raw": the values themselves as int64 ids
+    (64-bit two's complement; vocabulary_sizes unused, may be None), for dynamic tables;
+    empty fields are the caller's to set to -1.
     """
-    v = np.asarray(vocabulary_sizes, np.uint64)
     values = np.asarray(values, np.uint64)
+    if mapping == "raw":
+        return values.view(np.int64)
+    if vocabulary_sizes is None:
+        raise ValueError(f"hash_ids: mapping {mapping!r} needs vocabulary_sizes (V_f).")
+    v = np.asarray(vocabulary_sizes, np.uint64)
     if mapping == "hash":
         # splitmix64 finalizer; uint64 arithmetic wraps, which the mix relies on.
         seeds = np.uint64(0x9E3779B97F4A7C15) * np.arange(1, len(v) + 1, dtype=np.uint64)
@@ -164,21 +185,20 @@ class _Parser:
                 )
         keep = [i for i in range(len(rows)) if i not in problems]
         fields = np.array([rows[i] for i in keep], dtype=bytes).reshape(len(keep), _FIELDS)
-        labels, dense, values, bad = _convert(fields)
+        labels, dense, values, empty, bad = _convert(fields, self.id_mapping)
         for k, message in bad.items():
             problems[keep[k]] = message
         if problems:
             self._report(chunk.path, where, problems)
             ok = np.ones(len(keep), bool)
             ok[list(bad)] = False
-            labels, dense, values = labels[ok], dense[ok], values[ok]
+            labels, dense, values, empty = labels[ok], dense[ok], values[ok], empty[ok]
         with self.lock:
             self.examples += len(labels)
-        return {
-            "dense": dense,
-            "sparse": hash_ids(values, self.vocabulary_sizes, self.id_mapping),
-            "labels": labels,
-        }
+        ids = hash_ids(values, self.vocabulary_sizes, self.id_mapping)
+        if self.id_mapping == "raw":
+            ids[empty] = -1  # Padding: no row. (mod and hash: an empty field is the value 0.)
+        return {"dense": dense, "sparse": ids, "labels": labels}
 
     def file_ended(self, path: str) -> None:
         """Called when a file is read to its end (every chunk of it parsed). Once every
@@ -215,9 +235,12 @@ def _text(field) -> str:
     return bytes(field).decode("utf-8", "replace")
 
 
-def _convert(fields: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]]:
-    """(n, 40) bytes fields -> labels (n,) f32, dense (n, 13) f32, values (n, 26) u64, and
-    {row: problem} for rows that are malformed (their outputs are garbage)."""
+def _convert(
+    fields: np.ndarray, id_mapping: str = "mod"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[int, str]]:
+    """(n, 40) bytes fields -> labels (n,) f32, dense (n, 13) f32, values (n, 26) u64 (0
+    where empty), empty (n, 26) bool, and {row: problem} for rows that are malformed (their
+    outputs are garbage)."""
     n = fields.shape[0]
     bad: dict[int, str] = {}
     label_field = fields[:, 0]
@@ -267,7 +290,15 @@ def _convert(fields: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, di
     for k in range(min(width, _MAX_HEX_DIGITS)):
         d = digits[..., k]
         values = np.where(d >= 0, values * np.uint64(16) + d.astype(np.uint64), values)
-    return labels, dense, values, bad
+    empty = cats == b""
+    if id_mapping == "raw":  # The id -1 is padding: a value that would be it is an error.
+        for i, j in zip(*np.nonzero((values == np.uint64(2**64 - 1)) & ~invalid)):
+            bad.setdefault(
+                int(i),
+                f"field {SPARSE_NAMES[j]} is {_text(cats[i, j])!r}, which is -1 as an int64 id "
+                f'(id_mapping="raw"), the padding id; leave the field empty for a missing value',
+            )
+    return labels, dense, values, empty, bad
 
 
 class CriteoBatches:
@@ -300,9 +331,9 @@ class CriteoBatches:
 def criteo(
     paths: str | os.PathLike | Sequence[str | os.PathLike],
     batch_size: int,
-    vocabulary_sizes: Sequence[int],
+    vocabulary_sizes: Sequence[int] | None,
     *,
-    id_mapping: Literal["mod", "hash"] = "mod",
+    id_mapping: Literal["mod", "hash", "raw"] = "mod",
     sharding: jax.sharding.Sharding | None = None,
     on_error: Literal["raise", "skip"] = "raise",
     num_epochs: int | None = 1,
@@ -317,11 +348,16 @@ def criteo(
     Args:
         paths: One file or a list; plain or gzip. Process p of P reads paths[p::P].
         batch_size: Global B; each process yields B / P rows of every batch.
-        vocabulary_sizes: V of C1..C26 (26 ints): ids are in [0, V).
-        id_mapping: "mod" (x mod V, MLPerf's rule) or "hash" (64-bit mix, then mod V).
+        vocabulary_sizes: V of C1..C26 (26 ints): ids are in [0, V). Unused (may be None)
+            with id_mapping="raw".
+        id_mapping: "mod" (x mod V, MLPerf's rule), "hash" (64-bit mix, then mod V) or "raw"
+            (x itself as an int64 id, -1 where empty: for dynamic tables).
         sharding: For dimension 0 of every leaf, e.g. NamedSharding(mesh, P(axis)): leaves
             become global jax.Arrays (`jax.make_array_from_process_local_data`) built in the
-            prefetch thread. None: NumPy arrays (then P must be 1).
+            prefetch thread. None: NumPy arrays (then P must be 1). With id_mapping="raw" the
+            int64 ids are split on the host (`jte.split_ids`) first: each feature becomes a
+            `jte.SplitIds` of two global uint32 arrays, what a jitted step takes without
+            `jax_enable_x64`.
         on_error: "raise" (ValueError naming file and line) or "skip" (count and drop).
         num_epochs: Passes over the files; None repeats forever.
         drop_remainder: Drop the last batch if it is short (keeps shapes fixed for jit).
@@ -335,7 +371,9 @@ def criteo(
 
     Returns:
         An iterable of {"dense": float32 (B, 13), "sparse": {"C1".."C26": int32 (B,)},
-        "labels": float32 (B,)}, with `.skipped` and `.skipped_examples`.
+        "labels": float32 (B,)}, with `.skipped` and `.skipped_examples`. With
+        id_mapping="raw" the sparse leaves are int64 (B,) (NumPy), or `jte.SplitIds` of
+        uint32 (B,) halves with a sharding.
     """
     grain = _grain()
     if not isinstance(drop_remainder, bool):
@@ -343,14 +381,22 @@ def criteo(
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     paths = [os.fspath(p) for p in paths]
-    vocabulary_sizes = [int(v) for v in vocabulary_sizes]
-    if len(vocabulary_sizes) != NUM_SPARSE or min(vocabulary_sizes) < 1:
+    if id_mapping not in ID_MAPPINGS:
         raise ValueError(
-            f"data.criteo: vocabulary_sizes must be {NUM_SPARSE} positive ints (C1..C26), got "
-            f"{vocabulary_sizes!r}."
+            f'data.criteo: id_mapping must be "mod", "hash" or "raw", got {id_mapping!r}.'
         )
-    if id_mapping not in ("mod", "hash"):
-        raise ValueError(f'data.criteo: id_mapping must be "mod" or "hash", got {id_mapping!r}.')
+    if vocabulary_sizes is None and id_mapping != "raw":
+        raise ValueError(
+            f"data.criteo: id_mapping={id_mapping!r} needs vocabulary_sizes ({NUM_SPARSE} "
+            f'positive ints, C1..C26); only id_mapping="raw" takes None.'
+        )
+    if vocabulary_sizes is not None:
+        vocabulary_sizes = [int(v) for v in vocabulary_sizes]
+        if len(vocabulary_sizes) != NUM_SPARSE or min(vocabulary_sizes) < 1:
+            raise ValueError(
+                f"data.criteo: vocabulary_sizes must be {NUM_SPARSE} positive ints (C1..C26), "
+                f"got {vocabulary_sizes!r}."
+            )
     if on_error not in ("raise", "skip"):
         raise ValueError(f'data.criteo: on_error must be "raise" or "skip", got {on_error!r}.')
     missing = [p for p in paths if not os.path.isfile(p)]
@@ -396,6 +442,8 @@ def criteo(
             "labels": batch["labels"],
         }
         if sharding is not None:
+            if id_mapping == "raw":  # No global int64 arrays without x64: uint32 halves.
+                out["sparse"] = {k: _inputs.split_ids(v) for k, v in out["sparse"].items()}
             out = jax.tree.map(
                 lambda x: jax.make_array_from_process_local_data(
                     sharding, np.ascontiguousarray(x), (x.shape[0] * processes, *x.shape[1:])

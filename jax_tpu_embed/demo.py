@@ -3,6 +3,7 @@
     python -m jax_tpu_embed.demo            # `make demo`; about 1-2 minutes on 2 CPU cores
     python -m jax_tpu_embed.demo --small    # seconds; what tests/test_demo.py runs
     python -m jax_tpu_embed.demo --data day_0.gz [day_1.gz ...]   # real Criteo click logs
+    python -m jax_tpu_embed.demo --data day_0.gz --id-mapping dynamic   # dynamic tables
 
 The data: 13 dense features and 26 categorical ones with Criteo's (clipped) vocabulary sizes
 and power-law id frequencies. Clicks come from a hidden planted model (per-row effects, dense
@@ -18,6 +19,11 @@ day files, plain or gzip) read by `jte.data.criteo`: every `--eval-every`-th lin
 default) of each file is held out for the AUC, the rest is repeated for `--steps` steps. The
 vocabulary sizes are the config's (categorical values mapped by `--id-mapping`, "mod" by
 default); the input pipeline's examples/s alone is printed next to the train step's.
+`--id-mapping dynamic` keeps each categorical value itself as an int64 id (`jte.data.criteo`'s
+"raw" mapping: no mod, no collisions; an empty field is -1, no row) in dynamic tables
+(`jte.DynamicTable`, LRU eviction) of `--capacity` rows each (default: the config's vocabulary
+sizes); the ids reach the jitted step as `jte.split_ids` halves, and the tables'
+`dynamic_stats` (occupancy, admitted, evicted, ...) are printed at the end.
 
 Runs on every local device: on CPU, 8 simulated devices unless XLA_FLAGS already says how
 many; on a TPU VM, its chips. Writes under out/demo/: training_curve.png, summary.json and a
@@ -155,7 +161,7 @@ class CriteoFiles:
     not stop a long run; `jte.data.criteo`'s default is to raise.
     """
 
-    def __init__(self, paths: Sequence[str], vocab: Sequence[int], eval_every: int, mapping):
+    def __init__(self, paths: Sequence[str], vocab: Sequence[int] | None, eval_every: int, mapping):
         if eval_every < 2:
             raise ValueError(f"--eval-every must be at least 2, got {eval_every}.")
         self.paths = list(paths)
@@ -205,7 +211,10 @@ class CriteoFiles:
             if rows <= 0:
                 return
             pad = np.arange(batch_size) % b["labels"].shape[0]
-            yield _model_batch(jax.tree.map(lambda x, pad=pad: x[pad], b)), rows
+            b = jax.tree.map(lambda x, pad=pad: x[pad], b)
+            if self.mapping == "raw":  # NumPy int64 ids: jit would cut them to int32.
+                b["sparse"] = {k: jte.split_ids(v) for k, v in b["sparse"].items()}
+            yield _model_batch(b), rows
             seen += rows
 
 
@@ -317,11 +326,51 @@ def _parse(argv):
     )
     p.add_argument(
         "--id-mapping",
-        choices=("mod", "hash"),
+        choices=("mod", "hash", "dynamic"),
         default="mod",
-        help='With --data: categorical value -> row, "mod" (MLPerf) or "hash".',
+        help='With --data: categorical value -> row, "mod" (MLPerf) or "hash" into tables of '
+        'the config\'s vocabulary sizes, or "dynamic": the value itself as an int64 id of a '
+        "dynamic table (no collisions).",
     )
-    return p.parse_args(argv)
+    p.add_argument(
+        "--capacity",
+        type=int,
+        nargs="+",
+        metavar="ROWS",
+        default=None,
+        help="With --id-mapping dynamic: rows of each dynamic table, one number for all or "
+        "one per table (C1..C26); default: the vocabulary sizes the other mappings use.",
+    )
+    args = p.parse_args(argv)
+    if args.id_mapping == "dynamic" and not args.data:
+        p.error("--id-mapping dynamic reads Criteo files: give them with --data.")
+    if args.capacity is not None and args.id_mapping != "dynamic":
+        p.error("--capacity sizes dynamic tables: it needs --id-mapping dynamic.")
+    return args
+
+
+def _capacities(capacity: list[int] | None, vocab: list[int]) -> list[int]:
+    """Rows of each dynamic table: --capacity (one for all, or one per table) or `vocab`."""
+    if capacity is None:
+        return list(vocab)
+    if len(capacity) not in (1, len(vocab)) or min(capacity) < 1:
+        raise ValueError(
+            f"--capacity: one positive number for every table or {len(vocab)} (one per "
+            f"table), got {capacity}."
+        )
+    return list(capacity) * len(vocab) if len(capacity) == 1 else list(capacity)
+
+
+def _print_dynamic_stats(stats: dict[str, dict[str, int]], rows: dict[str, int]) -> None:
+    """One line per dynamic table: its counters since init (Embedding.dynamic_stats)."""
+    cols = ("occupancy", "admitted", "evicted", "rejected", "failed", "hits", "misses")
+    width = max(len(c) for c in cols) + 1
+    print("Dynamic tables: rows (capacity) and counters since init (Embedding.dynamic_stats):")
+    print(f"{'table':<6}{'rows':>9}" + "".join(f"{c:>{width}}" for c in cols))
+    for name, st in stats.items():
+        print(f"{name:<6}{rows[name]:>9,}" + "".join(f"{st[c]:>{width},}" for c in cols))
+    total = {c: sum(st[c] for st in stats.values()) for c in cols}
+    print(f"{'all':<6}{sum(rows.values()):>9,}" + "".join(f"{total[c]:>{width},}" for c in cols))
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -354,10 +403,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise ValueError(
             f"batch sizes ({batch_size}, eval {eval_batch}) must be multiples of the {n} devices."
         )
+    dynamic = args.id_mapping == "dynamic"
+    capacity = _capacities(args.capacity, vocab) if dynamic else None
+    table_text = (
+        f"{len(vocab)} dynamic tables (capacity {sum(capacity):,} rows"
+        if capacity is not None
+        else f"{len(vocab)} tables ({sum(vocab):,} rows"
+    )
     print(
-        f"jax_tpu_embed demo: DLRM, {len(vocab)} tables ({sum(vocab):,} rows x "
-        f"{model_cfg['embedding_dim']}), batch {batch_size}, {steps} steps, "
-        f"{n} {devices[0].platform} devices."
+        f"jax_tpu_embed demo: DLRM, {table_text} x {model_cfg['embedding_dim']}), batch "
+        f"{batch_size}, {steps} steps, {n} {devices[0].platform} devices."
     )
 
     rng = np.random.default_rng(cfg["seed"])
@@ -376,10 +431,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     dim = model_cfg["embedding_dim"]
     names = [f"C{i + 1}" for i in range(len(vocab))]
-    features = {
-        name: jte.FeatureConfig(jte.TableConfig(v, dim, combiner="sum", name=name))
-        for name, v in zip(names, vocab)
-    }
+    if capacity is None:
+        tables = [
+            jte.TableConfig(v, dim, combiner="sum", name=name) for name, v in zip(names, vocab)
+        ]
+    else:  # Any int64 id; a new id evicts its bucket's least recently updated row when full.
+        tables = [
+            jte.TableConfig(
+                dim=dim, combiner="sum", name=name, dynamic=jte.DynamicTable(capacity=c)
+            )
+            for name, c in zip(names, capacity)
+        ]
+    features = {t.name: jte.FeatureConfig(t) for t in tables}
     spec = jte.EmbeddingSpec(features, _optimizer(train_cfg["embedding_optimizer"]))
     model = DLRM(jte.flax.Embed(spec), tuple(model_cfg["bottom_mlp"]), tuple(model_cfg["top_mlp"]))
     step = jte.flax.make_train_step(model, bce_loss, optax.adam(train_cfg["dense_learning_rate"]))
@@ -390,7 +453,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         next_batch = lambda: data.sample(batch_size, train_rng)[0]
     else:
         assert args.data is not None
-        files = CriteoFiles(args.data, vocab, args.eval_every, args.id_mapping)
+        # "raw": int64 ids, split into jte.SplitIds halves on the host (in the reader's
+        # prefetch thread, since the batches are global arrays) before the jitted step.
+        files = (
+            CriteoFiles(args.data, None, args.eval_every, "raw")
+            if dynamic
+            else CriteoFiles(args.data, vocab, args.eval_every, args.id_mapping)
+        )
         sharding = jte.multihost.batch_sharding(model.embed.embedding)
         pipeline_rate = files.pipeline_rate(batch_size, sharding, batches=min(steps, 50))
         train_batches = iter(files.train(batch_size, sharding))
@@ -478,6 +547,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         else f"DLRM on {len(files.paths)} Criteo file(s): held-out AUC {eval_auc:.3f}"
     )
     plot_path = _plot(out / "training_curve.png", losses, title)
+    dynamic_stats, dynamic_rows = None, {}
+    if dynamic:
+        ((name, emb),) = step.embeddings.items()
+        stats = emb.dynamic_stats(jte.flax.embedding_states(state.embedding)[name])
+        dynamic_stats = {t: {k: int(v) for k, v in stats[t].items()} for t in names}
+        dynamic_rows = {t: emb.dynamic[t].rows for t in names}
     checkpoint_dir, checkpoint_note = _checkpoint(out / "checkpoint", step, state)
 
     head = float(np.mean(losses[:log_every]))
@@ -506,6 +581,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         summary["data"] = files.paths
         summary["pipeline_examples_per_second"] = round(pipeline_rate or 0.0, 1)
         summary["skipped_lines"] = files.skipped
+        summary["id_mapping"] = args.id_mapping
+    if dynamic_stats is not None:
+        summary["dynamic_rows"] = dynamic_rows
+        summary["dynamic_stats"] = dynamic_stats
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(
         f"\nTrained {steps} steps of {batch_size} examples in {train_seconds:.1f} s "
@@ -532,6 +611,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"Held-out: AUC {eval_auc:.4f}, log loss {eval_loss:.4f} on {labels.size:,} "
             f"examples (every {args.eval_every}th line of the files)."
         )
+    if dynamic_stats is not None:
+        _print_dynamic_stats(dynamic_stats, dynamic_rows)
     print(f"Plot: {plot_path or 'not written (' + 'matplotlib unavailable)'}")
     print(f"Checkpoint: {checkpoint_dir or checkpoint_note}")
     print(f"Summary: {out / 'summary.json'}")

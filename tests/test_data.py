@@ -88,6 +88,48 @@ def test_batches_match_reference(files, mapping):
     assert (got[2][:, 3] == 0).all()  # V = 1.
 
 
+def test_raw_ids_are_the_hex_values(tmp_path, files):
+    """id_mapping="raw": each value itself as an int64 id (beyond int32 too), -1 where empty,
+    vocabulary_sizes unused; with a sharding, jte.SplitIds of global uint32 arrays."""
+    paths, rows = files
+    batches = jte.data.criteo(paths, 64, None, id_mapping="raw", drop_remainder=False)
+    got = list(batches)
+    assert all(b["sparse"][f"C{j + 1}"].dtype == np.int64 for b in got for j in range(26))
+    ids = np.stack([np.concatenate([b["sparse"][f"C{j + 1}"] for b in got]) for j in range(26)], 1)
+    want = np.array([[int(x, 16) if x else -1 for x in r[14:]] for r in rows], np.int64)
+    np.testing.assert_array_equal(ids, want)
+    assert (ids == -1).any() and (ids > np.iinfo(np.int32).max).any()  # Empty; beyond int32.
+    # Not the value 0's id: an empty field is missing, not a category.
+    path = tmp_path / "edges.tsv"
+    values = ["", "0", "ffffffff", "7fffffffffffffff", "8000000000000000", "FFFFFFFFFFFFFFFE"]
+    path.write_text("\t".join(["1"] + [""] * 13 + values + ["1"] * 20) + "\n")
+    (b,) = list(jte.data.criteo([str(path)], 1, None, id_mapping="raw"))
+    want_edges = [-1, 0, 2**32 - 1, 2**63 - 1, -(2**63), -2]
+    assert [int(b["sparse"][f"C{j + 1}"][0]) for j in range(6)] == want_edges
+    # With a sharding: split on the host into global uint32 halves that join to the ids.
+    sharding = NamedSharding(make_mesh(8), P("shard"))
+    batches = jte.data.criteo(paths, 64, None, id_mapping="raw", sharding=sharding)
+    first = next(iter(batches))["sparse"]["C1"]
+    assert isinstance(first, jte.SplitIds) and first.hi.sharding == sharding
+    assert first.hi.dtype == first.lo.dtype == np.uint32
+    np.testing.assert_array_equal(jte.join_ids(jte.SplitIds(*map(np.asarray, first))), want[:64, 0])
+
+
+def test_raw_ids_bad_values(tmp_path, files):
+    paths, rows = files
+    path = tmp_path / "minus_one.tsv"
+    fields = list(rows[0])
+    fields[20] = "ffffffffffffffff"  # C7: the id -1, padding.
+    path.write_text("\t".join(fields) + "\n")
+    with pytest.raises(ValueError, match=r"line 1: field C7 is 'ffffffffffffffff', which is -1"):
+        list(jte.data.criteo([str(path)], 1, None, id_mapping="raw"))
+    assert len(list(jte.data.criteo([str(path)], 1, VOCAB))) == 1  # A value as any other.
+    with pytest.raises(ValueError, match="id_mapping='mod' needs vocabulary_sizes"):
+        jte.data.criteo(paths, 8, None)
+    with pytest.raises(ValueError, match="vocabulary_sizes must be 26 positive ints"):
+        jte.data.criteo(paths, 8, VOCAB[:25], id_mapping="raw")
+
+
 def test_threads_and_epochs_and_remainder(files):
     paths, rows = files
     want = reference(rows)
@@ -204,7 +246,7 @@ def test_bad_arguments(files):
     paths, _ = files
     with pytest.raises(ValueError, match="vocabulary_sizes must be 26 positive ints"):
         jte.data.criteo(paths, 8, VOCAB[:25])
-    with pytest.raises(ValueError, match='id_mapping must be "mod" or "hash", got \'md5\''):
+    with pytest.raises(ValueError, match='id_mapping must be "mod", "hash" or "raw", got \'md5\''):
         jte.data.criteo(paths, 8, VOCAB, id_mapping="md5")  # pyright: ignore[reportArgumentType]
     with pytest.raises(FileNotFoundError, match="nope.tsv"):
         jte.data.criteo(paths + ["nope.tsv"], 8, VOCAB)

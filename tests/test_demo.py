@@ -103,3 +103,67 @@ def test_demo_trains_on_criteo_files(tmp_path, capsys):
     assert summary["final_loss"] < summary["first_loss"]
     assert summary["eval_auc"] > 0.6
     assert (tmp_path / "out" / "training_curve.png").stat().st_size > 1000
+
+
+@pytest.mark.slow  # About 35 s on 2 cores: 26 dynamic tables compile in ~17 s alone.
+def test_demo_dynamic_tables_on_criteo_files(tmp_path):
+    """--id-mapping dynamic: the raw hex values as int64 ids in dynamic tables; a few steps,
+    then the tables' dynamic_stats and the AUC. In a subprocess on one CPU device: on 8
+    devices the 26 dynamic tables compile for ~30 s, and twice (the second step compiles
+    again: the state init makes is sharded differently from the one the step returns)."""
+    import os
+    import subprocess
+    import sys
+
+    from criteo_files import write_criteo
+
+    path = tmp_path / "day_0.tsv"
+    rows = write_criteo(path, 1000, seed=0)
+    out = tmp_path / "out"
+    args = ["--small", "--data", str(path), "--eval-every", "5", "--steps", "4"]
+    args += ["--batch-size", "128", "--id-mapping", "dynamic", "--capacity", "512"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(pathlib.Path(demo.__file__).parent.parent)]
+        + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_tpu_embed.demo", *args, "--out", str(out), "--no-progress"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    assert "26 dynamic tables (capacity 13,312 rows x 16)" in text
+    assert "Held-out: AUC" in text and "Dynamic tables:" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["id_mapping"] == "dynamic" and summary["trace_count"] == 1
+    assert 0.0 <= summary["eval_auc"] <= 1.0 and summary["eval_examples"] == 200
+    stats, table_rows = summary["dynamic_stats"], summary["dynamic_rows"]
+    assert list(stats) == [f"C{j + 1}" for j in range(26)]
+    train = [r for i, r in enumerate(rows) if (i + 1) % 5 != 0]
+    for j, (name, st) in enumerate(stats.items()):
+        line = next(x for x in text.splitlines() if x.split()[:1] == [name])
+        assert line.split()[1:3] == [f"{table_rows[name]:,}", f"{st['occupancy']:,}"]
+        # Every distinct non-empty value of the 4 x 128 training lines got a row; an empty
+        # field (-1, padding) none.
+        seen = {r[14 + j] for r in train[: 4 * 128]} - {""}
+        assert st["admitted"] == st["occupancy"] == len(seen), name
+        assert st["evicted"] == st["failed"] == st["rejected"] == 0
+        assert table_rows[name] >= 512
+
+
+def test_demo_dynamic_flags_are_checked(capsys):
+    with pytest.raises(SystemExit):
+        demo.main(["--id-mapping", "dynamic"])  # Synthetic data has no raw ids.
+    assert "--id-mapping dynamic reads Criteo files" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        demo.main(["--data", "x.tsv", "--capacity", "100"])
+    assert "--capacity sizes dynamic tables" in capsys.readouterr().err
+    assert demo._capacities(None, [5, 7]) == [5, 7]
+    assert demo._capacities([3], [5, 7]) == [3, 3]
+    assert demo._capacities([3, 4], [5, 7]) == [3, 4]
+    with pytest.raises(ValueError, match="--capacity: one positive number"):
+        demo._capacities([3, 4, 5], [5, 7])
