@@ -391,10 +391,12 @@ def _reset_fresh(storage, table, slots: dict, rows, fresh, key, hi, lo, dim: int
         at = jnp.nonzero(fresh, size=k, fill_value=n)[0]
         picked = jnp.minimum(at, n - 1)
         init = initial_rows(key, hi[picked], lo[picked], dim)
-        return _reset(storage, *arrays, rows[picked], at < n, init)
+        table, slots = arrays
+        return _reset(storage, table, slots, rows[picked], at < n, init)
 
     def every(arrays):
-        return _reset(storage, *arrays, rows, fresh, initial_rows(key, hi, lo, dim))
+        table, slots = arrays
+        return _reset(storage, table, slots, rows, fresh, initial_rows(key, hi, lo, dim))
 
     if k == n:
         return every((table, slots))
