@@ -35,7 +35,9 @@ def pad_ragged(values, *, row_lengths=None, row_splits=None, weights=None, max_l
         max_length: L; longer rows are truncated at the end. Default: the longest row (>= 1).
 
     Returns:
-        int32 (B, L) ids padded with -1, or `Weighted(ids, weights)` with float32 weights.
+        (B, L) ids padded with -1, int32 unless a value needs 64 bits (a dynamic table's id;
+        for a static table it is then named as out of range, never wrapped into another id),
+        then int64; or `Weighted(ids, weights)` with float32 weights.
     """
     values = np.asarray(values)
     if values.ndim != 1:
@@ -71,7 +73,11 @@ def pad_ragged(values, *, row_lengths=None, row_splits=None, weights=None, max_l
     rows = np.repeat(np.arange(batch), lengths)
     cols = np.arange(values.size) - splits[rows]
     keep = cols < width
-    ids = np.full((batch, width), -1, np.int32)
+    small = values.size == 0 or (
+        np.issubdtype(values.dtype, np.integer)
+        and np.iinfo(np.int32).min <= values.min() <= values.max() <= np.iinfo(np.int32).max
+    )
+    ids = np.full((batch, width), -1, np.int32 if small else np.int64)
     ids[rows[keep], cols[keep]] = values[keep]
     if weights is None:
         return ids

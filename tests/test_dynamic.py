@@ -135,6 +135,8 @@ def key_words(state):
         (1, "gather", "xla", "mean", "explicit"),
         pytest.param(4, "gather", "cpu", "sqrtn", "auto", marks=pytest.mark.slow),
         pytest.param(8, "owner", "xla", "sum", "explicit", marks=pytest.mark.slow),
+        # Lane-packed arrays with riders: the reset writes a row's lanes of a packed array.
+        pytest.param(2, "gather", "pallas_interpret", "mean", "auto", marks=pytest.mark.slow),
     ],
 )
 def test_matches_the_dict_reference(n, routing, backend, combiner, kind):
@@ -563,3 +565,13 @@ def test_nnx_layer_and_micro_batches():
     state, _ = accum(state, {"features": {"user": jte.split_ids(ids)}})
     exported = users(emb.export(state.embedding)["users"])
     assert set(exported.ids.tolist()) == set(ids.ravel().tolist())
+
+
+def test_pad_ragged_keeps_64_bit_ids():
+    """pad_ragged gives int64 ids when a value needs 64 bits (never wrapped into int32), int32
+    otherwise."""
+    big = np.array([2**40 + 3, -(2**50), 7, 2**62], np.int64)
+    ids = jte.pad_ragged(big, row_lengths=[2, 0, 2])
+    assert ids.dtype == np.int64
+    np.testing.assert_array_equal(ids, [[2**40 + 3, -(2**50)], [-1, -1], [7, 2**62]])
+    assert jte.pad_ragged(np.array([1, 2], np.int64), row_lengths=[1, 1]).dtype == np.int32
