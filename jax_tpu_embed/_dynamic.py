@@ -480,29 +480,30 @@ def live(plan: DynamicPlan, storage, index, now: int) -> tuple[np.ndarray, np.nd
     return np.asarray(ids, np.int64), slot_rows(storage, global_rows)
 
 
-def check_rows(name: str, given: DynamicRows, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids int64, rows float32) of a `DynamicRows` given for table `name`, checked: distinct
-    ids other than -1, one (dim,) row each."""
+def check_rows(where: str, given: DynamicRows, dim: int | None = None):
+    """(ids int64 ascending, their rows) of a `DynamicRows`, checked: a 1-D signed integer
+    ids array of distinct ids other than -1, one row each ((n, dim), or (n, D) for any D when
+    `dim` is None). Errors start with `where` (e.g. "restore_tables: table 'users'")."""
     ids = np.asarray(given.ids)
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.signedinteger):
         raise ValueError(
-            f"restore_tables: table {name!r}: DynamicRows.ids must be a 1-D signed integer "
-            f"array, got {ids.dtype} {ids.shape}."
+            f"{where}: DynamicRows.ids must be a 1-D signed integer array, got "
+            f"{ids.dtype} {ids.shape}."
         )
     ids = ids.astype(np.int64)
-    rows = np.asarray(given.rows, np.float32)
-    if rows.shape != (len(ids), dim):
+    rows = np.asarray(given.rows)
+    if rows.ndim != 2 or rows.shape[0] != len(ids) or dim not in (None, rows.shape[1]):
         raise ValueError(
-            f"restore_tables: table {name!r}: DynamicRows.rows has shape {rows.shape}, "
-            f"expected ({len(ids)}, {dim}) (one row per id)."
+            f"{where}: DynamicRows.rows has shape {rows.shape}, expected "
+            f"({len(ids)}, {dim or 'D'}) (one row per id)."
         )
     if np.any(ids == -1):
-        raise ValueError(f"restore_tables: table {name!r}: -1 is padding, never an id.")
+        raise ValueError(f"{where}: -1 is padding, never an id.")
     order = np.argsort(ids, kind="stable")
     ids, rows = ids[order], rows[order]
     if len(ids) > 1 and np.any(ids[1:] == ids[:-1]):
         dup = ids[1:][ids[1:] == ids[:-1]][0]
-        raise ValueError(f"restore_tables: table {name!r}: id {dup} is given twice.")
+        raise ValueError(f"{where}: id {dup} is given twice.")
     return ids, rows
 
 

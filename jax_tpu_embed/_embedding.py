@@ -437,7 +437,8 @@ class Embedding:
                     f"restore_tables: table {name!r} is dynamic: give jte.DynamicRows(ids, "
                     f"rows) (what export gives), got {type(given).__name__}."
                 )
-            ids, rows = _dynamic.check_rows(name, given, plan.dim)
+            ids, rows = _dynamic.check_rows(f"restore_tables: table {name!r}", given, plan.dim)
+            rows = rows.astype(np.float32)
             try:
                 built, global_rows = _dynamic.build_index(plan, self.num_shards, ids, step)
             except ValueError as e:

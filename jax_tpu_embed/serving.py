@@ -62,25 +62,9 @@ def served_rows(rows: _dynamic.DynamicRows, key: Any = None) -> dict[str, np.nda
     halves sorted as unsigned 64-bit keys; "rows": (n, D) in that order; "key": uint32 (2,)
     when given, the table's key words (`state.index[name].key`) that unknown="init" draws
     initial rows from}. No ids: one padding entry (id -1, never found). NumPy."""
-    ids = np.asarray(rows.ids)
-    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.signedinteger):
-        raise ValueError(
-            f"serving: DynamicRows.ids must be a 1-D signed integer array, got "
-            f"{ids.dtype} {ids.shape}."
-        )
-    ids = ids.astype(np.int64)
-    values = np.asarray(rows.rows)
-    if values.ndim != 2 or values.shape[0] != len(ids):
-        raise ValueError(
-            f"serving: DynamicRows.rows has shape {values.shape}; expected ({len(ids)}, D), "
-            f"one row per id."
-        )
-    if (ids == -1).any():
-        raise ValueError("serving: -1 is padding, never an id of DynamicRows.")
+    ids, values = _dynamic.check_rows("serving", rows)
     order = np.argsort(ids.view(np.uint64), kind="stable")
     ids, values = ids[order], values[order]
-    if len(ids) > 1 and (ids[1:] == ids[:-1]).any():
-        raise ValueError(f"serving: id {ids[1:][ids[1:] == ids[:-1]][0]} is given twice.")
     if not len(ids):
         ids, values = np.full((1,), -1, np.int64), np.zeros((1, values.shape[1]), values.dtype)
     split = _inputs.split_ids(ids)
