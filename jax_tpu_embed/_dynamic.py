@@ -437,6 +437,13 @@ def _write_rows(packing, array, rows, values):
     return view.at[rows].set(values.astype(array.dtype), mode="drop").reshape(array.shape)
 
 
+def key_words(table_key):
+    """The (2,) uint32 words a table's initial rows are drawn from: its key's first and last
+    (as `_init.default_rows` takes them)."""
+    words = jax.random.key_data(table_key).reshape(-1).astype(jnp.uint32)
+    return jnp.stack([words[0], words[-1]])
+
+
 def empty_index(plan: DynamicPlan, num_shards: int):
     """The index of a table that holds no id yet (jnp arrays, traceable)."""
     return jax.tree.map(jnp.asarray, _hashindex.empty_state(plan.index, num_shards))
@@ -465,13 +472,6 @@ def slot_rows(storage, global_rows):
     if storage.layout.strategy == "mod":
         return local * storage.layout.num_shards + shard
     return shard * s + local
-
-
-def index_rows(storage, rows):
-    """The inverse of `slot_rows`."""
-    rows = np.asarray(rows, np.int64)
-    shard, local = storage.layout.owner_and_local(rows)
-    return np.asarray(shard, np.int64) * storage.layout.rows_per_shard + local
 
 
 def live(plan: DynamicPlan, storage, index, now: int) -> tuple[np.ndarray, np.ndarray]:
@@ -505,21 +505,6 @@ def check_rows(where: str, given: DynamicRows, dim: int | None = None):
         dup = ids[1:][ids[1:] == ids[:-1]][0]
         raise ValueError(f"{where}: id {dup} is given twice.")
     return ids, rows
-
-
-def build_index(plan: DynamicPlan, num_shards: int, ids: np.ndarray, step: int):
-    """(an index holding `ids`, each one's global row), its scores as if every id had been
-    updated at `step`. ValueError when the capacity cannot hold them."""
-    capacity = plan.rows
-    if len(ids) > capacity:
-        raise ValueError(
-            f"{len(ids)} ids do not fit its capacity of {capacity} rows "
-            f"({plan.index.buckets} buckets of {plan.index.bucket_size})."
-        )
-    n = len(ids)
-    return _hashindex.build(
-        plan.index, num_shards, ids, np.full(n, step, np.int32), np.ones(n, np.int32)
-    )
 
 
 # ------------------------------------------- the index's logical form (checkpoints, IO)

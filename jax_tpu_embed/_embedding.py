@@ -298,8 +298,7 @@ class Embedding:
         out = {}
         keys = self.initializer.table_keys(key) if self.dynamic else {}
         for name in self.dynamic:
-            words = jax.random.key_data(keys[name]).reshape(-1).astype(jnp.uint32)
-            state = self._empty_index(name, jnp.stack([words[0], words[-1]]))
+            state = self._empty_index(name, _dynamic.key_words(keys[name]))
             out[name] = jax.tree.map(
                 lambda x, s: (
                     _sharding.constrain(x, s)
@@ -439,8 +438,10 @@ class Embedding:
                 )
             ids, rows = _dynamic.check_rows(f"restore_tables: table {name!r}", given, plan.dim)
             rows = rows.astype(np.float32)
+            n = len(ids)
+            entries = {"ids": ids, "last": np.full(n, step, np.int32), "count": np.ones(n)}
             try:
-                built, global_rows = _dynamic.build_index(plan, self.num_shards, ids, step)
+                built, global_rows = _dynamic.rebuild(plan, self.num_shards, entries)
             except ValueError as e:
                 raise ValueError(f"restore_tables: table {name!r}: {e}") from None
             where = _dynamic.slot_rows(storage, global_rows)
@@ -465,10 +466,7 @@ class Embedding:
                 full[where] = value
                 table_slots[slot_name] = full
             slots[name] = table_slots
-            words = jax.random.key_data(keys[name]).reshape(-1).astype(jnp.uint32)
-            state = _dynamic.DynamicState(
-                built, np.stack([np.asarray(words[0]), np.asarray(words[-1])])
-            )
+            state = _dynamic.DynamicState(built, _dynamic.key_words(keys[name]))
             index[name] = jax.tree.map(
                 lambda x, s: jax.device_put(np.asarray(x), s), state, self._index_shardings(name)
             )
@@ -574,8 +572,7 @@ class Embedding:
         index = jax.tree.map(self._fetch, state.index[name].index)
         now = int(np.asarray(jax.device_get(state.step)))
         plan = self.dynamic[name]
-        ids, rows = _dynamic.live(plan, self.table_plans[name].storage, index, now)
-        return ids, rows
+        return _dynamic.live(plan, self.table_plans[name].storage, index, now)
 
     def dynamic_counters(self, state: EmbeddingState) -> dict[str, dict[str, jax.Array]]:
         """`dynamic_stats` without `occupancy`: the counters, and `held` (ids holding a row,
@@ -830,9 +827,9 @@ class Embedding:
         split = self._split_dynamic(flat)
         extra = {}
         if split:
-            rows = self._dynamic_rows(index, step, split)
-            flat = {**flat, **self._dynamic_leaves(split, rows)}
-            extra = self._initial_rows(index, split, rows)
+            leaves = self._dynamic_leaves(split, self._dynamic_rows(index, step, split))
+            flat = {**flat, **leaves}
+            extra = self._initial_rows(index, split, leaves)
         feats = self._normalized(flat)
         batch = next(iter(feats.values()))[0].shape[0]
         row = P(self.axis)
@@ -896,15 +893,15 @@ class Embedding:
                 )
         return out
 
-    def _initial_rows(self, index, split, rows) -> dict:
+    def _initial_rows(self, index, split, leaves) -> dict:
         """{path: the natural-shaped activation part of the ids without a row}: their
-        initial rows, combined as their table combines."""
+        initial rows, combined as their table combines (`leaves`: `_dynamic_leaves`'s rows
+        and factors)."""
         out = {}
         for name, plan in self.dynamic.items():
             for path, f in plan.features.items():
-                hi, lo, w = split[path]
-                combiner = self._spec_tables[name].combiner
-                scale = _dynamic.scaled_weights(f, combiner, hi, lo, w)
+                hi, lo, _ = split[path]
+                rows, scale = leaves[path]
 
                 def local(key, hi, lo, rows, scale, f=f, dim=plan.dim):
                     missing = (rows < 0) & (scale != 0)
@@ -914,7 +911,7 @@ class Embedding:
                     return scale[..., None] * init
 
                 row = P(self.axis)
-                parts = [self._batch_sharded(x) for x in (hi, lo, rows[path], scale)]
+                parts = [self._batch_sharded(x) for x in (hi, lo, rows, scale)]
                 out[path] = self._shard_map(local, (P(), row, row, row, row), row)(
                     index[name].key, *parts
                 )
