@@ -74,6 +74,8 @@ class DynamicPlan:
     dim: int
     features: Mapping[str, _config.FeatureConfig]
     kernel: str = "xla"  # Who runs the index: "xla" (_hashindex) or "cpu" (_hashindex_cpu).
+    compact: bool = False  # Resolve each shard's ids in passes of `capacity` (TPU layouts).
+    window: int | None = None  # Distinct ids per pass when given (max_ids_per_shard).
 
     @property
     def rows(self) -> int:
@@ -233,9 +235,8 @@ def initial_rows_where(key, hi, lo, mask, dim: int):
     flat = mask.reshape(-1)
 
     def few(_):
-        at = jnp.nonzero(flat, size=k, fill_value=n)[0]
-        picked = jnp.minimum(at, n - 1)
-        rows = initial_rows(key, hi.reshape(-1)[picked], lo.reshape(-1)[picked], dim)
+        at, (p_hi, p_lo) = _first(flat, k, hi.reshape(-1), lo.reshape(-1))
+        rows = initial_rows(key, p_hi, p_lo, dim)
         out = jnp.zeros((n, dim), jnp.float32).at[at].set(rows, mode="drop")
         return out.reshape(shape + (dim,))
 
@@ -256,11 +257,11 @@ def missing_rows(key, hi, lo, scale, missing, dim: int):
     k = _few(n)
 
     def few(_):
-        at = jnp.nonzero(missing.reshape(-1), size=k, fill_value=n)[0]
-        picked = jnp.minimum(at, n - 1)
-        rows = initial_rows(key, hi.reshape(-1)[picked], lo.reshape(-1)[picked], dim)
-        part = jnp.where((at < n)[:, None], scale.reshape(-1)[picked][:, None] * rows, 0.0)
-        return jnp.zeros((b, dim), jnp.float32).at[picked // length].add(part)
+        flat = lambda x: x.reshape(-1)
+        at, (p_hi, p_lo, p_scale) = _first(flat(missing), k, flat(hi), flat(lo), flat(scale))
+        rows = initial_rows(key, p_hi, p_lo, dim)
+        part = jnp.where((at < n)[:, None], p_scale[:, None] * rows, 0.0)
+        return jnp.zeros((b, dim), jnp.float32).at[at // length].add(part, mode="drop")
 
     def every(_):
         init = jnp.where(missing[..., None], initial_rows(key, hi, lo, dim), 0.0)
@@ -288,6 +289,232 @@ def _gathered(hi_parts, lo_parts, axis):
     return lax.all_gather(hi, axis, tiled=True), lax.all_gather(lo, axis, tiled=True)
 
 
+def index_ops(plan: DynamicPlan):
+    """(find, update) of the plan's index kernel: the C++ one is bit-identical to the XLA
+    one (tests/test_hashindex_cpu.py)."""
+    if plan.kernel == "cpu":
+        return _hashindex_cpu.find, _hashindex_cpu.update
+    return _hashindex.find, _hashindex.update
+
+
+def with_kernel(plan: DynamicPlan, table_plan) -> DynamicPlan:
+    """The plan with its index run by the C++ kernel when its slot table's backend is the
+    C++ one ("cpu") and the kernel builds here, else by XLA ops; resolved in passes
+    (`capacity`) where the slot table is laid out for TPU."""
+    cpu = table_plan.backend.name == "cpu" and _hashindex_cpu.available()
+    return dataclasses.replace(
+        plan,
+        kernel="cpu" if cpu else "xla",
+        compact=table_plan.on_tpu,
+        window=table_plan.max_ids,
+    )
+
+
+# ------------------------------------------------- resolution: sorted, owned, distinct ids
+
+
+class Owned(NamedTuple):
+    """The distinct ids one shard owns among a table's gathered ids, compacted to the front
+    in (local bucket, priority, hi, lo) order, and what maps them back.
+
+    `hi`, `lo`, `bucket` are (P + C,) (P gathered positions, C the window; padding past the
+    `count` distinct ones); `first` is each distinct id's first position in the sorted
+    gathered ids; `pos` and `owned` are those sorted positions' original positions and
+    whether they are owned."""
+
+    hi: Any
+    lo: Any
+    bucket: Any
+    count: Any
+    first: Any
+    pos: Any
+    owned: Any
+
+
+def capacity(plan: DynamicPlan, positions: int, num_shards: int) -> int:
+    """C: distinct ids one shard resolves per pass. `max_ids_per_shard` when given; else on
+    TPU layouts 1.5 times the average share of the P gathered positions (the TPU compiler
+    charges each resolved id several tiles, so every device resolving all P would cost N
+    times its share); elsewhere P, one pass: XLA:CPU's loops cost more than the work they
+    save. A shard owning more distinct ids in a step runs more passes: never drops one."""
+    if plan.window:
+        c = plan.window
+    elif plan.compact:
+        c = -(-3 * positions // (2 * num_shards))
+    else:
+        return positions
+    return max(1, min(positions, -(-c // 8) * 8))
+
+
+def _owned(plan: DynamicPlan, hi, lo, keep, axis, window: int) -> Owned:
+    """Sorts the gathered ids (`_gathered`) by (owned first, local bucket, priority, hi, lo)
+    and compacts the distinct owned ones to the front. Two sorts of P entries; no gather
+    (the TPU compiler charges a 1-D gather a whole tile per element)."""
+    n = lax.axis_size(axis)
+    p = hi.shape[0]
+    nbl = plan.index.buckets // n
+    owner, bucket = _hashindex.locate(plan.index, n, hi, lo)
+    mine = (owner == lax.axis_index(axis)) & ~is_pad(hi, lo) & keep
+    k0 = jnp.where(mine, bucket, nbl)
+    prio = _hashindex.priority(plan.index, hi, lo)
+    iota = lax.iota(jnp.int32, p)
+    k0, _, hi, lo, pos = lax.sort((k0, prio, hi, lo, iota), num_keys=4)
+    owned = k0 < nbl
+    new = jnp.concatenate([jnp.ones((1,), bool), (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])])
+    first = owned & new
+    # The distinct ones to the front, in their sorted order.
+    _, d_at, d_hi, d_lo, d_bucket = lax.sort(
+        (jnp.where(first, 0, 1), iota, hi, lo, k0), num_keys=2
+    )
+    count = jnp.sum(first, dtype=jnp.int32)
+    live = iota < count
+    pad = lambda x, v: jnp.pad(jnp.where(live, x, v), (0, window), constant_values=v)
+    return Owned(
+        hi=pad(d_hi, jnp.uint32(PAD)),
+        lo=pad(d_lo, jnp.uint32(PAD)),
+        bucket=pad(d_bucket, 0),
+        count=count,
+        first=jnp.where(live, d_at, p),
+        pos=pos,
+        owned=owned,
+    )
+
+
+def _windows(owned: Owned, window: int, inputs, body, outputs, carry):
+    """Runs `values, carry = body(*window_of_each_input, valid, carry)` over the distinct
+    owned ids `window` at a time (`inputs`: (P + C,) arrays in distinct order) and collects
+    each of `values` ((window,) arrays) into the (P + C,) arrays `outputs` starts from. One
+    pass, straight-line, when the window holds every position."""
+    p = owned.pos.shape[0]
+
+    def run(start, outs, carry):
+        take = lambda x: lax.dynamic_slice_in_dim(x, start, window)
+        valid = lax.iota(jnp.int32, window) + start < owned.count
+        values, carry = body(*map(take, inputs), valid, carry)
+        outs = tuple(
+            lax.dynamic_update_slice_in_dim(o, v, start, 0) for o, v in zip(outs, values)
+        )
+        return outs, carry
+
+    if window >= p:
+        return run(jnp.int32(0), outputs, carry)
+
+    def step(state):
+        start, outs, carry = state
+        outs, carry = run(start, outs, carry)
+        return start + window, outs, carry
+
+    _, outs, carry = lax.while_loop(
+        lambda state: state[0] < owned.count, step, (jnp.int32(0), outputs, carry)
+    )
+    return outs, carry
+
+
+def _back(owned: Owned, values, shapes, axis):
+    """Each gathered position's value (int32, -1 for none) from its distinct id's
+    (`values`, (P + C,) in distinct order), summed over the devices (each position has one
+    owner) and scattered back: {i: (b, L) of this device's i-th feature}. No gather: each
+    distinct value's difference from the previous one goes to its id's first sorted
+    position, and a running sum carries it over the id's repeats."""
+    p = owned.pos.shape[0]
+    v = values[:p] + 1
+    delta = v - jnp.concatenate([jnp.zeros((1,), v.dtype), v[:-1]])
+    sorted_values = jnp.cumsum(jnp.zeros((p,), v.dtype).at[owned.first].set(delta, mode="drop"))
+    sorted_values = jnp.where(owned.owned, sorted_values, 0)
+    at_positions = jnp.zeros((p,), v.dtype).at[owned.pos].set(sorted_values)
+    return _scatter_back(at_positions - 1, shapes, axis)
+
+
+def lookup_rows(plan: DynamicPlan, storage, index, hi_parts, lo_parts, now, axis):
+    """Inside shard_map: the global slot-table rows (-1: none) of this device's ids of each
+    of the table's features (`hi_parts`/`lo_parts`: (b, L) each). Read-only."""
+    me = lax.axis_index(axis)
+    hi, lo = _gathered(hi_parts, lo_parts, axis)
+    shapes = [h.shape for h in hi_parts]
+    find, _ = index_ops(plan)
+    if plan.kernel == "cpu":  # The C++ index passes over padding without reading a bucket.
+        owner, bucket = _hashindex.locate(plan.index, lax.axis_size(axis), hi, lo)
+        others = owner != me
+        hi, lo = jnp.where(others, jnp.uint32(PAD), hi), jnp.where(others, jnp.uint32(PAD), lo)
+        row, found = find(plan.index, index, hi, lo, bucket, now)
+        rows = jnp.where(found & ~others, storage.layout.global_ids(me, row), -1)
+        return _scatter_back(rows, shapes, axis)
+    window = capacity(plan, hi.shape[0], lax.axis_size(axis))
+    owned = _owned(plan, hi, lo, True, axis, window)
+
+    def body(hi, lo, bucket, valid, carry):
+        row, found = find(plan.index, index, hi, lo, bucket, now)
+        return (jnp.where(found & valid, storage.layout.global_ids(me, row), -1),), carry
+
+    ids = (owned.hi, owned.lo, owned.bucket)
+    empty = (jnp.full(owned.hi.shape, -1, jnp.int32),)
+    (rows,), _ = _windows(owned, window, ids, body, empty, None)
+    return _back(owned, rows, shapes, axis)
+
+
+def update_rows(
+    plan: DynamicPlan, storage, index, key, table, slots, hi_parts, lo_parts, keep, now, axis
+):
+    """Inside shard_map: one step's admission and eviction on this shard's buckets, and the
+    reset of the rows it gives to new ids (table row to the id's initial row, slots to
+    their initial values). Returns (index, table, slots, [(b, L) global rows, -1 where the
+    id has no row, per feature]). `keep` False: the table is skipped this step (its index
+    is left as it is)."""
+    me = lax.axis_index(axis)
+    hi, lo = _gathered(hi_parts, lo_parts, axis)
+    shapes = [h.shape for h in hi_parts]
+    _, update = index_ops(plan)
+    if plan.kernel == "cpu":
+        n = lax.axis_size(axis)
+        owner, _ = _hashindex.locate(plan.index, n, hi, lo)
+        mine = (owner == me) & ~is_pad(hi, lo) & keep
+        u_hi, u_lo, u_valid, where = _hashindex_cpu.distinct(hi, lo, mine)
+        _, u_bucket = _hashindex.locate(plan.index, n, u_hi, u_lo)
+        index, u_row, fresh = update(plan.index, index, u_hi, u_lo, u_bucket, u_valid, now)
+        fresh = fresh & u_valid & (u_row >= 0)
+        table, slots = _reset_fresh(storage, table, slots, u_row, fresh, key, u_hi, u_lo, plan.dim)
+        row = u_row[where]
+        rows = jnp.where(mine & (row >= 0), storage.layout.global_ids(me, row), -1)
+        return index, table, slots, _scatter_back(rows, shapes, axis)
+    window = capacity(plan, hi.shape[0], lax.axis_size(axis))
+    owned = _owned(plan, hi, lo, keep, axis, window)
+    config, ids = plan.index, (owned.hi, owned.lo, owned.bucket)
+    like = lambda dtype, value=0: jnp.full(owned.hi.shape, value, dtype)
+
+    # Rules 1-3 (hits, admission, freed slots), then placement, each a pass at a time
+    # (`_hashindex.place`: a bucket's ids may span passes); the filter sees them all.
+    def sighted(hi, lo, bucket, valid, index):
+        s = _hashindex.sighted(config, index, hi, lo, bucket, valid, now)
+        return (s.hit, s.row, s.miss, s.admit, s.in_filter, s.f_lane, s.sightings), s.state
+
+    bools = [like(bool)] * 5
+    seen, index = _windows(
+        owned,
+        window,
+        ids,
+        sighted,
+        (bools[0], like(jnp.int32, -1), *bools[1:4], like(jnp.int32), like(jnp.int32)),
+        index,
+    )
+    seen = _hashindex.Sighted(None, *seen)
+
+    def place(hi, lo, bucket, admit, valid, index):
+        index, row, placed = _hashindex.place(config, index, hi, lo, bucket, admit & valid, now)
+        return (row, placed), index
+
+    (row, fresh), index = _windows(
+        owned, window, (*ids, seen.admit), place, (like(jnp.int32, -1), like(bool)), index
+    )
+    if config.min_count > 1:
+        index = _hashindex.filter_step(config, index, *ids, seen, fresh)
+    u_row = jnp.where(seen.hit, seen.row, row)
+    table, slots = _reset_fresh(
+        storage, table, slots, row, fresh, key, owned.hi, owned.lo, plan.dim
+    )
+    rows = jnp.where(u_row >= 0, storage.layout.global_ids(me, u_row), -1)
+    return index, table, slots, _back(owned, rows, shapes, axis)
+
+
 def _scatter_back(global_rows, shapes, axis):
     """Rows (-1: none) of the gathered ids, summed over devices (each id has one owner) and
     scattered back: {i: (b, L) rows of this device's i-th feature}."""
@@ -300,79 +527,14 @@ def _scatter_back(global_rows, shapes, axis):
     return out
 
 
-def _distinct(hi, lo, valid):
-    """Sorted distinct (hi, lo) of the valid entries (the rest padding, after them), a
-    mask of the distinct ones, and each entry's position in the distinct list."""
-    n = hi.shape[0]
-    hi = jnp.where(valid, hi, jnp.uint32(PAD))
-    lo = jnp.where(valid, lo, jnp.uint32(PAD))
-    order = jnp.arange(n, dtype=jnp.int32)
-    s_hi, s_lo, perm = lax.sort((hi, lo, order), num_keys=2)
-    first = jnp.concatenate(
-        [jnp.ones((1,), bool), (s_hi[1:] != s_hi[:-1]) | (s_lo[1:] != s_lo[:-1])]
-    )
-    segment = jnp.cumsum(first.astype(jnp.int32)) - 1
-    u_hi = jnp.full((n,), PAD, jnp.uint32).at[segment].set(s_hi)
-    u_lo = jnp.full((n,), PAD, jnp.uint32).at[segment].set(s_lo)
-    u_valid = ~is_pad(u_hi, u_lo)
-    where = jnp.zeros((n,), jnp.int32).at[perm].set(segment)
-    return u_hi, u_lo, u_valid, where
-
-
-def index_ops(plan: DynamicPlan):
-    """(find, update, distinct) of the plan's index kernel: the C++ one is bit-identical to
-    the XLA one (tests/test_hashindex_cpu.py)."""
-    if plan.kernel == "cpu":
-        return _hashindex_cpu.find, _hashindex_cpu.update, _hashindex_cpu.distinct
-    return _hashindex.find, _hashindex.update, _distinct
-
-
-def with_kernel(plan: DynamicPlan, table_backend: str) -> DynamicPlan:
-    """The plan with its index run by the C++ kernel when its slot table's backend is the
-    C++ one ("cpu") and the kernel builds here, else by XLA ops."""
-    cpu = table_backend == "cpu" and _hashindex_cpu.available()
-    return dataclasses.replace(plan, kernel="cpu" if cpu else "xla")
-
-
-def lookup_rows(plan: DynamicPlan, storage, index, hi_parts, lo_parts, now, axis):
-    """Inside shard_map: the global slot-table rows (-1: none) of this device's ids of each
-    of the table's features (`hi_parts`/`lo_parts`: (b, L) each). Read-only."""
-    n = lax.axis_size(axis)
-    me = lax.axis_index(axis)
-    hi, lo = _gathered(hi_parts, lo_parts, axis)
-    owner, bucket = _hashindex.locate(plan.index, n, hi, lo)
-    # Other shards' ids as padding, which the index passes over without reading a bucket.
-    others = owner != me
-    hi, lo = jnp.where(others, jnp.uint32(PAD), hi), jnp.where(others, jnp.uint32(PAD), lo)
-    find, _, _ = index_ops(plan)
-    row, found = find(plan.index, index, hi, lo, bucket, now)
-    mine = found & ~others & ~is_pad(hi, lo)
-    rows = jnp.where(mine, storage.layout.global_ids(me, row), -1)
-    return _scatter_back(rows, [h.shape for h in hi_parts], axis)
-
-
-def update_rows(
-    plan: DynamicPlan, storage, index, key, table, slots, hi_parts, lo_parts, keep, now, axis
-):
-    """Inside shard_map: one step's admission and eviction on this shard's buckets, and the
-    reset of the rows it gives to new ids (table row to the id's initial row, slots to
-    their initial values). Returns (index, table, slots, [(b, L) global rows, -1 where the
-    id has no row, per feature]). `keep` False: the table is skipped this step (its index
-    is left as it is)."""
-    n = lax.axis_size(axis)
-    me = lax.axis_index(axis)
-    hi, lo = _gathered(hi_parts, lo_parts, axis)
-    owner, _ = _hashindex.locate(plan.index, n, hi, lo)
-    mine = (owner == me) & ~is_pad(hi, lo) & keep
-    _, update, distinct = index_ops(plan)
-    u_hi, u_lo, u_valid, where = distinct(hi, lo, mine)
-    _, u_bucket = _hashindex.locate(plan.index, n, u_hi, u_lo)
-    index, u_row, fresh = update(plan.index, index, u_hi, u_lo, u_bucket, u_valid, now)
-    fresh = fresh & u_valid & (u_row >= 0)
-    table, slots = _reset_fresh(storage, table, slots, u_row, fresh, key, u_hi, u_lo, plan.dim)
-    row = u_row[where]
-    rows = jnp.where(mine & (row >= 0), storage.layout.global_ids(me, row), -1)
-    return index, table, slots, _scatter_back(rows, [h.shape for h in hi_parts], axis)
+def _first(mask, k: int, *payloads):
+    """(positions, [payloads at them]) of the first k entries of the 1-D `mask` (position
+    n where fewer): one sort, which moves the payloads along (the TPU compiler charges a
+    1-D gather, or `nonzero`, a whole tile per element)."""
+    n = mask.shape[0]
+    iota = lax.iota(jnp.int32, n)
+    key, *moved = lax.sort((jnp.where(mask, iota, iota + n), *payloads), num_keys=1)
+    return jnp.where(key[:k] < n, key[:k], n), [x[:k] for x in moved]
 
 
 def _few(n: int) -> int:
@@ -388,11 +550,9 @@ def _reset_fresh(storage, table, slots: dict, rows, fresh, key, hi, lo, dim: int
     k = _few(n)
 
     def few(arrays):
-        at = jnp.nonzero(fresh, size=k, fill_value=n)[0]
-        picked = jnp.minimum(at, n - 1)
-        init = initial_rows(key, hi[picked], lo[picked], dim)
+        at, (p_rows, p_hi, p_lo) = _first(fresh, k, rows, hi, lo)
         table, slots = arrays
-        return _reset(storage, table, slots, rows[picked], at < n, init)
+        return _reset(storage, table, slots, p_rows, at < n, initial_rows(key, p_hi, p_lo, dim))
 
     def every(arrays):
         table, slots = arrays

@@ -193,7 +193,7 @@ class Embedding:
         )
         # A dynamic table's index runs in C++ where its slot table's row work does.
         self.dynamic = {
-            name: _dynamic.with_kernel(plan, self.plan.tables[name].backend.name)
+            name: _dynamic.with_kernel(plan, self.plan.tables[name])
             for name, plan in self.dynamic.items()
         }
         self.num_shards = self.plan.num_shards

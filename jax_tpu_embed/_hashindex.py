@@ -356,37 +356,72 @@ def update(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, 
        else the entry not sighted this step of lowest (count, priority): filter_evicted;
        else none: filter_failed.
     """
+    seen = sighted(config, state, hi, lo, local_bucket, valid, now)
+    state, row, placed = place(config, seen.state, hi, lo, local_bucket, seen.admit, now)
+    # `sighted` and `place` may each be split into calls (_dynamic does, in passes);
+    # the filter sees all of a step's ids at once.
+    row = jnp.where(seen.hit, seen.row, row.reshape(-1)).reshape(jnp.shape(hi))
+    if config.min_count > 1:
+        state = filter_step(config, state, hi, lo, local_bucket, seen, placed.reshape(-1))
+    return state, row, placed
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["state", "hit", "row", "miss", "admit", "in_filter", "f_lane", "sightings"],
+    meta_fields=[],
+)
+@dataclasses.dataclass
+class Sighted:
+    """`sighted`'s result: the state with the step's hits and freed slots written, and per
+    id (flat, (U,)): hit, its row (-1 unless hit), miss, admitted (to be placed), and the
+    filter's view of it (in the filter, its lane there, its sightings with this one)."""
+
+    state: Any
+    hit: Any
+    row: Any
+    miss: Any
+    admit: Any
+    in_filter: Any
+    f_lane: Any
+    sightings: Any
+
+
+def sighted(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, now):
+    """Rules 1-3 of `update` and the writes they make: hits get last = now, count += 1;
+    an admitted id's own expired slot is freed (cleared). Placement (`place`) reads the
+    result: a slot hit this step then has last == now (never evictable) and a freed one is
+    empty. Ids are independent here, so any split of a step's ids into calls gives the same
+    state."""
     b = config.bucket_size
-    shape = jnp.shape(hi)
     hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
     valid = jnp.asarray(valid, bool).reshape(-1) & ~_is_pad(hi, lo)
     now = jnp.asarray(now, jnp.int32)
     nbl = state.hi.shape[0]
     lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
-    prio = priority(config, hi, lo)
 
-    # The candidates' buckets, (U, b).
-    keys_hi, keys_lo, last = state.hi[lb], state.lo[lb], state.last[lb]
+    keys_hi, keys_lo = state.hi[lb], state.lo[lb]
+    last, count = state.last[lb], state.count[lb]
     occupied = ~_is_pad(keys_hi, keys_lo)
     expired = occupied & _expired(config, last, now)
-    live = occupied & ~expired
     same = (keys_hi == hi[:, None]) & (keys_lo == lo[:, None]) & valid[:, None]
-    hit_lanes, stale_lanes = same & live, same & expired
+    hit_lanes, stale_lanes = same & ~expired, same & expired
     hit = hit_lanes.any(1)
     miss = valid & ~hit
     hit_lane = jnp.argmax(hit_lanes, 1).astype(jnp.int32)
     stale = stale_lanes.any(1)
     stale_lane = jnp.argmax(stale_lanes, 1).astype(jnp.int32)
+    hit_count = jnp.where(hit_lanes, count, 0).sum(1)
 
-    # Admission.
     admit = miss
     in_filter = jnp.zeros_like(miss)
+    f_lane = jnp.zeros(miss.shape, jnp.int32)
+    sightings = jnp.zeros(miss.shape, jnp.int32)
     if config.admit_probability < 1.0:
         threshold = jnp.uint32(_admit_threshold(config.admit_probability))
         admit &= _admit_hash(config, hi, lo, now) < threshold
     if config.min_count > 1:
-        nfl = state.filter_hi.shape[0]
-        fb = lb // (nbl // nfl)
+        fb = lb // (nbl // state.filter_hi.shape[0])
         f_hi, f_lo, f_count = state.filter_hi[fb], state.filter_lo[fb], state.filter_count[fb]
         f_same = (f_hi == hi[:, None]) & (f_lo == lo[:, None]) & miss[:, None]
         in_filter = f_same.any(1)
@@ -394,30 +429,67 @@ def update(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, 
         sightings = jnp.minimum(jnp.where(f_same, f_count, 0).sum(1) + 1, config.min_count)
         admit &= sightings >= config.min_count
 
-    # Placement. Each bucket's slot order is computed once, for the group of its candidates
-    # (at most one group per local bucket, plus padding's); the ranks of the group's admitted
-    # ids then pick distinct slots of it.
+    slots = nbl * b
+    base = lb * b
+    freed = stale & admit
+    cleared = jnp.where(freed, base + stale_lane, slots)
+    row = jnp.where(hit, base + hit_lane, -1)
+    target = jnp.where(hit, row, slots)
+
+    def write(array, clear_value, value):
+        out = array.reshape(slots).at[cleared].set(clear_value, mode="drop")
+        return out.at[target].set(value, mode="drop").reshape(nbl, b)
+
+    pad = jnp.uint32(PAD)
+    tally = {"hits": hit.sum(), "misses": miss.sum(), "rejected": (miss & ~admit).sum()}
+    tally["expired"] = freed.sum()
+    new = dataclasses.replace(
+        state,
+        hi=write(state.hi, pad, hi),
+        lo=write(state.lo, pad, lo),
+        last=write(state.last, 0, jnp.broadcast_to(now, hi.shape)),
+        count=write(state.count, 0, hit_count + 1),
+        stats=state.stats + _tally(tally)[None, :],
+    )
+    return Sighted(new, hit, row, miss, admit, in_filter, f_lane, sightings)
+
+
+def _tally(counts: dict):
+    return jnp.stack([jnp.asarray(counts.get(name, 0), jnp.int32) for name in STAT_NAMES])
+
+
+def place(config: IndexConfig, state: IndexState, hi, lo, local_bucket, admit, now):
+    """Rule 4 of `update` for the admitted ids (`admit`; distinct, sorted or not) on the
+    state `sighted` left: per bucket, in priority order, they take free slots, then expired
+    ones, then (unless eviction is "none") occupied ones with last < now. Returns (state,
+    local row int32 (-1 where not placed), placed bool), both shaped as `hi`.
+
+    A bucket's ids may come in several calls, in priority order: a slot placed by an
+    earlier call has last == now, so it is unavailable to later ones, and the slots left
+    keep their order; each call's ranks then pick the slots one call's would have."""
+    b = config.bucket_size
+    shape = jnp.shape(hi)
+    hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
+    admit = jnp.asarray(admit, bool).reshape(-1) & ~_is_pad(hi, lo)
+    now = jnp.asarray(now, jnp.int32)
+    nbl = state.hi.shape[0]
+    lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
+    prio = priority(config, hi, lo)
+
+    # Each bucket's slot order is computed once, for the group of its admitted ids (at most
+    # one group per local bucket, plus the others'); their ranks pick distinct slots of it.
     u = hi.shape[0]
     groups = min(u, nbl + 1)
-    group, rank, group_bucket = _groups(jnp.where(valid, lb, nbl), prio, hi, lo, admit, groups)
+    group, rank, group_bucket = _groups(jnp.where(admit, lb, nbl), prio, hi, lo, admit, groups)
     group_bucket = jnp.minimum(group_bucket, nbl - 1)
-    freed = stale & admit
-    marks = (
-        jnp.zeros((groups, b), jnp.int32)
-        .at[group, hit_lane]
-        .add(hit.astype(jnp.int32))
-        .at[group, stale_lane]
-        .add(2 * freed.astype(jnp.int32))
-    )
     g_hi, g_lo = state.hi[group_bucket], state.lo[group_bucket]
     g_last, g_count = state.last[group_bucket], state.count[group_bucket]
     g_occupied = ~_is_pad(g_hi, g_lo)
     g_expired = g_occupied & _expired(config, g_last, now)
-    free = ((marks & 2) > 0) | ~g_occupied
-    evictable = g_occupied & ~g_expired & ((marks & 1) == 0) & (g_last < now)
+    evictable = g_occupied & ~g_expired & (g_last < now)
     if config.eviction == "none":
         evictable = jnp.zeros_like(evictable)
-    cls = jnp.where(free, 0, jnp.where(g_expired, 1, jnp.where(evictable, 2, 3)))
+    cls = jnp.where(~g_occupied, 0, jnp.where(g_expired, 1, jnp.where(evictable, 2, 3)))
     keyed = (cls == 1) | (cls == 2)
     z = jnp.uint32(0)
     g_lanes = lax.broadcasted_iota(jnp.int32, (groups, b), 1).astype(jnp.uint32)
@@ -440,96 +512,93 @@ def update(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, 
     lane = _pick(order, group, jnp.minimum(rank, b - 1))
     taken = _pick(cls, group, lane)
 
-    # Writes: the freed slots are cleared first, then hits and placements (one scatter each;
-    # a freed slot that an admitted id takes is overwritten by the second).
     slots = nbl * b
-    base = lb * b
-    flat = lambda x: x.reshape(slots)
-    shaped = lambda x: x.reshape(nbl, b)
-    cleared = jnp.where(freed, base + stale_lane, slots)
-    row = jnp.where(hit, base + hit_lane, jnp.where(placed, base + lane, -1))
-    target = jnp.where(row >= 0, row, slots)
-    hit_count = flat(state.count)[base + hit_lane]
+    row = jnp.where(placed, lb * b + lane, -1)
+    target = jnp.where(placed, row, slots)
 
-    def write(array, clear_value, value):
-        out = flat(array).at[cleared].set(clear_value, mode="drop")
-        return shaped(out.at[target].set(value, mode="drop"))
-
-    pad = jnp.uint32(PAD)
-    new = dataclasses.replace(
-        state,
-        hi=write(state.hi, pad, hi),
-        lo=write(state.lo, pad, lo),
-        last=write(state.last, 0, jnp.broadcast_to(now, hi.shape)),
-        count=write(state.count, 0, jnp.where(hit, hit_count + 1, 1)),
-    )
+    def write(array, value):
+        return array.reshape(slots).at[target].set(value, mode="drop").reshape(nbl, b)
 
     tally = {
-        "hits": hit.sum(),
-        "misses": miss.sum(),
         "admitted": placed.sum(),
-        "rejected": (miss & ~admit).sum(),
         "failed": (admit & ~placed).sum(),
         "evicted": (placed & (taken == 2)).sum(),
-        "expired": (placed & (taken == 1)).sum() + freed.sum(),
+        "expired": (placed & (taken == 1)).sum(),
     }
+    new = dataclasses.replace(
+        state,
+        hi=write(state.hi, hi),
+        lo=write(state.lo, lo),
+        last=write(state.last, jnp.broadcast_to(now, hi.shape)),
+        count=write(state.count, jnp.ones(hi.shape, jnp.int32)),
+        stats=state.stats + _tally(tally)[None, :],
+    )
+    return new, row.reshape(shape), placed.reshape(shape)
 
-    if config.min_count > 1:
-        bf = config.filter_bucket_size
-        nfl = state.filter_hi.shape[0]
-        first = miss & ~in_filter
-        f_groups = min(u, nfl + 1)
-        f_group, f_rank, f_group_bucket = _groups(
-            jnp.where(miss, fb, nfl), prio, hi, lo, first, f_groups
+
+def filter_step(
+    config: IndexConfig, state: IndexState, hi, lo, local_bucket, seen: Sighted, placed
+):
+    """Rule 5 of `update`: the admission filter after placement (min_count > 1), for all of
+    a step's ids in one call (its free and unavailable entries come from the call's own
+    sightings)."""
+    bf = config.filter_bucket_size
+    hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
+    nbl, nfl = state.hi.shape[0], state.filter_hi.shape[0]
+    fb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1) // (nbl // nfl)
+    miss, in_filter, f_lane, sightings = seen.miss, seen.in_filter, seen.f_lane, seen.sightings
+    prio = priority(config, hi, lo)
+    u, z, pad = hi.shape[0], jnp.uint32(0), jnp.uint32(PAD)
+    first = miss & ~in_filter
+    f_groups = min(u, nfl + 1)
+    f_group, f_rank, f_group_bucket = _groups(
+        jnp.where(miss, fb, nfl), prio, hi, lo, first, f_groups
+    )
+    f_group_bucket = jnp.minimum(f_group_bucket, nfl - 1)
+    f_marks = (
+        jnp.zeros((f_groups, bf), jnp.int32)
+        .at[f_group, f_lane]
+        .add(jnp.where(in_filter, jnp.where(placed, 2, 1), 0))
+    )
+    g_hi, g_lo = state.filter_hi[f_group_bucket], state.filter_lo[f_group_bucket]
+    g_count = state.filter_count[f_group_bucket]
+    f_free = ((f_marks & 2) > 0) | _is_pad(g_hi, g_lo)
+    f_cls = jnp.where(f_free, 0, jnp.where((f_marks & 1) > 0, 3, 1))
+    f_keyed = f_cls == 1
+    f_lanes = lax.broadcasted_iota(jnp.int32, (f_groups, bf), 1).astype(jnp.uint32)
+    f_order = _lane_order(
+        (
+            f_cls,
+            jnp.where(f_keyed, g_count, 0),
+            jnp.where(f_keyed, priority(config, g_hi, g_lo), f_lanes),
+            jnp.where(f_keyed, g_hi, z),
+            jnp.where(f_keyed, g_lo, z),
         )
-        f_group_bucket = jnp.minimum(f_group_bucket, nfl - 1)
-        f_marks = (
-            jnp.zeros((f_groups, bf), jnp.int32)
-            .at[f_group, f_lane]
-            .add(jnp.where(in_filter, jnp.where(placed, 2, 1), 0))
-        )
-        g_hi, g_lo = state.filter_hi[f_group_bucket], state.filter_lo[f_group_bucket]
-        g_count = state.filter_count[f_group_bucket]
-        f_free = ((f_marks & 2) > 0) | _is_pad(g_hi, g_lo)
-        f_cls = jnp.where(f_free, 0, jnp.where((f_marks & 1) > 0, 3, 1))
-        f_keyed = f_cls == 1
-        f_lanes = lax.broadcasted_iota(jnp.int32, (f_groups, bf), 1).astype(jnp.uint32)
-        f_order = _lane_order(
-            (
-                f_cls,
-                jnp.where(f_keyed, g_count, 0),
-                jnp.where(f_keyed, priority(config, g_hi, g_lo), f_lanes),
-                jnp.where(f_keyed, g_hi, z),
-                jnp.where(f_keyed, g_lo, z),
-            )
-        )
-        recorded = first & (f_rank < (f_cls < 3).sum(1)[f_group])
-        f_new_lane = _pick(f_order, f_group, jnp.minimum(f_rank, bf - 1))
-        f_taken = _pick(f_cls, f_group, f_new_lane)
-        f_slots = nfl * bf
-        seen_row = jnp.where(in_filter, fb * bf + f_lane, f_slots)
-        new_row = jnp.where(recorded, fb * bf + f_new_lane, f_slots)
+    )
+    recorded = first & (f_rank < (f_cls < 3).sum(1)[f_group])
+    f_new_lane = _pick(f_order, f_group, jnp.minimum(f_rank, bf - 1))
+    f_taken = _pick(f_cls, f_group, f_new_lane)
+    f_slots = nfl * bf
+    seen_row = jnp.where(in_filter, fb * bf + f_lane, f_slots)
+    new_row = jnp.where(recorded, fb * bf + f_new_lane, f_slots)
 
-        def f_write(array, seen_value, first_value):
-            out = array.reshape(f_slots).at[seen_row].set(seen_value, mode="drop")
-            return out.at[new_row].set(first_value, mode="drop").reshape(nfl, bf)
+    def f_write(array, seen_value, first_value):
+        out = array.reshape(f_slots).at[seen_row].set(seen_value, mode="drop")
+        return out.at[new_row].set(first_value, mode="drop").reshape(nfl, bf)
 
-        new = dataclasses.replace(
-            new,
-            filter_hi=f_write(state.filter_hi, jnp.where(placed, pad, hi), hi),
-            filter_lo=f_write(state.filter_lo, jnp.where(placed, pad, lo), lo),
-            filter_count=f_write(
-                state.filter_count, jnp.where(placed, 0, sightings), jnp.ones_like(sightings)
-            ),
-        )
-        tally["filter_evicted"] = (recorded & (f_taken == 1)).sum()
-        tally["filter_failed"] = (first & ~recorded).sum()
-
-    step_stats = jnp.stack([jnp.asarray(tally.get(name, 0), jnp.int32) for name in STAT_NAMES])
-    new = dataclasses.replace(new, stats=state.stats + step_stats[None, :])
-    return new, row.reshape(shape), (placed & (row >= 0)).reshape(shape)
-
-
+    tally = {
+        "filter_evicted": (recorded & (f_taken == 1)).sum(),
+        "filter_failed": (first & ~recorded).sum(),
+    }
+    return dataclasses.replace(
+        state,
+        filter_hi=f_write(state.filter_hi, jnp.where(placed, pad, hi), hi),
+        filter_lo=f_write(state.filter_lo, jnp.where(placed, pad, lo), lo),
+        filter_count=f_write(
+            state.filter_count, jnp.where(placed, 0, sightings), jnp.ones_like(sightings)
+        ),
+        stats=state.stats + _tally(tally)[None, :],
+    )
 def occupancy(config: IndexConfig, state: IndexState, now):
     """Live slots (holding a key, not expired) of an index, int32 (local or global arrays)."""
     occupied = ~_is_pad(state.hi, state.lo)

@@ -175,13 +175,13 @@ def test_matches_the_dict_reference(n, routing, backend, combiner, kind):
     assert stats["evicted"] == stats["failed"] == stats["rejected"] == 0
 
 
-def run_stream(n, routing, dynamic, steps, seed=2, strategy="div"):
+def run_stream(n, routing, dynamic, steps, seed=2, strategy="div", **options):
     spec = spec_of(dynamic)
     if strategy != "div":
         spec = jte.EmbeddingSpec(
             features=spec.features, optimizer=spec.optimizer, partition_strategy=strategy
         )
-    emb = jte.Embedding(spec, make_mesh(n), routing=routing, backend="xla")
+    emb = jte.Embedding(spec, make_mesh(n), routing=routing, backend="xla", **options)
     state = emb.init(jax.random.key(0))
     exports, lookups = [], []
     for feats, grads in batches(seed, steps, pool_size=400):
@@ -215,6 +215,42 @@ def test_the_same_on_every_mesh_and_exchange_with_eviction():
             np.testing.assert_allclose(a.rows, b.rows, rtol=rtol, atol=atol)
         for a, b in zip(lookups, base_lookups):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "dynamic",
+    [
+        jte.DynamicTable(capacity=64, bucket_size=8),
+        jte.DynamicTable(
+            capacity=16,
+            bucket_size=8,
+            eviction="lfu",
+            ttl_steps=3,
+            min_count=2,
+            admit_probability=0.9,
+            filter_capacity=8,
+        ),
+    ],
+    ids=["lru", "filter-ttl-lfu"],
+)
+def test_resolution_in_passes_is_the_same(dynamic):
+    """TPU layouts resolve each shard's distinct ids `max_ids_per_shard` at a time: with a
+    window far smaller than a step's ids (many passes, buckets split between passes) the
+    resident ids and counters equal one device's single pass, rows and lookups to float32
+    rounding (the TPU layout's row passes sum gradients in another order)."""
+    base_emb, base_state, base_exports, base_lookups = run_stream(1, "gather", dynamic, 8)
+    emb, state, exports, lookups = run_stream(
+        4, "gather", dynamic, 8, tpu_layout=True, max_ids_per_shard=8
+    )
+    assert emb.dynamic["users"].compact and emb.dynamic["users"].window == 8
+    stats = jax.tree.map(int, base_emb.dynamic_stats(base_state))
+    assert stats["users"]["evicted"] + stats["users"]["expired"] > 0
+    assert jax.tree.map(int, emb.dynamic_stats(state)) == stats
+    for a, b in zip(exports, base_exports):
+        np.testing.assert_array_equal(a.ids, b.ids)
+        np.testing.assert_allclose(a.rows, b.rows, rtol=1e-6, atol=1e-7)
+    for a, b in zip(lookups, base_lookups):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize(

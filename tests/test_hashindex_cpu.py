@@ -205,6 +205,24 @@ def test_update_on_odd_states():
         state = want[0]
 
 
+def _distinct(hi, lo, valid):
+    """The C++ `distinct`'s reference in XLA ops: sorted distinct (hi, lo) of the valid
+    entries (the rest padding, after them), a mask of the distinct ones, and each entry's
+    position in the distinct list."""
+    n = hi.shape[0]
+    pad = jnp.uint32(hx.PAD)
+    hi, lo = jnp.where(valid, hi, pad), jnp.where(valid, lo, pad)
+    s_hi, s_lo, perm = jax.lax.sort((hi, lo, jnp.arange(n, dtype=jnp.int32)), num_keys=2)
+    first = jnp.concatenate(
+        [jnp.ones((1,), bool), (s_hi[1:] != s_hi[:-1]) | (s_lo[1:] != s_lo[:-1])]
+    )
+    segment = jnp.cumsum(first.astype(jnp.int32)) - 1
+    u_hi = jnp.full((n,), pad, jnp.uint32).at[segment].set(s_hi)
+    u_lo = jnp.full((n,), pad, jnp.uint32).at[segment].set(s_lo)
+    where = jnp.zeros((n,), jnp.int32).at[perm].set(segment)
+    return u_hi, u_lo, ~_dynamic.is_pad(u_hi, u_lo), where
+
+
 @pytest.mark.parametrize("n", [1, 7, 64, 1000, 20000])  # 20000: the radix sort
 def test_distinct_identical(n, rng):
     pool = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, max(2, n // 3), np.int64)
@@ -214,7 +232,7 @@ def test_distinct_identical(n, rng):
     hi, lo = hx.split_ids(ids)
     for valid in (np.ones(n, bool), rng.random(n) < 0.7, np.zeros(n, bool)):
         _assert_same(
-            jax.jit(_dynamic._distinct)(hi, lo, valid),
+            jax.jit(_distinct)(hi, lo, valid),
             jax.jit(_hashindex_cpu.distinct)(hi, lo, valid),
             f"distinct n={n}",
         )
@@ -232,7 +250,7 @@ def _both_sharded(config, mesh):
 
     def path(impl, state, hi, lo, now):
         m = IMPLS[impl]
-        distinct = _dynamic._distinct if impl == "xla" else _hashindex_cpu.distinct
+        distinct = _distinct if impl == "xla" else _hashindex_cpu.distinct
         owner, lb = hx.locate(config, n, hi, lo)
         mine = (owner == jax.lax.axis_index("shard")) & ~_dynamic.is_pad(hi, lo)
         u_hi, u_lo, u_valid, where = distinct(hi, lo, mine)
