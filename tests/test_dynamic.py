@@ -222,8 +222,8 @@ def test_the_same_on_every_mesh_and_exchange_with_eviction():
     [
         jte.DynamicTable(capacity=64, bucket_size=8),
         jte.DynamicTable(
-            capacity=16,
-            bucket_size=8,
+            capacity=16,  # 4 buckets: the same capacity on 1 and 4 devices
+            bucket_size=4,
             eviction="lfu",
             ttl_steps=3,
             min_count=2,
