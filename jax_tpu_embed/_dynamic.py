@@ -498,19 +498,24 @@ def update_rows(
     )
     seen = _hashindex.Sighted(None, *seen)
 
-    def place(hi, lo, bucket, admit, valid, index):
+    # Each pass resets the rows it gives to new ids.
+    def place(hi, lo, bucket, admit, valid, carry):
+        index, table, slots = carry
         index, row, placed = _hashindex.place(config, index, hi, lo, bucket, admit & valid, now)
-        return (row, placed), index
+        table, slots = _reset_fresh(storage, table, slots, row, placed, key, hi, lo, plan.dim)
+        return (row, placed), (index, table, slots)
 
-    (row, fresh), index = _windows(
-        owned, window, (*ids, seen.admit), place, (like(jnp.int32, -1), like(bool)), index
+    (row, fresh), (index, table, slots) = _windows(
+        owned,
+        window,
+        (*ids, seen.admit),
+        place,
+        (like(jnp.int32, -1), like(bool)),
+        (index, table, slots),
     )
     if config.min_count > 1:
         index = _hashindex.filter_step(config, index, *ids, seen, fresh)
     u_row = jnp.where(seen.hit, seen.row, row)
-    table, slots = _reset_fresh(
-        storage, table, slots, row, fresh, key, owned.hi, owned.lo, plan.dim
-    )
     rows = jnp.where(u_row >= 0, storage.layout.global_ids(me, u_row), -1)
     return index, table, slots, _back(owned, rows, shapes, axis)
 

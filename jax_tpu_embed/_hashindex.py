@@ -432,23 +432,23 @@ def sighted(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid,
     slots = nbl * b
     base = lb * b
     freed = stale & admit
-    cleared = jnp.where(freed, base + stale_lane, slots)
     row = jnp.where(hit, base + hit_lane, -1)
-    target = jnp.where(hit, row, slots)
+    # One scatter per array: a hit writes last and count, a freed slot is cleared.
+    touched = jnp.where(hit, row, jnp.where(freed, base + stale_lane, slots))
+    cleared = jnp.where(freed, base + stale_lane, slots)
 
-    def write(array, clear_value, value):
-        out = array.reshape(slots).at[cleared].set(clear_value, mode="drop")
-        return out.at[target].set(value, mode="drop").reshape(nbl, b)
+    def write(array, target, value):
+        return array.reshape(slots).at[target].set(value, mode="drop").reshape(nbl, b)
 
     pad = jnp.uint32(PAD)
     tally = {"hits": hit.sum(), "misses": miss.sum(), "rejected": (miss & ~admit).sum()}
     tally["expired"] = freed.sum()
     new = dataclasses.replace(
         state,
-        hi=write(state.hi, pad, hi),
-        lo=write(state.lo, pad, lo),
-        last=write(state.last, 0, jnp.broadcast_to(now, hi.shape)),
-        count=write(state.count, 0, hit_count + 1),
+        hi=write(state.hi, cleared, jnp.broadcast_to(pad, hi.shape)),
+        lo=write(state.lo, cleared, jnp.broadcast_to(pad, hi.shape)),
+        last=write(state.last, touched, jnp.where(hit, now, 0)),
+        count=write(state.count, touched, jnp.where(hit, hit_count + 1, 0)),
         stats=state.stats + _tally(tally)[None, :],
     )
     return Sighted(new, hit, row, miss, admit, in_filter, f_lane, sightings)
