@@ -903,11 +903,11 @@ class Embedding:
                 hi, lo, _ = split[path]
                 rows, scale = leaves[path]
 
-                def local(key, hi, lo, rows, scale, f=f, dim=plan.dim):
+                def local(key, hi, lo, rows, scale, f=f, dim=plan.dim, by_sort=plan.compact):
                     missing = (rows < 0) & (scale != 0)
                     if not f.is_sequence:
-                        return _dynamic.missing_rows(key, hi, lo, scale, missing, dim)
-                    init = _dynamic.initial_rows_where(key, hi, lo, missing, dim)
+                        return _dynamic.missing_rows(key, hi, lo, scale, missing, dim, by_sort)
+                    init = _dynamic.initial_rows_where(key, hi, lo, missing, dim, by_sort)
                     return scale[..., None] * init
 
                 row = P(self.axis)

@@ -599,6 +599,8 @@ def filter_step(
         ),
         stats=state.stats + _tally(tally)[None, :],
     )
+
+
 def occupancy(config: IndexConfig, state: IndexState, now):
     """Live slots (holding a key, not expired) of an index, int32 (local or global arrays)."""
     occupied = ~_is_pad(state.hi, state.lo)

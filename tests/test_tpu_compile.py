@@ -461,3 +461,30 @@ def test_stacked_tables_share_one_set_of_collectives():
         return sum(c.op == "all-to-all" for c in r.collectives)
 
     assert exchanges(four) == exchanges(one) > 0, (four.collectives, one.collectives)
+
+
+DYNAMIC_BYTES_LIMIT = 130.0  # 111.8x measured (296x before the shards resolved only their share).
+
+
+@pytest.mark.slow  # Two compiles.
+def test_dynamic_train_step_compiles_in_place():
+    """A W1-shaped dynamic table (capacity 1M, B = 4,096, L = 20, D = 64, Adagrad) on
+    v5p:2x2x1: the train step compiles, fits, aliases every state array (the index
+    included) and copies nothing table-sized; its bytes accessed stay within the measured
+    multiple of the static table's (docs/design.md "Dynamic tables": not yet the 1.6x
+    target, which needs the index's own kernels)."""
+    topo = _aot.topology("v5p:2x2x1")
+    reports = {}
+    for label, dynamic in (("static", None), ("dynamic", jte.DynamicTable(capacity=1_000_000))):
+        table = jte.TableConfig(
+            None if dynamic else 1_000_000, 64, combiner="sum", name="t", dynamic=dynamic
+        )
+        spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(learning_rate=0.05))
+        emb = jte.Embedding(spec, _aot.mesh(topo))
+        reports[label] = _aot.compile_train_step(emb, 4096, 20, topo=topo)
+    r = reports["dynamic"]
+    assert r.fits and r.unaliased_state == [], r.unaliased_state
+    table_bytes = max(r.table_bytes.values())
+    assert not [t for t in r.largest_temps if t.bytes >= table_bytes], r.largest_temps[:3]
+    ratio = r.bytes_accessed / reports["static"].bytes_accessed
+    assert ratio <= DYNAMIC_BYTES_LIMIT, f"dynamic/static bytes {ratio:.0f}x"
