@@ -319,10 +319,10 @@ class Owned(NamedTuple):
     """The distinct ids one shard owns among a table's gathered ids, compacted to the front
     in (local bucket, priority, hi, lo) order, and what maps them back.
 
-    `hi`, `lo`, `bucket` are (P + C,) (P gathered positions, C the window; padding past the
-    `count` distinct ones); `first` is each distinct id's first position in the sorted
-    gathered ids; `pos` and `owned` are those sorted positions' original positions and
-    whether they are owned."""
+    `hi`, `lo`, `bucket` are (P + C,) (P gathered positions, C the window, 0 when one pass
+    takes all; padding past the `count` distinct ones); `first` is each distinct id's first
+    position in the sorted gathered ids; `pos` and `owned` are those sorted positions'
+    original positions and whether they are owned."""
 
     hi: Any
     lo: Any
@@ -368,7 +368,8 @@ def _owned(plan: DynamicPlan, hi, lo, keep, axis, window: int) -> Owned:
     _, d_at, d_hi, d_lo, d_bucket = lax.sort((jnp.where(first, 0, 1), iota, hi, lo, k0), num_keys=2)
     count = jnp.sum(first, dtype=jnp.int32)
     live = iota < count
-    pad = lambda x, v: jnp.pad(jnp.where(live, x, v), (0, window), constant_values=v)
+    extra = 0 if window >= p else window  # Room for the last pass's window.
+    pad = lambda x, v: jnp.pad(jnp.where(live, x, v), (0, extra), constant_values=v)
     return Owned(
         hi=pad(d_hi, jnp.uint32(PAD)),
         lo=pad(d_lo, jnp.uint32(PAD)),
