@@ -5,8 +5,9 @@
 
 No TPU needed (shared/TPU_AOT.md). Compiles for one device of the topology, with U ids
 against one shard of a 1M-slot index (buckets of 64 uint32 slots): `_hashindex.find` and
-`_hashindex.update` whole, then the access patterns they are made of, and the
-alternatives: the compiler's "bytes accessed" per id. These are the numbers behind
+`_hashindex.update` whole, then access patterns: the 2-D row gathers and point scatters
+the index was first built of, and the flat windows, scatters into fresh arrays and sorts
+it is built of now. The compiler's "bytes accessed" per id. These are the numbers behind
 docs/design.md "Dynamic tables" (TPU: not yet efficient).
 """
 
@@ -49,13 +50,13 @@ def measure(topology: str, ids: int) -> list[dict]:
     config = hx.IndexConfig(buckets=nb, bucket_size=BUCKET)
     rows, words = spec((nb, BUCKET)), spec((u,))
     state = hx.IndexState(
-        hi=rows,
-        lo=rows,
-        last=spec((nb, BUCKET), jnp.int32),
-        count=spec((nb, BUCKET), jnp.int32),
-        filter_hi=spec((0, BUCKET)),
-        filter_lo=spec((0, BUCKET)),
-        filter_count=spec((0, BUCKET), jnp.int32),
+        hi=spec((nb * BUCKET,)),
+        lo=spec((nb * BUCKET,)),
+        last=spec((nb * BUCKET,), jnp.int32),
+        count=spec((nb * BUCKET,), jnp.int32),
+        filter_hi=spec((0,)),
+        filter_lo=spec((0,)),
+        filter_count=spec((0,), jnp.int32),
         stats=spec((1, len(hx.STAT_NAMES)), jnp.int32),
     )
     at, valid = spec((u,), jnp.int32), spec((u,), jnp.bool_)

@@ -162,14 +162,15 @@ class IndexConfig:
 )
 @dataclasses.dataclass
 class IndexState:
-    """One dynamic table's index; every array row-sharded over the shard axis (first dim).
+    """One dynamic table's index; every array sharded over the shard axis (first dim). The
+    slot arrays are flat, bucket g's slots at [g·b, (g+1)·b) (see `_rows`).
 
     Attributes:
-        hi, lo: (NB, b) uint32, the key of each slot; PAD in both for an empty slot.
-        last: (NB, b) int32, the step of the slot's last update (its admission included).
-        count: (NB, b) int32, steps in which the id was updated since its admission.
-        filter_hi, filter_lo: (NF, bf) uint32, ids being counted by the admission filter.
-        filter_count: (NF, bf) int32, their sightings so far.
+        hi, lo: (NB·b,) uint32, the key of each slot; PAD in both for an empty slot.
+        last: (NB·b,) int32, the step of the slot's last update (its admission included).
+        count: (NB·b,) int32, steps in which the id was updated since its admission.
+        filter_hi, filter_lo: (NF·bf,) uint32, ids being counted by the admission filter.
+        filter_count: (NF·bf,) int32, their sightings so far.
         stats: (N, len(STAT_NAMES)) int32, each shard's counters (STAT_NAMES).
     """
 
@@ -189,13 +190,13 @@ def empty_state(config: IndexConfig, num_shards: int) -> IndexState:
     nb, b = config.buckets, config.bucket_size
     nf, bf = config.filter_buckets, config.filter_bucket_size
     return IndexState(
-        hi=np.full((nb, b), PAD, np.uint32),
-        lo=np.full((nb, b), PAD, np.uint32),
-        last=np.zeros((nb, b), np.int32),
-        count=np.zeros((nb, b), np.int32),
-        filter_hi=np.full((nf, bf), PAD, np.uint32),
-        filter_lo=np.full((nf, bf), PAD, np.uint32),
-        filter_count=np.zeros((nf, bf), np.int32),
+        hi=np.full(nb * b, PAD, np.uint32),
+        lo=np.full(nb * b, PAD, np.uint32),
+        last=np.zeros(nb * b, np.int32),
+        count=np.zeros(nb * b, np.int32),
+        filter_hi=np.full(nf * bf, PAD, np.uint32),
+        filter_lo=np.full(nf * bf, PAD, np.uint32),
+        filter_count=np.zeros(nf * bf, np.int32),
         stats=np.zeros((num_shards, len(STAT_NAMES)), np.int32),
     )
 
@@ -275,19 +276,66 @@ def locate(config: IndexConfig, num_shards: int, hi, lo):
     return g // per, g % per
 
 
+def _rows(flat, first, width: int):
+    """(U, width): the windows flat[first[i] : first[i] + width] of a 1-D array, `first` (U,)
+    clipped into range. The index is stored flat because the TPU compiler charges a row
+    gather of a narrow 2-D array a whole (8, 128) tile per row, a window of a 1-D array
+    about its own bytes (benchmarks/hashindex_tpu_ops.py)."""
+    return jax.vmap(lambda s: lax.dynamic_slice(flat, (s,), (width,)))(first)
+
+
+def _put_rows(flat, first, rows, write):
+    """`flat` with the windows at `first` ((G,), distinct where `write`) set to `rows`
+    ((G, width)); the others left as they are. One windowed scatter."""
+    g, width = rows.shape
+    # Each skipped window starts past the array at its own place: unique, and dropped.
+    skip = flat.shape[0] + lax.iota(jnp.int32, g) * width
+    dims = lax.ScatterDimensionNumbers(
+        update_window_dims=(1,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
+    )
+    return lax.scatter(
+        flat,
+        jnp.where(write, first, skip)[:, None],
+        rows.astype(flat.dtype),
+        dims,
+        mode=lax.GatherScatterMode.FILL_OR_DROP,
+        unique_indices=True,
+    )
+
+
+def _at(rows, column):
+    """rows[i, column[i]] of (U, l) rows: a select over the lanes, no gather."""
+    lanes = lax.broadcasted_iota(jnp.int32, rows.shape, 1)
+    return jnp.where(lanes == column[:, None], rows, 0).sum(1).astype(rows.dtype)
+
+
+def _spread(num_groups: int, width: int, group, lane, values: dict, where):
+    """Each candidate's value at (its group, lane), where `where`, in fresh (G, width)
+    arrays: {name: values} and "set" (bool). Scatters into zeros (the TPU compiler charges
+    them almost nothing), one writer per slot."""
+    at = jnp.where(where, group * width + lane, num_groups * width)
+    out = {"set": jnp.zeros(num_groups * width, bool).at[at].set(True, mode="drop")}
+    for name, v in values.items():
+        out[name] = jnp.zeros(num_groups * width, v.dtype).at[at].set(v, mode="drop")
+    return {k: v.reshape(num_groups, width) for k, v in out.items()}
+
+
 def find(config: IndexConfig, state: IndexState, hi, lo, local_bucket, now):
     """(local row int32, found bool) of ids of any shape in this shard's index; row -1 where
     not found. Read-only: a lookup (serving, evaluation) changes no slot and no counter.
     Padding and TTL-expired slots are never found."""
     b = config.bucket_size
-    hi, lo = _u32(hi), _u32(lo)
-    lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32), 0, state.hi.shape[0] - 1)
-    keys_hi, keys_lo, last = state.hi[lb], state.lo[lb], state.last[lb]
-    match = (keys_hi == hi[..., None]) & (keys_lo == lo[..., None])
-    match &= ~_expired(config, last, now) & ~_is_pad(hi, lo)[..., None]
+    shape = jnp.shape(hi)
+    hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
+    nbl = state.hi.shape[0] // b
+    lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
+    keys_hi, keys_lo = _rows(state.hi, lb * b, b), _rows(state.lo, lb * b, b)
+    last = _rows(state.last, lb * b, b)
+    match = (keys_hi == hi[:, None]) & (keys_lo == lo[:, None])
+    match &= ~_expired(config, last, now) & ~_is_pad(hi, lo)[:, None]
     found = match.any(-1)
     lane = jnp.argmax(match, -1).astype(jnp.int32)
-    return jnp.where(found, lb * b + lane, -1), found
+    return jnp.where(found, lb * b + lane, -1).reshape(shape), found.reshape(shape)
 
 
 def _groups(key, prio, hi, lo, flag, num_groups: int):
@@ -296,30 +344,25 @@ def _groups(key, prio, hi, lo, flag, num_groups: int):
     Returns, per candidate in input order, its group (the groups numbered 0.. in key order)
     and its rank among the flagged candidates of its group; and each group's key
     (`num_groups` of them: at least the distinct keys; unused ones hold the largest key). One
-    sort of U: no loop over ids."""
+    sort of U, the results put back in input order by scatters (no gather, no loop)."""
     u = key.shape[0]
     iota = lax.iota(jnp.int32, u)
-    skey, _, _, _, perm = lax.sort((key, prio, hi, lo, iota), num_keys=4)
+    skey, _, _, _, f, perm = lax.sort((key, prio, hi, lo, flag.astype(jnp.int32), iota), num_keys=4)
     start = jnp.ones(u, bool).at[1:].set(skey[1:] != skey[:-1])
     group_sorted = jnp.cumsum(start.astype(jnp.int32)) - 1
-    f = flag[perm].astype(jnp.int32)
     before = jnp.cumsum(f) - f
     # Flagged candidates before the group's first: `before` never decreases, so a running
     # max of its values at group starts is the current group's.
     base = lax.cummax(jnp.where(start, before, 0))
-    inverse = jnp.zeros(u, jnp.int32).at[perm].set(iota)
+    back = lambda x: jnp.zeros(u, x.dtype).at[perm].set(x, unique_indices=True)
     group_key = jnp.full(num_groups, skey[-1], skey.dtype).at[group_sorted].set(skey)
-    return group_sorted[inverse], (before - base)[inverse], group_key
+    return back(group_sorted), back(before - base), group_key
 
 
 def _lane_order(keys):
     """(G, l) lane order: the lanes of each row sorted by `keys`, which leave no ties."""
     lanes = lax.broadcasted_iota(jnp.int32, keys[0].shape, 1)
     return lax.sort((*keys, lanes), dimension=1, num_keys=len(keys))[-1]
-
-
-def _pick(table, group, column):
-    return table[group, column]
 
 
 def update(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, now):
@@ -397,11 +440,11 @@ def sighted(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid,
     hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
     valid = jnp.asarray(valid, bool).reshape(-1) & ~_is_pad(hi, lo)
     now = jnp.asarray(now, jnp.int32)
-    nbl = state.hi.shape[0]
+    nbl = state.hi.shape[0] // b
     lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
 
-    keys_hi, keys_lo = state.hi[lb], state.lo[lb]
-    last, count = state.last[lb], state.count[lb]
+    keys_hi, keys_lo = _rows(state.hi, lb * b, b), _rows(state.lo, lb * b, b)
+    last, count = _rows(state.last, lb * b, b), _rows(state.count, lb * b, b)
     occupied = ~_is_pad(keys_hi, keys_lo)
     expired = occupied & _expired(config, last, now)
     same = (keys_hi == hi[:, None]) & (keys_lo == lo[:, None]) & valid[:, None]
@@ -421,34 +464,51 @@ def sighted(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid,
         threshold = jnp.uint32(_admit_threshold(config.admit_probability))
         admit &= _admit_hash(config, hi, lo, now) < threshold
     if config.min_count > 1:
-        fb = lb // (nbl // state.filter_hi.shape[0])
-        f_hi, f_lo, f_count = state.filter_hi[fb], state.filter_lo[fb], state.filter_count[fb]
+        bf = config.filter_bucket_size
+        fb = lb // (nbl // (state.filter_hi.shape[0] // bf))
+        f_hi, f_lo = _rows(state.filter_hi, fb * bf, bf), _rows(state.filter_lo, fb * bf, bf)
+        f_count = _rows(state.filter_count, fb * bf, bf)
         f_same = (f_hi == hi[:, None]) & (f_lo == lo[:, None]) & miss[:, None]
         in_filter = f_same.any(1)
         f_lane = jnp.argmax(f_same, 1).astype(jnp.int32)
         sightings = jnp.minimum(jnp.where(f_same, f_count, 0).sum(1) + 1, config.min_count)
         admit &= sightings >= config.min_count
 
-    slots = nbl * b
-    base = lb * b
     freed = stale & admit
-    row = jnp.where(hit, base + hit_lane, -1)
-    # One scatter per array: a hit writes last and count, a freed slot is cleared.
-    touched = jnp.where(hit, row, jnp.where(freed, base + stale_lane, slots))
-    cleared = jnp.where(freed, base + stale_lane, slots)
+    row = jnp.where(hit, lb * b + hit_lane, -1)
 
-    def write(array, target, value):
-        return array.reshape(slots).at[target].set(value, mode="drop").reshape(nbl, b)
+    # The writes: each bucket with a hit or a freed slot rewritten whole, once.
+    u = hi.shape[0]
+    groups = min(u, nbl + 1)
+    edit = hit | freed
+    z = jnp.zeros_like(hi)
+    group, _, group_bucket = _groups(jnp.where(edit, lb, nbl), z, hi, lo, edit, groups)
+    first = jnp.minimum(group_bucket, nbl - 1) * b
+    lane = jnp.where(hit, hit_lane, stale_lane)
+    e = _spread(
+        groups,
+        b,
+        group,
+        lane,
+        {"last": jnp.where(hit, now, 0), "count": jnp.where(hit, hit_count + 1, 0)},
+        edit,
+    )
+    c = _spread(groups, b, group, stale_lane, {}, freed)
+    edited = e["set"].any(1) & (group_bucket < nbl)
+    cleared = c["set"].any(1) & (group_bucket < nbl)
+
+    def write(array, mask, value, which):
+        return _put_rows(array, first, jnp.where(mask, value, _rows(array, first, b)), which)
 
     pad = jnp.uint32(PAD)
     tally = {"hits": hit.sum(), "misses": miss.sum(), "rejected": (miss & ~admit).sum()}
     tally["expired"] = freed.sum()
     new = dataclasses.replace(
         state,
-        hi=write(state.hi, cleared, jnp.broadcast_to(pad, hi.shape)),
-        lo=write(state.lo, cleared, jnp.broadcast_to(pad, hi.shape)),
-        last=write(state.last, touched, jnp.where(hit, now, 0)),
-        count=write(state.count, touched, jnp.where(hit, hit_count + 1, 0)),
+        hi=write(state.hi, c["set"], pad, cleared),
+        lo=write(state.lo, c["set"], pad, cleared),
+        last=write(state.last, e["set"], e["last"], edited),
+        count=write(state.count, e["set"], e["count"], edited),
         stats=state.stats + _tally(tally)[None, :],
     )
     return Sighted(new, hit, row, miss, admit, in_filter, f_lane, sightings)
@@ -472,7 +532,7 @@ def place(config: IndexConfig, state: IndexState, hi, lo, local_bucket, admit, n
     hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
     admit = jnp.asarray(admit, bool).reshape(-1) & ~_is_pad(hi, lo)
     now = jnp.asarray(now, jnp.int32)
-    nbl = state.hi.shape[0]
+    nbl = state.hi.shape[0] // b
     lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
     prio = priority(config, hi, lo)
 
@@ -481,9 +541,9 @@ def place(config: IndexConfig, state: IndexState, hi, lo, local_bucket, admit, n
     u = hi.shape[0]
     groups = min(u, nbl + 1)
     group, rank, group_bucket = _groups(jnp.where(admit, lb, nbl), prio, hi, lo, admit, groups)
-    group_bucket = jnp.minimum(group_bucket, nbl - 1)
-    g_hi, g_lo = state.hi[group_bucket], state.lo[group_bucket]
-    g_last, g_count = state.last[group_bucket], state.count[group_bucket]
+    first = jnp.minimum(group_bucket, nbl - 1) * b
+    g_hi, g_lo = _rows(state.hi, first, b), _rows(state.lo, first, b)
+    g_last, g_count = _rows(state.last, first, b), _rows(state.count, first, b)
     g_occupied = ~_is_pad(g_hi, g_lo)
     g_expired = g_occupied & _expired(config, g_last, now)
     evictable = g_occupied & ~g_expired & (g_last < now)
@@ -507,17 +567,19 @@ def place(config: IndexConfig, state: IndexState, hi, lo, local_bucket, admit, n
     else:
         score = (jnp.where(keyed, g_last, 0),)
     order = _lane_order((cls, *score, *tail))
-    available = (cls < 3).sum(1)
-    placed = admit & (rank < available[group])
-    lane = _pick(order, group, jnp.minimum(rank, b - 1))
-    taken = _pick(cls, group, lane)
-
-    slots = nbl * b
+    # Each id's view of its group's slots: the rows of the group, flat.
+    order_rows = _rows(order.reshape(-1), group * b, b)
+    cls_rows = _rows(cls.reshape(-1), group * b, b)
+    placed = admit & (rank < (cls_rows < 3).sum(1))
+    lane = _at(order_rows, jnp.minimum(rank, b - 1))
+    taken = _at(cls_rows, lane)
     row = jnp.where(placed, lb * b + lane, -1)
-    target = jnp.where(placed, row, slots)
 
-    def write(array, value):
-        return array.reshape(slots).at[target].set(value, mode="drop").reshape(nbl, b)
+    e = _spread(groups, b, group, lane, {"hi": hi, "lo": lo}, placed)
+    written = e["set"].any(1) & (group_bucket < nbl)
+
+    def write(array, old, value):
+        return _put_rows(array, first, jnp.where(e["set"], value, old), written)
 
     tally = {
         "admitted": placed.sum(),
@@ -527,10 +589,10 @@ def place(config: IndexConfig, state: IndexState, hi, lo, local_bucket, admit, n
     }
     new = dataclasses.replace(
         state,
-        hi=write(state.hi, hi),
-        lo=write(state.lo, lo),
-        last=write(state.last, jnp.broadcast_to(now, hi.shape)),
-        count=write(state.count, jnp.ones(hi.shape, jnp.int32)),
+        hi=write(state.hi, g_hi, e["hi"]),
+        lo=write(state.lo, g_lo, e["lo"]),
+        last=write(state.last, g_last, now),
+        count=write(state.count, g_count, 1),
         stats=state.stats + _tally(tally)[None, :],
     )
     return new, row.reshape(shape), placed.reshape(shape)
@@ -542,9 +604,9 @@ def filter_step(
     """Rule 5 of `update`: the admission filter after placement (min_count > 1), for all of
     a step's ids in one call (its free and unavailable entries come from the call's own
     sightings)."""
-    bf = config.filter_bucket_size
+    b, bf = config.bucket_size, config.filter_bucket_size
     hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
-    nbl, nfl = state.hi.shape[0], state.filter_hi.shape[0]
+    nbl, nfl = state.hi.shape[0] // b, state.filter_hi.shape[0] // bf
     fb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1) // (nbl // nfl)
     miss, in_filter, f_lane, sightings = seen.miss, seen.in_filter, seen.f_lane, seen.sightings
     prio = priority(config, hi, lo)
@@ -554,14 +616,14 @@ def filter_step(
     f_group, f_rank, f_group_bucket = _groups(
         jnp.where(miss, fb, nfl), prio, hi, lo, first, f_groups
     )
-    f_group_bucket = jnp.minimum(f_group_bucket, nfl - 1)
+    f_first = jnp.minimum(f_group_bucket, nfl - 1) * bf
     f_marks = (
         jnp.zeros((f_groups, bf), jnp.int32)
         .at[f_group, f_lane]
         .add(jnp.where(in_filter, jnp.where(placed, 2, 1), 0))
     )
-    g_hi, g_lo = state.filter_hi[f_group_bucket], state.filter_lo[f_group_bucket]
-    g_count = state.filter_count[f_group_bucket]
+    g_hi, g_lo = _rows(state.filter_hi, f_first, bf), _rows(state.filter_lo, f_first, bf)
+    g_count = _rows(state.filter_count, f_first, bf)
     f_free = ((f_marks & 2) > 0) | _is_pad(g_hi, g_lo)
     f_cls = jnp.where(f_free, 0, jnp.where((f_marks & 1) > 0, 3, 1))
     f_keyed = f_cls == 1
@@ -575,16 +637,38 @@ def filter_step(
             jnp.where(f_keyed, g_lo, z),
         )
     )
-    recorded = first & (f_rank < (f_cls < 3).sum(1)[f_group])
-    f_new_lane = _pick(f_order, f_group, jnp.minimum(f_rank, bf - 1))
-    f_taken = _pick(f_cls, f_group, f_new_lane)
-    f_slots = nfl * bf
-    seen_row = jnp.where(in_filter, fb * bf + f_lane, f_slots)
-    new_row = jnp.where(recorded, fb * bf + f_new_lane, f_slots)
+    cls_rows = _rows(f_cls.reshape(-1), f_group * bf, bf)
+    recorded = first & (f_rank < (cls_rows < 3).sum(1))
+    f_new_lane = _at(_rows(f_order.reshape(-1), f_group * bf, bf), jnp.minimum(f_rank, bf - 1))
+    f_taken = _at(cls_rows, f_new_lane)
 
-    def f_write(array, seen_value, first_value):
-        out = array.reshape(f_slots).at[seen_row].set(seen_value, mode="drop")
-        return out.at[new_row].set(first_value, mode="drop").reshape(nfl, bf)
+    # A sighting rewrites its entry (a placed id leaves), then a recorded first sighting
+    # takes its new entry (perhaps one a placed id left): one write per filter bucket.
+    s = _spread(
+        f_groups,
+        bf,
+        f_group,
+        f_lane,
+        {
+            "hi": jnp.where(placed, pad, hi),
+            "lo": jnp.where(placed, pad, lo),
+            "count": jnp.where(placed, 0, sightings),
+        },
+        in_filter,
+    )
+    r = _spread(
+        f_groups,
+        bf,
+        f_group,
+        f_new_lane,
+        {"hi": hi, "lo": lo, "count": jnp.ones_like(sightings)},
+        recorded,
+    )
+    written = (s["set"] | r["set"]).any(1) & (f_group_bucket < nfl)
+
+    def write(array, old, name):
+        value = jnp.where(r["set"], r[name], jnp.where(s["set"], s[name], old))
+        return _put_rows(array, f_first, value, written)
 
     tally = {
         "filter_evicted": (recorded & (f_taken == 1)).sum(),
@@ -592,11 +676,9 @@ def filter_step(
     }
     return dataclasses.replace(
         state,
-        filter_hi=f_write(state.filter_hi, jnp.where(placed, pad, hi), hi),
-        filter_lo=f_write(state.filter_lo, jnp.where(placed, pad, lo), lo),
-        filter_count=f_write(
-            state.filter_count, jnp.where(placed, 0, sightings), jnp.ones_like(sightings)
-        ),
+        filter_hi=write(state.filter_hi, g_hi, "hi"),
+        filter_lo=write(state.filter_lo, g_lo, "lo"),
+        filter_count=write(state.filter_count, g_count, "count"),
         stats=state.stats + _tally(tally)[None, :],
     )
 

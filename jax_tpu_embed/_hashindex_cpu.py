@@ -90,10 +90,9 @@ def find(config: hx.IndexConfig, state: hx.IndexState, hi, lo, local_bucket, now
         jnp.asarray(lo).astype(jnp.uint32).reshape(n),
         jnp.asarray(local_bucket, jnp.int32).reshape(n),
         _now(now),
-        jnp.asarray(state.hi, jnp.uint32),
-        jnp.asarray(state.lo, jnp.uint32),
-        jnp.asarray(state.last, jnp.int32),
+        *(jnp.asarray(getattr(state, f), d) for f, d in zip(_FIELDS[:3], _DTYPES)),
         ttl_steps=_ttl(config),
+        bucket_size=np.int64(config.bucket_size),
     )
     return row.reshape(shape), found.reshape(shape)
 
@@ -126,8 +125,10 @@ def update(config: hx.IndexConfig, state: hx.IndexState, hi, lo, local_bucket, v
         threshold=np.int64(threshold),
         prio_key=np.int64(_key(config.seed, hx._SALT_PRIORITY)),
         admit_key=np.int64(_key(config.seed, hx._SALT_ADMIT)),
+        bucket_size=np.int64(config.bucket_size),
+        filter_bucket_size=np.int64(config.filter_bucket_size),
     )
-    new = hx.IndexState(*out[: len(arrays)])
+    new = hx.IndexState(*(x.reshape(-1) for x in out[: len(arrays) - 1]), out[len(arrays) - 1])
     return new, out[-2].reshape(shape), out[-1].reshape(shape)
 
 

@@ -171,19 +171,19 @@ class Reference:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _buckets_of(state) -> list[dict[int, tuple[int, int]]]:
-    hi, lo = np.asarray(state.hi), np.asarray(state.lo)
+def _buckets_of(state, b: int) -> list[dict[int, tuple[int, int]]]:
+    hi, lo = np.asarray(state.hi).reshape(-1, b), np.asarray(state.lo).reshape(-1, b)
     ids = hx.join_ids(hi, lo)
-    last, count = np.asarray(state.last), np.asarray(state.count)
+    last, count = np.asarray(state.last).reshape(-1, b), np.asarray(state.count).reshape(-1, b)
     return [
         {int(i): (int(t), int(n)) for i, t, n in zip(ids[g], last[g], count[g]) if i != -1}
         for g in range(ids.shape[0])
     ]
 
 
-def _filter_of(state) -> list[dict[int, int]]:
-    ids = hx.join_ids(np.asarray(state.filter_hi), np.asarray(state.filter_lo))
-    count = np.asarray(state.filter_count)
+def _filter_of(state, bf: int) -> list[dict[int, int]]:
+    ids = hx.join_ids(np.asarray(state.filter_hi), np.asarray(state.filter_lo)).reshape(-1, bf)
+    count = np.asarray(state.filter_count).reshape(-1, bf)
     return [
         {int(i): int(n) for i, n in zip(ids[f], count[f]) if i != -1} for f in range(ids.shape[0])
     ]
@@ -248,10 +248,10 @@ def _run_against_reference(config, steps, width, pool, seed=0):
             assert bool(f) == (what == "placed"), (t, int(i), what)
         flat = hx.join_ids(np.asarray(state.hi), np.asarray(state.lo)).reshape(-1)
         np.testing.assert_array_equal(flat[row[row >= 0]], ids[row >= 0])
-        assert _buckets_of(state) == [{i: tuple(e) for i, e in b.items()} for b in ref.buckets], (
-            f"step {t}"
-        )
-        assert _filter_of(state) == ref.filter, f"step {t}"
+        assert _buckets_of(state, config.bucket_size) == [
+            {i: tuple(e) for i, e in b.items()} for b in ref.buckets
+        ], f"step {t}"
+        assert _filter_of(state, config.filter_bucket_size) == ref.filter, f"step {t}"
         got = dict(zip(hx.STAT_NAMES, np.asarray(state.stats)[0].tolist()))
         assert got == {k: ref.stats.get(k, 0) for k in hx.STAT_NAMES}, f"step {t}"
         _check_invariants(config, state, t)
@@ -432,8 +432,10 @@ def test_mesh_matches_reference_on_8_shards():
             placed, [want.get(int(i)) == "placed" for i in ids], err_msg=f"step {t}"
         )
     host = jax.tree.map(np.asarray, state)
-    assert _buckets_of(host) == [{i: tuple(e) for i, e in b.items()} for b in ref.buckets]
-    assert _filter_of(host) == ref.filter
+    assert _buckets_of(host, config.bucket_size) == [
+        {i: tuple(e) for i, e in b.items()} for b in ref.buckets
+    ]
+    assert _filter_of(host, config.filter_bucket_size) == ref.filter
     got = dict(zip(hx.STAT_NAMES, host.stats.sum(0).tolist()))
     assert got == {k: ref.stats.get(k, 0) for k in hx.STAT_NAMES}
 
@@ -463,15 +465,15 @@ def test_export_build_round_trip(onto):
 
     # The rebuilt index (other lanes, other mesh) goes on exactly as the original.
     rebuilt = Reference(config)
-    for g, b in enumerate(_buckets_of(built)):
+    for g, b in enumerate(_buckets_of(built, config.bucket_size)):
         rebuilt.buckets[g] = {i: list(e) for i, e in b.items()}
     built_state = jax.tree.map(jnp.asarray, hx.build(config, 1, ids, last, count)[0])
     for t, ids_t in enumerate(stream[40:], start=41):
         state, _, _ = _update_one_shard(config, state, ids_t, t)
         built_state, _, _ = _update_one_shard(config, built_state, ids_t, t)
         rebuilt.step([int(i) for i in ids_t if i != -1], t)
-    assert _buckets_of(state) == _buckets_of(built_state)
-    assert _buckets_of(built_state) == [
+    assert _buckets_of(state, config.bucket_size) == _buckets_of(built_state, config.bucket_size)
+    assert _buckets_of(built_state, config.bucket_size) == [
         {i: tuple(e) for i, e in b.items()} for b in rebuilt.buckets
     ]
 

@@ -294,7 +294,7 @@ def test_identical_under_shard_map(shards):
 
 @pytest.mark.parametrize("shards", [0, 2])
 def test_update_is_in_place(shards):
-    """A donated step writes into the index buffers: no copy of the (NB, b) arrays, the
+    """A donated step writes into the index buffers: no copy of the (NB·b,) arrays, the
     same buffers before and after, and temporaries of O(ids), not O(capacity). Plain jit
     (shards 0) and inside shard_map on 2 devices, as `_dynamic` runs it."""
     config = hx.IndexConfig(buckets=8192, bucket_size=64, ttl_steps=50, min_count=2,
@@ -322,8 +322,8 @@ def test_update_is_in_place(shards):
     compiled = step.lower(state, *batches[0], np.int32(1)).compile()
     hlo = compiled.as_text()
     assert hlo is not None
-    nb, nf = 8192 // n, 4096 // n  # local arrays
-    for shape in (f"u32[{nb},64]", f"s32[{nb},64]", f"u32[{nf},16]", f"s32[{nf},16]"):
+    nb, nf = 8192 * 64 // n, 4096 * 16 // n  # local arrays
+    for shape in (f"u32[{nb}]", f"s32[{nb}]", f"u32[{nf}]", f"s32[{nf}]"):
         copies = [line for line in hlo.splitlines() if " copy(" in line and shape in line]
         assert not copies, copies
     memory = compiled.memory_analysis()

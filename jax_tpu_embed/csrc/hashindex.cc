@@ -205,10 +205,10 @@ ffi::Error FindImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buf
                     ffi::Buffer<ffi::S32> now_buf, ffi::Buffer<ffi::U32> keys_hi,
                     ffi::Buffer<ffi::U32> keys_lo, ffi::Buffer<ffi::S32> last,
                     ffi::ResultBuffer<ffi::S32> row, ffi::ResultBuffer<ffi::PRED> found,
-                    int64_t ttl_steps) {
+                    int64_t ttl_steps, int64_t bucket_size) {
+  // The index arrays are flat (IndexState): bucket g's slots at [g*b, (g+1)*b).
   const int64_t n = hi.element_count();
-  auto dims = keys_hi.dimensions();
-  const int64_t nbl = dims[0], b = dims[1];
+  const int64_t b = bucket_size, nbl = keys_hi.element_count() / b;
   if (nbl == 0) return ffi::Error::InvalidArgument("jte hashindex find: empty index");
   const Ttl ttl{ttl_steps};
   const int32_t now = now_buf.typed_data()[0];
@@ -318,13 +318,13 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf
                       ffi::ResultBuffer<ffi::S32> out_stats, ffi::ResultBuffer<ffi::S32> row_buf,
                       ffi::ResultBuffer<ffi::PRED> fresh_buf, int64_t ttl_steps,
                       int32_t eviction, int32_t min_count, int64_t threshold, int64_t prio_key,
-                      int64_t admit_key) {
+                      int64_t admit_key, int64_t bucket_size, int64_t filter_bucket_size) {
   const Config c{ttl_steps, eviction, min_count, threshold, uint32_t(prio_key),
                  uint32_t(admit_key)};
   const Ttl ttl{c.ttl_steps};
   const int64_t u = hi_buf.element_count();
-  const int64_t nbl = in_hi.dimensions()[0], b = in_hi.dimensions()[1];
-  const int64_t nfl = in_fhi.dimensions()[0], bf = in_fhi.dimensions()[1];
+  const int64_t b = bucket_size, nbl = in_hi.element_count() / b;
+  const int64_t bf = filter_bucket_size, nfl = in_fhi.element_count() / bf;
   const int64_t slots = nbl * b, fslots = nfl * bf;
   const int32_t now = now_buf.typed_data()[0];
   const bool filter = c.min_count > 1;
@@ -654,7 +654,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexFind, FindImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::PRED>>()
-                                  .Attr<int64_t>("ttl_steps"));
+                                  .Attr<int64_t>("ttl_steps")
+                                  .Attr<int64_t>("bucket_size"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexUpdate, UpdateImpl,
                               ffi::Ffi::Bind()
@@ -686,7 +687,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexUpdate, UpdateImpl,
                                   .Attr<int32_t>("min_count")
                                   .Attr<int64_t>("threshold")
                                   .Attr<int64_t>("prio_key")
-                                  .Attr<int64_t>("admit_key"));
+                                  .Attr<int64_t>("admit_key")
+                                  .Attr<int64_t>("bucket_size")
+                                  .Attr<int64_t>("filter_bucket_size"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexDistinct, DistinctImpl,
                               ffi::Ffi::Bind()
