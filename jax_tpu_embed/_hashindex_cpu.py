@@ -128,7 +128,7 @@ def update(config: hx.IndexConfig, state: hx.IndexState, hi, lo, local_bucket, v
         bucket_size=np.int64(config.bucket_size),
         filter_bucket_size=np.int64(config.filter_bucket_size),
     )
-    new = hx.IndexState(*(x.reshape(-1) for x in out[: len(arrays) - 1]), out[len(arrays) - 1])
+    new = hx.IndexState(*out[: len(arrays)])
     return new, out[-2].reshape(shape), out[-1].reshape(shape)
 
 
