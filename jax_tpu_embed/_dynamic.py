@@ -557,23 +557,29 @@ def _few(n: int) -> int:
 def _reset_fresh(
     storage, table, slots: dict, rows, fresh, key, hi, lo, dim: int, by_sort: bool = False
 ):
-    """`_reset` of the rows given to new ids (`fresh`), drawing and writing only those while
-    they are at most `_few` of all (one scatter of that many rows), every row otherwise."""
+    """`_reset` of the rows given to new ids (`fresh`), `_few` of them at a time: drawn and
+    written only for those, in as many rounds as they need (a trained table's steps give
+    few rows away; a step of a fresh table, all)."""
     n = fresh.shape[0]
     k = _few(n)
-
-    def few(arrays):
-        at, (p_rows, p_hi, p_lo) = _first(fresh, k, rows, hi, lo, by_sort=by_sort)
-        table, slots = arrays
-        return _reset(storage, table, slots, p_rows, at < n, initial_rows(key, p_hi, p_lo, dim))
-
-    def every(arrays):
-        table, slots = arrays
-        return _reset(storage, table, slots, rows, fresh, initial_rows(key, hi, lo, dim))
-
     if k == n:
-        return every((table, slots))
-    return lax.cond(jnp.sum(fresh, dtype=jnp.int32) <= k, few, every, (table, slots))
+        return _reset(storage, table, slots, rows, fresh, initial_rows(key, hi, lo, dim))
+    count = jnp.sum(fresh, dtype=jnp.int32)
+    _, picked = _first(fresh, n, rows, hi, lo, by_sort=by_sort)
+    picked = [jnp.pad(x, (0, k)) for x in picked]  # Room for the last round's slice.
+
+    def body(state):
+        start, table, slots = state
+        p_rows, p_hi, p_lo = (lax.dynamic_slice_in_dim(x, start, k) for x in picked)
+        mine = lax.iota(jnp.int32, k) + start < count
+        init = initial_rows(key, p_hi, p_lo, dim)
+        table, slots = _reset(storage, table, slots, p_rows, mine, init)
+        return start + k, table, slots
+
+    _, table, slots = lax.while_loop(
+        lambda state: state[0] < count, body, (jnp.int32(0), table, slots)
+    )
+    return table, slots
 
 
 def _reset(storage: _storage.TableStorage, table, slots: dict, rows, fresh, init_rows):
