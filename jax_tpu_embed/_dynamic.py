@@ -381,21 +381,21 @@ def _owned(plan: DynamicPlan, hi, lo, keep, axis, window: int) -> Owned:
     )
 
 
-def _windows(owned: Owned, window: int, inputs, body, outputs, carry):
-    """Runs `values, carry = body(*window_of_each_input, valid, carry)` over the distinct
-    owned ids `window` at a time (`inputs`: (P + C,) arrays in distinct order) and collects
-    each of `values` ((window,) arrays) into the (P + C,) arrays `outputs` starts from. One
-    pass, straight-line, when the window holds every position."""
-    p = owned.pos.shape[0]
+def _windows(count, window: int, inputs, body, outputs, carry):
+    """Runs `values, carry = body(*window_of_each_input, valid, carry)` over the first
+    `count` entries of `inputs` ((n + window,) arrays, or (n,) when one window holds all n),
+    `window` at a time, and collects each of `values` ((window,) arrays) into the arrays
+    `outputs` starts from (shaped as the inputs). One pass, straight-line, when the window
+    holds every entry."""
 
     def run(start, outs, carry):
         take = lambda x: lax.dynamic_slice_in_dim(x, start, window)
-        valid = lax.iota(jnp.int32, window) + start < owned.count
+        valid = lax.iota(jnp.int32, window) + start < count
         values, carry = body(*map(take, inputs), valid, carry)
         outs = tuple(lax.dynamic_update_slice_in_dim(o, v, start, 0) for o, v in zip(outs, values))
         return outs, carry
 
-    if window >= p:
+    if window >= inputs[0].shape[0]:
         return run(jnp.int32(0), outputs, carry)
 
     def step(state):
@@ -404,7 +404,7 @@ def _windows(owned: Owned, window: int, inputs, body, outputs, carry):
         return start + window, outs, carry
 
     _, outs, carry = lax.while_loop(
-        lambda state: state[0] < owned.count, step, (jnp.int32(0), outputs, carry)
+        lambda state: state[0] < count, step, (jnp.int32(0), outputs, carry)
     )
     return outs, carry
 
@@ -447,7 +447,7 @@ def lookup_rows(plan: DynamicPlan, storage, index, hi_parts, lo_parts, now, axis
 
     ids = (owned.hi, owned.lo, owned.bucket)
     empty = (jnp.full(owned.hi.shape, -1, jnp.int32),)
-    (rows,), _ = _windows(owned, window, ids, body, empty, None)
+    (rows,), _ = _windows(owned.count, window, ids, body, empty, None)
     return _back(owned, rows, shapes, axis)
 
 
@@ -488,7 +488,7 @@ def update_rows(
 
     bools = [like(bool)] * 5
     seen, index = _windows(
-        owned,
+        owned.count,
         window,
         ids,
         sighted,
@@ -497,23 +497,33 @@ def update_rows(
     )
     seen = _hashindex.Sighted(None, *seen)
 
-    # Each pass resets the rows it gives to new ids.
-    def place(hi, lo, bucket, admit, valid, carry):
+    # Placement sees only the admitted ids, compacted in their (bucket, priority) order and
+    # taken `_few` at a time (a trained table admits few a step), each round resetting
+    # the rows it gives away. The results go back to the distinct order by one scatter.
+    n = owned.hi.shape[0]
+    k = _few(window)
+    admitted = jnp.sum(seen.admit, dtype=jnp.int32)
+    _, picked = _first(seen.admit, n, *ids, lax.iota(jnp.int32, n), by_sort=plan.compact)
+    picked = [jnp.pad(x, (0, k)) for x in picked]
+
+    def place(hi, lo, bucket, _, valid, carry):
         index, table, slots = carry
-        index, row, placed = _hashindex.place(config, index, hi, lo, bucket, admit & valid, now)
-        table, slots = _reset_fresh(
-            storage, table, slots, row, placed, key, hi, lo, plan.dim, by_sort=plan.compact
-        )
+        index, row, placed = _hashindex.place(config, index, hi, lo, bucket, valid, now)
+        init = initial_rows(key, hi, lo, plan.dim)
+        table, slots = _reset(storage, table, slots, row, placed, init)
         return (row, placed), (index, table, slots)
 
-    (row, fresh), (index, table, slots) = _windows(
-        owned,
-        window,
-        (*ids, seen.admit),
+    (a_row, a_placed), (index, table, slots) = _windows(
+        admitted,
+        k,
+        picked,
         place,
-        (like(jnp.int32, -1), like(bool)),
+        (jnp.full(n + k, -1, jnp.int32), jnp.zeros(n + k, bool)),
         (index, table, slots),
     )
+    at = jnp.where(lax.iota(jnp.int32, n + k) < admitted, picked[3], n)
+    row = jnp.full(n, -1, jnp.int32).at[at].set(a_row, mode="drop")
+    fresh = jnp.zeros(n, bool).at[at].set(a_placed, mode="drop")
     if config.min_count > 1:
         index = _hashindex.filter_step(config, index, *ids, seen, fresh)
     u_row = jnp.where(seen.hit, seen.row, row)
