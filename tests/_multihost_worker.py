@@ -141,6 +141,8 @@ def train(
     from `initial_values()` (no table-initializer compiles: the cheaper start). routing:
     the Embedding's ("owner": ids travel to their rows' owners with all_to_all).
     """
+    if strategy == "dynamic":
+        return train_dynamic(mesh_kind, inputs, routing)
     emb = jte.Embedding(make_spec(strategy), make_mesh(mesh_kind), routing=routing)
     if routing == "owner":  # Stacks are for tables routed to their owners.
         assert ("hot", "shared") in emb.stacks.values(), emb.stacks
@@ -176,6 +178,58 @@ def train(
     for name, slots in emb.export_slots(state).items():
         for slot, value in slots.items():
             out[f"slot/{name}/{slot}"] = np.asarray(value)
+    return out
+
+
+def dynamic_step_data(step: int):
+    """(features, act_grads) of `step` for `train_dynamic`: int64 ids from a pool over the
+    whole int64 range (negatives included), many repeats, -1 padding; NumPy, the same
+    everywhere."""
+    pool = np.random.default_rng([SEED, 7]).integers(
+        np.iinfo(np.int64).min, np.iinfo(np.int64).max, 120, np.int64
+    )
+    pool = pool[pool != -1]
+    rng = np.random.default_rng([SEED, 8, step])
+    user = pool[rng.integers(0, pool.size, (B,))]
+    hist = np.where(rng.random((B, 3)) < 0.2, -1, pool[rng.integers(0, pool.size, (B, 3))])
+    features = {"user": user, "hist": hist}
+    grads = {k: rng.standard_normal((B, 8)).astype(np.float32) for k in features}
+    return features, grads
+
+
+def train_dynamic(mesh_kind: str, inputs: str = "local", routing: str = "auto") -> dict:
+    """`train` for a dynamic table shared by two features, so small that LRU evicts every
+    step: {"ids", "rows", "acc", "stats/<counter>", "acts/<step>/<feature>"}. Ids travel
+    as `jte.split_ids` halves (global jax.Arrays with inputs="local")."""
+    users = jte.TableConfig(
+        dim=8,
+        combiner="mean",
+        name="users",
+        dynamic=jte.DynamicTable(capacity=64, bucket_size=8),
+    )
+    spec = jte.EmbeddingSpec(
+        {"user": jte.FeatureConfig(users), "hist": jte.FeatureConfig(users)},
+        jte.Adagrad(learning_rate=0.1),
+    )
+    emb = jte.Embedding(spec, make_mesh(mesh_kind), routing=routing)
+    state = emb.init(jax.random.key(0))
+    rows = multihost.process_batch_rows(emb, B)
+    out = {}
+    for step in range(STEPS + 2):
+        features, grads = dynamic_step_data(step)
+        features = {k: jte.split_ids(v[rows]) for k, v in features.items()}
+        grads = {k: v[rows] for k, v in grads.items()}
+        if inputs == "local":
+            features, grads = multihost.global_batch(emb, (features, grads))
+        acts = emb.lookup(state, features)
+        for path, a in acts.items():
+            out[f"acts/{step}/{path}"] = _gather(a)
+        state = emb.apply_gradients(state, features, grads)
+    table = emb.export(state)["users"]
+    out["ids"], out["rows"] = table.ids, table.rows
+    out["acc"] = emb.export_slots(state)["users"]["accumulators"].rows
+    for name, value in emb.dynamic_stats(state)["users"].items():
+        out[f"stats/{name}"] = np.asarray(_gather(value))
     return out
 
 

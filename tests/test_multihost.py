@@ -71,7 +71,7 @@ def _worker_env() -> dict:
 class _Job:
     """The two worker processes; results are read per case as process 0 writes them."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, cases=JOB_CASES):
         self.out, self.deadline = out, time.monotonic() + JOB_TIMEOUT_S
         port, env = _free_port(), _worker_env()
         script = Path(__file__).with_name("_multihost_worker.py")
@@ -93,7 +93,7 @@ class _Job:
                             "--out",
                             str(out),
                             "--cases",
-                            ",".join(JOB_CASES),
+                            ",".join(cases),
                         ],
                         stdout=f,
                         stderr=subprocess.STDOUT,
@@ -152,6 +152,36 @@ def job(tmp_path_factory):
     j = _Job(out)
     yield j
     j.stop()
+
+
+DYNAMIC_CASES = ("dynamic:explicit", "dynamic:auto:local:init:owner")
+
+
+@pytest.fixture(scope="module")
+def dynamic_job(tmp_path_factory):
+    """A second 2-process job for the dynamic-table cases (slow tier only: the fast tier
+    never starts it)."""
+    j = _Job(tmp_path_factory.mktemp("multihost_dynamic"), DYNAMIC_CASES)
+    yield j
+    j.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", DYNAMIC_CASES)
+def test_dynamic_tables_two_processes_match_one(dynamic_job, case):
+    """A dynamic table (int64 ids as split halves, global jax.Arrays fed per process, LRU
+    evicting every step) on 2 processes x 4 devices: the same resident ids, counters, rows
+    and slots as one process with 8 devices, both exchanges."""
+    want = worker.train(*case.split(":"))
+    got = dynamic_job.result(case)
+    assert sorted(got) == sorted(want)
+    assert int(want["stats/evicted"]) > 0
+    np.testing.assert_array_equal(got["ids"], want["ids"])
+    for key in sorted(want):
+        if key.startswith("stats/"):
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        elif key != "ids":
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-6, err_msg=key)
 
 
 @pytest.mark.slow
