@@ -43,9 +43,9 @@ join_ids = _inputs.join_ids
 
 
 class DynamicRows(NamedTuple):
-    """A dynamic table's live rows: `ids` int64 (n,) ascending, `rows` (n, D) float32 (or a
-    slot's (n, D) / (n,)), row i belonging to ids[i]. What `export` gives and
-    `restore_tables` takes for a dynamic table."""
+    """A dynamic table's live rows: `ids` int64 (n,) ascending, `rows` (n, D) in the table's
+    dtype as `export` gives a static table's (or a slot's (n, D) / (n,)), row i belonging
+    to ids[i]. What `export` gives and `restore_tables` takes for a dynamic table."""
 
     ids: np.ndarray
     rows: np.ndarray
