@@ -245,7 +245,8 @@ def initial_rows_where(key, hi, lo, mask, dim: int, by_sort: bool = False):
 
     if k == n:
         return every(None)
-    return lax.cond(jnp.sum(flat, dtype=jnp.int32) <= k, few, every, None)
+    none = lambda _: jnp.zeros(shape + (dim,), jnp.float32)
+    return _by_count(jnp.sum(flat, dtype=jnp.int32), k, none, few, every, None)
 
 
 def missing_rows(key, hi, lo, scale, missing, dim: int, by_sort: bool = False):
@@ -271,7 +272,15 @@ def missing_rows(key, hi, lo, scale, missing, dim: int, by_sort: bool = False):
 
     if k == n:
         return every(None)
-    return lax.cond(jnp.sum(missing, dtype=jnp.int32) <= k, few, every, None)
+    none = lambda _: jnp.zeros((b, dim), jnp.float32)
+    return _by_count(jnp.sum(missing, dtype=jnp.int32), k, none, few, every, None)
+
+
+def _by_count(count, k: int, none, few, every, operand):
+    """`none`, `few` or `every`(operand) as `count` is 0, at most k, or more: a trained
+    table's steps mostly need no initial row at all, and then draw none."""
+    index = jnp.where(count == 0, 0, jnp.where(count <= k, 1, 2))
+    return lax.switch(index, (none, few, every), operand)
 
 
 def initial_rows(key, hi, lo, dim: int):
@@ -283,12 +292,45 @@ def initial_rows(key, hi, lo, dim: int):
 # --------------------------------------------------------------------- the shard's work
 
 
-def _gathered(hi_parts, lo_parts, axis):
-    """This device's ids of every feature of a table, flattened and joined, then
-    all-gathered: (N * M,) each."""
-    hi = jnp.concatenate([h.reshape(-1) for h in hi_parts])
-    lo = jnp.concatenate([x.reshape(-1) for x in lo_parts])
-    return lax.all_gather(hi, axis, tiled=True), lax.all_gather(lo, axis, tiled=True)
+def gather_ids(tables: list, axis) -> list:
+    """Inside shard_map: every dynamic table's ids of the global batch, in one all-gather
+    (a collective costs its latency once, not twice per table). `tables`: per table, its
+    features' (hi, lo) parts, (b, L) uint32 each. Returns per table (hi, lo), (P,) each:
+    device by device, each device's features flattened and joined."""
+    flat = lambda parts: jnp.concatenate([x.reshape(-1) for x in parts])
+    words = [flat([h for h, _ in parts] + [lo for _, lo in parts]) for parts in tables]
+    every = lax.all_gather(jnp.concatenate(words), axis)  # (N, Σ 2·M)
+    out, start = [], 0
+    for w in words:
+        m = w.shape[0] // 2
+        out.append(
+            (
+                every[:, start : start + m].reshape(-1),
+                every[:, start + m : start + 2 * m].reshape(-1),
+            )
+        )
+        start += 2 * m
+    return out
+
+
+def scatter_rows(tables: list, shapes: list, axis) -> list:
+    """Inside shard_map: every dynamic table's rows back to the examples' devices in one
+    reduce-scatter. `tables`: per table, (P,) int32, its row + 1 at the positions this
+    shard owns and 0 elsewhere (each position has one owner, so the sum over devices is
+    its row + 1); `shapes`: per table, its features' (b, L). Returns per table the list of
+    its features' (b, L) rows, -1 where an id has none."""
+    n = lax.axis_size(axis)
+    every = jnp.concatenate([v.reshape(n, -1) for v in tables], axis=1).reshape(-1)
+    local = lax.psum_scatter(every, axis, scatter_dimension=0, tiled=True) - 1
+    out, start = [], 0
+    for table_shapes in shapes:
+        rows = []
+        for shape in table_shapes:
+            m = int(np.prod(shape))
+            rows.append(local[start : start + m].reshape(shape))
+            start += m
+        out.append(rows)
+    return out
 
 
 def index_ops(plan: DynamicPlan):
@@ -349,7 +391,7 @@ def capacity(plan: DynamicPlan, positions: int, num_shards: int) -> int:
 
 
 def _owned(plan: DynamicPlan, hi, lo, keep, axis, window: int) -> Owned:
-    """Sorts the gathered ids (`_gathered`) by (owned first, local bucket, priority, hi, lo)
+    """Sorts the gathered ids (`gather_ids`) by (owned first, local bucket, priority, hi, lo)
     and compacts the distinct owned ones to the front. Two sorts of P entries; no gather
     (the TPU compiler charges a 1-D gather a whole tile per element)."""
     n = lax.axis_size(axis)
@@ -409,35 +451,30 @@ def _windows(count, window: int, inputs, body, outputs, carry):
     return outs, carry
 
 
-def _back(owned: Owned, values, shapes, axis):
-    """Each gathered position's value (int32, -1 for none) from its distinct id's
-    (`values`, (P + C,) in distinct order), summed over the devices (each position has one
-    owner) and scattered back: {i: (b, L) of this device's i-th feature}. No gather: each
-    distinct value's difference from the previous one goes to its id's first sorted
-    position, and a running sum carries it over the id's repeats."""
+def _back(owned: Owned, values):
+    """Each gathered position's value + 1 (0 where not owned) from its distinct id's
+    (`values`, int32, (P + C,) in distinct order, -1 for none), for `scatter_rows`. No
+    gather: each distinct value's difference from the previous one goes to its id's first
+    sorted position, and a running sum carries it over the id's repeats."""
     p = owned.pos.shape[0]
     v = values[:p] + 1
     delta = v - jnp.concatenate([jnp.zeros((1,), v.dtype), v[:-1]])
     sorted_values = jnp.cumsum(jnp.zeros((p,), v.dtype).at[owned.first].set(delta, mode="drop"))
     sorted_values = jnp.where(owned.owned, sorted_values, 0)
-    at_positions = jnp.zeros((p,), v.dtype).at[owned.pos].set(sorted_values)
-    return _scatter_back(at_positions - 1, shapes, axis)
+    return jnp.zeros((p,), v.dtype).at[owned.pos].set(sorted_values)
 
 
-def lookup_rows(plan: DynamicPlan, storage, index, hi_parts, lo_parts, now, axis):
-    """Inside shard_map: the global slot-table rows (-1: none) of this device's ids of each
-    of the table's features (`hi_parts`/`lo_parts`: (b, L) each). Read-only."""
+def lookup_rows(plan: DynamicPlan, storage, index, hi, lo, now, axis):
+    """Inside shard_map: the global slot-table rows of the table's gathered ids (`hi`,
+    `lo`: `gather_ids`'s), as `scatter_rows` takes them. Read-only."""
     me = lax.axis_index(axis)
-    hi, lo = _gathered(hi_parts, lo_parts, axis)
-    shapes = [h.shape for h in hi_parts]
     find, _ = index_ops(plan)
     if plan.kernel == "cpu":  # The C++ index passes over padding without reading a bucket.
         owner, bucket = _hashindex.locate(plan.index, lax.axis_size(axis), hi, lo)
         others = owner != me
         hi, lo = jnp.where(others, jnp.uint32(PAD), hi), jnp.where(others, jnp.uint32(PAD), lo)
         row, found = find(plan.index, index, hi, lo, bucket, now)
-        rows = jnp.where(found & ~others, storage.layout.global_ids(me, row), -1)
-        return _scatter_back(rows, shapes, axis)
+        return jnp.where(found & ~others, storage.layout.global_ids(me, row) + 1, 0)
     window = capacity(plan, hi.shape[0], lax.axis_size(axis))
     owned = _owned(plan, hi, lo, True, axis, window)
 
@@ -448,20 +485,16 @@ def lookup_rows(plan: DynamicPlan, storage, index, hi_parts, lo_parts, now, axis
     ids = (owned.hi, owned.lo, owned.bucket)
     empty = (jnp.full(owned.hi.shape, -1, jnp.int32),)
     (rows,), _ = _windows(owned.count, window, ids, body, empty, None)
-    return _back(owned, rows, shapes, axis)
+    return _back(owned, rows)
 
 
-def update_rows(
-    plan: DynamicPlan, storage, index, key, table, slots, hi_parts, lo_parts, keep, now, axis
-):
-    """Inside shard_map: one step's admission and eviction on this shard's buckets, and the
-    reset of the rows it gives to new ids (table row to the id's initial row, slots to
-    their initial values). Returns (index, table, slots, [(b, L) global rows, -1 where the
-    id has no row, per feature]). `keep` False: the table is skipped this step (its index
-    is left as it is)."""
+def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, keep, now, axis):
+    """Inside shard_map: one step's admission and eviction on this shard's buckets for the
+    table's gathered ids (`gather_ids`'s), and the reset of the rows it gives to new ids
+    (table row to the id's initial row, slots to their initial values). Returns (index,
+    table, slots, the ids' global rows as `scatter_rows` takes them). `keep` False: the
+    table is skipped this step (its index is left as it is)."""
     me = lax.axis_index(axis)
-    hi, lo = _gathered(hi_parts, lo_parts, axis)
-    shapes = [h.shape for h in hi_parts]
     _, update = index_ops(plan)
     if plan.kernel == "cpu":
         n = lax.axis_size(axis)
@@ -473,8 +506,8 @@ def update_rows(
         fresh = fresh & u_valid & (u_row >= 0)
         table, slots = _reset_fresh(storage, table, slots, u_row, fresh, key, u_hi, u_lo, plan.dim)
         row = u_row[where]
-        rows = jnp.where(mine & (row >= 0), storage.layout.global_ids(me, row), -1)
-        return index, table, slots, _scatter_back(rows, shapes, axis)
+        rows = jnp.where(mine & (row >= 0), storage.layout.global_ids(me, row) + 1, 0)
+        return index, table, slots, rows
     window = capacity(plan, hi.shape[0], lax.axis_size(axis))
     owned = _owned(plan, hi, lo, keep, axis, window)
     config, ids = plan.index, (owned.hi, owned.lo, owned.bucket)
@@ -528,19 +561,7 @@ def update_rows(
         index = _hashindex.filter_step(config, index, *ids, seen, fresh)
     u_row = jnp.where(seen.hit, seen.row, row)
     rows = jnp.where(u_row >= 0, storage.layout.global_ids(me, u_row), -1)
-    return index, table, slots, _back(owned, rows, shapes, axis)
-
-
-def _scatter_back(global_rows, shapes, axis):
-    """Rows (-1: none) of the gathered ids, summed over devices (each id has one owner) and
-    scattered back: {i: (b, L) rows of this device's i-th feature}."""
-    local = lax.psum_scatter(global_rows + 1, axis, scatter_dimension=0, tiled=True) - 1
-    out, start = [], 0
-    for shape in shapes:
-        n = int(np.prod(shape))
-        out.append(local[start : start + n].reshape(shape))
-        start += n
-    return out
+    return index, table, slots, _back(owned, rows)
 
 
 def _first(mask, k: int, *payloads, by_sort: bool):
@@ -564,18 +585,17 @@ def _few(n: int) -> int:
     return min(n, max(8, n // 8))
 
 
-def _reset_fresh(
-    storage, table, slots: dict, rows, fresh, key, hi, lo, dim: int, by_sort: bool = False
-):
-    """`_reset` of the rows given to new ids (`fresh`), `_few` of them at a time: drawn and
-    written only for those, in as many rounds as they need (a trained table's steps give
-    few rows away; a step of a fresh table, all)."""
+def _reset_fresh(storage, table, slots: dict, rows, fresh, key, hi, lo, dim: int):
+    """`_reset` of the rows the C++ index gave to new ids (`fresh`), `_few` at a time in
+    rounds: none when the step gave none away (a trained table's usual step), and the
+    arrays updated in place by the loop. (The XLA index resets its placements in its own
+    rounds, `update_rows`.)"""
     n = fresh.shape[0]
     k = _few(n)
     if k == n:
         return _reset(storage, table, slots, rows, fresh, initial_rows(key, hi, lo, dim))
     count = jnp.sum(fresh, dtype=jnp.int32)
-    _, picked = _first(fresh, n, rows, hi, lo, by_sort=by_sort)
+    _, picked = _first(fresh, n, rows, hi, lo, by_sort=False)
     picked = [jnp.pad(x, (0, k)) for x in picked]  # Room for the last round's slice.
 
     def body(state):

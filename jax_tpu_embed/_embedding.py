@@ -827,9 +827,9 @@ class Embedding:
         split = self._split_dynamic(flat)
         extra = {}
         if split:
-            leaves = self._dynamic_leaves(split, self._dynamic_rows(index, step, split))
-            flat = {**flat, **leaves}
-            extra = self._initial_rows(index, split, leaves)
+            rows = self._dynamic_rows(index, step, split)
+            flat = {**flat, **self._dynamic_leaves(split, rows)}
+            extra = self._initial_rows(index, split, rows)
         feats = self._normalized(flat)
         batch = next(iter(feats.values()))[0].shape[0]
         row = P(self.axis)
@@ -860,48 +860,65 @@ class Embedding:
         row = P(self.axis)
 
         def local(index, parts, step):
-            out = {}
-            for name, plan in self.dynamic.items():
-                paths = list(plan.features)
-                rows = _dynamic.lookup_rows(
+            plans = list(self.dynamic.values())
+            ids = _dynamic.gather_ids(
+                [[parts[p] for p in plan.features] for plan in plans], self.axis
+            )
+            values = [
+                _dynamic.lookup_rows(
                     plan,
-                    self.table_plans[name].storage,
-                    index[name].index,
-                    [parts[p][0] for p in paths],
-                    [parts[p][1] for p in paths],
+                    self.table_plans[plan.name].storage,
+                    index[plan.name].index,
+                    hi,
+                    lo,
                     step,
                     self.axis,
                 )
-                out.update(zip(paths, rows))
-            return out
+                for plan, (hi, lo) in zip(plans, ids)
+            ]
+            return self._dynamic_back(plans, parts, values)
 
         parts = {
             p: (self._batch_sharded(h), self._batch_sharded(lo)) for p, (h, lo, _) in split.items()
         }
         return self._shard_map(local, (self._dynamic_specs(), row, P()), row)(index, parts, step)
 
+    def _dynamic_back(self, plans, parts, values) -> dict:
+        """{path: (b, L) rows} of every dynamic feature from the tables' gathered rows
+        (`_dynamic.scatter_rows`, one reduce-scatter for them all)."""
+        shapes = [[parts[p][0].shape for p in plan.features] for plan in plans]
+        rows = _dynamic.scatter_rows(values, shapes, self.axis)
+        return {p: r for plan, rs in zip(plans, rows) for p, r in zip(plan.features, rs)}
+
+    def _scale(self, plan, path: str, split):
+        """(B, L) float32: each position's factor under its table's own combiner, over all
+        of the example's ids (found or not); 0 at padding."""
+        hi, lo, w = split[path]
+        combiner = self._spec_tables[plan.name].combiner
+        return _dynamic.scaled_weights(plan.features[path], combiner, hi, lo, w)
+
     def _dynamic_leaves(self, split, rows) -> dict:
-        """{path: the leaf the engine sees}: Weighted(rows, each position's factor under the
-        table's own combiner, over all its ids)."""
+        """{path: the leaf the engine sees}: the rows themselves (-1: none, read as padding)
+        when the factors are all 1 (no weights, and a sum or a sequence), else
+        Weighted(rows, each position's factor, `_scale`)."""
         out = {}
         for plan in self.dynamic.values():
+            plain = self._spec_tables[plan.name].combiner == "sum"
             for path, f in plan.features.items():
-                hi, lo, w = split[path]
-                combiner = self._spec_tables[plan.name].combiner
-                out[path] = _inputs.Weighted(
-                    rows[path], _dynamic.scaled_weights(f, combiner, hi, lo, w)
-                )
+                if split[path][2] is None and (plain or f.is_sequence):
+                    out[path] = rows[path]
+                else:
+                    out[path] = _inputs.Weighted(rows[path], self._scale(plan, path, split))
         return out
 
-    def _initial_rows(self, index, split, leaves) -> dict:
+    def _initial_rows(self, index, split, rows) -> dict:
         """{path: the natural-shaped activation part of the ids without a row}: their
-        initial rows, combined as their table combines (`leaves`: `_dynamic_leaves`'s rows
-        and factors)."""
+        initial rows, combined as their table combines (`rows`: `_dynamic_rows`'s)."""
         out = {}
         for name, plan in self.dynamic.items():
             for path, f in plan.features.items():
                 hi, lo, _ = split[path]
-                rows, scale = leaves[path]
+                rows_of, scale = rows[path], self._scale(plan, path, split)
 
                 def local(key, hi, lo, rows, scale, f=f, dim=plan.dim, by_sort=plan.compact):
                     missing = (rows < 0) & (scale != 0)
@@ -911,7 +928,7 @@ class Embedding:
                     return scale[..., None] * init
 
                 row = P(self.axis)
-                parts = [self._batch_sharded(x) for x in (hi, lo, rows, scale)]
+                parts = [self._batch_sharded(x) for x in (hi, lo, rows_of, scale)]
                 out[path] = self._shard_map(local, (P(), row, row, row, row), row)(
                     index[name].key, *parts
                 )
@@ -924,10 +941,12 @@ class Embedding:
         names = list(self.dynamic)
 
         def local(index, tables, slots, parts, keep, step):
-            new_index, new_tables, new_slots, out = {}, {}, {}, {}
-            for name in names:
-                plan = self.dynamic[name]
-                paths = list(plan.features)
+            new_index, new_tables, new_slots, values = {}, {}, {}, []
+            plans = [self.dynamic[name] for name in names]
+            ids = _dynamic.gather_ids(
+                [[parts[p] for p in plan.features] for plan in plans], self.axis
+            )
+            for name, plan, (hi, lo) in zip(names, plans, ids):
                 idx, table, table_slots, rows = _dynamic.update_rows(
                     plan,
                     self.table_plans[name].storage,
@@ -935,16 +954,16 @@ class Embedding:
                     index[name].key,
                     tables[name],
                     slots[name],
-                    [parts[p][0] for p in paths],
-                    [parts[p][1] for p in paths],
+                    hi,
+                    lo,
                     keep[name],
                     step,
                     self.axis,
                 )
                 new_index[name] = _dynamic.DynamicState(idx, index[name].key)
                 new_tables[name], new_slots[name] = table, table_slots
-                out.update(zip(paths, rows))
-            return new_index, new_tables, new_slots, out
+                values.append(rows)
+            return new_index, new_tables, new_slots, self._dynamic_back(plans, parts, values)
 
         parts = {
             p: (self._batch_sharded(h), self._batch_sharded(lo)) for p, (h, lo, _) in split.items()
