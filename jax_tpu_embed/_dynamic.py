@@ -231,22 +231,18 @@ def initial_rows_where(key, hi, lo, mask, dim: int, by_sort: bool = False):
     are at most an eighth of all (a trained table's lookups and updates mostly find their
     ids), every row otherwise: the same values either way."""
     shape, n = mask.shape, mask.size
-    k = _few(n)
     flat = mask.reshape(-1)
 
-    def few(_):
+    def few(k):
         at, (p_hi, p_lo) = _first(flat, k, hi.reshape(-1), lo.reshape(-1), by_sort=by_sort)
         rows = initial_rows(key, p_hi, p_lo, dim)
         out = jnp.zeros((n, dim), jnp.float32).at[at].set(rows, mode="drop")
         return out.reshape(shape + (dim,))
 
-    def every(_):
+    def every():
         return jnp.where(mask[..., None], initial_rows(key, hi, lo, dim), 0.0)
 
-    if k == n:
-        return every(None)
-    none = lambda _: jnp.zeros(shape + (dim,), jnp.float32)
-    return _by_count(jnp.sum(flat, dtype=jnp.int32), k, none, few, every, None)
+    return _by_count(jnp.sum(flat, dtype=jnp.int32), n, few, every, shape + (dim,))
 
 
 def missing_rows(key, hi, lo, scale, missing, dim: int, by_sort: bool = False):
@@ -255,9 +251,8 @@ def missing_rows(key, hi, lo, scale, missing, dim: int, by_sort: bool = False):
     at most `_few` of all, adding them into their examples; every row otherwise."""
     b, length = missing.shape
     n = missing.size
-    k = _few(n)
 
-    def few(_):
+    def few(k):
         flat = lambda x: x.reshape(-1)
         at, (p_hi, p_lo, p_scale) = _first(
             flat(missing), k, flat(hi), flat(lo), flat(scale), by_sort=by_sort
@@ -266,21 +261,24 @@ def missing_rows(key, hi, lo, scale, missing, dim: int, by_sort: bool = False):
         part = jnp.where((at < n)[:, None], p_scale[:, None] * rows, 0.0)
         return jnp.zeros((b, dim), jnp.float32).at[at // length].add(part, mode="drop")
 
-    def every(_):
+    def every():
         init = jnp.where(missing[..., None], initial_rows(key, hi, lo, dim), 0.0)
         return jnp.sum(scale[..., None] * init, axis=1)
 
-    if k == n:
-        return every(None)
-    none = lambda _: jnp.zeros((b, dim), jnp.float32)
-    return _by_count(jnp.sum(missing, dtype=jnp.int32), k, none, few, every, None)
+    return _by_count(jnp.sum(missing, dtype=jnp.int32), n, few, every, (b, dim))
 
 
-def _by_count(count, k: int, none, few, every, operand):
-    """`none`, `few` or `every`(operand) as `count` is 0, at most k, or more: a trained
-    table's steps mostly need no initial row at all, and then draw none."""
-    index = jnp.where(count == 0, 0, jnp.where(count <= k, 1, 2))
-    return lax.switch(index, (none, few, every), operand)
+def _by_count(count, n: int, few, every, shape):
+    """Zeros of `shape` when `count` (of n ids) is 0, `few(k)` for the smallest of k = n/64
+    and n/8 that holds them, else `every()`: a trained table's steps mostly need no initial
+    row at all, and then draw none, or a few."""
+    sizes = sorted({_few(n, ROUND), _few(n)} - {n})
+    branches = [lambda: jnp.zeros(shape, jnp.float32)]
+    branches += [functools.partial(few, k) for k in sizes] + [every]
+    index = (count > 0).astype(jnp.int32)
+    for k in sizes:
+        index += (count > k).astype(jnp.int32)
+    return lax.switch(index, branches)
 
 
 def initial_rows(key, hi, lo, dim: int):
@@ -534,7 +532,7 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
     # taken `_few` at a time (a trained table admits few a step), each round resetting
     # the rows it gives away. The results go back to the distinct order by one scatter.
     n = owned.hi.shape[0]
-    k = _few(window)
+    k = _few(window, ROUND)
     admitted = jnp.sum(seen.admit, dtype=jnp.int32)
     _, picked = _first(seen.admit, n, *ids, lax.iota(jnp.int32, n), by_sort=plan.compact)
     picked = [jnp.pad(x, (0, k)) for x in picked]
@@ -579,10 +577,15 @@ def _first(mask, k: int, *payloads, by_sort: bool):
     return jnp.where(key[:k] < n, key[:k], n), [x[:k] for x in moved]
 
 
-def _few(n: int) -> int:
-    """How many of n ids the compact paths serve (`_reset_fresh`, `initial_rows_where`): a
-    trained table's steps find most of their ids, so few need an initial row."""
-    return min(n, max(8, n // 8))
+def _few(n: int, share: int = 8) -> int:
+    """How many of n ids a compact path serves at once (`initial_rows_where`,
+    `missing_rows`: an eighth, then all; the rounds of placements and resets: a 64th a
+    round): a trained table's steps find most of their ids and give few rows away, so few
+    need an initial row."""
+    return min(n, max(8, n // share))
+
+
+ROUND = 64  # Rounds of placements and resets take n / ROUND ids each (`_few`).
 
 
 def _reset_fresh(storage, table, slots: dict, rows, fresh, key, hi, lo, dim: int):
@@ -591,7 +594,7 @@ def _reset_fresh(storage, table, slots: dict, rows, fresh, key, hi, lo, dim: int
     arrays updated in place by the loop. (The XLA index resets its placements in its own
     rounds, `update_rows`.)"""
     n = fresh.shape[0]
-    k = _few(n)
+    k = _few(n, ROUND)
     if k == n:
         return _reset(storage, table, slots, rows, fresh, initial_rows(key, hi, lo, dim))
     count = jnp.sum(fresh, dtype=jnp.int32)
