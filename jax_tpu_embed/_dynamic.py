@@ -598,15 +598,16 @@ def _reset_fresh(storage, table, slots: dict, rows, fresh, key, hi, lo, dim: int
     if k == n:
         return _reset(storage, table, slots, rows, fresh, initial_rows(key, hi, lo, dim))
     count = jnp.sum(fresh, dtype=jnp.int32)
-    _, picked = _first(fresh, n, rows, hi, lo, by_sort=False)
-    picked = [jnp.pad(x, (0, k)) for x in picked]  # Room for the last round's slice.
+    at = jnp.nonzero(fresh, size=n, fill_value=n)[0]
 
     def body(state):
         start, table, slots = state
-        p_rows, p_hi, p_lo = (lax.dynamic_slice_in_dim(x, start, k) for x in picked)
-        mine = lax.iota(jnp.int32, k) + start < count
-        init = initial_rows(key, p_hi, p_lo, dim)
-        table, slots = _reset(storage, table, slots, p_rows, mine, init)
+        # The last round's slice may start earlier (clamped): it resets some rows again,
+        # to the same values.
+        p_at = lax.dynamic_slice_in_dim(at, start, k)
+        picked = jnp.minimum(p_at, n - 1)
+        init = initial_rows(key, hi[picked], lo[picked], dim)
+        table, slots = _reset(storage, table, slots, rows[picked], p_at < n, init)
         return start + k, table, slots
 
     _, table, slots = lax.while_loop(
