@@ -598,7 +598,7 @@ def _reset_fresh(storage, table, slots: dict, rows, fresh, key, hi, lo, dim: int
     if k == n:
         return _reset(storage, table, slots, rows, fresh, initial_rows(key, hi, lo, dim))
     count = jnp.sum(fresh, dtype=jnp.int32)
-    at = jnp.nonzero(fresh, size=n, fill_value=n)[0]
+    at, _ = _first(fresh, n, by_sort=False)
 
     def body(state):
         start, table, slots = state
