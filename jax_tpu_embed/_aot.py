@@ -255,6 +255,18 @@ class Temp:
         return f"{self.name} {self.shape} ({self.bytes:,} B, {self.space}){where}"
 
 
+@dataclasses.dataclass(frozen=True)
+class HostCall:
+    """One computation the device runs on its host (`compute_on("device_host")`, an
+    asynchronous `HostExecute`): what it does to host memory ("gather": reads host rows;
+    "scatter": writes them), and the bytes crossing between host and device per call (its
+    operands and results outside host memory: the rows and their indices)."""
+
+    kind: str
+    crossing_bytes: int
+    name: str
+
+
 @dataclasses.dataclass
 class CompileReport:
     """What the TPU compiler says about one compiled step, per device.
@@ -263,6 +275,9 @@ class CompileReport:
     `largest_temps` is sorted by size, largest first (empty when no temporary exists).
     `table_bytes` / `slot_bytes`: {table name: bytes of this device's shard as stored}.
     `oom`: the compiler's out-of-memory message when compiled with `allow_oom`, else None.
+    The device figures leave out host memory: `host_*_bytes` are the arguments, aliases and
+    temporaries in the hosts' memory (tables with placement="host"), and `host_calls` the
+    host computations that reach them.
     """
 
     topology: Topology
@@ -282,6 +297,10 @@ class CompileReport:
     compile_seconds: float
     oom: str | None = None
     hlo: str = dataclasses.field(repr=False, default="")
+    host_argument_bytes: int = 0
+    host_alias_bytes: int = 0
+    host_temp_bytes: int = 0
+    host_calls: list[HostCall] = dataclasses.field(default_factory=list)
 
     @property
     def peak_bytes(self) -> int:
@@ -322,7 +341,11 @@ def init_temp_bytes(emb) -> dict[str, int]:
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     out = {}
     for name, fn in emb.init_programs().items():
-        lowered = fn.lower(key)
+        if emb.initializer.takes_buffers(name):  # A host table, drawn into host buffers.
+            buffers = emb.initializer.host_buffers(emb.table_plans[name], abstract=True)
+            lowered = fn.lower(key, buffers)
+        else:
+            lowered = fn.lower(key)
         try:
             compiled = lowered.compile()
         except Exception as e:  # A table too big for HBM: measure it anyway.
@@ -438,6 +461,10 @@ def compile_train_step(
         compile_seconds=seconds,
         oom=oom,
         hlo=hlo,
+        host_argument_bytes=int(getattr(memory, "host_argument_size_in_bytes", 0)),
+        host_alias_bytes=int(getattr(memory, "host_alias_size_in_bytes", 0)),
+        host_temp_bytes=int(getattr(memory, "host_temp_size_in_bytes", 0)),
+        host_calls=host_calls(hlo),
     )
 
 
@@ -581,6 +608,49 @@ def collectives(hlo: str) -> list[Collective]:
             counts[array] = counts.get(array, 0) + 1
         text = " + ".join(a if k == 1 else f"{k} x {a}" for a, k in counts.items())
         out.append(Collective(base, text, sum(b for _, b in moved), name))
+    return out
+
+
+# An array of an HLO shape text with its layout; memory space S(5) is host memory.
+_LAID_OUT_RE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\](\{[^}]*\})?")
+
+
+def _elements(dims: str) -> int:
+    return math.prod(int(x) for x in dims.split(",") if x) if dims else 1
+
+
+def host_calls(hlo: str) -> list[HostCall]:
+    """Every host computation (`HostExecute`) of an HLO module text: a "scatter" when it
+    returns host arrays (the rows written in place), else a "gather"."""
+    out = []
+    for name, shape, op, rest in _parse(hlo):
+        if op != "custom-call-start" or 'custom_call_target="HostExecute"' not in rest:
+            continue
+        # The start's shape: ((operands...), (results...), context).
+        depth, parts, start = 0, [], 0
+        for i, ch in enumerate(shape):
+            depth += ch == "("
+            depth -= ch == ")"
+            if ch == "," and depth == 1:
+                parts.append(shape[start:i])
+                start = i + 1
+        parts.append(shape[start:])
+        arrays = [
+            [
+                ("S(5)" in (layout or ""), _elements(dims) * _DTYPE_BYTES[dtype])
+                for dtype, dims, layout in _LAID_OUT_RE.findall(part)
+                if dtype in _DTYPE_BYTES
+            ]
+            for part in parts[:2]
+        ]
+        operands, results = arrays + [[]] * (2 - len(arrays))
+        writes_host = any(on_host for on_host, _ in results)
+        # Indices and rows sent to the host; a gather's rows come back (to device memory
+        # directly, or through a copy).
+        crossing = sum(b for on_host, b in operands if not on_host)
+        if not writes_host:
+            crossing += sum(b for _, b in results)
+        out.append(HostCall("scatter" if writes_host else "gather", crossing, name))
     return out
 
 

@@ -28,6 +28,9 @@ def _is_int(x) -> bool:
 
 
 EVICTIONS = ("lru", "lfu", "none")
+# Where a table's rows and slots live: in the devices' memory, or in the memory of the host
+# each device is attached to (the step moves only the rows it touches).
+PLACEMENTS = ("device", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +122,10 @@ class TableConfig:
             loses updates smaller than half a bfloat16 step. Slots stay float32.
         dynamic: A `DynamicTable`: the table has no vocabulary (vocabulary_size None) and
             takes any int64 id but -1.
+        placement: "device" (the default): rows and slots in the devices' memory (HBM);
+            "host": in the memory of each device's host (pinned host memory), so a table
+            may be larger than HBM: each step gathers the rows it touches to the device
+            and writes the updated ones back, in place (README, "Tables in host memory").
     """
 
     vocabulary_size: int | None = None
@@ -130,9 +137,19 @@ class TableConfig:
     dtype: Any = jnp.float32
     stochastic_rounding: bool | None = None
     dynamic: DynamicTable | None = None
+    placement: str = "device"
 
     def __post_init__(self):
         where = f"TableConfig(name={self.name!r})"
+        if not isinstance(self.placement, str) or self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"{where}: placement must be one of {list(PLACEMENTS)}, got {self.placement!r}."
+            )
+        if self.placement == "host" and self.dynamic is not None:
+            raise ValueError(
+                f"{where}: a dynamic table cannot have placement='host' yet: its index "
+                f"resets reused rows on the device; keep placement='device'."
+            )
         if self.dynamic is not None:
             if not isinstance(self.dynamic, DynamicTable):
                 raise TypeError(

@@ -18,6 +18,7 @@ The format (YAML shown; TOML has the same structure, see configs/example_small.t
         stochastic_rounding: true    # bfloat16 only; default true for bfloat16
         initializer: {name: truncated_normal, stddev: 0.05}   # or just "zeros"
         optimizer: {name: sgd, learning_rate: 0.1}            # overrides the global one
+        placement: host              # device (default) | host: rows in host memory
       items: {vocabulary_size: 5000, dim: 16}
       clicks:                        # a dynamic table: no vocabulary_size, any int64 id
         dim: 16
@@ -83,6 +84,7 @@ _TABLE_KEYS = (
     "initializer",
     "optimizer",
     "dynamic",
+    "placement",
 )
 _DYNAMIC_KEYS = tuple(f.name for f in dataclasses.fields(_config.DynamicTable))
 _FEATURE_KEYS = ("table", "max_sequence_length", "output_shape", "name")
@@ -351,6 +353,11 @@ def _table(w: _Where, key: str, name: str, t) -> _config.TableConfig:
     optimizer = None
     if t.get("optimizer") is not None:
         optimizer = _optimizer(w, f"{key}.optimizer", t["optimizer"])
+    placement = t.get("placement", "device")
+    if placement not in _config.PLACEMENTS:
+        raise w.error(
+            f"{key}.placement", f"must be one of {list(_config.PLACEMENTS)}, got {placement!r}."
+        )
     try:
         return _config.TableConfig(
             vocabulary_size=vocab,
@@ -362,6 +369,7 @@ def _table(w: _Where, key: str, name: str, t) -> _config.TableConfig:
             dtype=_DTYPES[dtype],
             stochastic_rounding=rounding,
             dynamic=dynamic,
+            placement=placement,
         )
     except (ValueError, TypeError) as e:
         raise w.error(key, str(e)) from e

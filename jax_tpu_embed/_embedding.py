@@ -254,9 +254,11 @@ class Embedding:
 
     # ------------------------------------------------------------------ state
 
-    def _rows(self, rank: int) -> NamedSharding:
+    def _rows(self, rank: int, memory_kind: str | None = None) -> NamedSharding:
         """Row sharding of a rank-`rank` array, spelled as jit's outputs spell it."""
-        return NamedSharding(self.mesh, P(self.axis, *([None] * (rank - 1))))
+        return NamedSharding(
+            self.mesh, P(self.axis, *([None] * (rank - 1))), memory_kind=memory_kind
+        )
 
     def abstract_state(self) -> EmbeddingState:
         """The state as jax.ShapeDtypeStruct leaves with shardings; allocates nothing."""
@@ -312,8 +314,9 @@ class Embedding:
 
     def _abstract(self, storage: _storage.TableStorage, dtype) -> tuple:
         table_shape, slot_shapes = storage.shapes()
-        return jax.ShapeDtypeStruct(table_shape, dtype, sharding=self._rows(len(table_shape))), {
-            n: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self._rows(len(shape)))
+        rows = lambda shape: self._rows(len(shape), storage.memory_kind)
+        return jax.ShapeDtypeStruct(table_shape, dtype, sharding=rows(table_shape)), {
+            n: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows(shape))
             for n, shape in slot_shapes.items()
         }
 
@@ -410,9 +413,10 @@ class Embedding:
                 "restore_tables",
             )
             table, stored = storage.to_physical(table, logical)
-            new_tables[name] = self._put(table)
+            kind = storage.memory_kind
+            new_tables[name] = self._put(table, kind)
             new_slots[name] = {
-                s.name: drawn[s.name] if s.name in drawn else self._put(stored[s.name])
+                s.name: drawn[s.name] if s.name in drawn else self._put(stored[s.name], kind)
                 for s in storage.stored
             }
         step_array = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
@@ -536,9 +540,9 @@ class Embedding:
             self._stack_fns[key] = jax.jit(self._shard_map(fn, (row, row), (row, row)))
         return self._stack_fns[key]
 
-    def _put(self, physical: np.ndarray) -> jax.Array:
+    def _put(self, physical: np.ndarray, memory_kind: str | None = None) -> jax.Array:
         return jax.make_array_from_callback(
-            physical.shape, self._rows(physical.ndim), lambda index: physical[index]
+            physical.shape, self._rows(physical.ndim, memory_kind), lambda index: physical[index]
         )
 
     def _fetch(self, x: jax.Array) -> np.ndarray:

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _optimizers, _plan, _sharding, _storage
+from . import _optimizers, _placement, _plan, _sharding, _storage
 
 # The largest table's blocks in `init` have at least this many rows.
 _INIT_BLOCK_ROWS_MIN = 1024
@@ -81,13 +81,16 @@ class Initializer:
         self._init_fns = None
         self._init_blocked = None
 
-    def _rows(self, rank: int) -> NamedSharding:
-        return NamedSharding(self.mesh, P(self.axis, *([None] * (rank - 1))))
+    def _rows(self, rank: int, memory_kind: str | None = None) -> NamedSharding:
+        return NamedSharding(
+            self.mesh, P(self.axis, *([None] * (rank - 1))), memory_kind=memory_kind
+        )
 
     def _shardings(self, plan: _plan.TablePlan) -> tuple:
         table_shape, slot_shapes = plan.storage.shapes()
-        return self._rows(len(table_shape)), {
-            n: self._rows(len(shape)) for n, shape in slot_shapes.items()
+        kind = plan.storage.memory_kind
+        return self._rows(len(table_shape), kind), {
+            n: self._rows(len(shape), kind) for n, shape in slot_shapes.items()
         }
 
     def _shard_map(self, fn, in_specs, out_specs):
@@ -121,8 +124,14 @@ class Initializer:
         programs = self.programs()
         own = {}
         for name in self.plan.stacks:
-            if name not in tables:
-                own.update({t: programs[t](keys[t]) for t in self.stacks[name]})
+            if name in tables:
+                continue
+            for t in self.stacks[name]:
+                plan = self.table_plans[t]
+                if self.takes_buffers(t):
+                    own[t] = programs[t](keys[t], self.host_buffers(plan))
+                else:
+                    own[t] = programs[t](keys[t])
         if own:
             joined = self._join(
                 {t: x[0] for t, x in own.items()}, {t: x[1] for t, x in own.items()}
@@ -139,19 +148,55 @@ class Initializer:
     def programs(self) -> dict:
         """{table name: a jitted fn(table key) -> (table, slots) giving what `init` gives for
         it, as the table would be stored alone}; for compiling ahead of time (the planner
-        checks initialisation fits HBM too)."""
+        checks initialisation fits HBM too). A host table drawn in blocks takes its host
+        buffers too (`takes_buffers`)."""
         if self._init_fns is None:
-            self._init_fns = {
-                name: jax.jit(
-                    functools.partial(
-                        self._init_table_blocked if self._blocked(name) else self._init_table,
-                        plan,
-                    ),
-                    out_shardings=self._shardings(plan),
-                )
-                for name, plan in self.table_plans.items()
-            }
+            self._init_fns = {}
+            for name, plan in self.table_plans.items():
+                shardings = self._shardings(plan)
+                if self.takes_buffers(name):
+                    # Drawn block by block into the host buffers it is given (`host_buffers`,
+                    # donated): a table in host memory may exceed HBM.
+                    self._init_fns[name] = jax.jit(
+                        functools.partial(self._init_host, plan),
+                        out_shardings=shardings,
+                        donate_argnums=1,
+                    )
+                    continue
+                fn = self._init_table_blocked if self._blocked(name) else self._init_table
+                self._init_fns[name] = jax.jit(functools.partial(fn, plan), out_shardings=shardings)
         return self._init_fns
+
+    def takes_buffers(self, name: str) -> bool:
+        """Whether table `name`'s program (`programs`) is fn(table key, `host_buffers`): a
+        host table drawn in blocks. (A host table with its own initializer is called with
+        its logical shape, on the device, and then moved to host memory.)"""
+        return self.table_plans[name].storage.on_host and self._blocked(name)
+
+    def host_buffers(self, plan: _plan.TablePlan, abstract: bool = False) -> tuple:
+        """(table, {slot: array}): zero arrays in host memory for a host table's init
+        program (ShapeDtypeStructs when `abstract`): allocated on the host, never on a
+        device."""
+        table_shape, slot_shapes = plan.storage.shapes()
+        table_sharding, slot_shardings = self._shardings(plan)
+
+        def zeros(shape, dtype, sharding):
+            if abstract:
+                return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+            local = sharding.shard_shape(shape)  # Row-sharded evenly: every shard alike.
+            return jax.make_array_from_callback(
+                shape, sharding, lambda index: np.zeros(local, dtype)
+            )
+
+        return zeros(table_shape, plan.config.dtype, table_sharding), {
+            n: zeros(shape, jnp.float32, slot_shardings[n]) for n, shape in slot_shapes.items()
+        }
+
+    def _init_host(self, plan: _plan.TablePlan, table_key, buffers):
+        """`_init_table_blocked` of a host table, into its donated host `buffers`."""
+        names = (plan.name,)
+        per_table = self._per_table_rows(names)
+        return self._draw_tables(names, None, {plan.name: table_key}, per_table, buffers)[plan.name]
 
     def _blocked(self, name: str) -> bool:
         """Whether `init` draws a table in row blocks: default initializer, constant slots."""
@@ -161,11 +206,13 @@ class Initializer:
         )
 
     def _blocked_tables(self) -> tuple:
-        """The tables of the stacks whose every member `_blocked` (drawn by one program)."""
+        """The tables of the stacks whose every member `_blocked` (drawn by one program);
+        not the tables in host memory, each drawn on its host by a program of its own."""
         return tuple(
             t
             for name in self.plan.stacks
             if all(self._blocked(t) for t in self.stacks[name])
+            and not self.plan.stacks[name].storage.on_host
             for t in self.stacks[name]
         )
 
@@ -250,9 +297,12 @@ class Initializer:
             out.append((stack, plan, [(names.index(t), o) for t, o in offsets.items()]))
         return out
 
-    def _draw_tables(self, names: tuple, stacks: tuple | None, keys: dict, per_table: tuple):
+    def _draw_tables(
+        self, names: tuple, stacks: tuple | None, keys: dict, per_table: tuple, buffers=None
+    ):
         """{name: (table, slots)} of the blocked tables `names`, in the arrays of `stacks`
-        (None: each table alone) (see `_init_local`)."""
+        (None: each table alone) (see `_init_local`); `buffers`: the host arrays of one
+        host table (`host_buffers`), written in place."""
         words = jnp.stack([jax.random.key_data(keys[n]).reshape(-1) for n in names])
         words = words.astype(jnp.uint32)
         row = P(self.axis)
@@ -260,15 +310,22 @@ class Initializer:
         out_specs = {
             name: (row, {s.name: row for s in plan.storage.stored}) for name, plan, _ in targets
         }
+        buffer_specs = None if buffers is None else (row, {n: row for n in buffers[1]})
         local = self._shard_map(
-            functools.partial(self._init_local, names, targets), (P(), P()), out_specs
-        )(jnp.stack([words[:, 0], words[:, -1]]), per_table)
+            functools.partial(self._init_local, names, targets),
+            (P(), P(), buffer_specs),
+            out_specs,
+        )(jnp.stack([words[:, 0], words[:, -1]]), per_table, buffers)
+        kind = None if buffers is None else _placement.HOST
         return {
-            n: (self._constrain(t), {k: self._constrain(x) for k, x in slots.items()})
+            n: (
+                self._constrain(t, kind),
+                {k: self._constrain(x, kind) for k, x in slots.items()},
+            )
             for n, (t, slots) in local.items()
         }
 
-    def _init_local(self, names: tuple, targets: list, words, per_table: tuple):
+    def _init_local(self, names: tuple, targets: list, words, per_table: tuple, buffers=None):
         """Inside shard_map: this shard's physical arrays of `targets` (`_targets`: the
         tables `names`, alone or in their stacks) and their stored slots.
 
@@ -319,8 +376,8 @@ class Initializer:
                 physical = storage.block_to_physical(None, storage.join_row(rows, riders))
                 t, o = into[j]
                 at = ((o + start) // int(granule[j]),) + (0,) * (arrays[t].ndim - 1)
-                arrays[t] = jax.lax.dynamic_update_slice(
-                    arrays[t], physical.astype(arrays[t].dtype), at
+                arrays[t] = _placement.update_slice(
+                    buffers is not None, arrays[t], physical.astype(arrays[t].dtype), at
                 )
             return arrays
 
@@ -335,6 +392,8 @@ class Initializer:
                 (p.storage.shapes()[0][0] // self.num_shards,) + p.storage.shapes()[0][1:],
                 p.config.dtype,
             )
+            if buffers is None
+            else buffers[0]
             for _, p, _ in targets
         ]
         drawn = {d: jnp.zeros((int(block[m].sum()), d), jnp.float32) for d, m in groups.items()}
@@ -343,6 +402,12 @@ class Initializer:
         out = {}
         for (name, plan, members), table in zip(targets, arrays):
             slots = {}
+            if buffers is not None:  # One host table: its slots written block by block too.
+                size = per_table[members[0][0]][1 + shard]
+                for s in plan.storage.stored:
+                    slots[s.name] = self._host_slot(plan, s, buffers[1][s.name], size)
+                out[name] = (table, slots)
+                continue
             for s in plan.storage.stored:
                 # Constants, computed where they are stored: no temporary, no blocks.
                 rows = plan.storage.shapes()[1][s.name][0] // self.num_shards
@@ -355,6 +420,25 @@ class Initializer:
                 slots[s.name] = plan.storage.block_to_physical(s, rows).astype(jnp.float32)
             out[name] = (table, slots)
         return out
+
+    def _host_slot(self, plan: _plan.TablePlan, slot, buffer, size):
+        """A host table's stored slot: its constant initial rows written into the host
+        `buffer` (this shard's) a block at a time; `size`: the shard's real rows."""
+        storage = plan.storage
+        granule = storage.block_granule(slot)
+        rows = buffer.shape[0]
+        row_bytes = max(1, buffer.size // max(1, rows) * buffer.dtype.itemsize)
+        block = max(1, min(rows, self.plan.init_block_bytes // row_bytes))
+        rounds = -(-rows // block)
+
+        def body(r, buffer):
+            start = jnp.minimum(r * block, rows - block)
+            local = start * granule + jnp.arange(block * granule)
+            physical = storage.block_to_physical(slot, constant_rows(plan, slot, local < size))
+            at = (start,) + (0,) * (buffer.ndim - 1)
+            return _placement.update_slice(True, buffer, physical.astype(buffer.dtype), at)
+
+        return jax.lax.fori_loop(0, rounds, body, buffer)
 
     def _init_table(self, plan: _plan.TablePlan, table_key):
         storage = plan.storage
@@ -384,13 +468,13 @@ class Initializer:
             return jnp.asarray(value).astype(plan.config.dtype)
         return _optimizers.slot_initial_value(slot, key, shape, table=plan.name)
 
-    def _constrain(self, physical):
+    def _constrain(self, physical, memory_kind: str | None = None):
         # Said explicitly so that an init traced inside another jit keeps the row sharding.
-        return _sharding.constrain(physical, self._rows(physical.ndim))
+        return _sharding.constrain(physical, self._rows(physical.ndim, memory_kind))
 
     def slot(self, plan: _plan.TablePlan, slot: _optimizers.SlotSpec, key):
         """One stored slot's physical initial value, drawn on the devices."""
         storage = plan.storage
-        sharding = self._rows(len(storage.shapes()[1][slot.name]))
+        sharding = self._rows(len(storage.shapes()[1][slot.name]), storage.memory_kind)
         fn = lambda k: self._constrain(storage.array_to_physical(slot, self.initial(plan, slot, k)))
         return jax.jit(fn, out_shardings=sharding)(key)

@@ -18,7 +18,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _backend, _config, _guards, _layout, _plan, _routing, _rowindex, _storage, backends
+from . import (
+    _backend,
+    _config,
+    _guards,
+    _layout,
+    _placement,
+    _plan,
+    _routing,
+    _rowindex,
+    _storage,
+    backends,
+)
 
 ROUTINGS = ("auto", "gather", "owner")
 # `init` draws about this many bytes per device per round by default.
@@ -87,6 +98,7 @@ def build(
             slot_specs=tuple(opt.slot_specs()),
             lanes=lane_width,
             dense_update=opt.dense_update,
+            on_host=table.placement == "host",
         )
         if storages[name].layout.rows_per_shard >= _rowindex.MAX_LOCAL_ROWS:
             raise ValueError(
@@ -94,6 +106,7 @@ def build(
                 f"{storages[name].layout.rows_per_shard} rows per shard; "
                 f"at most 2**30 are supported: use more shards."
             )
+    check_placements(tables, storages, device)
     routings = choose_routing(tables, routing, asked, storages, platform, num_shards)
     kernels = choose_kernels(spec, asked, storages, platform, routings, auto_order)
     fallback = backends.named("xla")
@@ -114,7 +127,8 @@ def build(
         )
         for name, table in tables.items()
     }
-    stacks = make_stacks(table_plans, num_shards, stacking, alone)
+    on_host = frozenset(n for n, s in storages.items() if s.on_host)
+    stacks = make_stacks(table_plans, num_shards, stacking, alone | on_host)
     stack_of = {t: key for key, plan in stacks.items() for t in plan.tables}
     names = _config.table_names(spec)
     return _plan.EmbeddingPlan(
@@ -182,6 +196,27 @@ def positive_per_table(what: str, value, spec: _config.EmbeddingSpec) -> dict:
     return {name: int(v) for name, v in value.items()}
 
 
+def check_placements(tables: dict, storages: dict, device) -> None:
+    """ValueError naming each host-placed table the mesh or its optimizer cannot serve."""
+    problems = []
+    for name, storage in storages.items():
+        if not storage.on_host:
+            continue
+        if not _placement.host_memory_supported(device):
+            problems.append(
+                f"table {name!r} has placement='host' but {device.platform} devices have "
+                f"no {_placement.HOST!r} memory"
+            )
+        if storage.dense_update:
+            problems.append(
+                f"table {name!r} has placement='host' but its optimizer updates every row "
+                f"each step (e.g. Adam(lazy_adam=False)), which would move the whole table "
+                f"between host and device: use a lazy optimizer or placement='device'"
+            )
+    if problems:
+        raise ValueError("Embedding: " + "; ".join(problems) + ".")
+
+
 def choose_routing(
     tables: dict, requested, asked: dict, storages: dict, platform: str, num_shards: int
 ) -> dict[str, str]:
@@ -240,6 +275,16 @@ def choose_kernels(
     for name, want in asked.items():
         table, storage = tables[name], storages[name]
         opt = spec.optimizer_of(table)
+        if storage.on_host:
+            # Host rows are reached by XLA ops inside host computations (`_placement`); the
+            # Pallas and C++ kernels address device buffers.
+            if want != "auto" and want.name != "xla":
+                problems.append(
+                    f"table {name!r} cannot use backend {want.name!r}: placement='host' "
+                    f"is served by the 'xla' backend (or 'auto')"
+                )
+            chosen[name] = backends.named("xla")
+            continue
         if want == "auto":
             chosen[name] = next(
                 b

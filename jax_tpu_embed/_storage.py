@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _layout, _optimizers
+from . import _layout, _optimizers, _placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,8 @@ class TableStorage:
         lanes: Physical row width narrow rows are packed into (128 on TPU); 0: none.
         dense_update: The optimizer updates every row (then nothing rides: its update is not
             row-local in the same way, and it never runs the fused kernels).
+        on_host: The arrays live in the hosts' memory (`placement="host"`), not the
+            devices': the row work reaches them through `_placement`.
     """
 
     layout: _layout.TableLayout
@@ -58,6 +60,12 @@ class TableStorage:
     slot_specs: tuple
     lanes: int = 0
     dense_update: bool = False
+    on_host: bool = False
+
+    @property
+    def memory_kind(self) -> str | None:
+        """The memory kind of the arrays' shardings (None: the devices' default)."""
+        return _placement.HOST if self.on_host else None
 
     # ------------------------------------------------------------- what is stored where
 

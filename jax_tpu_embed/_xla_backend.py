@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _backend, _layout, _plan, _storage, _streams
+from . import _backend, _layout, _placement, _plan, _storage, _streams
 from ._rowindex import NONE, NOT_MINE
 
 
@@ -57,8 +57,8 @@ class XlaBackend(_backend.Backend):
 
         def one_pass(start, acc):
             keys, out, scale = stream.window(start)
-            phys = table.at[keys // k].get(mode="fill", fill_value=0).astype(jnp.float32)
-            contrib = phys * scale[:, None]
+            (phys,) = _placement.gather(plan.storage.on_host, [table], [keys // k])
+            contrib = phys.astype(jnp.float32) * scale[:, None]
             if k > 1:
                 # where() after the product: a neighbour's inf or nan never leaks in.
                 contrib = jnp.where(group == (keys % k)[:, None], contrib, 0.0)
@@ -161,10 +161,14 @@ class _Rows:
     zeros, so bit-exact, -0.0 included) and each physical row is written back once:
     neighbours keep their bits and no two writes collide. Segment sums cost the TPU
     compiler their output's size; a row gather or scatter costs a whole (8, 128) tile.
+
+    The caller gathers the array at `read_at` and scatters `block(...)` at `write_at`
+    (`_placement`), so that all the arrays of a table are read and written together.
     """
 
-    def __init__(self, buf, packing: _layout.Packing, rows):
-        self.buf, self.packing, self.rows = buf, packing, rows
+    def __init__(self, packing: _layout.Packing, rows, dtype):
+        self.packing, self.rows, self.dtype = packing, rows, dtype
+        self.read_at = self.write_at = rows
         if not packing.packed:
             return
         k, w = packing.per_row, packing.padded_width
@@ -172,28 +176,29 @@ class _Rows:
         self.starts = jnp.concatenate([jnp.ones((1,), bool), phys[1:] != phys[:-1]])
         self.segment = jnp.cumsum(self.starts, dtype=jnp.int32) - 1
         # Segment s's physical row: the s-th distinct one (a sort, not a 1-D scatter).
-        self.phys = lax.sort(jnp.where(self.starts, phys, NOT_MINE), is_stable=False)
+        self.write_at = lax.sort(jnp.where(self.starts, phys, NOT_MINE), is_stable=False)
+        self.read_at = phys
         lane = lax.iota(jnp.int32, k * w)
         self.mine = ((lane // w)[None, :] == (rows % k)[:, None]) & (
             (lane % w)[None, :] < packing.width
         )
-        self.bits = _bits(buf.at[phys].get(mode="fill", fill_value=0))
 
-    def read(self):
+    def read(self, got):
+        """The logical rows, from the array gathered at `read_at`."""
         if not self.packing.packed:
-            return self.buf.at[self.rows].get(mode="fill", fill_value=0)
+            return got
         k, w = self.packing.per_row, self.packing.padded_width
+        self.bits = _bits(got)
         picked = jnp.where(self.mine, self.bits, 0).reshape(-1, k, w)
         picked = picked.sum(axis=1, dtype=self.bits.dtype)  # One nonzero term: exact bits.
-        out = lax.bitcast_convert_type(picked[:, : self.packing.width], self.buf.dtype)
+        out = lax.bitcast_convert_type(picked[:, : self.packing.width], self.dtype)
         return out if self.packing.rank == 2 else out[:, 0]
 
-    def write(self, values):
-        values = values.astype(self.buf.dtype)
-        # No unique_indices/indices_are_sorted hints: with them the TPU compiler turns the
-        # scatters of table and slots into whole-buffer passes.
+    def block(self, values):
+        """What to write at `write_at` for the new logical rows `values` (after `read`)."""
+        values = values.astype(self.dtype)
         if not self.packing.packed:
-            return self.buf.at[self.rows].set(values, mode="drop")
+            return values
         k, w = self.packing.per_row, self.packing.padded_width
         if self.packing.rank == 1:
             values = values[:, None]
@@ -206,8 +211,7 @@ class _Rows:
         new = total(jnp.where(self.mine, lanes, 0))
         touched = total(self.mine.astype(jnp.int32)) > 0
         old = total(jnp.where(self.starts[:, None], self.bits, 0))
-        block = lax.bitcast_convert_type(jnp.where(touched, new, old), self.buf.dtype)
-        return self.buf.at[self.phys].set(block, mode="drop")
+        return lax.bitcast_convert_type(jnp.where(touched, new, old), self.dtype)
 
 
 def _bits(x):
@@ -234,14 +238,19 @@ def apply_rows(
     if step.ok is not None:  # A skipped table: no row read or written.
         none = NOT_MINE + lax.iota(jnp.int32, rows_idx.shape[0])  # Sorted and distinct.
         rows_idx = jnp.where(step.ok, rows_idx, none)
-    access = [_Rows(b, p, rows_idx) for b, p in zip(buffers, storage.packings)]
-    values = [a.read() for a in access]
+    access = [_Rows(p, rows_idx, b.dtype) for b, p in zip(buffers, storage.packings)]
+    got = _placement.gather(storage.on_host, buffers, [a.read_at for a in access])
+    values = [a.read(g) for a, g in zip(access, got)]
     s = [step.scalars[j] for j in range(step.scalars.shape[0])]
     row_fn = storage.stored_row_fn(step.row_fn)
     new = jax.vmap(lambda g_r, v_r: row_fn(g_r, v_r, s))(g, values)
     if plan.config.stochastic_rounding:
         new[0] = stochastic_rows(plan, new[0], rows_idx, step, axis)
-    table, *new_slots = [a.write(v) for a, v in zip(access, new)]
+    # No unique_indices/indices_are_sorted hints: with them the TPU compiler turns the
+    # scatters of table and slots into whole-buffer passes.
+    blocks = [a.block(v) for a, v in zip(access, new)]
+    at = [a.write_at for a in access]
+    table, *new_slots = _placement.scatter(storage.on_host, buffers, at, blocks)
     return table, dict(zip(names, new_slots))
 
 
@@ -258,7 +267,8 @@ def read_rows(plan: _plan.TablePlan, table, rows):
     """(n, D) float32: the logical rows `rows` of this shard (>= NOT_MINE: zeros)."""
     packing = plan.storage.packing
     k, w = packing.per_row, packing.padded_width
-    phys = table.at[rows // k].get(mode="fill", fill_value=0).astype(jnp.float32)
+    (phys,) = _placement.gather(plan.storage.on_host, [table], [rows // k])
+    phys = phys.astype(jnp.float32)
     if k > 1:
         group = lax.iota(jnp.int32, k * w) // w
         phys = jnp.where(group[None, :] == (rows % k)[:, None], phys, 0.0)

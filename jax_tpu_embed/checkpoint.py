@@ -478,11 +478,11 @@ def _auto_twin(emb) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(emb.mesh.devices, emb.mesh.axis_names)
 
 
-def _row_sharding(emb, auto: bool, ndim: int) -> NamedSharding:
+def _row_sharding(emb, auto: bool, ndim: int, memory_kind: str | None = None) -> NamedSharding:
     # Spelled P(axis, None, ...) as jit's outputs spell it, so a restored state hits the same
     # compiled train step as a fresh one.
     mesh = _auto_twin(emb) if auto else emb.mesh
-    return NamedSharding(mesh, P(emb.axis, *([None] * (ndim - 1))))
+    return NamedSharding(mesh, P(emb.axis, *([None] * (ndim - 1))), memory_kind=memory_kind)
 
 
 def _exact_sharding(mesh: jax.sharding.Mesh, shape: tuple) -> NamedSharding:
@@ -553,7 +553,7 @@ def _to_physical(emb, storage: _storage.TableStorage, slot, stored) -> jax.Array
     table_shape, slot_shapes = storage.shapes()
     ndim = len(table_shape if slot is None else slot_shapes[slot.name])
     physical = _physical_fn(storage, slot, _row_sharding(emb, True, ndim))(stored)
-    return jax.device_put(physical, _row_sharding(emb, False, ndim))
+    return jax.device_put(physical, _row_sharding(emb, False, ndim, storage.memory_kind))
 
 
 def _slot_info(plan) -> dict:

@@ -186,6 +186,7 @@ def _result(
             "dim": table.dim,
             "optimizer": type(plan_.optimizer).__name__,
             "rows_per_shard": plan_.layout.rows_per_shard,
+            "placement": table.placement,
             "table_bytes_per_chip": r.table_bytes[name] * per_chip,
             "slot_bytes_per_chip": r.slot_bytes[name] * per_chip,
             "index_bytes_per_chip": 0,
@@ -198,7 +199,10 @@ def _result(
                 if len(x.shape) and x.shape[0] % emb.num_shards == 0
             )
         tables.append(entry)
-    state = r.state_bytes * per_chip
+    on_host = [t for t in tables if t["placement"] == "host"]
+    host_tables = sum(t["table_bytes_per_chip"] for t in on_host)
+    host = host_tables + sum(t["slot_bytes_per_chip"] for t in on_host)
+    state = r.state_bytes * per_chip - host  # In HBM.
     total = r.peak_bytes * per_chip
     hbm = topo.hbm_per_chip
     init_table = max(init_temps, key=lambda n: init_temps[n]) if init_temps else None
@@ -217,10 +221,16 @@ def _result(
         },
         "tables": tables,
         "per_chip": {
-            "table_bytes": sum(t["table_bytes_per_chip"] for t in tables),
-            "slot_bytes": sum(t["slot_bytes_per_chip"] for t in tables),
+            "table_bytes": sum(t["table_bytes_per_chip"] for t in tables) - host_tables,
+            "slot_bytes": sum(t["slot_bytes_per_chip"] for t in tables) - (host - host_tables),
             "index_bytes": sum(t["index_bytes_per_chip"] for t in tables),
-            "other_argument_bytes": (r.argument_bytes - r.state_bytes) * per_chip,
+            "other_argument_bytes": r.argument_bytes * per_chip - state,
+            # Tables with placement="host": their rows and slots in the hosts' memory, and
+            # the bytes the step moves between host and device (rows and their indices,
+            # each host call counted once, as bytes accessed counts one pass).
+            "host_bytes": host,
+            "host_device_bytes_per_step": sum(c.crossing_bytes for c in r.host_calls) * per_chip,
+            "host_calls": len(r.host_calls),
             "temp_bytes": r.temp_bytes * per_chip,
             "total_bytes": total,
             "hbm_bytes": hbm,
@@ -363,6 +373,7 @@ def format_table(res: dict[str, Any]) -> str:
             f"{t['name'][:24]:24s} {rows} {t['dim']:>5} "
             f"{t['optimizer'][:15]:>15s} {t['rows_per_shard']:>11,} "
             f"{fb(t['table_bytes_per_chip']):>13s} {fb(t['slot_bytes_per_chip']):>13s}"
+            + ("  (host)" if t["placement"] == "host" else "")
         )
     pct = 100.0 * c["total_bytes"] / c["hbm_bytes"]
     verdict = (
@@ -388,6 +399,15 @@ def format_table(res: dict[str, Any]) -> str:
         ),
         f"  other inputs          {fb(c['other_argument_bytes'] - c['index_bytes']):>13s}   "
         f"(ids, dense layer)",
+        *(
+            [
+                f"  in host memory        {fb(c['host_bytes']):>13s}   (placement='host': "
+                f"tables and slots; {c['host_calls']} host calls moving "
+                f"{fb(c['host_device_bytes_per_step'])} per step)"
+            ]
+            if c["host_bytes"]
+            else []
+        ),
         f"  temporaries           {fb(c['temp_bytes']):>13s}   largest: {temps}",
         f"  total                 {fb(c['total_bytes']):>13s}   of {fb(c['hbm_bytes'])} HBM "
         f"({pct:.1f}%): {verdict}",

@@ -210,6 +210,23 @@ def test_table_list_form_and_extra_sections(tmp_path):
     assert config.path == str(tmp_path / "spec.yaml")
 
 
+def test_placement(tmp_path):
+    text = """
+        optimizer: adagrad
+        tables:
+          big: {vocabulary_size: 1000, dim: 8, placement: host}
+          small: {vocabulary_size: 10, dim: 8, placement: device}
+          other: {vocabulary_size: 10, dim: 8}
+        features: {a: big, b: small, c: other}
+    """
+    tables = jte.load_spec(_write(tmp_path, text)).tables()
+    assert {n: t.placement for n, t in tables.items()} == {
+        "big": "host",
+        "small": "device",
+        "other": "device",
+    }
+
+
 def _mutate(path, value):
     def apply(data):
         node = data
@@ -296,6 +313,7 @@ _DELETE = object()
         (_mutate(["partition_stratgy"], "div"), "partition_stratgy", "'partition_strategy'"),
         (_mutate(["optimizer"], _DELETE), "optimizer", "None"),
         (_mutate(["tables"], 8), "tables", "8"),
+        (_mutate(["tables", "users", "placement"], "hbm"), "tables.users.placement", "'hbm'"),
     ],
 )
 def test_errors_name_file_key_and_value(tmp_path, change, key, value):
