@@ -629,8 +629,8 @@ def host_calls(hlo: str) -> list[HostCall]:
         # The start's shape: ((operands...), (results...), context).
         depth, parts, start = 0, [], 0
         for i, ch in enumerate(shape):
-            depth += ch == "("
-            depth -= ch == ")"
+            depth += ch in "([{"
+            depth -= ch in ")]}"
             if ch == "," and depth == 1:
                 parts.append(shape[start:i])
                 start = i + 1

@@ -55,31 +55,29 @@ def gather(on_host: bool, buffers, indices) -> list:
     ]
 
 
+def write(on_host: bool, fn, buffers, *args):
+    """fn(buffers, *args): new buffers from old ones (a write: scatters, slices); on the
+    host, one host computation with `args` moved there, in place when the buffers are
+    donated."""
+    if not on_host:
+        return fn(buffers, *args)
+    args = jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), args)
+    return compute_on("device_host")(jax.jit(fn))(buffers, *args)
+
+
 def scatter(on_host: bool, buffers, indices, values) -> list:
     """[buffers[i] with rows indices[i] set to values[i]]; out-of-range indices write
-    nothing. On the host, one host computation, in place when the buffers are donated."""
-    if not on_host:
-        return [b.at[i].set(v, mode="drop") for b, i, v in zip(buffers, indices, values)]
-    to_host = lambda x: jax.device_put(x, jax.memory.Space.Host)
+    nothing. On the host, one host computation for all of them."""
 
-    @compute_on("device_host")
-    @jax.jit
     def store(buffers, indices, values):
         return [b.at[i].set(v, mode="drop") for b, i, v in zip(buffers, indices, values)]
 
     values = [v.astype(b.dtype) for b, v in zip(buffers, values)]
-    return store(list(buffers), [to_host(i) for i in indices], [to_host(v) for v in values])
+    return write(on_host, store, list(buffers), list(indices), values)
 
 
 def update_slice(on_host: bool, buffer, block, at) -> jax.Array:
-    """`buffer` with `block` written at offsets `at` (a block of `init`); on the host, by a
-    host computation, in place."""
-    if not on_host:
-        return jax.lax.dynamic_update_slice(buffer, block, at)
-
-    @compute_on("device_host")
-    @jax.jit
-    def put(buffer, block, at):
-        return jax.lax.dynamic_update_slice(buffer, block, at)
-
-    return put(buffer, jax.device_put(block, jax.memory.Space.Host), at)
+    """`buffer` with `block` written at offsets `at` (a block of `init`)."""
+    return write(
+        on_host, lambda b, x, at: jax.lax.dynamic_update_slice(b, x, at), buffer, block, at
+    )

@@ -10,6 +10,8 @@ Device tables are compared on the XLA backend, the one that serves host tables (
 kernels sum in another order).
 """
 
+import sys
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -88,7 +90,7 @@ def test_host_tables_equal_device_tables_bit_for_bit(
     shards, strategy, routing, tpu_layout, optimizers
 ):
     """Every optimizer in the slow tier, on 1 to 8 devices, both strategies and exchanges,
-    with TPU layout (passes, packing) and without; the fast tier takes `QUICK`."""
+    with TPU layout (passes, lane-packed rows) and without; the fast tier takes `QUICK`."""
     mesh = make_mesh(shards)
     embs = {
         p: jte.Embedding(
@@ -97,6 +99,7 @@ def test_host_tables_equal_device_tables_bit_for_bit(
             backend="xla",
             routing=routing,
             tpu_layout=tpu_layout,
+            lane_width=128 if tpu_layout else 0,  # Packed rows, as on TPU.
         )
         for p in ("device", "host")
     }
@@ -219,7 +222,7 @@ def test_checkpoint_and_restore_tables_keep_host_tables_on_host(tmp_path):
             lambda: jte.TableConfig(
                 dim=4, name="d", dynamic=jte.DynamicTable(100), placement="host"
             ),
-            r"TableConfig\(name='d'\): a dynamic table cannot have placement='host'",
+            r"TableConfig\(name='d'\): a dynamic table cannot have placement='host' yet",
         ),
     ],
 )
@@ -244,22 +247,47 @@ def test_host_tables_refuse_what_cannot_serve_them():
     assert jte.Embedding(both, make_mesh(2)).backends["h"] == "xla"
 
 
-def test_host_offload_benchmark_runs(tmp_path):
-    """benchmarks/host_offload.py (the script to run on a TPU VM) works, in its quick form."""
+def _benchmark(name: str, tmp_path) -> tuple:
+    """Runs benchmarks/<name>.py --quick in this process: (the module, its JSON)."""
     import importlib.util
     import json
     import os
 
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "host_offload.py")
-    spec = importlib.util.spec_from_file_location("host_offload", path)
+    here = os.path.dirname(__file__)
+    benchmarks = os.path.join(here, os.pardir, "benchmarks")
+    path = os.path.join(benchmarks, f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    out = tmp_path / "host_offload.json"
+    sys.path.insert(0, benchmarks)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(benchmarks)
+    out = tmp_path / f"{name}.json"
     assert module.main(["--quick", "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
+    return module, json.loads(out.read_text())
+
+
+def test_host_offload_benchmark_runs(tmp_path):
+    """benchmarks/host_offload.py (the script to run on a TPU VM) works, in its quick form."""
+    _, result = _benchmark("host_offload", tmp_path)
     assert result["transfers"][0]["host gather"]["GB/s"] > 0
     assert result["train_step"]["host"]["ms"] > 0
+
+
+def test_cache_model_is_exact_lru_where_everything_fits(tmp_path):
+    """benchmarks/cache_model.py: a cache that holds every row misses each row once."""
+    cache_model, result = _benchmark("cache_model", tmp_path)
+    assert all(0 < e["exact LRU"] < 1 for e in result["miss_rates"])
+    rng = np.random.default_rng(0)
+    steps = [np.unique(rng.integers(0, 300, 100)) for _ in range(20)]
+    first = len(np.unique(np.concatenate(steps)))
+    assert sum(cache_model.exact_lru(steps, 300)) == first
+    assert sum(cache_model.set_associative(steps, 4096, 16)) == first
+    # One row per step over and over with room for it: one miss.
+    same = [np.array([7])] * 5
+    assert cache_model.set_associative(same, 16, 16) == [1, 0, 0, 0, 0]
 
 
 def test_flax_linen_and_nnx_layers_with_a_host_table():

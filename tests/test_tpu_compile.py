@@ -327,6 +327,21 @@ def test_hlo_parsers():
     aliased, unaliased = _aot._state_aliasing(hlo)
     assert aliased == ["state.tables['t']"]
     assert unaliased == ["state.slots['t']['a']"]
+    # Host computations, as the TPU compiler prints them: S(5) is host memory. A gather
+    # returns device rows (here two arrays); a scatter returns the host table it wrote.
+    host = (
+        "  %g = ((f32[1024,128]{1,0:T(8,128)S(5)}, s32[64]{0:T(1)L(1024)}), "
+        "(f32[64,128]{1,0:T(1)L(1024)}, f32[64,128]{1,0:T(1)L(1024)}), u32[]{:T(128)S(2)}) "
+        'custom-call-start(%p, %i), custom_call_target="HostExecute"\n'
+        "  %s = ((f32[1024,128]{1,0:T(8,128)S(5)}, f32[64,128]{1,0:T(1)L(1024)}, "
+        "s32[64]{0:T(1)L(1024)}), f32[1024,128]{1,0:T(8,128)S(5)}, u32[]{:T(128)S(2)}) "
+        'custom-call-start(%p, %v, %i), custom_call_target="HostExecute"\n'
+    )
+    calls = _aot.host_calls(host)
+    assert [(c.kind, c.crossing_bytes) for c in calls] == [
+        ("gather", 64 * 4 + 2 * 64 * 128 * 4),
+        ("scatter", 64 * 128 * 4 + 64 * 4),
+    ]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,170 @@
+"""A model of a device cache of hot rows for tables in host memory: miss rate against size.
+
+    python benchmarks/cache_model.py                    # W1's id law, 1M rows, 200 steps
+    python benchmarks/cache_model.py --steps 50 --quick
+
+Every step touches the distinct rows of one batch of one W1 table (4,096 examples x 20 ids
+of the truncated power law P(r) ~ (r+1)^-1.05 over 1M rows, benchmarks/workloads.py). A cache
+of C rows serves them; a row not in it is a miss (fetched from host memory), then cached.
+Rows touched in the current step are never evicted in it (they are in use), so a set whose
+ways are all in use takes no more rows that step (the row bypasses the cache: a miss).
+Policies, each simulated over the same stream:
+
+- `exact LRU`: one global least-recently-used order (the reference).
+- `W-way LRU`: set-associative, the set a hash of the row, LRU within the set; FBGEMM's UVM
+  cache is 32-way (64 on ROCm); the dynamic tables' buckets hold 64.
+
+The issue's target for the cache: within 1 point of exact LRU of the same size. Prints a
+table of miss rates (after a warm-up of a quarter of the steps) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import workloads as workloads_mod  # noqa: E402
+
+
+def stream(vocab: int, batch: int, length: int, steps: int, seed: int = 0) -> list[np.ndarray]:
+    """The distinct rows of each step's batch (W1's law, a fixed random row permutation)."""
+    rng = np.random.default_rng(seed)
+    cdf = workloads_mod.power_law_cdf(vocab)
+    perm = rng.permutation(vocab)
+    return [
+        np.unique(perm[workloads_mod.sample_ranks(cdf, (batch, length), rng)]) for _ in range(steps)
+    ]
+
+
+def exact_lru(steps: list[np.ndarray], capacity: int) -> list[int]:
+    """Misses per step of one global LRU order of `capacity` rows."""
+    order: collections.OrderedDict = collections.OrderedDict()
+    misses = []
+    for rows in steps:
+        miss = 0
+        for r in rows.tolist():
+            if r in order:
+                order.move_to_end(r)
+            else:
+                miss += 1
+                order[r] = None
+        # Evict after the step: the step's own rows are all in use until it ends.
+        while len(order) > capacity:
+            order.popitem(last=False)
+        misses.append(miss)
+    return misses
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """A 32-bit integer hash (murmur3's finalizer): the set of a row."""
+    x = x.astype(np.uint32)
+    x ^= x >> 16
+    x *= np.uint32(0x85EBCA6B)
+    x ^= x >> 13
+    x *= np.uint32(0xC2B2AE35)
+    x ^= x >> 16
+    return x
+
+
+def set_associative(steps: list[np.ndarray], capacity: int, ways: int) -> list[int]:
+    """Misses per step of a `ways`-way set-associative LRU cache of `capacity` rows."""
+    sets = max(1, capacity // ways)
+    tags = np.full((sets, ways), -1, np.int64)
+    last = np.full((sets, ways), -1, np.int64)
+    misses = []
+    for now, rows in enumerate(steps):
+        s = (_mix(rows) % np.uint32(sets)).astype(np.int64)
+        found = tags[s] == rows[:, None]
+        hit = found.any(axis=1)
+        way = found.argmax(axis=1)
+        last[s[hit], way[hit]] = now
+        m_rows, m_sets = rows[~hit], s[~hit]
+        misses.append(int(m_rows.size))
+        if not m_rows.size:
+            continue
+        # The r-th miss of a set takes its set's r-th least recently used way, if that way
+        # was not used in this step; else the row bypasses the cache.
+        order = np.argsort(m_sets, kind="stable")
+        m_rows, m_sets = m_rows[order], m_sets[order]
+        first = np.searchsorted(m_sets, m_sets, side="left")
+        rank = np.arange(m_sets.size) - first
+        ok = rank < ways
+        m_rows, m_sets, rank = m_rows[ok], m_sets[ok], rank[ok]
+        victims = np.argsort(last[m_sets], axis=1, kind="stable")[np.arange(m_sets.size), rank]
+        free = last[m_sets, victims] < now
+        tags[m_sets[free], victims[free]] = m_rows[free]
+        last[m_sets[free], victims[free]] = now
+    return misses
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--vocab", type=int, default=1_000_000)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--length", type=int, default=20)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument(
+        "--fractions",
+        default="0.05,0.1,0.2,0.4",
+        help="cache sizes as fractions of the vocabulary",
+    )
+    p.add_argument("--ways", default="16,32,64")
+    p.add_argument("--quick", action="store_true", help="a small stream: a smoke run")
+    p.add_argument("--out", default="bench_results/cache_model.json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.vocab, args.batch, args.steps = 20_000, 256, 24
+    start = time.perf_counter()
+    steps = stream(args.vocab, args.batch, args.length, args.steps)
+    warm = args.steps // 4
+    touched = sum(int(r.size) for r in steps[warm:])
+    fractions = [float(f) for f in args.fractions.split(",")]
+    ways = [int(w) for w in args.ways.split(",")]
+    rows = []
+    for fraction in fractions:
+        capacity = max(1, int(fraction * args.vocab))
+        entry = {"fraction": fraction, "cache_rows": capacity}
+        entry["exact LRU"] = sum(exact_lru(steps, capacity)[warm:]) / touched
+        for w in ways:
+            entry[f"{w}-way LRU"] = sum(set_associative(steps, capacity, w)[warm:]) / touched
+        rows.append(entry)
+    distinct = np.mean([r.size for r in steps])
+    print(
+        f"W1 law over {args.vocab:,} rows, batch {args.batch} x {args.length}: "
+        f"{distinct:,.0f} distinct rows per step; miss rates after {warm} warm-up steps"
+    )
+    names = ["exact LRU"] + [f"{w}-way LRU" for w in ways]
+    print(f"{'cache':>16s} " + " ".join(f"{n:>12s}" for n in names) + "   worst gap")
+    for e in rows:
+        gap = max(e[n] - e["exact LRU"] for n in names[1:])
+        cells = " ".join(f"{100 * e[n]:>11.2f}%" for n in names)
+        print(f"{e['cache_rows']:>9,} ({e['fraction']:.0%}) {cells}   {100 * gap:+.2f} pts")
+    result = {
+        "vocab": args.vocab,
+        "batch": args.batch,
+        "ids_per_example": args.length,
+        "steps": args.steps,
+        "warmup_steps": warm,
+        "distinct_rows_per_step": float(distinct),
+        "miss_rates": rows,
+        "seconds": time.perf_counter() - start,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
