@@ -79,7 +79,6 @@ _SLOW = pytest.mark.slow
     "shards, strategy, routing, tpu_layout, optimizers",
     [
         (2, "mod", "owner", True, QUICK),
-        (8, "div", "gather", False, QUICK),
         pytest.param(1, "div", "gather", False, tuple(OPTIMIZERS), marks=_SLOW),
         pytest.param(2, "mod", "owner", True, tuple(OPTIMIZERS), marks=_SLOW),
         pytest.param(4, "div", "owner", False, tuple(OPTIMIZERS), marks=_SLOW),
@@ -290,6 +289,7 @@ def test_cache_model_is_exact_lru_where_everything_fits(tmp_path):
     assert cache_model.set_associative(same, 16, 16) == [1, 0, 0, 0, 0]
 
 
+@pytest.mark.slow  # Four models compiled.
 def test_flax_linen_and_nnx_layers_with_a_host_table():
     """A linen model and an NNX model whose layer holds a host table train as the same
     models with the table on the device: equal losses and tables, the table on the host."""
