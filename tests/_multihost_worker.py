@@ -36,15 +36,23 @@ STEPS = 3
 SEED = 1234
 
 
-def make_spec(strategy: str) -> jte.EmbeddingSpec:
+def make_spec(strategy: str, placement: str = "device") -> jte.EmbeddingSpec:
     """Three tables: "shared" (Adagrad, the spec's) for a weighted multi-hot and a one-hot
     feature, "hot" (the same row form and optimizer: stacked with "shared") for a multi-hot
     feature, "seq" (its own Adam) for a sequence feature. V is not a multiple of 8, so "div"
-    shards differ in size and both strategies pad."""
-    shared = jte.TableConfig(vocabulary_size=37, dim=8, combiner="mean", name="shared")
-    hot = jte.TableConfig(vocabulary_size=29, dim=8, combiner="sum", name="hot")
+    shards differ in size and both strategies pad. `placement`: every table's."""
+    shared = jte.TableConfig(
+        vocabulary_size=37, dim=8, combiner="mean", name="shared", placement=placement
+    )
+    hot = jte.TableConfig(
+        vocabulary_size=29, dim=8, combiner="sum", name="hot", placement=placement
+    )
     seq = jte.TableConfig(
-        vocabulary_size=21, dim=4, name="seq", optimizer=jte.Adam(learning_rate=0.05)
+        vocabulary_size=21,
+        dim=4,
+        name="seq",
+        optimizer=jte.Adam(learning_rate=0.05),
+        placement=placement,
     )
     features = {
         "multi": jte.FeatureConfig(shared),  # Weighted (B, 3)
@@ -132,6 +140,7 @@ def train(
     inputs: str = "local",
     start: str = "init",
     routing: str = "auto",
+    placement: str = "device",
 ) -> dict:
     """Trains STEPS steps; {"table/t", "slot/t/s", "acts/<step>/<feature>": np.ndarray}.
 
@@ -140,11 +149,15 @@ def train(
     batch as NumPy arrays. start="init": `emb.init(key)`; "restore": `emb.restore_tables`
     from `initial_values()` (no table-initializer compiles: the cheaper start). routing:
     the Embedding's ("owner": ids travel to their rows' owners with all_to_all).
+    placement: every table's ("host": in the processes' host memory).
     """
     if strategy == "dynamic":
         return train_dynamic(mesh_kind, inputs, routing)
-    emb = jte.Embedding(make_spec(strategy), make_mesh(mesh_kind), routing=routing)
-    if routing == "owner":  # Stacks are for tables routed to their owners.
+    emb = jte.Embedding(make_spec(strategy, placement), make_mesh(mesh_kind), routing=routing)
+    if placement == "host":  # Host tables are never stacked; their arrays stay on the host.
+        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(emb.abstract_state().tables)}
+        assert kinds == {"pinned_host"}, kinds
+    elif routing == "owner":  # Stacks are for tables routed to their owners.
         assert ("hot", "shared") in emb.stacks.values(), emb.stacks
     if start == "init":
         state = emb.init(jax.random.key(0))

@@ -30,13 +30,15 @@ from test_data import reference
 # batch; "numpy" feeds every process the whole global batch as NumPy arrays instead of its
 # rows as global jax.Arrays; "restore" starts from restore_tables instead of init (and saves
 # compiles); "owner" routes ids to their rows' owners across the processes (all_to_all over
-# gloo). "criteo": jte.data.criteo over two files, one per process (worker.read_criteo).
+# gloo); "host" puts every table in the processes' host memory (placement="host"), drawn there
+# by init. "criteo": jte.data.criteo over two files, one per process (worker.read_criteo).
 CASES = (
     "div:explicit",
     "mod:auto",
     "div:interleaved:local:restore",
     "mod:explicit:numpy:restore",
     "div:explicit:local:restore:owner",
+    "mod:explicit:local:init:owner:host",
 )
 JOB_CASES = CASES + ("criteo",)
 NUM_PROCESSES = 2
