@@ -354,3 +354,22 @@ def test_flax_linen_and_nnx_layers_with_a_host_table():
         tables[p] = (emb.export(linen_state), nnx_model.embed.embedding.export(nnx_state))
     assert losses["host"] == losses["device"]
     chex.assert_trees_all_equal(tables["host"], tables["device"])
+
+
+def test_a_platform_without_host_memory_is_named():
+    """`check_placements` names the table and the platform when the devices have no pinned
+    host memory (CPU, TPU and GPU devices have it; a device without memory spaces not)."""
+    from jax_tpu_embed import _planner
+
+    class NoHostMemory:
+        platform = "abacus"
+
+        def addressable_memories(self):
+            raise NotImplementedError
+
+    table = jte.TableConfig(50, 4, name="h", placement="host")
+    spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(0.1))
+    storages = {n: p.storage for n, p in jte.Embedding(spec, make_mesh(1)).table_plans.items()}
+    with pytest.raises(ValueError, match=r"table 'h' has placement='host' but abacus devices"):
+        _planner.check_placements(spec.tables(), storages, NoHostMemory())
+    _planner.check_placements(spec.tables(), storages, jax.devices()[0])  # CPU: fine.
