@@ -128,10 +128,17 @@ class Initializer:
                 continue
             for t in self.stacks[name]:
                 plan = self.table_plans[t]
-                if self.takes_buffers(t):
-                    own[t] = programs[t](keys[t], self.host_buffers(plan))
-                else:
+                if not self.takes_buffers(t):
                     own[t] = programs[t](keys[t])
+                elif isinstance(key, jax.core.Tracer):
+                    # Inside another trace, host buffers would be constants of its program:
+                    # drawn on the device, then moved to the host.
+                    own[t] = jax.jit(
+                        functools.partial(self._init_table_blocked, plan),
+                        out_shardings=self._shardings(plan),
+                    )(keys[t])
+                else:
+                    own[t] = programs[t](keys[t], self.host_buffers(plan))
         if own:
             joined = self._join(
                 {t: x[0] for t, x in own.items()}, {t: x[1] for t, x in own.items()}
@@ -316,11 +323,11 @@ class Initializer:
             (P(), P(), buffer_specs),
             out_specs,
         )(jnp.stack([words[:, 0], words[:, -1]]), per_table, buffers)
-        kind = None if buffers is None else _placement.HOST
+        kinds = {name: plan.storage.memory_kind for name, plan, _ in targets}
         return {
             n: (
-                self._constrain(t, kind),
-                {k: self._constrain(x, kind) for k, x in slots.items()},
+                self._constrain(t, kinds[n]),
+                {k: self._constrain(x, kinds[n]) for k, x in slots.items()},
             )
             for n, (t, slots) in local.items()
         }
@@ -448,7 +455,8 @@ class Initializer:
             for s in storage.slot_specs
         }
         table, slots = storage.to_physical(table, slots)
-        return self._constrain(table), {n: self._constrain(x) for n, x in slots.items()}
+        kind = storage.memory_kind
+        return self._constrain(table, kind), {n: self._constrain(x, kind) for n, x in slots.items()}
 
     def initial(self, plan: _plan.TablePlan, slot: _optimizers.SlotSpec | None, key):
         """The logical initial value of a table (slot None) or one slot."""
@@ -469,8 +477,11 @@ class Initializer:
         return _optimizers.slot_initial_value(slot, key, shape, table=plan.name)
 
     def _constrain(self, physical, memory_kind: str | None = None):
-        # Said explicitly so that an init traced inside another jit keeps the row sharding.
-        return _sharding.constrain(physical, self._rows(physical.ndim, memory_kind))
+        # Said explicitly so that an init traced inside another jit keeps the row sharding
+        # (and a host table its memory: a constraint does not move memory, device_put does).
+        if memory_kind is not None:
+            return jax.device_put(physical, self._rows(physical.ndim, memory_kind))
+        return _sharding.constrain(physical, self._rows(physical.ndim))
 
     def slot(self, plan: _plan.TablePlan, slot: _optimizers.SlotSpec, key):
         """One stored slot's physical initial value, drawn on the devices."""

@@ -125,6 +125,29 @@ def test_host_tables_equal_device_tables_bit_for_bit(
     assert all(not np.array_equal(first[t], moved[t]) for t in first)
 
 
+def test_init_eager_or_traced_lands_on_the_host():
+    """`init` of host tables, with the default initializer (drawn into host buffers) and a
+    user's (called with the logical shape), eager or inside another jit: the same values
+    as device tables, in host memory."""
+    out = {}
+    for p in ("device", "host"):
+        t = jte.TableConfig(101, 8, name="t", placement=p)
+        u = jte.TableConfig(
+            13, 4, name="u", placement=p, initializer=lambda k, s, d: jax.random.uniform(k, s, d)
+        )
+        spec = jte.EmbeddingSpec(
+            {"a": jte.FeatureConfig(t), "b": jte.FeatureConfig(u)}, jte.Adagrad(0.1)
+        )
+        emb = jte.Embedding(spec, make_mesh(2), backend="xla", init_block_bytes=1024)
+        for how, init in (("eager", emb.init), ("traced", jax.jit(emb.init))):
+            state = init(jax.random.key(3))
+            want = {"device": {"device"}, "host": {_HOST}}[p]
+            assert _memory_kinds(state) == want, (p, how)
+            out[p, how] = (emb.export(state), emb.export_slots(state))
+    for how in ("eager", "traced"):
+        chex.assert_trees_all_equal(out["host", how], out["device", "eager"])
+
+
 def _train_spec(placement):
     big = jte.TableConfig(
         vocabulary_size=500, dim=8, combiner="sum", name="big", placement=placement
