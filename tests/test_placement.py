@@ -36,7 +36,8 @@ QUICK = ("sgd+extras", "adagrad", "adam+extras", "ftrl", "rowwise_adagrad", "opt
 
 def _spec(placement: str, strategy: str, optimizers):
     """One table per optimizer, shared by a weighted pooled feature and a sequence
-    feature, with widths that pack (4, 12) and one that does not (16)."""
+    feature, with widths that pack (4, 12) and one that does not (16); every fourth one
+    bfloat16 (stochastic rounding)."""
     features = {}
     for i, name in enumerate(optimizers):
         optimizer = OPTIMIZERS[name][0]
@@ -47,6 +48,7 @@ def _spec(placement: str, strategy: str, optimizers):
             name=name.replace("+", "_"),
             optimizer=optimizer,
             placement=placement,
+            dtype=jnp.bfloat16 if i % 4 == 1 else jnp.float32,
         )
         features[name.replace("+", "_")] = {
             "pooled": jte.FeatureConfig(table),
