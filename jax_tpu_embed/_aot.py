@@ -546,19 +546,26 @@ _DTYPE_BYTES = {
     "f8e5m2": 1,
     "token": 0,
 }
-_ARRAY_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+[a-z]*)?)\[([\d,]*)\]")
+# An array of an HLO shape text: dtype, dims and its layout if printed (in which memory
+# space S(5) is host memory).
+_ARRAY_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+[a-z]*)?)\[([\d,]*)\](\{[^}]*\})?")
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
+
+
+def _arrays(shape_text: str) -> list[tuple[str, int, str]]:
+    """[(array shape, logical bytes, layout or "")] of every array in an HLO shape text."""
+    out = []
+    for dtype, dims, layout in _ARRAY_RE.findall(shape_text):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        n = math.prod(int(x) for x in dims.split(",") if x) if dims else 1
+        out.append((f"{dtype}[{dims}]", n * _DTYPE_BYTES[dtype], layout))
+    return out
 
 
 def array_bytes(shape_text: str) -> list[tuple[str, int]]:
     """[(array shape, logical bytes)] of every array in an HLO shape text (tuples too)."""
-    out = []
-    for dtype, dims in _ARRAY_RE.findall(shape_text):
-        if dtype not in _DTYPE_BYTES:
-            continue
-        n = math.prod(int(x) for x in dims.split(",") if x) if dims else 1
-        out.append((f"{dtype}[{dims}]", n * _DTYPE_BYTES[dtype]))
-    return out
+    return [(shape, nbytes) for shape, nbytes, _ in _arrays(shape_text)]
 
 
 def _parse(hlo: str):
@@ -611,14 +618,6 @@ def collectives(hlo: str) -> list[Collective]:
     return out
 
 
-# An array of an HLO shape text with its layout; memory space S(5) is host memory.
-_LAID_OUT_RE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\](\{[^}]*\})?")
-
-
-def _elements(dims: str) -> int:
-    return math.prod(int(x) for x in dims.split(",") if x) if dims else 1
-
-
 def host_calls(hlo: str) -> list[HostCall]:
     """Every host computation (`HostExecute`) of an HLO module text: a "scatter" when it
     returns host arrays (the rows written in place), else a "gather"."""
@@ -635,14 +634,7 @@ def host_calls(hlo: str) -> list[HostCall]:
                 parts.append(shape[start:i])
                 start = i + 1
         parts.append(shape[start:])
-        arrays = [
-            [
-                ("S(5)" in (layout or ""), _elements(dims) * _DTYPE_BYTES[dtype])
-                for dtype, dims, layout in _LAID_OUT_RE.findall(part)
-                if dtype in _DTYPE_BYTES
-            ]
-            for part in parts[:2]
-        ]
+        arrays = [[("S(5)" in lay, b) for _, b, lay in _arrays(part)] for part in parts[:2]]
         operands, results = arrays + [[]] * (2 - len(arrays))
         writes_host = any(on_host for on_host, _ in results)
         # Indices and rows sent to the host; a gather's rows come back (to device memory

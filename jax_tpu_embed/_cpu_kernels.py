@@ -304,6 +304,11 @@ class CpuBackend(_backend.Backend):
         return None
 
     def unusable(self, table, optimizer, storage, platform):
+        if storage.on_host:  # Host rows are reached by XLA ops in host computations.
+            return (
+                "placement='host': its rows are in host memory, which the C++ kernels "
+                "do not address (the 'xla' backend serves it)"
+            )
         if platform != "cpu":
             return f"it needs a CPU mesh and this one is on {platform!r}"
         if storage.lanes:

@@ -626,6 +626,11 @@ class PallasBackend(_backend.Backend):
         return "pallas_interpret" if self.interpret else "pallas"
 
     def unusable(self, table, optimizer, storage, platform):
+        if storage.on_host:  # Host rows are reached by XLA ops in host computations.
+            return (
+                "placement='host': its rows are in host memory, which the Pallas kernels "
+                "do not address (the 'xla' backend serves it)"
+            )
         if optimizer.dense_update:
             return (
                 f"{type(optimizer).__name__}(lazy_adam=False) updates every row; the "

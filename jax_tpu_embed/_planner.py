@@ -275,16 +275,6 @@ def choose_kernels(
     for name, want in asked.items():
         table, storage = tables[name], storages[name]
         opt = spec.optimizer_of(table)
-        if storage.on_host:
-            # Host rows are reached by XLA ops inside host computations (`_placement`); the
-            # Pallas and C++ kernels address device buffers.
-            if want != "auto" and want.name != "xla":
-                problems.append(
-                    f"table {name!r} cannot use backend {want.name!r}: placement='host' "
-                    f"is served by the 'xla' backend (or 'auto')"
-                )
-            chosen[name] = backends.named("xla")
-            continue
         if want == "auto":
             chosen[name] = next(
                 b

@@ -199,10 +199,16 @@ def _result(
                 if len(x.shape) and x.shape[0] % emb.num_shards == 0
             )
         tables.append(entry)
-    on_host = [t for t in tables if t["placement"] == "host"]
-    host_tables = sum(t["table_bytes_per_chip"] for t in on_host)
-    host = host_tables + sum(t["slot_bytes_per_chip"] for t in on_host)
-    state = r.state_bytes * per_chip - host  # In HBM.
+    # Tables with placement="host" hold their rows and slots in the hosts' memory.
+    in_hbm = [t for t in tables if t["placement"] != "host"]
+    host = sum(
+        t["table_bytes_per_chip"] + t["slot_bytes_per_chip"]
+        for t in tables
+        if t["placement"] == "host"
+    )
+    table_bytes = sum(t["table_bytes_per_chip"] for t in in_hbm)
+    slot_bytes = sum(t["slot_bytes_per_chip"] for t in in_hbm)
+    state = table_bytes + slot_bytes
     total = r.peak_bytes * per_chip
     hbm = topo.hbm_per_chip
     init_table = max(init_temps, key=lambda n: init_temps[n]) if init_temps else None
@@ -221,13 +227,12 @@ def _result(
         },
         "tables": tables,
         "per_chip": {
-            "table_bytes": sum(t["table_bytes_per_chip"] for t in tables) - host_tables,
-            "slot_bytes": sum(t["slot_bytes_per_chip"] for t in tables) - (host - host_tables),
+            "table_bytes": table_bytes,
+            "slot_bytes": slot_bytes,
             "index_bytes": sum(t["index_bytes_per_chip"] for t in tables),
             "other_argument_bytes": r.argument_bytes * per_chip - state,
-            # Tables with placement="host": their rows and slots in the hosts' memory, and
-            # the bytes the step moves between host and device (rows and their indices,
-            # each host call counted once, as bytes accessed counts one pass).
+            # And the bytes the step moves between host and device (rows and their
+            # indices, each host call counted once, as bytes accessed counts one pass).
             "host_bytes": host,
             "host_device_bytes_per_step": sum(c.crossing_bytes for c in r.host_calls) * per_chip,
             "host_calls": len(r.host_calls),
