@@ -15,6 +15,7 @@ from . import serving as serving
 from ._config import DynamicTable as DynamicTable
 from ._config import EmbeddingSpec as EmbeddingSpec
 from ._config import FeatureConfig as FeatureConfig
+from ._config import HostCached as HostCached
 from ._config import TableConfig as TableConfig
 from ._config_file import load_config as load_config
 from ._config_file import load_spec as load_spec

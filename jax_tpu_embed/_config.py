@@ -34,6 +34,40 @@ PLACEMENTS = ("device", "host")
 
 
 @dataclasses.dataclass(frozen=True)
+class HostCached:
+    """A table placement: rows and slots in host memory, with a cache of hot rows in the
+    devices' memory.
+
+    Each device caches rows of its own shard in a `ways`-way set-associative cache of
+    `cache_rows / num_devices` rows (rounded up to whole sets), least recently updated
+    first out. A lookup or update reads the rows it finds in the cache from HBM and fetches
+    the others from host memory, `max_misses` rows per host call; an update writes every
+    row it changes through to host memory and keeps the cache's copies current, so host
+    memory always holds the table and checkpoints, export and serving read it there.
+
+    Attributes:
+        cache_rows: Rows cached over all devices; fewer than the table's vocabulary.
+        ways: Rows per set (LRU within a set).
+        max_misses: Rows one device fetches from host memory per host call (more calls run
+            when a pass misses more). Default: an eighth of the rows a pass touches (at
+            least 8).
+    """
+
+    cache_rows: int
+    ways: int = 16
+    max_misses: int | None = None
+
+    def __post_init__(self):
+        if not _is_int(self.cache_rows) or self.cache_rows <= 0:
+            raise ValueError(f"HostCached: cache_rows must be an int > 0, got {self.cache_rows!r}.")
+        if not _is_int(self.ways) or not 1 <= self.ways <= 256:
+            raise ValueError(f"HostCached: ways must be an int in [1, 256], got {self.ways!r}.")
+        m = self.max_misses
+        if m is not None and (not _is_int(m) or m <= 0):
+            raise ValueError(f"HostCached: max_misses must be an int > 0 or None, got {m!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
 class DynamicTable:
     """A table without a vocabulary: ids are any int64 but -1, admitted when first trained.
 
@@ -125,7 +159,9 @@ class TableConfig:
         placement: "device" (the default): rows and slots in the devices' memory (HBM);
             "host": in the memory of each device's host (pinned host memory), so a table
             may be larger than HBM: each step gathers the rows it touches to the device
-            and writes the updated ones back, in place (README, "Tables in host memory").
+            and writes the updated ones back, in place (README, "Tables in host memory");
+            `jte.HostCached(cache_rows=...)`: in host memory, with the hot rows cached
+            in HBM.
     """
 
     vocabulary_size: int | None = None
@@ -137,19 +173,38 @@ class TableConfig:
     dtype: Any = jnp.float32
     stochastic_rounding: bool | None = None
     dynamic: DynamicTable | None = None
-    placement: str = "device"
+    placement: str | HostCached = "device"
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the rows live in host memory (placement "host" or `HostCached`)."""
+        return self.placement == "host" or isinstance(self.placement, HostCached)
+
+    @property
+    def cache(self) -> HostCached | None:
+        return self.placement if isinstance(self.placement, HostCached) else None
 
     def __post_init__(self):
         where = f"TableConfig(name={self.name!r})"
-        if not isinstance(self.placement, str) or self.placement not in PLACEMENTS:
+        cached = isinstance(self.placement, HostCached)
+        if not cached and (not isinstance(self.placement, str) or self.placement not in PLACEMENTS):
             raise ValueError(
-                f"{where}: placement must be one of {list(PLACEMENTS)}, got {self.placement!r}."
+                f"{where}: placement must be one of {list(PLACEMENTS)} or a "
+                f"jte.HostCached(cache_rows=...), got {self.placement!r}."
             )
-        if self.placement == "host" and self.dynamic is not None:
+        if self.on_host and self.dynamic is not None:
             raise ValueError(
-                f"{where}: a dynamic table cannot have placement='host' yet: its index "
-                f"resets reused rows on the device; keep placement='device'."
+                f"{where}: a dynamic table cannot have placement={self.placement!r} yet: its "
+                f"index resets reused rows on the device; keep placement='device'."
             )
+        if cached and _is_int(self.vocabulary_size):
+            assert isinstance(self.placement, HostCached)
+            if self.placement.cache_rows >= int(self.vocabulary_size):  # type: ignore[arg-type]
+                raise ValueError(
+                    f"{where}: HostCached(cache_rows={self.placement.cache_rows}) is not "
+                    f"smaller than the table's {self.vocabulary_size} rows: the whole table "
+                    f"fits the cache; use placement='device'."
+                )
         if self.dynamic is not None:
             if not isinstance(self.dynamic, DynamicTable):
                 raise TypeError(

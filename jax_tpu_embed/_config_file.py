@@ -18,7 +18,8 @@ The format (YAML shown; TOML has the same structure, see configs/example_small.t
         stochastic_rounding: true    # bfloat16 only; default true for bfloat16
         initializer: {name: truncated_normal, stddev: 0.05}   # or just "zeros"
         optimizer: {name: sgd, learning_rate: 0.1}            # overrides the global one
-        placement: host              # device (default) | host: rows in host memory
+        placement: host              # device (default) | host: rows in host memory |
+                                     # {host_cached: {cache_rows: 50000, ways: 16}}
       items: {vocabulary_size: 5000, dim: 16}
       clicks:                        # a dynamic table: no vocabulary_size, any int64 id
         dim: 16
@@ -87,6 +88,7 @@ _TABLE_KEYS = (
     "placement",
 )
 _DYNAMIC_KEYS = tuple(f.name for f in dataclasses.fields(_config.DynamicTable))
+_HOST_CACHED_KEYS = tuple(f.name for f in dataclasses.fields(_config.HostCached))
 _FEATURE_KEYS = ("table", "max_sequence_length", "output_shape", "name")
 
 _OPTIMIZERS = {
@@ -353,11 +355,7 @@ def _table(w: _Where, key: str, name: str, t) -> _config.TableConfig:
     optimizer = None
     if t.get("optimizer") is not None:
         optimizer = _optimizer(w, f"{key}.optimizer", t["optimizer"])
-    placement = t.get("placement", "device")
-    if placement not in _config.PLACEMENTS:
-        raise w.error(
-            f"{key}.placement", f"must be one of {list(_config.PLACEMENTS)}, got {placement!r}."
-        )
+    placement = _placement(w, f"{key}.placement", t.get("placement", "device"))
     try:
         return _config.TableConfig(
             vocabulary_size=vocab,
@@ -373,6 +371,30 @@ def _table(w: _Where, key: str, name: str, t) -> _config.TableConfig:
         )
     except (ValueError, TypeError) as e:
         raise w.error(key, str(e)) from e
+
+
+def _placement(w: _Where, key: str, raw) -> str | _config.HostCached:
+    """`placement: device | host`, or `placement: {host_cached: {cache_rows: N, ...}}` (the
+    fields of jte.HostCached)."""
+    if isinstance(raw, Mapping) and set(raw) == {"host_cached"}:
+        fields = raw["host_cached"]
+        if not isinstance(fields, Mapping) or "cache_rows" not in fields:
+            raise w.error(
+                f"{key}.host_cached",
+                f"must be a mapping with at least `cache_rows`, got {fields!r}.",
+            )
+        _check_keys(w, f"{key}.host_cached", fields, _HOST_CACHED_KEYS)
+        try:
+            return _config.HostCached(**dict(fields))
+        except (ValueError, TypeError) as e:
+            raise w.error(f"{key}.host_cached", str(e)) from e
+    if not isinstance(raw, str) or raw not in _config.PLACEMENTS:
+        raise w.error(
+            key,
+            f"must be one of {list(_config.PLACEMENTS)} or {{host_cached: {{cache_rows: N}}}}, "
+            f"got {raw!r}.",
+        )
+    return raw
 
 
 def _dynamic(w: _Where, key: str, raw) -> _config.DynamicTable:

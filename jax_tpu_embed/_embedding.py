@@ -26,6 +26,7 @@ from . import (
     _init,
     _inputs,
     _multihost,
+    _placement,
     _plan,
     _planner,
     _sharding,
@@ -198,6 +199,10 @@ class Embedding:
         }
         self.num_shards = self.plan.num_shards
         self.lane_width = self.plan.lane_width
+        # Tables placed `HostCached` (never stacked: their state key is their name).
+        self.cached = {
+            name: plan.storage for name, plan in self.table_plans.items() if plan.storage.cache
+        }
         self._replicated = NamedSharding(mesh, P())
         # `init`'s programs (`_init`), built on first use.
         self.initializer = _init.Initializer(self.plan, mesh, self.state_arrays)
@@ -274,7 +279,29 @@ class Embedding:
             )
             for name in self.dynamic
         }
+        for name in self.cached:
+            index[name] = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                jax.eval_shape(self.cached[name].empty_cache),
+                self._cache_shardings(name),
+            )
         return EmbeddingState(tables, slots, step, index)
+
+    def _cache_shardings(self, name: str) -> _placement.CacheState:
+        """A `HostCached` table's caches: every array split by rows over the axis."""
+        shapes = jax.eval_shape(self.cached[name].empty_cache)
+        return jax.tree.map(lambda x: self._rows(x.ndim), shapes)
+
+    def empty_caches(self, traced: bool = False) -> dict:
+        """{HostCached table name: caches holding no row}, placed as the state holds them."""
+        out = {}
+        for name, storage in self.cached.items():
+            out[name] = jax.tree.map(
+                lambda x, s: _sharding.constrain(x, s) if traced else jax.device_put(x, s),
+                storage.empty_cache(),
+                self._cache_shardings(name),
+            )
+        return out
 
     def _index_shapes(self, name: str) -> _dynamic.DynamicState:
         words = jax.ShapeDtypeStruct((2,), jnp.uint32)
@@ -296,8 +323,9 @@ class Embedding:
         )
 
     def _new_index(self, key) -> dict:
-        """{dynamic table name: its empty index and its key's words}."""
-        out = {}
+        """{dynamic table name: its empty index and its key's words; HostCached table name:
+        its empty caches}."""
+        out = self.empty_caches(traced=isinstance(key, jax.core.Tracer))
         keys = self.initializer.table_keys(key) if self.dynamic else {}
         for name in self.dynamic:
             state = self._empty_index(name, _dynamic.key_words(keys[name]))
@@ -420,6 +448,7 @@ class Embedding:
                 for s in storage.stored
             }
         step_array = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
+        index = {**index, **self.empty_caches()}
         return EmbeddingState(*self.state_arrays(new_tables, new_slots), step_array, index)
 
     def _restore_dynamic(self, tables: dict, slots: dict, step: int, key) -> tuple:
@@ -837,6 +866,7 @@ class Embedding:
         feats = self._normalized(flat)
         batch = next(iter(feats.values()))[0].shape[0]
         row = P(self.axis)
+        tables, _ = self._with_caches(tables, {}, index, step)
         acts = self._shard_map(self._lookup_local, (row, row), row)(tables, feats)
         for path, x in extra.items():
             acts[path] = acts[path] + x
@@ -1018,9 +1048,11 @@ class Embedding:
             flat = {**flat, **self._dynamic_leaves(split, rows)}
         feats = self._normalized(flat)
         row, rep = P(self.axis), P()
+        tables, slots = self._with_caches(tables, slots, index, state.step)
         tables, slots = self._shard_map(
             self._update_local, (row, row, row, row, rep, rep), (row, row)
         )(tables, slots, feats, local_grads, state.step, ok)
+        tables, slots, index = self._without_caches(tables, slots, index)
         any_ok = functools.reduce(jnp.logical_or, ok.values())
         skipped = {name: (~keep).astype(jnp.int32) for name, keep in ok.items()}
         step = state.step + any_ok.astype(jnp.int32)
@@ -1044,6 +1076,45 @@ class Embedding:
                 good = good & jnp.all(jnp.isfinite(weights))
             ok[f.table] = ok[f.table] & good
         return ok
+
+    # HostCached tables (_placement): the row work sees each array with its device cache.
+
+    def _with_caches(self, tables, slots, index, step) -> tuple[dict, dict]:
+        """(tables, slots) with every HostCached table's arrays as `_placement.Cached`
+        (slots only where given)."""
+        tables, slots = dict(tables), dict(slots)
+        for name, storage in self.cached.items():
+            assert storage.cache is not None
+            now = _sharding.constrain(jnp.full((self.num_shards,), step, jnp.int32), self._rows(1))
+            table, own = _placement.with_cache(
+                storage.cache, tables[name], slots.get(name, {}), index[name], now
+            )
+            tables[name] = table
+            if name in slots:
+                slots[name] = own
+        return tables, slots
+
+    def _without_caches(self, tables, slots, index) -> tuple[dict, dict, dict]:
+        """The inverse of `_with_caches`: (tables, slots, index with the new caches)."""
+        tables, slots, index = dict(tables), dict(slots), dict(index)
+        for name in self.cached:
+            tables[name], slots[name], cache = _placement.without_cache(tables[name], slots[name])
+            index[name] = jax.tree.map(_sharding.constrain, cache, self._cache_shardings(name))
+        return tables, slots, index
+
+    def cache_stats(self, state: EmbeddingState) -> dict[str, dict[str, jax.Array]]:
+        """{HostCached table name: {counter: int32 scalar}}, summed over the devices since
+        `init` or a restore: "hits" and "misses" (distinct rows the updates found in the
+        cache, and not), "inserted" (rows the updates cached) and "evicted" (cached rows
+        they replaced); "rows" (rows the cache can hold). Lookups are not counted: they read
+        the cache without changing it. Jittable."""
+        out = {}
+        for name, storage in self.cached.items():
+            lines = state.index[name].table
+            totals = jnp.asarray(lines.counts).sum(0, dtype=jnp.int32)
+            out[name] = {c: totals[i] for i, c in enumerate(_placement.COUNTERS)}
+            out[name]["rows"] = jnp.int32(lines.tags.size * storage.packing.per_row)
+        return out
 
     # Inside shard_map: each stack's backend does its shard-local row work.
 

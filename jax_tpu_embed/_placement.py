@@ -13,12 +13,25 @@ the device path's, so a host table's values are bit-identical to a device table'
 Out-of-range indices are the engine's "no row" (gathers fill zeros, scatters drop); on the
 host the gather reads a clamped index and the zeros are put back on the device, because
 the bounds checks of a filling gather would mix device constants into host code.
+
+A table placed `HostCached` adds a device cache of each array's hot rows (`Lines`), and the
+row work sees each of its arrays as a `Cached` (the host array, its cache, the step). Its
+`gather` reads what the cache holds from HBM and fetches only the misses from the host, a
+bounded number per host call (`max_misses`); its `scatter` writes every row through to
+the host and keeps the cache's copies current, inserting the rows it missed (least
+recently written out, within a set). The host array always holds the table, so the cache
+is never flushed and its values are the same bits: everything above this module is
+unaware of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.compute_on import compute_on
 
 HOST = "pinned_host"
@@ -34,7 +47,9 @@ def host_memory_supported(device) -> bool:
 
 def gather(on_host: bool, buffers, indices) -> list:
     """[buffers[i] rows at indices[i]], zeros where an index is out of range; on the host,
-    one host computation for all of them."""
+    one host computation for all of them (`Cached` buffers: per round of misses)."""
+    if buffers and isinstance(buffers[0], Cached):
+        return _cached_gather(buffers, indices)
     if not on_host:
         return [b.at[i].get(mode="fill", fill_value=0) for b, i in zip(buffers, indices)]
     valid = [(i >= 0) & (i < b.shape[0]) for b, i in zip(buffers, indices)]
@@ -73,6 +88,12 @@ def scatter(on_host: bool, buffers, indices, values) -> list:
         return [b.at[i].set(v, mode="drop") for b, i, v in zip(buffers, indices, values)]
 
     values = [v.astype(b.dtype) for b, v in zip(buffers, values)]
+    if buffers and isinstance(buffers[0], Cached):
+        hosts = write(True, store, [b.host for b in buffers], list(indices), values)
+        return [
+            dataclasses.replace(b, host=h, lines=_insert(b, i, v))
+            for b, h, i, v in zip(buffers, hosts, indices, values)
+        ]
     return write(on_host, store, list(buffers), list(indices), values)
 
 
@@ -80,4 +101,209 @@ def update_slice(on_host: bool, buffer, block, at) -> jax.Array:
     """`buffer` with `block` written at offsets `at` (a block of `init`)."""
     return write(
         on_host, lambda b, x, at: jax.lax.dynamic_update_slice(b, x, at), buffer, block, at
+    )
+
+
+# ------------------------------------------------------------------ the device cache
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheShape:
+    """A `HostCached` table's cache on each device: `rows` logical rows of its shard, in sets
+    of `ways` (LRU within a set), and `max_misses` (None: an eighth of a pass's rows, at
+    least 8) host rows fetched per host call."""
+
+    rows: int
+    ways: int
+    max_misses: int | None = None
+
+    def sets(self, per_row: int) -> int:
+        """Sets of an array that packs `per_row` logical rows into one physical row."""
+        lines = -(-self.rows // per_row)
+        return max(1, -(-lines // self.ways))
+
+    def misses_per_call(self, n: int) -> int:
+        return min(n, self.max_misses or max(8, n // 8))
+
+
+COUNTERS = ("hits", "misses", "inserted", "evicted")
+EMPTY = -1  # The tag of a line holding no row.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Lines:
+    """One array's device cache, row-sharded: each device caches rows of its own shard.
+
+    Attributes:
+        rows: (N * sets * ways, ...) the cached physical rows, in the array's dtype.
+        tags: (N * sets * ways,) int32, the local physical row each line holds (EMPTY:
+            none); a set's ways one after another. Flat, because the TPU compiler charges
+            a row gather of a narrow 2-D array a whole (8, 128) tile per row, and a window
+            of a 1-D array about its own bytes (as the dynamic tables' index, `_hashindex`).
+        last: (N * sets * ways,) int32, the step each line was last written (LRU).
+        counts: (N, len(COUNTERS)) int32, summed over the updates: distinct rows found
+            (hits) and not found (misses), rows inserted and rows they evicted.
+    """
+
+    rows: Any
+    tags: Any
+    last: Any
+    counts: Any
+
+
+def empty_lines(shape, dtype, sets: int, ways: int, num_shards: int) -> Lines:
+    """A cache holding no row, for an array whose physical rows have shape shape[1:]."""
+    lines = num_shards * sets * ways
+    return Lines(
+        rows=jnp.zeros((lines, *shape[1:]), dtype),
+        tags=jnp.full((lines,), EMPTY, jnp.int32),
+        last=jnp.full((lines,), -1, jnp.int32),
+        counts=jnp.zeros((num_shards, len(COUNTERS)), jnp.int32),
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Cached:
+    """Inside `shard_map`: one array of a `HostCached` table as the row work sees it, its
+    shard in host memory with its device cache; `now` (1,) int32 is the step."""
+
+    host: Any
+    lines: Lines
+    now: Any
+    cache: CacheShape = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self):
+        return self.host.shape
+
+    @property
+    def dtype(self):
+        return self.host.dtype
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CacheState:
+    """A `HostCached` table's caches (in `EmbeddingState.index`): its array's and each
+    stored slot's ({slot name: Lines})."""
+
+    table: Lines
+    slots: dict
+
+
+def with_cache(shape: CacheShape, table, slots: dict, cache: CacheState, now):
+    """(table, slots) of a `HostCached` table as `Cached` arrays for the row work."""
+    wrap = lambda host, lines: Cached(host, lines, now, shape)
+    return wrap(table, cache.table), {n: wrap(x, cache.slots[n]) for n, x in slots.items()}
+
+
+def without_cache(table: Cached, slots: dict) -> tuple:
+    """The inverse of `with_cache`: (host table, {slot: host array}, CacheState)."""
+    cache = CacheState(table.lines, {n: x.lines for n, x in slots.items()})
+    return table.host, {n: x.host for n, x in slots.items()}, cache
+
+
+def _set_of(idx, sets: int):
+    """The set of local physical row `idx`: a multiplicative hash, so that runs of rows and
+    strided rows spread over the sets."""
+    x = idx.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)
+    return ((x ^ (x >> 15)) % jnp.uint32(sets)).astype(jnp.int32)
+
+
+def _sets(flat, s, ways: int):
+    """(n, ways): the sets `s` of a flat tags or ages array."""
+    return jax.vmap(lambda at: lax.dynamic_slice(flat, (at * ways,), (ways,)))(s)
+
+
+def _probe(c: Cached, idx):
+    """(valid, set, hit, way) of each index: whether it is a row of the shard, its set,
+    whether the cache holds it and in which way."""
+    ways = c.cache.ways
+    valid = (idx >= 0) & (idx < c.host.shape[0])
+    s = _set_of(jnp.where(valid, idx, 0), c.lines.tags.shape[0] // ways)
+    eq = (_sets(c.lines.tags, s, ways) == idx[:, None]) & valid[:, None]
+    return valid, s, jnp.any(eq, axis=1), jnp.argmax(eq, axis=1).astype(jnp.int32)
+
+
+def _cached_gather(buffers, indices) -> list:
+    """`gather` of `Cached` arrays: hits from the caches; the misses of every array fetched
+    from the host together, `max_misses` per array and host computation, in as many rounds
+    as the array with most misses needs (none when everything hits)."""
+    outs, misses = [], []
+    for c, idx in zip(buffers, indices):
+        valid, s, hit, way = _probe(c, idx)
+        line = jnp.where(hit, s * c.cache.ways + way, c.lines.rows.shape[0])
+        outs.append(c.lines.rows.at[line].get(mode="fill", fill_value=0))
+        misses.append(valid & ~hit)
+    n = indices[0].shape[0]
+    m = buffers[0].cache.misses_per_call(n)
+    iota = lax.iota(jnp.int32, n)
+    # Each array's miss positions first, ascending, then n (a sort, not `nonzero`: the TPU
+    # compiler charges a 1-D gather a tile per element).
+    order = [
+        jnp.pad(lax.sort(jnp.where(miss, iota, n + iota)), (0, m), constant_values=2 * n)
+        for miss in misses
+    ]
+    total = jnp.max(jnp.stack([jnp.sum(miss, dtype=jnp.int32) for miss in misses]))
+
+    @compute_on("device_host")
+    @jax.jit
+    def fetch(hosts, rows):
+        return [h.at[r].get(mode="promise_in_bounds") for h, r in zip(hosts, rows)]
+
+    def round_(state):
+        start, outs = state
+        at = [lax.dynamic_slice_in_dim(o, start, m) for o in order]
+        at = [jnp.where(a < n, a, n) for a in at]  # n: no miss, dropped below.
+        rows = [
+            jnp.clip(idx[jnp.minimum(a, n - 1)], 0, c.host.shape[0] - 1)
+            for c, idx, a in zip(buffers, indices, at)
+        ]
+        rows = [jax.device_put(r, jax.memory.Space.Host) for r in rows]
+        got = fetch([c.host for c in buffers], rows)
+        got = [jax.device_put(g, jax.memory.Space.Device) for g in got]
+        outs = [o.at[a].set(g, mode="drop") for o, a, g in zip(outs, at, got)]
+        return start + m, outs
+
+    _, outs = lax.while_loop(lambda state: state[0] < total, round_, (jnp.int32(0), outs))
+    return outs
+
+
+def _insert(c: Cached, idx, values) -> Lines:
+    """The cache after the distinct rows `idx` (out of range: none) were written `values`:
+    the lines holding them get the new values, and the rows it missed take, in each set,
+    the least recently written ways that this step has not written (the i-th missing row
+    of a set the i-th such way; a row finding none stays uncached)."""
+    lines = c.lines
+    ways = c.cache.ways
+    off = lines.tags.shape[0]  # Past the last line: dropped.
+    sets = off // ways
+    n = idx.shape[0]
+    now = c.now[0]
+    valid, s, hit, way = _probe(c, idx)
+    hit_line = jnp.where(hit, s * ways + way, off)
+    last = lines.last.at[hit_line].set(now, mode="drop")
+    miss = valid & ~hit
+    # Each missing row's rank among the missing rows of its set, in index order.
+    iota = lax.iota(jnp.int32, n)
+    key, order = lax.sort((jnp.where(miss, s, sets), iota), num_keys=2)
+    starts = jnp.concatenate([jnp.ones((1,), bool), key[1:] != key[:-1]])
+    rank_sorted = iota - lax.cummax(jnp.where(starts, iota, 0))
+    rank = jnp.zeros((n,), jnp.int32).at[order].set(rank_sorted)
+    ages = _sets(last, s, ways)  # (n, ways)
+    by_age = jnp.argsort(ages, axis=1, stable=True).astype(jnp.int32)
+    victim = jnp.take_along_axis(by_age, jnp.minimum(rank, ways - 1)[:, None], axis=1)[:, 0]
+    victim_last = jnp.take_along_axis(ages, victim[:, None], axis=1)[:, 0]
+    insert = miss & (rank < ways) & (victim_last < now)
+    new_line = jnp.where(insert, s * ways + victim, off)
+    evicted = insert & (lines.tags.at[new_line].get(mode="fill", fill_value=EMPTY) >= 0)
+    count = lambda x: jnp.sum(x, dtype=jnp.int32)
+    return Lines(
+        rows=lines.rows.at[jnp.where(hit, hit_line, new_line)].set(values, mode="drop"),
+        tags=lines.tags.at[new_line].set(idx, mode="drop"),
+        last=last.at[new_line].set(now, mode="drop"),
+        counts=lines.counts
+        + jnp.stack([count(hit), count(miss), count(insert), count(evicted)])[None, :],
     )

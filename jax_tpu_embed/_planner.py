@@ -98,7 +98,8 @@ def build(
             slot_specs=tuple(opt.slot_specs()),
             lanes=lane_width,
             dense_update=opt.dense_update,
-            on_host=table.placement == "host",
+            on_host=table.on_host,
+            cache=cache_shape(table, num_shards),
         )
         if storages[name].layout.rows_per_shard >= _rowindex.MAX_LOCAL_ROWS:
             raise ValueError(
@@ -196,6 +197,14 @@ def positive_per_table(what: str, value, spec: _config.EmbeddingSpec) -> dict:
     return {name: int(v) for name, v in value.items()}
 
 
+def cache_shape(table: _config.TableConfig, num_shards: int) -> _placement.CacheShape | None:
+    """A `HostCached` table's cache on each device: its share of `cache_rows`."""
+    cache = table.cache
+    if cache is None:
+        return None
+    return _placement.CacheShape(-(-cache.cache_rows // num_shards), cache.ways, cache.max_misses)
+
+
 def check_placements(tables: dict, storages: dict, device) -> None:
     """ValueError naming each host-placed table the mesh or its optimizer cannot serve."""
     problems = []
@@ -206,6 +215,20 @@ def check_placements(tables: dict, storages: dict, device) -> None:
             problems.append(
                 f"table {name!r} has placement='host' but {device.platform} devices have "
                 f"no {_placement.HOST!r} memory"
+            )
+        cache = storage.cache
+        if cache is not None and cache.rows < cache.ways:
+            problems.append(
+                f"table {name!r}: HostCached gives each of the {storage.layout.num_shards} "
+                f"devices {cache.rows} cached rows, fewer than one set of ways={cache.ways}: "
+                f"raise cache_rows to at least {cache.ways * storage.layout.num_shards} or "
+                f"lower ways"
+            )
+        elif cache is not None and cache.max_misses and cache.max_misses > cache.rows:
+            problems.append(
+                f"table {name!r}: HostCached(max_misses={cache.max_misses}) fetches more "
+                f"rows per host call than the {cache.rows} rows each device caches: lower "
+                f"max_misses or raise cache_rows"
             )
         if storage.dense_update:
             problems.append(

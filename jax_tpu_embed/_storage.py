@@ -50,8 +50,9 @@ class TableStorage:
         lanes: Physical row width narrow rows are packed into (128 on TPU); 0: none.
         dense_update: The optimizer updates every row (then nothing rides: its update is not
             row-local in the same way, and it never runs the fused kernels).
-        on_host: The arrays live in the hosts' memory (`placement="host"`), not the
-            devices': the row work reaches them through `_placement`.
+        on_host: The arrays live in the hosts' memory (`placement="host"` or
+            `HostCached`), not the devices': the row work reaches them through `_placement`.
+        cache: `HostCached`'s device cache per shard (`_placement.CacheShape`), or None.
     """
 
     layout: _layout.TableLayout
@@ -61,6 +62,7 @@ class TableStorage:
     lanes: int = 0
     dense_update: bool = False
     on_host: bool = False
+    cache: _placement.CacheShape | None = None
 
     @property
     def memory_kind(self) -> str | None:
@@ -102,6 +104,24 @@ class TableStorage:
 
     def slot_packing(self, slot: _optimizers.SlotSpec) -> _layout.Packing:
         return _layout.Packing(self.dim if slot.rank == 2 else 1, slot.rank, self.lanes)
+
+    def empty_cache(self) -> _placement.CacheState:
+        """A `HostCached` table's caches holding no row (global arrays, row-sharded)."""
+        cache = self.cache
+        assert cache is not None
+        table_shape, slot_shapes = self.shapes()
+
+        def lines(shape, dtype, packing):
+            sets = cache.sets(packing.per_row)
+            return _placement.empty_lines(shape, dtype, sets, cache.ways, self.layout.num_shards)
+
+        return _placement.CacheState(
+            lines(table_shape, self.dtype, self.packing),
+            {
+                s.name: lines(slot_shapes[s.name], jnp.float32, self.slot_packing(s))
+                for s in self.stored
+            },
+        )
 
     @property
     def packings(self) -> list[_layout.Packing]:

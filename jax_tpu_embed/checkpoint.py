@@ -355,6 +355,8 @@ def restore(
             s.name: _to_physical(emb, storage, s, own.pop(s.name)) for s in storage.stored
         }
     step_array = jax.device_put(jnp.asarray(meta["step"], jnp.int32), NamedSharding(emb.mesh, P()))
+    # A HostCached table's host arrays hold all of it: its caches start empty.
+    index = {**index, **emb.empty_caches()}
     state = _embedding.EmbeddingState(*emb.state_arrays(tables, slots), step_array, index)
     return state, dense
 

@@ -186,11 +186,18 @@ def _result(
             "dim": table.dim,
             "optimizer": type(plan_.optimizer).__name__,
             "rows_per_shard": plan_.layout.rows_per_shard,
-            "placement": table.placement,
+            "placement": "host_cached" if table.cache else table.placement,
             "table_bytes_per_chip": r.table_bytes[name] * per_chip,
             "slot_bytes_per_chip": r.slot_bytes[name] * per_chip,
             "index_bytes_per_chip": 0,
+            "cache_bytes_per_chip": 0,
         }
+        if table.cache:  # Its rows in host memory; a cache of them in HBM.
+            entry["cache_rows"] = table.cache.cache_rows
+            entry["cache_bytes_per_chip"] = per_chip * sum(
+                math.prod(x.shape) * x.dtype.itemsize // emb.num_shards
+                for x in jax.tree.leaves(index_shapes[name])
+            )
         if name in emb.dynamic:  # Rows of its capacity, and its index (ids, scores, filter).
             entry["capacity"] = emb.dynamic[name].rows
             entry["index_bytes_per_chip"] = per_chip * sum(
@@ -199,12 +206,13 @@ def _result(
                 if len(x.shape) and x.shape[0] % emb.num_shards == 0
             )
         tables.append(entry)
-    # Tables with placement="host" hold their rows and slots in the hosts' memory.
-    in_hbm = [t for t in tables if t["placement"] != "host"]
+    # Tables with placement "host" or HostCached hold their rows and slots in the hosts'
+    # memory.
+    in_hbm = [t for t in tables if t["placement"] == "device"]
     host = sum(
         t["table_bytes_per_chip"] + t["slot_bytes_per_chip"]
         for t in tables
-        if t["placement"] == "host"
+        if t["placement"] != "device"
     )
     table_bytes = sum(t["table_bytes_per_chip"] for t in in_hbm)
     slot_bytes = sum(t["slot_bytes_per_chip"] for t in in_hbm)
@@ -230,6 +238,7 @@ def _result(
             "table_bytes": table_bytes,
             "slot_bytes": slot_bytes,
             "index_bytes": sum(t["index_bytes_per_chip"] for t in tables),
+            "cache_bytes": sum(t["cache_bytes_per_chip"] for t in tables),
             "other_argument_bytes": r.argument_bytes * per_chip - state,
             # And the bytes the step moves between host and device (rows and their
             # indices, each host call counted once, as bytes accessed counts one pass).
@@ -378,7 +387,7 @@ def format_table(res: dict[str, Any]) -> str:
             f"{t['name'][:24]:24s} {rows} {t['dim']:>5} "
             f"{t['optimizer'][:15]:>15s} {t['rows_per_shard']:>11,} "
             f"{fb(t['table_bytes_per_chip']):>13s} {fb(t['slot_bytes_per_chip']):>13s}"
-            + ("  (host)" if t["placement"] == "host" else "")
+            + {"device": "", "host": "  (host)", "host_cached": "  (host, cached)"}[t["placement"]]
         )
     pct = 100.0 * c["total_bytes"] / c["hbm_bytes"]
     verdict = (
@@ -402,12 +411,21 @@ def format_table(res: dict[str, Any]) -> str:
             if c["index_bytes"]
             else []
         ),
-        f"  other inputs          {fb(c['other_argument_bytes'] - c['index_bytes']):>13s}   "
+        *(
+            [
+                f"  host tables' caches   {fb(c['cache_bytes']):>13s}   (HostCached: rows, "
+                f"tags, ages)"
+            ]
+            if c["cache_bytes"]
+            else []
+        ),
+        f"  other inputs          "
+        f"{fb(c['other_argument_bytes'] - c['index_bytes'] - c['cache_bytes']):>13s}   "
         f"(ids, dense layer)",
         *(
             [
-                f"  in host memory        {fb(c['host_bytes']):>13s}   (placement='host': "
-                f"tables and slots; {c['host_calls']} host calls moving "
+                f"  in host memory        {fb(c['host_bytes']):>13s}   (host tables "
+                f"and slots; {c['host_calls']} host calls moving "
                 f"{fb(c['host_device_bytes_per_step'])} per step)"
             ]
             if c["host_bytes"]

@@ -217,13 +217,18 @@ def test_placement(tmp_path):
           big: {vocabulary_size: 1000, dim: 8, placement: host}
           small: {vocabulary_size: 10, dim: 8, placement: device}
           other: {vocabulary_size: 10, dim: 8}
-        features: {a: big, b: small, c: other}
+          cached:
+            vocabulary_size: 1000
+            dim: 8
+            placement: {host_cached: {cache_rows: 100, ways: 4}}
+        features: {a: big, b: small, c: other, d: cached}
     """
     tables = jte.load_spec(_write(tmp_path, text)).tables()
     assert {n: t.placement for n, t in tables.items()} == {
         "big": "host",
         "small": "device",
         "other": "device",
+        "cached": jte.HostCached(cache_rows=100, ways=4),
     }
 
 
@@ -314,6 +319,21 @@ _DELETE = object()
         (_mutate(["optimizer"], _DELETE), "optimizer", "None"),
         (_mutate(["tables"], 8), "tables", "8"),
         (_mutate(["tables", "users", "placement"], "hbm"), "tables.users.placement", "'hbm'"),
+        (
+            _mutate(["tables", "users", "placement"], {"host_cached": {"rows": 5}}),
+            "tables.users.placement.host_cached",
+            "{'rows': 5}",
+        ),
+        (
+            _mutate(["tables", "users", "placement"], {"host_cached": {"cache_rows": 0}}),
+            "tables.users.placement.host_cached",
+            "cache_rows must be an int > 0, got 0",
+        ),
+        (
+            _mutate(["tables", "users", "placement"], {"host_cached": {"cache_rows": 10**9}}),
+            "tables.users",
+            "is not smaller than the table's",
+        ),
     ],
 )
 def test_errors_name_file_key_and_value(tmp_path, change, key, value):

@@ -34,20 +34,21 @@ _HOST = "pinned_host"
 QUICK = ("sgd+extras", "adagrad", "adam+extras", "ftrl", "rowwise_adagrad", "optax_adam", "custom")
 
 
-def _spec(placement: str, strategy: str, optimizers):
+def _spec(placement, strategy: str, optimizers, shards: int = 1):
     """One table per optimizer, shared by a weighted pooled feature and a sequence
     feature, with widths that pack (4, 12) and one that does not (16); every fourth one
-    bfloat16 (stochastic rounding)."""
+    bfloat16 (stochastic rounding). `placement`: a str, or fn(vocab, shards) -> HostCached."""
     features = {}
     for i, name in enumerate(optimizers):
         optimizer = OPTIMIZERS[name][0]
+        vocab = 40 + 7 * i
         table = jte.TableConfig(
-            vocabulary_size=40 + 7 * i,
+            vocabulary_size=vocab,
             dim=(4, 12, 16)[i % 3],
             combiner=("sum", "mean", "sqrtn")[i % 3],
             name=name.replace("+", "_"),
             optimizer=optimizer,
-            placement=placement,
+            placement=placement if isinstance(placement, str) else placement(vocab, shards),
             dtype=jnp.bfloat16 if i % 4 == 1 else jnp.float32,
         )
         features[name.replace("+", "_")] = {
@@ -77,6 +78,68 @@ def _memory_kinds(state) -> set:
 _SLOW = pytest.mark.slow
 
 
+def _small_cache(vocab: int, shards: int):
+    """A cache smaller than one batch's distinct rows (rows stay uncached, misses take
+    several host calls)."""
+    return jte.HostCached(cache_rows=max(2 * shards, vocab // 5), ways=2, max_misses=2)
+
+
+def _large_cache(vocab: int, shards: int):
+    """A cache as large as a cache can be: one row fewer than the table."""
+    return jte.HostCached(cache_rows=vocab - 1, ways=4)
+
+
+def _equal_device_tables(placement, shards, strategy, routing, tpu_layout, optimizers, steps=3):
+    """Lookups, exports and slots of tables placed `placement` (a fn(vocab, shards) for
+    HostCached) equal those of device tables bit for bit over `steps` steps."""
+    mesh = make_mesh(shards)
+    spec_of = lambda p: _spec(p, strategy, optimizers, shards)
+    embs = {
+        p: jte.Embedding(
+            spec_of(p),
+            mesh,
+            backend="xla",
+            routing=routing,
+            tpu_layout=tpu_layout,
+            lane_width=128 if tpu_layout else 0,  # Packed rows, as on TPU.
+        )
+        for p in ("device", placement)
+    }
+    host = embs[placement]
+    # XLA:CPU contracts multiply-adds (a * b + c, one rounding) where its fusions allow, and
+    # fuses the row functions differently beside the cache's ops: HostCached tables equal
+    # device tables to float32 rounding (the last bit of a few values; most are exact).
+    loose = set() if isinstance(placement, str) else set(host.table_plans)
+
+    def equal(a: dict, b: dict):
+        chex.assert_trees_all_equal(
+            {k: v for k, v in a.items() if k not in loose},
+            {k: v for k, v in b.items() if k not in loose},
+        )
+        chex.assert_trees_all_close(
+            {k: a[k] for k in loose}, {k: b[k] for k in loose}, rtol=1e-6, atol=1e-7
+        )
+
+    states = {p: e.init(jax.random.key(3)) for p, e in embs.items()}
+    assert _memory_kinds(states[placement]) == {_HOST}
+    assert _memory_kinds(states["device"]) == {"device"}
+    rng = np.random.default_rng(shards)
+    for _ in range(steps):
+        batch = _batch(rng, host.spec)
+        acts = {p: e.lookup(states[p], batch) for p, e in embs.items()}
+        equal(acts[placement], acts["device"])
+        grads = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(np.float32), acts["device"])
+        states = {p: e.apply_gradients(states[p], batch, grads) for p, e in embs.items()}
+    assert _memory_kinds(states[placement]) == {_HOST}
+    equal(host.export(states[placement]), embs["device"].export(states["device"]))
+    equal(host.export_slots(states[placement]), embs["device"].export_slots(states["device"]))
+    # The updates really happened: the tables moved away from their initial values.
+    first = host.export(host.init(jax.random.key(3)))
+    moved = host.export(states[placement])
+    assert all(not np.array_equal(first[t], moved[t]) for t in first)
+    return host, states[placement]
+
+
 @pytest.mark.parametrize(
     "shards, strategy, routing, tpu_layout, optimizers",
     [
@@ -92,39 +155,38 @@ def test_host_tables_equal_device_tables_bit_for_bit(
 ):
     """Every optimizer in the slow tier, on 1 to 8 devices, both strategies and exchanges,
     with TPU layout (passes, lane-packed rows) and without; the fast tier takes `QUICK`."""
-    mesh = make_mesh(shards)
-    embs = {
-        p: jte.Embedding(
-            _spec(p, strategy, optimizers),
-            mesh,
-            backend="xla",
-            routing=routing,
-            tpu_layout=tpu_layout,
-            lane_width=128 if tpu_layout else 0,  # Packed rows, as on TPU.
-        )
-        for p in ("device", "host")
-    }
-    states = {p: e.init(jax.random.key(3)) for p, e in embs.items()}
-    assert _memory_kinds(states["host"]) == {_HOST}
-    assert _memory_kinds(states["device"]) == {"device"}
-    rng = np.random.default_rng(shards)
-    for _ in range(3):
-        batch = _batch(rng, embs["host"].spec)
-        acts = {p: e.lookup(states[p], batch) for p, e in embs.items()}
-        chex.assert_trees_all_equal(acts["host"], acts["device"])
-        grads = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(np.float32), acts["host"])
-        states = {p: e.apply_gradients(states[p], batch, grads) for p, e in embs.items()}
-    assert _memory_kinds(states["host"]) == {_HOST}
-    chex.assert_trees_all_equal(
-        embs["host"].export(states["host"]), embs["device"].export(states["device"])
+    _equal_device_tables("host", shards, strategy, routing, tpu_layout, optimizers)
+
+
+@pytest.mark.parametrize(
+    "cache, shards, strategy, routing, tpu_layout, optimizers",
+    [
+        (_small_cache, 2, "mod", "owner", False, QUICK),
+        (_large_cache, 1, "div", "gather", True, QUICK),
+        pytest.param(_small_cache, 1, "div", "gather", False, tuple(OPTIMIZERS), marks=_SLOW),
+        pytest.param(_large_cache, 2, "mod", "owner", True, tuple(OPTIMIZERS), marks=_SLOW),
+        pytest.param(_small_cache, 4, "div", "owner", False, tuple(OPTIMIZERS), marks=_SLOW),
+        pytest.param(_small_cache, 8, "mod", "gather", True, tuple(OPTIMIZERS), marks=_SLOW),
+        pytest.param(_large_cache, 8, "div", "owner", True, tuple(OPTIMIZERS), marks=_SLOW),
+    ],
+)
+def test_cached_tables_equal_device_tables_bit_for_bit(
+    cache, shards, strategy, routing, tpu_layout, optimizers
+):
+    """HostCached tables over six steps, with caches from one row short of the table down
+    to smaller than one batch's distinct rows (rows left uncached, several host calls per
+    pass): the bits of device tables, and the caches were used."""
+    emb, state = _equal_device_tables(
+        cache, shards, strategy, routing, tpu_layout, optimizers, steps=6
     )
-    chex.assert_trees_all_equal(
-        embs["host"].export_slots(states["host"]), embs["device"].export_slots(states["device"])
-    )
-    # The updates really happened: the tables moved away from their initial values.
-    first = embs["host"].export(embs["host"].init(jax.random.key(3)))
-    moved = embs["host"].export(states["host"])
-    assert all(not np.array_equal(first[t], moved[t]) for t in first)
+    stats = {t: {k: int(v) for k, v in c.items()} for t, c in emb.cache_stats(state).items()}
+    assert set(stats) == set(emb.table_plans)
+    for name, c in stats.items():
+        assert c["hits"] > 0 and c["misses"] > 0 and c["inserted"] > 0, (name, c)
+        assert c["inserted"] <= c["misses"] and c["evicted"] <= c["inserted"], (name, c)
+    if cache is _small_cache and not tpu_layout:  # Full caches replaced rows (packed, a
+        # physical row holds up to 128 logical rows: these tiny tables have few to evict).
+        assert sum(c["evicted"] for c in stats.values()) > 0, stats
 
 
 def test_init_eager_or_traced_lands_on_the_host():
@@ -166,16 +228,22 @@ def _loss(params, acts, batch):
     return jnp.mean((x @ params["w"] - batch["label"]) ** 2)
 
 
-@pytest.mark.parametrize("kind", ["explicit", "auto"])
-def test_jitted_train_step_with_global_array_inputs(kind):
-    """The train step of a host table fed global jax.Arrays sharded over the batch, against
-    the same step of a device table fed NumPy: the same losses and tables."""
+_CACHED = jte.HostCached(cache_rows=64, ways=4)
+
+
+@pytest.mark.parametrize(
+    "kind, placement", [("explicit", "host"), ("auto", "host"), ("explicit", _CACHED)]
+)
+def test_jitted_train_step_with_global_array_inputs(kind, placement):
+    """The train step of a host (or host-cached) table fed global jax.Arrays sharded over
+    the batch, against the same step of a device table fed NumPy: the same losses and
+    tables."""
     mesh = make_mesh(4, kind)
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.normal(size=(16, 1)), jnp.float32)}
     steps, states = {}, {}
     for p in ("device", "host"):
-        emb = jte.Embedding(_train_spec(p), mesh, backend="xla")
+        emb = jte.Embedding(_train_spec(placement if p == "host" else p), mesh, backend="xla")
         steps[p] = jte.make_train_step(emb, _loss, optax.sgd(0.05))
         states[p] = steps[p].init(jax.random.key(0), params)
     batch_sharding = NamedSharding(mesh, P("shard"))
@@ -198,14 +266,19 @@ def test_jitted_train_step_with_global_array_inputs(kind):
     assert host_state.tables["big"].sharding.memory_kind == _HOST
     assert host_state.tables["small"].sharding.memory_kind == "device"
     chex.assert_trees_all_equal(emb_host.export(host_state), emb_dev.export(dev_state))
+    if placement is _CACHED:
+        stats = {k: int(v) for k, v in emb_host.cache_stats(host_state)["big"].items()}
+        assert stats["hits"] > 0 and stats["inserted"] > 0, stats
 
 
-def test_checkpoint_and_restore_tables_keep_host_tables_on_host(tmp_path):
+@pytest.mark.parametrize("placement", ["host", pytest.param(_CACHED, marks=_SLOW)])
+def test_checkpoint_and_restore_tables_keep_host_tables_on_host(tmp_path, placement):
     """Save on 4 devices, restore on 2 and continue = continue on 4 (to float32 rounding:
     the mesh changes the order of sums); `restore_tables` of the
-    exported tables lands in host memory with the same values."""
+    exported tables lands in host memory with the same values. A HostCached table is
+    saved from its host arrays and restored with empty caches."""
     rng = np.random.default_rng(1)
-    spec = _train_spec("host")
+    spec = _train_spec(placement)
     emb4 = jte.Embedding(spec, make_mesh(4), backend="xla")
     state = emb4.init(jax.random.key(1))
     batches = [
@@ -226,6 +299,8 @@ def test_checkpoint_and_restore_tables_keep_host_tables_on_host(tmp_path):
     assert {x.sharding.memory_kind for x in big} == {_HOST}
     assert restored.tables["small"].sharding.memory_kind == "device"
     chex.assert_trees_all_equal(emb2.export(restored), emb4.export(state))
+    if placement is _CACHED:  # Saved from the host arrays; restored with empty caches.
+        assert np.all(np.asarray(restored.index["big"].table.tags) == -1)
     for batch in batches[1:]:
         state, restored = step(emb4, state, batch), step(emb2, restored, batch)
     # Another mesh sums an example's ids in another order: equal to float32 rounding.
@@ -235,6 +310,15 @@ def test_checkpoint_and_restore_tables_keep_host_tables_on_host(tmp_path):
     assert _memory_kinds(again) == {_HOST, "device"}
     assert again.tables["big"].sharding.memory_kind == _HOST
     chex.assert_trees_all_equal(emb2.export(again), emb4.export(state))
+    if placement is _CACHED:
+        assert np.all(np.asarray(again.index["big"].table.tags) == -1)  # Empty caches.
+        assert int(emb4.cache_stats(state)["big"]["hits"]) > 0
+        # Continuing from the empty caches gives the same tables as the device path would.
+        device = jte.Embedding(_train_spec("device"), make_mesh(2), backend="xla")
+        dev = device.restore_tables(emb4.export(state), slots=emb4.export_slots(state))
+        for batch in batches:
+            again, dev = step(emb2, again, batch), step(device, dev, batch)
+        chex.assert_trees_all_close(emb2.export(again), device.export(dev), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize(
@@ -248,6 +332,20 @@ def test_checkpoint_and_restore_tables_keep_host_tables_on_host(tmp_path):
             ),
             r"TableConfig\(name='d'\): a dynamic table cannot have placement='host' yet",
         ),
+        (
+            lambda: jte.TableConfig(
+                dim=4, name="d", dynamic=jte.DynamicTable(100), placement=jte.HostCached(10)
+            ),
+            r"a dynamic table cannot have placement=HostCached\(cache_rows=10",
+        ),
+        (
+            lambda: jte.TableConfig(50, 4, name="c", placement=jte.HostCached(50)),
+            r"TableConfig\(name='c'\): HostCached\(cache_rows=50\) is not smaller than the "
+            r"table's 50 rows",
+        ),
+        (lambda: jte.HostCached(0), r"cache_rows must be an int > 0, got 0"),
+        (lambda: jte.HostCached(10, ways=0), r"ways must be an int in \[1, 256\], got 0"),
+        (lambda: jte.HostCached(10, max_misses=-1), r"max_misses must be an int > 0 or None"),
     ],
 )
 def test_bad_placements(build, match):
@@ -269,6 +367,27 @@ def test_host_tables_refuse_what_cannot_serve_them():
         {"f": jte.FeatureConfig(table), "g": jte.FeatureConfig(device)}, jte.Adagrad(0.1)
     )
     assert jte.Embedding(both, make_mesh(2)).backends["h"] == "xla"
+
+
+def test_cached_tables_refuse_caches_that_cannot_serve_them():
+    """A cache that cannot hold one set, or one round of misses, per device; a backend
+    that cannot address host memory: errors naming the table and the limit."""
+
+    def build(placement, backend="auto", shards=4):
+        table = jte.TableConfig(1000, 4, name="c", placement=placement)
+        spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(0.1))
+        return jte.Embedding(spec, make_mesh(shards), backend=backend)
+
+    with pytest.raises(ValueError, match=r"table 'c': HostCached gives each of the 4 devices 8 "):
+        build(jte.HostCached(32, ways=16))
+    with pytest.raises(ValueError, match=r"raise cache_rows to at least 64 or lower ways"):
+        build(jte.HostCached(32, ways=16))
+    with pytest.raises(ValueError, match=r"HostCached\(max_misses=64\) fetches more rows per"):
+        build(jte.HostCached(128, ways=4, max_misses=64))
+    with pytest.raises(ValueError, match=r"table 'c' cannot use backend 'pallas_interpret'"):
+        build(jte.HostCached(128, ways=4), backend="pallas_interpret")
+    emb = build(jte.HostCached(128, ways=4))
+    assert emb.backends["c"] == "xla" and set(emb.cache_stats(emb.init(jax.random.key(0)))) == {"c"}
 
 
 def _benchmark(name: str, tmp_path) -> tuple:

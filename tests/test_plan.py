@@ -291,18 +291,27 @@ def test_a_capacity_that_cannot_work_is_an_error(config, capsys):
 
 
 @pytest.mark.slow  # libtpu compiles: the fast tier keeps test_small_config_fits_*.
-def test_a_table_in_host_memory_fits_where_it_did_not(config, capsys):
-    """HUGE (23.8 GiB a v5e chip: DOES NOT FIT) with `placement: host`: it fits, its bytes are
-    counted in host memory, not HBM, and the host calls and their traffic are reported."""
-    text = HUGE.replace("combiner: sum}", "combiner: sum, placement: host}")
+@pytest.mark.parametrize("placement", ["host", "{host_cached: {cache_rows: 4000000}}"])
+def test_a_table_in_host_memory_fits_where_it_did_not(config, capsys, placement):
+    """HUGE (23.8 GiB a v5e chip: DOES NOT FIT) with `placement: host` or a HostCached
+    placement: it fits, its bytes are counted in host memory, not HBM (but its cache), and
+    the host calls and their traffic are reported."""
+    text = HUGE.replace("combiner: sum}", f"combiner: sum, placement: {placement}}}")
     code, out, err = _run(capsys, "--config", config(text), "--topology", "v5e:2x2", "--json")
     assert code == 0, err
     res = json.loads(out)
     c = res["per_chip"]
-    assert res["fits"] and res["tables"][0]["placement"] == "host"
+    cached = placement != "host"
+    assert res["fits"] and res["tables"][0]["placement"] == ("host_cached" if cached else "host")
     assert c["host_bytes"] == 2 * 25_000_000 * 128 * 4  # The table and its accumulator.
     assert c["table_bytes"] == c["slot_bytes"] == 0
-    assert max(c["total_bytes"], c["init_peak_bytes"]) < 0.05 * c["hbm_bytes"]
+    # A million cached rows a chip: the table's and the accumulator's, 2 * 512 B each.
+    assert c["cache_bytes"] == (1_000_000 * 2 * 512 * 1.01 if cached else 0) or (
+        cached and 1_000_000 * 2 * 512 < c["cache_bytes"] < 1_000_000 * 2 * 512 * 1.02
+    )
+    assert max(c["total_bytes"], c["init_peak_bytes"]) < c["cache_bytes"] + 0.05 * c["hbm_bytes"]
     assert c["host_calls"] == 3 and c["host_device_bytes_per_step"] > 0
     text_report = plan.format_table(res)
-    assert "(host)" in text_report and "in host memory" in text_report
+    assert ("(host, cached)" if cached else "(host)") in text_report
+    assert "in host memory" in text_report
+    assert ("host tables' caches" in text_report) == cached
