@@ -14,6 +14,10 @@ Policies, each simulated over the same stream:
 - `W-way LRU`: set-associative, the set a hash of the row, LRU within the set; FBGEMM's UVM
   cache is 32-way (64 on ROCm); the dynamic tables' buckets hold 64.
 
+With `--engine`, the same stream also runs through jte's own cache (`HostCached`, one
+device, the XLA backend on the CPU), whose update counts its misses (`cache_stats`): the
+model's W-way policy is the policy jte implements, so the two columns agree row for row.
+
 The issue's target for the cache: within 1 point of exact LRU of the same size. Prints a
 table of miss rates (after a warm-up of a quarter of the steps) and writes JSON.
 """
@@ -78,7 +82,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 def set_associative(steps: list[np.ndarray], capacity: int, ways: int) -> list[int]:
     """Misses per step of a `ways`-way set-associative LRU cache of `capacity` rows."""
-    sets = max(1, capacity // ways)
+    sets = max(1, -(-capacity // ways))  # Rounded up to whole sets, as HostCached does.
     tags = np.full((sets, ways), -1, np.int64)
     last = np.full((sets, ways), -1, np.int64)
     misses = []
@@ -107,6 +111,33 @@ def set_associative(steps: list[np.ndarray], capacity: int, ways: int) -> list[i
     return misses
 
 
+def engine(steps: list[np.ndarray], vocab: int, capacity: int, ways: int) -> list[int]:
+    """Misses per step of jte's HostCached cache of `capacity` rows and `ways` ways, one
+    device, each step an update of its distinct rows (no prefetch)."""
+    import jax
+
+    import jax_tpu_embed as jte
+
+    table = jte.TableConfig(
+        vocab, 8, name="t", combiner="sum", placement=jte.HostCached(capacity, ways=ways)
+    )
+    spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.SGD(0.1))
+    mesh = jax.make_mesh((1,), ("shard",), devices=jax.devices()[:1])
+    emb = jte.Embedding(spec, mesh, backend="xla", lane_width=0)
+    state = emb.init(jax.random.key(0))
+    width = max(int(r.size) for r in steps)
+    grads = {"f": np.ones((width, 8), np.float32)}
+    misses, before = [], 0
+    for rows in steps:
+        ids = np.full((width,), -1, np.int64)
+        ids[: rows.size] = rows
+        state = emb.apply_gradients(state, {"f": ids}, grads)
+        total = int(emb.cache_stats(state)["t"]["misses"])
+        misses.append(total - before)
+        before = total
+    return misses
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--vocab", type=int, default=1_000_000)
@@ -120,6 +151,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--ways", default="16,32,64")
     p.add_argument("--quick", action="store_true", help="a small stream: a smoke run")
+    p.add_argument(
+        "--engine", action="store_true", help="also run jte's HostCached cache on the stream"
+    )
     p.add_argument("--out", default="bench_results/cache_model.json")
     args = p.parse_args(argv)
     if args.quick:
@@ -137,6 +171,8 @@ def main(argv=None) -> int:
         entry["exact LRU"] = sum(exact_lru(steps, capacity)[warm:]) / touched
         for w in ways:
             entry[f"{w}-way LRU"] = sum(set_associative(steps, capacity, w)[warm:]) / touched
+            if args.engine:
+                entry[f"jte {w}-way"] = sum(engine(steps, args.vocab, capacity, w)[warm:]) / touched
         rows.append(entry)
     distinct = np.mean([r.size for r in steps])
     print(
@@ -144,6 +180,7 @@ def main(argv=None) -> int:
         f"{distinct:,.0f} distinct rows per step; miss rates after {warm} warm-up steps"
     )
     names = ["exact LRU"] + [f"{w}-way LRU" for w in ways]
+    names += [f"jte {w}-way" for w in ways] if args.engine else []
     print(f"{'cache':>16s} " + " ".join(f"{n:>12s}" for n in names) + "   worst gap")
     for e in rows:
         gap = max(e[n] - e["exact LRU"] for n in names[1:])

@@ -51,11 +51,14 @@ class HostCached:
         max_misses: Rows one device fetches from host memory per host call (more calls run
             when a pass misses more). Default: an eighth of the rows a pass touches (at
             least 8).
+        prefetch: Whether `Embedding.prefetch` (and a train step given `next_batch`)
+            brings the next batch's rows of this table into the cache ahead of its step.
     """
 
     cache_rows: int
     ways: int = 16
     max_misses: int | None = None
+    prefetch: bool = True
 
     def __post_init__(self):
         if not _is_int(self.cache_rows) or self.cache_rows <= 0:
@@ -65,6 +68,8 @@ class HostCached:
         m = self.max_misses
         if m is not None and (not _is_int(m) or m <= 0):
             raise ValueError(f"HostCached: max_misses must be an int > 0 or None, got {m!r}.")
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(f"HostCached: prefetch must be True or False, got {self.prefetch!r}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -32,6 +33,7 @@ from . import (
     _sharding,
     _storage,
 )
+from ._rowindex import NOT_MINE
 
 Nested = Any
 
@@ -211,6 +213,7 @@ class Embedding:
         # The state is donated: the update writes the touched rows in place instead of
         # copying every table and slot on each call (which made an eager call O(V)).
         self._apply_jit = jax.jit(self._apply, donate_argnums=0)
+        self._prefetch_jit = jax.jit(self._prefetch, donate_argnums=0)
         self._skipped: dict[str, jax.Array] | None = None
         self._add_counts = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
         # Waits for call i - k on multi-device CPU meshes (XLA:CPU deadlock, _inflight.py).
@@ -1102,12 +1105,75 @@ class Embedding:
             index[name] = jax.tree.map(_sharding.constrain, cache, self._cache_shardings(name))
         return tables, slots, index
 
+    def prefetch(self, state: EmbeddingState, features: Nested) -> EmbeddingState:
+        """Brings the rows `features` will touch into the caches of the HostCached tables
+        (those with `prefetch=True`), ahead of the step that uses them.
+
+        Call it with the next batch before the current batch's `apply_gradients` (a train
+        step given `next_batch` does): its host reads then overlap the current step's
+        work, and the rows it brings are kept until `state.step + 1`: the current
+        update does not evict them, and they are not evicted for later prefetches before
+        that step's update has used them. Values never depend on it (host memory always
+        holds every row); only how many rows the next step finds in HBM does. A state
+        without HostCached tables is returned as it is.
+
+        Args:
+            state: From `init` or `apply_gradients`; consumed as by `apply_gradients`.
+            features: As for `lookup`: the batch of the next step.
+
+        Returns:
+            The new state (only the caches changed).
+        """
+        _guards.check_not_consumed(state, "Embedding.prefetch")
+        if not any(s.cache and s.cache.prefetch for s in self.cached.values()):
+            return state
+        return self._prefetch_jit(state, self._prepare(features))
+
+    def _prefetch(self, state: EmbeddingState, flat) -> EmbeddingState:
+        feats = self._normalized(flat)
+        names = [n for n, s in self.cached.items() if s.cache and s.cache.prefetch]
+        paths = {n: [f.path for f in self.feature_plans if f.table == n] for n in names}
+        tables, slots = self._with_caches(state.tables, state.slots, state.index, state.step + 1)
+
+        def local(tables, slots, feats):
+            me = lax.axis_index(self.axis)
+            for name in names:
+                plan = self.table_plans[name]
+                ids = jnp.concatenate(
+                    [
+                        lax.all_gather(feats[p][0], self.axis, tiled=True).reshape(-1)
+                        for p in paths[name]
+                    ]
+                )
+                owner, rows, found = plan.index.locate(name, ids)
+                mine = found & (owner == me)
+                stored = [s.name for s in plan.storage.stored]
+                buffers = [tables[name]] + [slots[name][n] for n in stored]
+                at = [
+                    _distinct(jnp.where(mine, rows // p.per_row, NOT_MINE))
+                    for p in plan.storage.packings
+                ]
+                tables[name], *new = _placement.prefetch(buffers, at)
+                slots[name] = dict(zip(stored, new))
+            return tables, slots
+
+        row = P(self.axis)
+        mine = lambda d: {n: d[n] for n in names}
+        new_tables, new_slots = self._shard_map(local, (row, row, row), (row, row))(
+            mine(tables), mine(slots), {p: feats[p] for n in names for p in paths[n]}
+        )
+        tables, slots = {**tables, **new_tables}, {**slots, **new_slots}
+        _, _, index = self._without_caches(tables, slots, state.index)
+        return EmbeddingState(state.tables, state.slots, state.step, index)
+
     def cache_stats(self, state: EmbeddingState) -> dict[str, dict[str, jax.Array]]:
         """{HostCached table name: {counter: int32 scalar}}, summed over the devices since
         `init` or a restore: "hits" and "misses" (distinct rows the updates found in the
-        cache, and not), "inserted" (rows the updates cached) and "evicted" (cached rows
-        they replaced); "rows" (rows the cache can hold). Lookups are not counted: they read
-        the cache without changing it. Jittable."""
+        cache, and not), "inserted" (rows updates and prefetches cached), "evicted" (cached
+        rows they replaced), "prefetched" (rows prefetches fetched from host memory);
+        "rows" (rows the cache can hold). Rows are counted as stored: a lane-packed
+        physical row holds several. Lookups read the cache without changing it and are not
+        counted. Jittable."""
         out = {}
         for name, storage in self.cached.items():
             lines = state.index[name].table
@@ -1149,3 +1215,11 @@ class Embedding:
                     self.axis,
                 )
         return tables, slots
+
+
+def _distinct(rows):
+    """The distinct values of `rows` (int32, (n,)), ascending, then NOT_MINE for the
+    repeats and the rest: `_placement.prefetch`'s distinct rows."""
+    rows = lax.sort(rows)
+    repeat = jnp.concatenate([jnp.zeros((1,), bool), rows[1:] == rows[:-1]])
+    return jnp.where(repeat, NOT_MINE, rows)

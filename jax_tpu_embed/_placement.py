@@ -111,11 +111,12 @@ def update_slice(on_host: bool, buffer, block, at) -> jax.Array:
 class CacheShape:
     """A `HostCached` table's cache on each device: `rows` logical rows of its shard, in sets
     of `ways` (LRU within a set), and `max_misses` (None: an eighth of a pass's rows, at
-    least 8) host rows fetched per host call."""
+    least 8) host rows fetched per host call; `prefetch`: whether prefetches fill it."""
 
     rows: int
     ways: int
     max_misses: int | None = None
+    prefetch: bool = True
 
     def sets(self, per_row: int) -> int:
         """Sets of an array that packs `per_row` logical rows into one physical row."""
@@ -126,7 +127,7 @@ class CacheShape:
         return min(n, self.max_misses or max(8, n // 8))
 
 
-COUNTERS = ("hits", "misses", "inserted", "evicted")
+COUNTERS = ("hits", "misses", "inserted", "evicted", "prefetched")
 EMPTY = -1  # The tag of a line holding no row.
 
 
@@ -142,8 +143,9 @@ class Lines:
             a row gather of a narrow 2-D array a whole (8, 128) tile per row, and a window
             of a 1-D array about its own bytes (as the dynamic tables' index, `_hashindex`).
         last: (N * sets * ways,) int32, the step each line was last written (LRU).
-        counts: (N, len(COUNTERS)) int32, summed over the updates: distinct rows found
-            (hits) and not found (misses), rows inserted and rows they evicted.
+        counts: (N, len(COUNTERS)) int32: distinct rows the updates found (hits) and did
+            not find (misses), rows inserted and rows they evicted (by updates and
+            prefetches), and rows prefetches fetched from the host.
     """
 
     rows: Any
@@ -167,7 +169,8 @@ def empty_lines(shape, dtype, sets: int, ways: int, num_shards: int) -> Lines:
 @dataclasses.dataclass
 class Cached:
     """Inside `shard_map`: one array of a `HostCached` table as the row work sees it, its
-    shard in host memory with its device cache; `now` (1,) int32 is the step."""
+    shard in host memory with its device cache; `now` (1,) int32 is the step (the update's
+    step, or the next one for a prefetch)."""
 
     host: Any
     lines: Lines
@@ -206,10 +209,13 @@ def without_cache(table: Cached, slots: dict) -> tuple:
 
 
 def _set_of(idx, sets: int):
-    """The set of local physical row `idx`: a multiplicative hash, so that runs of rows and
-    strided rows spread over the sets."""
-    x = idx.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)
-    return ((x ^ (x >> 15)) % jnp.uint32(sets)).astype(jnp.int32)
+    """The set of local physical row `idx`: murmur3's finalizer, every bit of the row
+    mixed into the low bits the modulo keeps, so that the small ids a power law favours,
+    runs of rows and strided rows spread over the sets."""
+    x = idx.astype(jnp.uint32)
+    x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)
+    x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
+    return ((x ^ (x >> 16)) % jnp.uint32(sets)).astype(jnp.int32)
 
 
 def _sets(flat, s, ways: int):
@@ -271,11 +277,26 @@ def _cached_gather(buffers, indices) -> list:
     return outs
 
 
-def _insert(c: Cached, idx, values) -> Lines:
-    """The cache after the distinct rows `idx` (out of range: none) were written `values`:
-    the lines holding them get the new values, and the rows it missed take, in each set,
-    the least recently written ways that this step has not written (the i-th missing row
-    of a set the i-th such way; a row finding none stays uncached)."""
+def prefetch(buffers, indices) -> list:
+    """The `Cached` arrays with the distinct rows `indices` (out of range: none) in their
+    caches, ready for step `now`: missing rows fetched from the host (`_cached_gather`),
+    inserted, and every one of them kept until step `now` has used it: the update of the
+    step before (`now - 1`) evicts no line marked `now`, and this insertion evicts only
+    lines older than it."""
+    rows = _cached_gather(buffers, indices)
+    return [
+        dataclasses.replace(c, lines=_insert(c, i, r, prefetching=True))
+        for c, i, r in zip(buffers, indices, rows)
+    ]
+
+
+def _insert(c: Cached, idx, values, prefetching: bool = False) -> Lines:
+    """The cache after the distinct rows `idx` (out of range: none) were written `values`
+    at step `now`: the lines holding them get the new values, and the rows it missed take,
+    in each set, the least recently written ways that neither this step nor a prefetch for
+    the next has marked (the i-th missing row of a set the i-th such way; a row finding
+    none stays uncached). A prefetch marks its rows `now` (the next step) and leaves the
+    current step's alone."""
     lines = c.lines
     ways = c.cache.ways
     off = lines.tags.shape[0]  # Past the last line: dropped.
@@ -284,7 +305,8 @@ def _insert(c: Cached, idx, values) -> Lines:
     now = c.now[0]
     valid, s, hit, way = _probe(c, idx)
     hit_line = jnp.where(hit, s * ways + way, off)
-    last = lines.last.at[hit_line].set(now, mode="drop")
+    last = lines.last.at[hit_line].max(now, mode="drop")  # A prefetched mark stays.
+    oldest = now - 1 if prefetching else now  # Lines marked this late are kept.
     miss = valid & ~hit
     # Each missing row's rank among the missing rows of its set, in index order.
     iota = lax.iota(jnp.int32, n)
@@ -296,14 +318,16 @@ def _insert(c: Cached, idx, values) -> Lines:
     by_age = jnp.argsort(ages, axis=1, stable=True).astype(jnp.int32)
     victim = jnp.take_along_axis(by_age, jnp.minimum(rank, ways - 1)[:, None], axis=1)[:, 0]
     victim_last = jnp.take_along_axis(ages, victim[:, None], axis=1)[:, 0]
-    insert = miss & (rank < ways) & (victim_last < now)
+    insert = miss & (rank < ways) & (victim_last < oldest)
     new_line = jnp.where(insert, s * ways + victim, off)
     evicted = insert & (lines.tags.at[new_line].get(mode="fill", fill_value=EMPTY) >= 0)
     count = lambda x: jnp.sum(x, dtype=jnp.int32)
+    found, missed = (jnp.int32(0), jnp.int32(0)) if prefetching else (count(hit), count(miss))
+    fetched = count(miss) if prefetching else jnp.int32(0)
     return Lines(
         rows=lines.rows.at[jnp.where(hit, hit_line, new_line)].set(values, mode="drop"),
         tags=lines.tags.at[new_line].set(idx, mode="drop"),
         last=last.at[new_line].set(now, mode="drop"),
         counts=lines.counts
-        + jnp.stack([count(hit), count(miss), count(insert), count(evicted)])[None, :],
+        + jnp.stack([found, missed, count(insert), count(evicted), fetched])[None, :],
     )

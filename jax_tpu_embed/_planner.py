@@ -202,7 +202,8 @@ def cache_shape(table: _config.TableConfig, num_shards: int) -> _placement.Cache
     cache = table.cache
     if cache is None:
         return None
-    return _placement.CacheShape(-(-cache.cache_rows // num_shards), cache.ways, cache.max_misses)
+    rows = -(-cache.cache_rows // num_shards)
+    return _placement.CacheShape(rows, cache.ways, cache.max_misses, cache.prefetch)
 
 
 def check_placements(tables: dict, storages: dict, device) -> None:

@@ -342,18 +342,24 @@ class TrainStep:
 
     # ------------------------------------------------------------------ public
 
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        """One step on `batch`; returns the new state and the metrics (device arrays)."""
+    def __call__(
+        self, state: TrainState, batch: Any, next_batch: Any = None
+    ) -> tuple[TrainState, dict]:
+        """One step on `batch`; returns the new state and the metrics (device arrays).
+
+        `next_batch` (optional, shaped as `batch`): the batch of the following step, whose
+        rows of HostCached tables are brought into their caches while this step runs
+        (`Embedding.prefetch`); it changes no value, only where the next step finds rows."""
         _guards.check_not_consumed(state, "TrainStep", "train state", "state")
         if any(e.dynamic for e in self.embeddings.values()):
             _guards.check_no_wide_ids(batch, "TrainStep")
-        state, metrics = self._jit(state, batch)
+        state, metrics = self._jit(state, batch, next_batch)
         self._in_flight.push(metrics["loss"])
         return state, metrics
 
-    def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
+    def lower(self, state: TrainState, batch: Any, next_batch: Any = None) -> jax.stages.Lowered:
         """AOT: lower for a state and batch given as arrays or jax.ShapeDtypeStruct."""
-        return self._jit.lower(state, batch)
+        return self._jit.lower(state, batch, next_batch)
 
     def flush(self, state: TrainState) -> TrainState:
         """Applies the update a pipelined step left pending; a no-op otherwise.
@@ -586,7 +592,7 @@ class TrainStep:
         dacts = {n: jax.tree.map(lambda g, e=embs[n]: _merge(g, e), dacts[n]) for n in dacts}
         return loss, dparams, dacts, aux, model_state
 
-    def _step(self, state: TrainState, batch):
+    def _step(self, state: TrainState, batch, next_batch=None):
         k = self.accumulate_steps
         if state.rng is None:
             step_key = next_rng = None
@@ -613,6 +619,13 @@ class TrainStep:
         # With micro-batches the merged features hold k·b examples; the batch is (k, b, ...).
         batch = self._shard_batch(batch, first, _batch_size(features) // k, lead=int(k > 1))
 
+        if next_batch is not None and any(e.cached for e in embs.values()):
+            # Issued before the lookups: the host reads overlap this step's work.
+            _, upcoming = self._features(state.params, next_batch, state.model_state, keys)
+            states = {
+                n: embs[n].prefetch(states[n], upcoming[n]) if embs[n].cached else states[n]
+                for n in embs
+            }
         acts = {n: embs[n].lookup(states[n], features[n]) for n in embs}
         if k == 1:
             loss, dparams, dacts, aux, model_state = self._grads(

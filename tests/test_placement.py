@@ -271,6 +271,83 @@ def test_jitted_train_step_with_global_array_inputs(kind, placement):
         assert stats["hits"] > 0 and stats["inserted"] > 0, stats
 
 
+@pytest.mark.parametrize("shards, tpu_layout", [(2, False), (4, True)])
+def test_prefetch_finds_every_row_and_changes_no_value(shards, tpu_layout):
+    """`prefetch` of the next batch before each update, with a cache whose sets hold two
+    batches' rows: every update finds all its rows in the cache, and values equal the
+    device table's; a cache too small for one batch still gives those values. Without
+    HostCached tables prefetch returns the state as it is."""
+    rng = np.random.default_rng(7)
+    batches = [rng.zipf(1.2, (_B, 6)) % 500 - 1 for _ in range(6)]  # -1: padding.
+    grads = [rng.normal(size=(_B, 8)).astype(np.float32) for _ in batches]
+    mesh = make_mesh(shards)
+
+    def train(placement):
+        table = jte.TableConfig(500, 8, combiner="sum", name="t", placement=placement)
+        spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(0.1))
+        emb = jte.Embedding(
+            spec, mesh, backend="xla", tpu_layout=tpu_layout, lane_width=128 * tpu_layout
+        )
+        state = emb.init(jax.random.key(0))
+        state = emb.prefetch(state, {"f": batches[0]})
+        misses = []
+        for i, (batch, g) in enumerate(zip(batches, grads)):
+            acts = emb.lookup(state, {"f": batch})
+            if i + 1 < len(batches):
+                state = emb.prefetch(state, {"f": batches[i + 1]})
+            before = emb.cache_stats(state).get("t", {}).get("misses", 0)
+            state = emb.apply_gradients(state, {"f": batch}, {"f": g + 0.01 * acts["f"]})
+            misses.append(int(emb.cache_stats(state).get("t", {}).get("misses", 0) - before))
+        return emb.export(state)["t"], misses, emb.cache_stats(state)
+
+    device, _, none = train("device")
+    assert none == {}
+    roomy, misses, stats = train(jte.HostCached(cache_rows=400, ways=16))
+    assert misses == [0] * len(batches), misses
+    assert int(stats["t"]["prefetched"]) > 0 and int(stats["t"]["hits"]) > 0
+    tiny, misses, _ = train(jte.HostCached(cache_rows=8 * shards, ways=2, max_misses=2))
+    assert sum(misses) > 0
+    for got in (roomy, tiny):
+        np.testing.assert_allclose(got, device, rtol=1e-6, atol=1e-7)
+
+
+def test_train_step_prefetches_the_next_batch():
+    """A train step given `next_batch` finds every row of its HostCached table in the
+    cache, and trains as the device table does (to float32 rounding)."""
+    mesh = make_mesh(2)
+    rng = np.random.default_rng(3)
+    params = {"w": jnp.asarray(rng.normal(size=(16, 1)), jnp.float32)}
+    batches = [
+        {
+            "features": {
+                "big": rng.integers(-1, 500, (_B, 5)).astype(np.int32),
+                "small": rng.integers(0, 30, (_B, 2)).astype(np.int32),
+            },
+            "label": rng.normal(size=(_B, 1)).astype(np.float32),
+        }
+        for _ in range(5)
+    ]
+    out = {}
+    for p in ("device", jte.HostCached(cache_rows=400, ways=16)):
+        emb = jte.Embedding(_train_spec(p), mesh, backend="xla")
+        step = jte.make_train_step(emb, _loss, optax.sgd(0.05))
+        state = step.init(jax.random.key(0), params)
+        losses = []
+        for i, batch in enumerate(batches):
+            upcoming = batches[i + 1] if i + 1 < len(batches) else None
+            state, metrics = step(state, batch, next_batch=upcoming)
+            losses.append(float(metrics["loss"]))
+        out[p == "device"] = (losses, emb.export(state.embedding), emb, state)
+    np.testing.assert_allclose(out[False][0], out[True][0], rtol=1e-6)
+    chex.assert_trees_all_close(out[False][1], out[True][1], rtol=1e-6, atol=1e-7)
+    emb, state = out[False][2], out[False][3]
+    stats = {k: int(v) for k, v in emb.cache_stats(state.embedding)["big"].items()}
+    # Only rows of the first step that no prefetch brought (those not in the second
+    # batch, prefetched before the first update) were missing.
+    rows = [set(b["features"]["big"].ravel().tolist()) - {-1} for b in batches[:2]]
+    assert stats["misses"] == len(rows[0] - rows[1]) and stats["prefetched"] > 0, stats
+
+
 @pytest.mark.parametrize("placement", ["host", pytest.param(_CACHED, marks=_SLOW)])
 def test_checkpoint_and_restore_tables_keep_host_tables_on_host(tmp_path, placement):
     """Save on 4 devices, restore on 2 and continue = continue on 4 (to float32 rounding:
@@ -390,7 +467,7 @@ def test_cached_tables_refuse_caches_that_cannot_serve_them():
     assert emb.backends["c"] == "xla" and set(emb.cache_stats(emb.init(jax.random.key(0)))) == {"c"}
 
 
-def _benchmark(name: str, tmp_path) -> tuple:
+def _benchmark(name: str, tmp_path, *args: str) -> tuple:
     """Runs benchmarks/<name>.py --quick in this process: (the module, its JSON)."""
     import importlib.util
     import json
@@ -408,7 +485,7 @@ def _benchmark(name: str, tmp_path) -> tuple:
     finally:
         sys.path.remove(benchmarks)
     out = tmp_path / f"{name}.json"
-    assert module.main(["--quick", "--out", str(out)]) == 0
+    assert module.main(["--quick", "--out", str(out), *args]) == 0
     return module, json.loads(out.read_text())
 
 
@@ -420,9 +497,12 @@ def test_host_offload_benchmark_runs(tmp_path):
 
 
 def test_cache_model_is_exact_lru_where_everything_fits(tmp_path):
-    """benchmarks/cache_model.py: a cache that holds every row misses each row once."""
-    cache_model, result = _benchmark("cache_model", tmp_path)
+    """benchmarks/cache_model.py: a cache that holds every row misses each row once; jte's
+    own HostCached cache misses exactly the rows the model's W-way policy misses."""
+    cache_model, result = _benchmark("cache_model", tmp_path, "--engine", "--ways", "16,64")
     assert all(0 < e["exact LRU"] < 1 for e in result["miss_rates"])
+    for e in result["miss_rates"]:
+        assert e["jte 16-way"] == e["16-way LRU"] and e["jte 64-way"] == e["64-way LRU"], e
     rng = np.random.default_rng(0)
     steps = [np.unique(rng.integers(0, 300, 100)) for _ in range(20)]
     first = len(np.unique(np.concatenate(steps)))

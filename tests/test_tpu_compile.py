@@ -540,12 +540,19 @@ def test_host_tables_train_step_compiles_beyond_hbm(topology, cache):
     at most 5% of HBM (plus the caches of HostCached tables, 2% of their rows here), the
     host tables are aliased (updated in place, never copied), no device temporary is a host
     table's size, and each host table costs one host gather for the lookup, one for the
-    update and one host scatter; no collective touches host memory. Initialisation draws
-    the host tables on their hosts, a block at a time."""
+    update and one host scatter (a cached one a gather more: the step first prefetches the
+    next batch's rows); no collective touches host memory. Initialisation draws the host
+    tables on their hosts, a block at a time."""
     spec, host_tables = _criteo_with_host_tables(cache)
     topo = _aot.topology(topology)
     emb = jte.Embedding(spec, _aot.mesh(topo))
-    r = _aot.compile_train_step(emb, 512, 1, topo=topo)
+    step, _ = _aot.train_step_fn(emb, 16)
+    if cache:  # The next batch's rows prefetched (same shapes as this batch's).
+        default = step
+        step = lambda state, dense, features: default(  # noqa: E731
+            emb.prefetch(state, features), dense, features
+        )
+    r = _aot.compile_train_step(emb, 512, 1, topo=topo, step=step)
     host_state = sum(
         r.table_bytes[n] + r.slot_bytes[n] for n, p in emb.table_plans.items() if p.storage.on_host
     )
@@ -566,7 +573,8 @@ def test_host_tables_train_step_compiles_beyond_hbm(topology, cache):
     big = [t for t in r.largest_temps if t.space == "hbm" and t.bytes >= smallest_host_shard / 100]
     assert not big, big
     kinds = [c.kind for c in r.host_calls]
-    assert kinds.count("scatter") == host_tables and kinds.count("gather") == 2 * host_tables
+    gathers = (3 if cache else 2) * host_tables
+    assert kinds.count("scatter") == host_tables and kinds.count("gather") == gathers
     collective_lines = [
         line
         for line in r.hlo.splitlines()
