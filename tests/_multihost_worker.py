@@ -37,6 +37,12 @@ SEED = 1234
 
 
 def make_spec(strategy: str, placement: str = "device") -> jte.EmbeddingSpec:
+    if placement == "cached":  # Fewer rows than a batch's distinct rows on 8 devices.
+        return make_spec_placed(strategy, jte.HostCached(cache_rows=16, ways=2))
+    return make_spec_placed(strategy, placement)
+
+
+def make_spec_placed(strategy: str, placement) -> jte.EmbeddingSpec:
     """Three tables: "shared" (Adagrad, the spec's) for a weighted multi-hot and a one-hot
     feature, "hot" (the same row form and optimizer: stacked with "shared") for a multi-hot
     feature, "seq" (its own Adam) for a sequence feature. V is not a multiple of 8, so "div"
@@ -149,12 +155,13 @@ def train(
     batch as NumPy arrays. start="init": `emb.init(key)`; "restore": `emb.restore_tables`
     from `initial_values()` (no table-initializer compiles: the cheaper start). routing:
     the Embedding's ("owner": ids travel to their rows' owners with all_to_all).
-    placement: every table's ("host": in the processes' host memory).
+    placement: every table's ("host": in the processes' host memory; "cached": there with
+    a small HostCached cache, each step prefetching the next step's rows first).
     """
     if strategy == "dynamic":
         return train_dynamic(mesh_kind, inputs, routing)
     emb = jte.Embedding(make_spec(strategy, placement), make_mesh(mesh_kind), routing=routing)
-    if placement == "host":  # Host tables are never stacked; their arrays stay on the host.
+    if placement in ("host", "cached"):  # Never stacked; their arrays stay on the host.
         kinds = {x.sharding.memory_kind for x in jax.tree.leaves(emb.abstract_state().tables)}
         assert kinds == {"pinned_host"}, kinds
     elif routing == "owner":  # Stacks are for tables routed to their owners.
@@ -182,6 +189,9 @@ def train(
         acts = emb.lookup(state, features)
         for path, a in acts.items():
             out[f"acts/{step}/{path}"] = _gather(a)
+        if placement == "cached" and step + 1 < STEPS:
+            upcoming = jax.tree.map(lambda x: x[rows], global_step_data(step + 1)[0])
+            state = emb.prefetch(state, multihost.global_batch(emb, upcoming))
         state = emb.apply_gradients(state, features, grads)
     assert int(_gather(state.step)) == first_step + STEPS
     # Which rows each process fed: (processes, b); checked by the test, not compared.

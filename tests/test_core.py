@@ -687,6 +687,7 @@ def test_id_counts_and_passes(rng):
     assert passes_needed(np.array([1] * 10), 16, 3) == 4
 
 
+@pytest.mark.slow  # Several Pallas-interpret compiles; the kernels' own tests stay fast.
 def test_pallas_choice_and_fallback(rng):
     """Which tables the Pallas kernels take: float32 and bfloat16 tables with a sparse
     update; a batch whose activations overflow half of the chip's VMEM runs the XLA passes,

@@ -221,14 +221,17 @@ def test_the_same_on_every_mesh_and_exchange_with_eviction():
     "dynamic",
     [
         jte.DynamicTable(capacity=64, bucket_size=8),
-        jte.DynamicTable(
-            capacity=16,  # 4 buckets: the same capacity on 1 and 4 devices
-            bucket_size=4,
-            eviction="lfu",
-            ttl_steps=3,
-            min_count=2,
-            admit_probability=0.9,
-            filter_capacity=8,
+        pytest.param(
+            jte.DynamicTable(
+                capacity=16,  # 4 buckets: the same capacity on 1 and 4 devices
+                bucket_size=4,
+                eviction="lfu",
+                ttl_steps=3,
+                min_count=2,
+                admit_probability=0.9,
+                filter_capacity=8,
+            ),
+            marks=pytest.mark.slow,  # The fast tier keeps "lru".
         ),
     ],
     ids=["lru", "filter-ttl-lfu"],
@@ -253,6 +256,7 @@ def test_resolution_in_passes_is_the_same(dynamic):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # Four streams of several steps each.
 def test_bfloat16_dynamic_tables():
     """A bfloat16 dynamic table (stochastic rounding, the default) evicting every step: the
     same resident ids and counters as the float32 table, on 1 and 4 devices; its rows

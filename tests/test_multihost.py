@@ -31,7 +31,8 @@ from test_data import reference
 # rows as global jax.Arrays; "restore" starts from restore_tables instead of init (and saves
 # compiles); "owner" routes ids to their rows' owners across the processes (all_to_all over
 # gloo); "host" puts every table in the processes' host memory (placement="host"), drawn there
-# by init. "criteo": jte.data.criteo over two files, one per process (worker.read_criteo).
+# by init; "cached" there too, with a HostCached cache smaller than a batch, prefetching.
+# "criteo": jte.data.criteo over two files, one per process (worker.read_criteo).
 CASES = (
     "div:explicit",
     "mod:auto",
@@ -39,6 +40,7 @@ CASES = (
     "mod:explicit:numpy:restore",
     "div:explicit:local:restore:owner",
     "mod:explicit:local:init:owner:host",
+    "div:auto:local:init:gather:cached",
 )
 JOB_CASES = CASES + ("criteo",)
 NUM_PROCESSES = 2

@@ -30,8 +30,8 @@ _HOST = "pinned_host"
 
 
 # The fast tier's optimizers: a plain one with every extra, a slot riding in the table's
-# rows, two slots, a rank-1 slot, optax's and a user's row function.
-QUICK = ("sgd+extras", "adagrad", "adam+extras", "ftrl", "rowwise_adagrad", "optax_adam", "custom")
+# rows, two slots and a rank-1 slot (the slow tier runs every optimizer).
+QUICK = ("sgd+extras", "adagrad", "adam+extras", "rowwise_adagrad")
 
 
 def _spec(placement, strategy: str, optimizers, shards: int = 1):
@@ -162,7 +162,7 @@ def test_host_tables_equal_device_tables_bit_for_bit(
     "cache, shards, strategy, routing, tpu_layout, optimizers",
     [
         (_small_cache, 2, "mod", "owner", False, QUICK),
-        (_large_cache, 1, "div", "gather", True, QUICK),
+        pytest.param(_large_cache, 1, "div", "gather", True, QUICK, marks=_SLOW),
         pytest.param(_small_cache, 1, "div", "gather", False, tuple(OPTIMIZERS), marks=_SLOW),
         pytest.param(_large_cache, 2, "mod", "owner", True, tuple(OPTIMIZERS), marks=_SLOW),
         pytest.param(_small_cache, 4, "div", "owner", False, tuple(OPTIMIZERS), marks=_SLOW),
@@ -173,11 +173,12 @@ def test_host_tables_equal_device_tables_bit_for_bit(
 def test_cached_tables_equal_device_tables_bit_for_bit(
     cache, shards, strategy, routing, tpu_layout, optimizers
 ):
-    """HostCached tables over six steps, with caches from one row short of the table down
-    to smaller than one batch's distinct rows (rows left uncached, several host calls per
-    pass): the bits of device tables, and the caches were used."""
+    """HostCached tables over four steps (six in the slow tier), with caches from one row
+    short of the table down to smaller than one batch's distinct rows (rows left uncached,
+    several host calls per pass): the values of device tables, and the caches were used."""
+    steps = 4 if optimizers == QUICK else 6
     emb, state = _equal_device_tables(
-        cache, shards, strategy, routing, tpu_layout, optimizers, steps=6
+        cache, shards, strategy, routing, tpu_layout, optimizers, steps=steps
     )
     stats = {t: {k: int(v) for k, v in c.items()} for t, c in emb.cache_stats(state).items()}
     assert set(stats) == set(emb.table_plans)
@@ -271,6 +272,7 @@ def test_jitted_train_step_with_global_array_inputs(kind, placement):
         assert stats["hits"] > 0 and stats["inserted"] > 0, stats
 
 
+@pytest.mark.slow  # The fast tier prefetches through the train step.
 @pytest.mark.parametrize("shards, tpu_layout", [(2, False), (4, True)])
 def test_prefetch_finds_every_row_and_changes_no_value(shards, tpu_layout):
     """`prefetch` of the next batch before each update, with a cache whose sets hold two
@@ -499,10 +501,11 @@ def test_host_offload_benchmark_runs(tmp_path):
 def test_cache_model_is_exact_lru_where_everything_fits(tmp_path):
     """benchmarks/cache_model.py: a cache that holds every row misses each row once; jte's
     own HostCached cache misses exactly the rows the model's W-way policy misses."""
-    cache_model, result = _benchmark("cache_model", tmp_path, "--engine", "--ways", "16,64")
+    args = ("--engine", "--ways", "16", "--fractions", "0.05,0.4")
+    cache_model, result = _benchmark("cache_model", tmp_path, *args)
     assert all(0 < e["exact LRU"] < 1 for e in result["miss_rates"])
     for e in result["miss_rates"]:
-        assert e["jte 16-way"] == e["16-way LRU"] and e["jte 64-way"] == e["64-way LRU"], e
+        assert e["jte 16-way"] == e["16-way LRU"], e
     rng = np.random.default_rng(0)
     steps = [np.unique(rng.integers(0, 300, 100)) for _ in range(20)]
     first = len(np.unique(np.concatenate(steps)))
