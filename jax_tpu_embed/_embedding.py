@@ -1218,8 +1218,8 @@ class Embedding:
 
 
 def _distinct(rows):
-    """The distinct values of `rows` (int32, (n,)), ascending, then NOT_MINE for the
-    repeats and the rest: `_placement.prefetch`'s distinct rows."""
+    """`rows` (int32, (n,)) sorted, each repeat of a value replaced by NOT_MINE (no row):
+    distinct rows, as `_placement.prefetch` takes them."""
     rows = lax.sort(rows)
     repeat = jnp.concatenate([jnp.zeros((1,), bool), rows[1:] == rows[:-1]])
     return jnp.where(repeat, NOT_MINE, rows)
