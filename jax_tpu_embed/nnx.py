@@ -271,9 +271,9 @@ class NnxTrainStep(_train.TrainStep):
             self._traced_flush, static_argnums=1, donate_argnums=donate_argnums
         )
 
-    def _traced(self, state: _train.TrainState, batch, graphdef):
+    def _traced(self, state: _train.TrainState, batch, graphdef, next_batch=None):
         self._graphdef, self._tables = graphdef, state.embedding
-        return self._step(state, batch)
+        return self._step(state, batch, next_batch)
 
     def _traced_flush(self, state: _train.TrainState, graphdef):
         self._graphdef, self._tables = graphdef, state.embedding
@@ -309,10 +309,12 @@ class NnxTrainStep(_train.TrainStep):
         nnx.update(self.model, new.params, new.embedding, new.model_state)
         self.state = dataclasses.replace(new, params=None, embedding=None, model_state=None)
 
-    def __call__(self, batch: Any) -> dict:  # pyright: ignore[reportIncompatibleMethodOverride]
-        """One step on `batch`; updates the model and returns the metrics (device arrays)."""
+    def __call__(self, batch: Any, next_batch: Any = None) -> dict:  # pyright: ignore[reportIncompatibleMethodOverride]
+        """One step on `batch`; updates the model and returns the metrics (device arrays).
+        `next_batch`: as for `jte.make_train_step`'s steps (HostCached tables prefetch its
+        rows)."""
         graphdef, state = self._full_state(batch)
-        new, metrics = self._nnx_jit(state, batch, graphdef)
+        new, metrics = self._nnx_jit(state, batch, graphdef, next_batch)
         self._write_back(new)
         self._in_flight.push(metrics["loss"])
         return metrics

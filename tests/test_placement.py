@@ -520,8 +520,10 @@ def test_cache_model_is_exact_lru_where_everything_fits(tmp_path):
 
 @pytest.mark.slow  # Four models compiled.
 def test_flax_linen_and_nnx_layers_with_a_host_table():
-    """A linen model and an NNX model whose layer holds a host table train as the same
-    models with the table on the device: equal losses and tables, the table on the host."""
+    """A linen model and an NNX model whose layer holds a host table (or a HostCached one,
+    each step prefetching the next batch) train as the same models with the table on the
+    device: equal losses and tables (to float32 rounding when cached), the table on the
+    host."""
     import flax.linen as nn
     from flax import nnx
 
@@ -563,7 +565,7 @@ def test_flax_linen_and_nnx_layers_with_a_host_table():
         return jnp.mean((model(batch["features"]) - batch["label"]) ** 2)
 
     losses, tables = {}, {}
-    for p in ("device", "host"):
+    for p in ("device", "host", _CACHED):
         emb = jte.Embedding(_train_spec(p), mesh, backend="xla")
         model = Linen(jte.flax.Embed.from_embedding(emb))
         step = jte.flax.make_train_step(model, linen_loss, optax.sgd(0.1))
@@ -571,18 +573,25 @@ def test_flax_linen_and_nnx_layers_with_a_host_table():
         nnx_model = Nnx(jte.Embedding(_train_spec(p), mesh, backend="xla"), nnx.Rngs(0))
         nnx_step = jte.nnx.make_train_step(nnx_model, nnx_loss, optax.sgd(0.1))
         losses[p] = []
-        for batch in batches:
-            state, metrics = step(state, batch)
-            losses[p].append((float(metrics["loss"]), float(nnx_step(batch)["loss"])))
+        for i, batch in enumerate(batches):
+            upcoming = batches[i + 1] if p is _CACHED and i + 1 < len(batches) else None
+            state, metrics = step(state, batch, next_batch=upcoming)
+            nnx_metrics = nnx_step(batch, next_batch=upcoming)
+            losses[p].append((float(metrics["loss"]), float(nnx_metrics["loss"])))
         nnx_step.flush()
         linen_state = jte.flax.embedding_states(state.embedding)["embed"]
         nnx_state = nnx_model.embed.embedding_state
-        if p == "host":
+        if p != "device":
             assert linen_state.tables["big"].sharding.memory_kind == _HOST
             assert nnx_state.tables["big"].sharding.memory_kind == _HOST
+        if p is _CACHED:  # The steps prefetched the next batches' rows.
+            for e, s in ((emb, linen_state), (nnx_model.embed.embedding, nnx_state)):
+                assert int(e.cache_stats(s)["big"]["prefetched"]) > 0
         tables[p] = (emb.export(linen_state), nnx_model.embed.embedding.export(nnx_state))
     assert losses["host"] == losses["device"]
     chex.assert_trees_all_equal(tables["host"], tables["device"])
+    np.testing.assert_allclose(losses[_CACHED], losses["device"], rtol=1e-6)
+    chex.assert_trees_all_close(tables[_CACHED], tables["device"], rtol=1e-6, atol=1e-7)
 
 
 def test_a_platform_without_host_memory_is_named():
