@@ -1086,9 +1086,9 @@ class Embedding:
         """(tables, slots) with every HostCached table's arrays as `_placement.Cached`
         (slots only where given)."""
         tables, slots = dict(tables), dict(slots)
+        now = _sharding.constrain(jnp.full((self.num_shards,), step, jnp.int32), self._rows(1))
         for name, storage in self.cached.items():
             assert storage.cache is not None
-            now = _sharding.constrain(jnp.full((self.num_shards,), step, jnp.int32), self._rows(1))
             table, own = _placement.with_cache(
                 storage.cache, tables[name], slots.get(name, {}), index[name], now
             )

@@ -53,21 +53,27 @@ def gather(on_host: bool, buffers, indices) -> list:
     if not on_host:
         return [b.at[i].get(mode="fill", fill_value=0) for b, i in zip(buffers, indices)]
     valid = [(i >= 0) & (i < b.shape[0]) for b, i in zip(buffers, indices)]
-    clamped = [
-        jax.device_put(jnp.clip(i, 0, b.shape[0] - 1), jax.memory.Space.Host)
-        for b, i in zip(buffers, indices)
-    ]
-
-    @compute_on("device_host")
-    @jax.jit
-    def fetch(buffers, indices):
-        return [b.at[i].get(mode="promise_in_bounds") for b, i in zip(buffers, indices)]
-
-    rows = [jax.device_put(r, jax.memory.Space.Device) for r in fetch(list(buffers), clamped)]
+    rows = _fetch(list(buffers), indices)
     return [
         jnp.where(v.reshape(v.shape + (1,) * (r.ndim - v.ndim)), r, jnp.zeros((), r.dtype))
         for r, v in zip(rows, valid)
     ]
+
+
+def _fetch(hosts, indices) -> list:
+    """[hosts[i] rows at indices[i] clamped into range], read by one host computation and
+    moved to the device."""
+    clamped = [
+        jax.device_put(jnp.clip(i, 0, h.shape[0] - 1), jax.memory.Space.Host)
+        for h, i in zip(hosts, indices)
+    ]
+
+    @compute_on("device_host")
+    @jax.jit
+    def read(hosts, indices):
+        return [h.at[i].get(mode="promise_in_bounds") for h, i in zip(hosts, indices)]
+
+    return [jax.device_put(r, jax.memory.Space.Device) for r in read(hosts, clamped)]
 
 
 def write(on_host: bool, fn, buffers, *args):
@@ -254,22 +260,12 @@ def _cached_gather(buffers, indices) -> list:
     ]
     total = jnp.max(jnp.stack([jnp.sum(miss, dtype=jnp.int32) for miss in misses]))
 
-    @compute_on("device_host")
-    @jax.jit
-    def fetch(hosts, rows):
-        return [h.at[r].get(mode="promise_in_bounds") for h, r in zip(hosts, rows)]
-
     def round_(state):
         start, outs = state
         at = [lax.dynamic_slice_in_dim(o, start, m) for o in order]
         at = [jnp.where(a < n, a, n) for a in at]  # n: no miss, dropped below.
-        rows = [
-            jnp.clip(idx[jnp.minimum(a, n - 1)], 0, c.host.shape[0] - 1)
-            for c, idx, a in zip(buffers, indices, at)
-        ]
-        rows = [jax.device_put(r, jax.memory.Space.Host) for r in rows]
-        got = fetch([c.host for c in buffers], rows)
-        got = [jax.device_put(g, jax.memory.Space.Device) for g in got]
+        rows = [idx[jnp.minimum(a, n - 1)] for idx, a in zip(indices, at)]
+        got = _fetch([c.host for c in buffers], rows)
         outs = [o.at[a].set(g, mode="drop") for o, a, g in zip(outs, at, got)]
         return start + m, outs
 

@@ -622,10 +622,7 @@ class TrainStep:
         if next_batch is not None and any(e.cached for e in embs.values()):
             # Issued before the lookups: the host reads overlap this step's work.
             _, upcoming = self._features(state.params, next_batch, state.model_state, keys)
-            states = {
-                n: embs[n].prefetch(states[n], upcoming[n]) if embs[n].cached else states[n]
-                for n in embs
-            }
+            states = {n: embs[n].prefetch(states[n], upcoming[n]) for n in embs}
         acts = {n: embs[n].lookup(states[n], features[n]) for n in embs}
         if k == 1:
             loss, dparams, dacts, aux, model_state = self._grads(

@@ -178,6 +178,15 @@ def _result(
     per_chip = topo.devices_per_chip
     tables = []
     index_shapes = emb.abstract_state().index
+
+    def row_sharded(tree) -> int:
+        """Bytes per device of the row-sharded arrays of `tree` (the replicated left out)."""
+        return sum(
+            math.prod(x.shape) * x.dtype.itemsize // emb.num_shards
+            for x in jax.tree.leaves(tree)
+            if len(x.shape) and x.shape[0] % emb.num_shards == 0
+        )
+
     for name, table in spec.tables().items():
         plan_ = emb.table_plans[name]
         entry = {
@@ -194,17 +203,10 @@ def _result(
         }
         if table.cache:  # Its rows in host memory; a cache of them in HBM.
             entry["cache_rows"] = table.cache.cache_rows
-            entry["cache_bytes_per_chip"] = per_chip * sum(
-                math.prod(x.shape) * x.dtype.itemsize // emb.num_shards
-                for x in jax.tree.leaves(index_shapes[name])
-            )
+            entry["cache_bytes_per_chip"] = per_chip * row_sharded(index_shapes[name])
         if name in emb.dynamic:  # Rows of its capacity, and its index (ids, scores, filter).
             entry["capacity"] = emb.dynamic[name].rows
-            entry["index_bytes_per_chip"] = per_chip * sum(
-                math.prod(x.shape) * x.dtype.itemsize // emb.num_shards
-                for x in jax.tree.leaves(index_shapes[name])
-                if len(x.shape) and x.shape[0] % emb.num_shards == 0
-            )
+            entry["index_bytes_per_chip"] = per_chip * row_sharded(index_shapes[name])
         tables.append(entry)
     # Tables with placement "host" or HostCached hold their rows and slots in the hosts'
     # memory.
