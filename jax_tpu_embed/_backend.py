@@ -53,6 +53,11 @@ class RowStep:
     # A stack's step done in one call (owner routing): (members,) bool, False for a skipped
     # member, whose rows the call then leaves alone; `ok` is then whether any is kept.
     members_ok: jax.Array | None = None
+    # fresh(values, rows) -> values: the rows read for the update ([table, *stored slots]
+    # at the local rows `rows`), some replaced by the values they start this step from. A
+    # dynamic table in host memory gives its new ids their initial rows this way, inside
+    # the update's one read and write of those rows (`_dynamic.Fresh`; XLA backend only).
+    fresh: Callable | None = None
 
 
 class StepValues(NamedTuple):

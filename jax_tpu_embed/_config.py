@@ -164,9 +164,9 @@ class TableConfig:
         placement: "device" (the default): rows and slots in the devices' memory (HBM);
             "host": in the memory of each device's host (pinned host memory), so a table
             may be larger than HBM: each step gathers the rows it touches to the device
-            and writes the updated ones back, in place (README, "Tables in host memory");
-            `jte.HostCached(cache_rows=...)`: in host memory, with the hot rows cached
-            in HBM.
+            and writes the updated ones back, in place (README, "Tables in host memory";
+            a dynamic table's index stays in HBM); `jte.HostCached(cache_rows=...)`: in
+            host memory, with the hot rows cached in HBM (static tables only, for now).
     """
 
     vocabulary_size: int | None = None
@@ -197,10 +197,10 @@ class TableConfig:
                 f"{where}: placement must be one of {list(PLACEMENTS)} or a "
                 f"jte.HostCached(cache_rows=...), got {self.placement!r}."
             )
-        if self.on_host and self.dynamic is not None:
+        if cached and self.dynamic is not None:
             raise ValueError(
-                f"{where}: a dynamic table cannot have placement={self.placement!r} yet: its "
-                f"index resets reused rows on the device; keep placement='device'."
+                f"{where}: a dynamic table cannot have placement={self.placement!r} yet; "
+                f"use placement='host' or 'device'."
             )
         if cached and _is_int(self.vocabulary_size):
             assert isinstance(self.placement, HostCached)

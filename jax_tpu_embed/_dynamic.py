@@ -490,11 +490,20 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
     """Inside shard_map: one step's admission and eviction on this shard's buckets for the
     table's gathered ids (`gather_ids`'s), and the reset of the rows it gives to new ids
     (table row to the id's initial row, slots to their initial values). Returns (index,
-    table, slots, the ids' global rows as `scatter_rows` takes them). `keep` False: the
-    table is skipped this step (its index is left as it is)."""
+    table, slots, the ids' global rows as `scatter_rows` takes them, fresh). `keep` False:
+    the table is skipped this step (its index is left as it is).
+
+    A table in device memory is reset here, written in place; `fresh` is None. A table in
+    host memory is left as it is, and `fresh` holds the resets for the update to start
+    from (`RowStep.fresh`): every row given away this step is updated in the same step (a
+    placed id is in the step's update), so its one host read and write serve the reset
+    too. (Writing the resets to host memory here, the TPU compiler puts the written table
+    in HBM: docs/design.md.)"""
     me = lax.axis_index(axis)
     _, update = index_ops(plan)
+    in_place = not storage.on_host
     if plan.kernel == "cpu":
+        assert in_place, "host tables run the XLA index"
         n = lax.axis_size(axis)
         owner, _ = _hashindex.locate(plan.index, n, hi, lo)
         mine = (owner == me) & ~is_pad(hi, lo) & keep
@@ -505,7 +514,7 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
         table, slots = _reset_fresh(storage, table, slots, u_row, fresh, key, u_hi, u_lo, plan.dim)
         row = u_row[where]
         rows = jnp.where(mine & (row >= 0), storage.layout.global_ids(me, row) + 1, 0)
-        return index, table, slots, rows
+        return index, table, slots, rows, None
     window = capacity(plan, hi.shape[0], lax.axis_size(axis))
     owned = _owned(plan, hi, lo, keep, axis, window)
     config, ids = plan.index, (owned.hi, owned.lo, owned.bucket)
@@ -540,8 +549,9 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
     def place(hi, lo, bucket, _, valid, carry):
         index, table, slots = carry
         index, row, placed = _hashindex.place(config, index, hi, lo, bucket, valid, now)
-        init = initial_rows(key, hi, lo, plan.dim)
-        table, slots = _reset(storage, table, slots, row, placed, init)
+        if in_place:
+            init = initial_rows(key, hi, lo, plan.dim)
+            table, slots = _reset(storage, table, slots, row, placed, init)
         return (row, placed), (index, table, slots)
 
     (a_row, a_placed), (index, table, slots) = _windows(
@@ -552,6 +562,9 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
         (jnp.full(n + k, -1, jnp.int32), jnp.zeros(n + k, bool)),
         (index, table, slots),
     )
+    resets = None
+    if not in_place:  # The placed rows ascending, with their ids (-1: none).
+        resets = lax.sort((jnp.where(a_placed, a_row, -1), picked[0], picked[1]), num_keys=1)
     at = jnp.where(lax.iota(jnp.int32, n + k) < admitted, picked[3], n)
     row = jnp.full(n, -1, jnp.int32).at[at].set(a_row, mode="drop")
     fresh = jnp.zeros(n, bool).at[at].set(a_placed, mode="drop")
@@ -559,7 +572,7 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
         index = _hashindex.filter_step(config, index, *ids, seen, fresh)
     u_row = jnp.where(seen.hit, seen.row, row)
     rows = jnp.where(u_row >= 0, storage.layout.global_ids(me, u_row), -1)
-    return index, table, slots, _back(owned, rows)
+    return index, table, slots, _back(owned, rows), resets
 
 
 def _first(mask, k: int, *payloads, by_sort: bool):
@@ -616,19 +629,54 @@ def _reset_fresh(storage, table, slots: dict, rows, fresh, key, hi, lo, dim: int
     return table, slots
 
 
+def _initial_values(storage: _storage.TableStorage, init_rows) -> list:
+    """[table rows, each stored slot's rows] of new ids whose initial rows are `init_rows`:
+    the table's rows joined with its riders' initial values, the slots' initial values."""
+    n = init_rows.shape[0]
+    riders = {s.name: _constant(s, n, storage.dim) for s in storage.riders}
+    value = storage.join_row(init_rows.astype(jnp.float32), riders)
+    return [value.astype(storage.dtype)] + [_constant(s, n, storage.dim) for s in storage.stored]
+
+
 def _reset(storage: _storage.TableStorage, table, slots: dict, rows, fresh, init_rows):
     """This shard's arrays with local rows `rows` where `fresh` set to a new id's initial
     row and its slots to their initial values; other rows untouched (writes to a row past
     the shard, where not fresh, are dropped)."""
     target = jnp.where(fresh, rows, jnp.int32(1 << 30))  # Past every shard: dropped.
-    riders = {s.name: _constant(s, init_rows.shape[0], storage.dim) for s in storage.riders}
-    value = storage.join_row(init_rows.astype(jnp.float32), riders)
-    table = _write_rows(storage.packing, table, target, value.astype(table.dtype))
+    value, *slot_values = _initial_values(storage, init_rows)
+    table = _write_rows(storage.packing, table, target, value)
     out = dict(slots)
-    for s in storage.stored:
-        value = _constant(s, init_rows.shape[0], storage.dim)
+    for s, value in zip(storage.stored, slot_values):
         out[s.name] = _write_rows(storage.slot_packing(s), slots[s.name], target, value)
     return table, out
+
+
+@dataclasses.dataclass(frozen=True)
+class Fresh:
+    """`RowStep.fresh` of a dynamic table in host memory: inside the update, the rows the
+    step gave to new ids (`update_rows`' resets) start from the ids' initial rows and the
+    slots' initial values instead of what the host holds there (an evicted id's row)."""
+
+    storage: _storage.TableStorage
+    key: Any  # The table's key words (`key_words`).
+    rows: Any  # (m,) int32 local rows given away this step, ascending; -1 for none.
+    hi: Any  # (m,) uint32 each: the ids given those rows.
+    lo: Any
+    by_sort: bool  # As `DynamicPlan.compact`.
+
+    def __call__(self, values: list, rows) -> list:
+        """`values` (the logical rows `rows` of the table and its stored slots, as read)
+        with the rows given away replaced; the initial rows are drawn for those only."""
+        m = self.rows.shape[0]
+        at = jnp.minimum(jnp.searchsorted(self.rows, rows), m - 1)
+        hit = self.rows[at] == rows
+        s = self.storage
+        init = initial_rows_where(self.key, self.hi[at], self.lo[at], hit, s.dim, self.by_sort)
+        out = []
+        for v, new in zip(values, _initial_values(s, init)):
+            mask = hit.reshape(hit.shape + (1,) * (v.ndim - 1))
+            out.append(jnp.where(mask, new.astype(v.dtype), v))
+        return out
 
 
 def _constant(slot, n: int, dim: int):

@@ -973,18 +973,20 @@ class Embedding:
 
     def _admit(self, state, split, ok):
         """One step of the dynamic tables' indexes (admission, eviction, the reset of the
-        rows they give to new ids) -> (index, tables, slots, {path: rows})."""
+        rows they give to new ids) -> (index, tables, slots, {path: rows}, fresh): `fresh`
+        {table name: (rows, hi, lo)} holds the resets of tables in host memory, which the
+        update makes (`_dynamic.update_rows`, `_dynamic.Fresh`)."""
         row = P(self.axis)
         names = list(self.dynamic)
 
         def local(index, tables, slots, parts, keep, step):
-            new_index, new_tables, new_slots, values = {}, {}, {}, []
+            new_index, new_tables, new_slots, values, fresh = {}, {}, {}, [], {}
             plans = [self.dynamic[name] for name in names]
             ids = _dynamic.gather_ids(
                 [[parts[p] for p in plan.features] for plan in plans], self.axis
             )
             for name, plan, (hi, lo) in zip(names, plans, ids):
-                idx, table, table_slots, rows = _dynamic.update_rows(
+                idx, table, table_slots, rows, resets = _dynamic.update_rows(
                     plan,
                     self.table_plans[name].storage,
                     index[name].index,
@@ -1000,13 +1002,17 @@ class Embedding:
                 new_index[name] = _dynamic.DynamicState(idx, index[name].key)
                 new_tables[name], new_slots[name] = table, table_slots
                 values.append(rows)
-            return new_index, new_tables, new_slots, self._dynamic_back(plans, parts, values)
+                if resets is not None:
+                    fresh[name] = resets
+            rows = self._dynamic_back(plans, parts, values)
+            return new_index, new_tables, new_slots, rows, fresh
 
         parts = {
             p: (self._batch_sharded(h), self._batch_sharded(lo)) for p, (h, lo, _) in split.items()
         }
         specs = self._dynamic_specs()
-        return self._shard_map(local, (specs, row, row, row, P(), P()), (specs, row, row, row))(
+        outs = (specs, row, row, row, row)
+        return self._shard_map(local, (specs, row, row, row, P(), P()), outs)(
             state.index,
             {n: state.tables[n] for n in names},
             {n: state.slots[n] for n in names},
@@ -1038,9 +1044,10 @@ class Embedding:
         # Decided on the global arrays, so that every device skips the same tables; the row
         # functions then keep a skipped table's rows (see _backend.row_step).
         ok = self._steps_ok(given, local_grads, state.step)
-        tables, slots, index = state.tables, state.slots, state.index
+        tables, slots, index, fresh = state.tables, state.slots, state.index, {}
+        keys = {name: state.index[name].key for name in self.dynamic}
         if split:
-            index, new_tables, new_slots, rows = self._admit(state, split, ok)
+            index, new_tables, new_slots, rows, fresh = self._admit(state, split, ok)
             # Laid out as `init` lays it out, so that the next call's input matches the last
             # call's output and the step compiles once.
             index = {
@@ -1053,8 +1060,8 @@ class Embedding:
         row, rep = P(self.axis), P()
         tables, slots = self._with_caches(tables, slots, index, state.step)
         tables, slots = self._shard_map(
-            self._update_local, (row, row, row, row, rep, rep), (row, row)
-        )(tables, slots, feats, local_grads, state.step, ok)
+            self._update_local, (row, row, row, row, row, rep, rep, rep), (row, row)
+        )(tables, slots, feats, local_grads, fresh, keys, state.step, ok)
         tables, slots, index = self._without_caches(tables, slots, index)
         any_ok = functools.reduce(jnp.logical_or, ok.values())
         skipped = {name: (~keep).astype(jnp.int32) for name, keep in ok.items()}
@@ -1192,13 +1199,23 @@ class Embedding:
                 out.update(exchange.lookup(call, tables[name], part, self.axis))
         return out
 
-    def _update_local(self, tables, slots, feats, grads, step, ok):
+    def _update_local(self, tables, slots, feats, grads, resets, keys, step, ok):
         tables, slots = dict(tables), dict(slots)
+        fresh = {
+            name: _dynamic.Fresh(
+                self.table_plans[name].storage, keys[name], rows, hi, lo, self.dynamic[name].compact
+            )
+            for name, (rows, hi, lo) in resets.items()
+        }
         for name, inputs in self.plan.inputs(feats).items():
-            for call, part in _exchange.calls(self.plan, name, inputs):
+            calls = _exchange.calls(self.plan, name, inputs)
+            # A dynamic table is alone in one call, which updates each row once.
+            assert name not in fresh or len(calls) == 1
+            for call, part in calls:
                 plan, members = call.plan, list(call.tables)
                 if len(members) == 1:
                     row_step = _backend.row_step(plan, self.spec, step, ok[members[0]])
+                    row_step = dataclasses.replace(row_step, fresh=fresh.get(members[0]))
                 else:  # Several members in one call: a skipped one's rows are left alone.
                     members_ok = jnp.stack([ok[m] for m in members])
                     row_step = _backend.row_step(

@@ -241,6 +241,8 @@ def apply_rows(
     access = [_Rows(p, rows_idx, b.dtype) for b, p in zip(buffers, storage.packings)]
     got = _placement.gather(storage.on_host, buffers, [a.read_at for a in access])
     values = [a.read(g) for a, g in zip(access, got)]
+    if step.fresh is not None:
+        values = step.fresh(values, rows_idx)
     s = [step.scalars[j] for j in range(step.scalars.shape[0])]
     row_fn = storage.stored_row_fn(step.row_fn)
     new = jax.vmap(lambda g_r, v_r: row_fn(g_r, v_r, s))(g, values)

@@ -520,19 +520,28 @@ def test_config_files_take_dynamic_tables(tmp_path):
 
 
 @pytest.mark.slow
-def test_plan_reports_a_dynamic_tables_index(tmp_path):
-    """`jte.plan` counts a dynamic table's rows (its capacity), slots and index bytes."""
+@pytest.mark.parametrize("placement", ["device", pytest.param("host", marks=pytest.mark.slow)])
+def test_plan_reports_a_dynamic_tables_index(tmp_path, placement):
+    """`jte.plan` counts a dynamic table's rows (its capacity), slots and index bytes; in
+    host memory, its rows and slots there and its index in HBM."""
     from jax_tpu_embed import plan
 
     path = tmp_path / "c.yaml"
     path.write_text(
         "optimizer: {name: adagrad, learning_rate: 0.05}\n"
         "tables:\n"
-        "  users: {dim: 64, dynamic: {capacity: 2000000}}\n"
+        f"  users: {{dim: 64, dynamic: {{capacity: 2000000}}, placement: {placement}}}\n"
         "features: {user: users}\n"
     )
     res = plan.plan(str(path), "v5p:2x2x1", batch=1024)
     (users,) = res["tables"]
+    assert users["placement"] == placement
+    rows_and_slots = users["table_bytes_per_chip"] + users["slot_bytes_per_chip"]
+    assert rows_and_slots >= 2_000_128 // 4 * 64 * 4 * 2
+    assert res["per_chip"]["host_bytes"] == (rows_and_slots if placement == "host" else 0)
+    assert res["per_chip"]["table_bytes"] == (
+        0 if placement == "host" else users["table_bytes_per_chip"]
+    )
     assert users["vocabulary_size"] is None and users["capacity"] == 2_000_128
     # Keys (8 B), last step and count (4 B each) per slot, a quarter of them per chip, and
     # the chip's row of int32 counters.
@@ -544,13 +553,16 @@ def test_plan_reports_a_dynamic_tables_index(tmp_path):
     assert res["fits"] and "dyn 2,000,128" in plan.format_table(res)
 
 
-def test_train_step_fed_by_split_ids():
-    """jte.make_train_step with a dynamic table: a pipeline gives jte.split_ids halves; the
-    table learns (loss falls), the metrics carry the index's counters, and int64 NumPy ids
-    beyond int32 are an error instead of being cut by jit."""
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_train_step_fed_by_split_ids(placement):
+    """jte.make_train_step with a dynamic table (in HBM, or in host memory): a pipeline
+    gives jte.split_ids halves; the table learns (loss falls), the metrics carry the index's
+    counters, and int64 NumPy ids beyond int32 are an error instead of being cut by jit."""
     import optax
 
-    users = jte.TableConfig(dim=DIM, name="users", dynamic=jte.DynamicTable(capacity=1024))
+    users = jte.TableConfig(
+        dim=DIM, name="users", dynamic=jte.DynamicTable(capacity=1024), placement=placement
+    )
     spec = jte.EmbeddingSpec(
         features={"user": jte.FeatureConfig(users)}, optimizer=jte.Adagrad(learning_rate=0.5)
     )
@@ -571,6 +583,8 @@ def test_train_step_fed_by_split_ids():
         state, metrics = step(state, {"features": {"user": jte.split_ids(ids)}, "y": y})
         losses.append(float(metrics["loss"]))
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+    kind = "pinned_host" if placement == "host" else "device"
+    assert state.embedding.tables["users"].sharding.memory_kind == kind
     stats = jax.tree.map(int, emb.dynamic_stats(state.embedding))["users"]
     assert stats["occupancy"] == stats["admitted"] == 32
     counted = jax.tree.map(int, metrics["dynamic"]["users"])  # The last step's metrics.

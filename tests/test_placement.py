@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_tpu_embed as jte
+import test_dynamic
 from conftest import make_mesh
 from test_optimizers import OPTIMIZERS
 
@@ -402,6 +403,114 @@ def test_checkpoint_and_restore_tables_keep_host_tables_on_host(tmp_path, placem
         chex.assert_trees_all_close(emb2.export(again), device.export(dev), rtol=1e-6, atol=1e-7)
 
 
+def _dynamic_spec(placement, optimizer: str, dynamic, dtype):
+    users = jte.TableConfig(
+        dim=test_dynamic.DIM,
+        combiner="mean",
+        name="users",
+        dynamic=dynamic,
+        placement=placement,
+        dtype=dtype,
+        optimizer=OPTIMIZERS[optimizer][0],
+    )
+    items = jte.TableConfig(vocabulary_size=64, dim=test_dynamic.DIM, name="items")
+    features = {
+        "user": jte.FeatureConfig(users),  # Multi-hot, weighted.
+        "hist": jte.FeatureConfig(users, max_sequence_length=3),  # Same table, sequence.
+        "item": jte.FeatureConfig(items),
+    }
+    return jte.EmbeddingSpec(features, jte.Adagrad(learning_rate=0.2))
+
+
+_LRU = jte.DynamicTable(capacity=64, bucket_size=8)
+_LFU_TTL = jte.DynamicTable(
+    capacity=16, bucket_size=4, eviction="lfu", ttl_steps=3, min_count=2, filter_capacity=8
+)
+
+
+@pytest.mark.parametrize(
+    "shards, routing, tpu_layout, optimizer, dynamic, dtype",
+    [
+        pytest.param(1, "gather", False, "adagrad", _LRU, jnp.float32, marks=_SLOW),
+        (2, "owner", True, "rowwise_adagrad", _LRU, jnp.float32),
+        pytest.param(4, "gather", True, "adam+extras", _LFU_TTL, jnp.float32, marks=_SLOW),
+        pytest.param(2, "gather", False, "sgd+extras", _LRU, jnp.bfloat16, marks=_SLOW),
+    ],
+)
+def test_dynamic_tables_in_host_memory(
+    tmp_path, shards, routing, tpu_layout, optimizer, dynamic, dtype
+):
+    """A dynamic table whose rows and slots live in host memory (its index on the device)
+    against the same table in HBM, over a stream that evicts every step (and with "lfu"
+    expires and filters): the same ids resident and the same counters; lookups, rows and
+    slots equal to float32 rounding (a reused row starts from its initial row inside the
+    update's read, which changes how XLA:CPU fuses the row function, as for HostCached);
+    the arrays stay in host memory. Exported tables restored on another mesh land in host
+    memory and continue as the device table does; a checkpoint restores into host memory
+    on the first mesh."""
+    mesh = make_mesh(shards)
+    embs = {
+        p: jte.Embedding(
+            _dynamic_spec(p, optimizer, dynamic, dtype),
+            mesh,
+            backend="xla",
+            routing=routing,
+            tpu_layout=tpu_layout,
+            lane_width=128 if tpu_layout else 0,
+        )
+        for p in ("device", "host")
+    }
+    close = lambda a, b: chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-7)
+
+    def same(states):
+        exports = {p: e.export(states[p])["users"] for p, e in embs.items()}
+        slots = {p: e.export_slots(states[p]).get("users", {}) for p, e in embs.items()}
+        np.testing.assert_array_equal(exports["host"].ids, exports["device"].ids)
+        close(exports["host"].rows.astype(np.float32), exports["device"].rows.astype(np.float32))
+        close(
+            {k: v.rows for k, v in slots["host"].items()},
+            {k: v.rows for k, v in slots["device"].items()},
+        )
+        stats = {p: jax.tree.map(int, e.dynamic_stats(states[p])) for p, e in embs.items()}
+        assert stats["host"] == stats["device"]
+        assert _memory_kinds(states["host"]) == {_HOST, "device"}
+        assert states["host"].tables["users"].sharding.memory_kind == _HOST
+        return stats["host"]["users"]
+
+    states = {p: e.init(jax.random.key(0)) for p, e in embs.items()}
+    stream = test_dynamic.batches(2, 10, pool_size=400)
+    for feats, grads in stream[:7]:
+        acts = {p: e.lookup(states[p], feats) for p, e in embs.items()}
+        close(acts["host"], acts["device"])
+        states = {p: e.apply_gradients(states[p], feats, grads) for p, e in embs.items()}
+    stats = same(states)
+    assert stats["evicted"] + stats["expired"] > 0, stats
+
+    # Both restored on another mesh (from the host table's export): the host one in host
+    # memory, and both continue the same.
+    other = make_mesh(2 if shards != 2 else 4)
+    tables, slots = embs["host"].export(states["host"]), embs["host"].export_slots(states["host"])
+    embs = {
+        p: jte.Embedding(_dynamic_spec(p, optimizer, dynamic, dtype), other, backend="xla")
+        for p in embs
+    }
+    states = {
+        p: e.restore_tables(tables, slots, step=7, key=jax.random.key(0)) for p, e in embs.items()
+    }
+    for feats, grads in stream[7:]:
+        states = {p: e.apply_gradients(states[p], feats, grads) for p, e in embs.items()}
+    same(states)
+
+    jte.checkpoint.save(tmp_path / "ckpt", embs["host"], states["host"])
+    first = jte.Embedding(_dynamic_spec("host", optimizer, dynamic, dtype), mesh, backend="xla")
+    restored, _ = jte.checkpoint.restore(tmp_path / "ckpt", first)
+    assert restored.tables["users"].sharding.memory_kind == _HOST
+    chex.assert_trees_all_equal(first.export(restored), embs["host"].export(states["host"]))
+    assert jax.tree.map(int, first.dynamic_stats(restored)) == jax.tree.map(
+        int, embs["host"].dynamic_stats(states["host"])
+    )
+
+
 @pytest.mark.parametrize(
     "build, match",
     [
@@ -409,15 +518,10 @@ def test_checkpoint_and_restore_tables_keep_host_tables_on_host(tmp_path, placem
         (lambda: jte.TableConfig(10, 4, placement=3), r"placement must be one of"),  # type: ignore[arg-type]
         (
             lambda: jte.TableConfig(
-                dim=4, name="d", dynamic=jte.DynamicTable(100), placement="host"
-            ),
-            r"TableConfig\(name='d'\): a dynamic table cannot have placement='host' yet",
-        ),
-        (
-            lambda: jte.TableConfig(
                 dim=4, name="d", dynamic=jte.DynamicTable(100), placement=jte.HostCached(10)
             ),
-            r"a dynamic table cannot have placement=HostCached\(cache_rows=10",
+            r"TableConfig\(name='d'\): a dynamic table cannot have "
+            r"placement=HostCached\(cache_rows=10.*use placement='host' or 'device'",
         ),
         (
             lambda: jte.TableConfig(50, 4, name="c", placement=jte.HostCached(50)),
