@@ -36,7 +36,9 @@ restore reads each device's slice of the logical rows and converts them back on 
 devices. The conversion holds a transient second copy of the tables in device memory while
 saving (none for "div" tables whose V is a multiple of N: their layout already is the
 logical one), and while restoring the read copies are freed one table at a time as they are
-converted.
+converted. Tables in host memory (`placement="host"`, `HostCached`) may be larger than HBM:
+with one process they are converted on the host, in NumPy, and never pass through a device
+(`_in_numpy`).
 """
 
 from __future__ import annotations
@@ -540,10 +542,20 @@ def _physical_fn(
     return jax.jit(fn, out_shardings=sharding)
 
 
+def _in_numpy(storage: _storage.TableStorage) -> bool:
+    """Whether a table's arrays are converted on this host, in NumPy, instead of on the
+    devices: a table in host memory (which may be larger than HBM: it must not pass through
+    a device), when this one process holds every shard of it."""
+    return storage.on_host and jax.process_count() == 1
+
+
 def _to_logical(emb, storage: _storage.TableStorage, slot, array: jax.Array):
     """A stored array -> its logical rows, exactly (V, ...), evenly sharded over `emb`'s
-    devices (see `_exact_sharding`); for the table's array (slot None) (table, {rider:
-    rows})."""
+    devices (see `_exact_sharding`), or a NumPy array (`_in_numpy`); for the table's array
+    (slot None) (table, {rider: rows})."""
+    if _in_numpy(storage):
+        logical = storage.array_to_logical(slot, np.asarray(array))
+        return logical if slot is not None else storage.split_row(logical)
     array = jax.device_put(array, _row_sharding(emb, True, array.ndim))
     if storage.is_identity(slot):  # Already logical, unpadded and row-sharded: no copy.
         return array if slot is not None else (array, {})
@@ -551,10 +563,14 @@ def _to_logical(emb, storage: _storage.TableStorage, slot, array: jax.Array):
 
 
 def _to_physical(emb, storage: _storage.TableStorage, slot, stored) -> jax.Array:
-    """Stored logical rows (R', ...) on `emb`'s mesh -> the physical array, row-sharded."""
+    """Stored logical rows (R', ...) on `emb`'s mesh, or in NumPy (`_in_numpy`) -> the
+    physical array, row-sharded."""
     table_shape, slot_shapes = storage.shapes()
     ndim = len(table_shape if slot is None else slot_shapes[slot.name])
-    physical = _physical_fn(storage, slot, _row_sharding(emb, True, ndim))(stored)
+    if isinstance(stored, np.ndarray):
+        physical = storage.array_to_physical(slot, stored[: storage.layout.vocabulary_size])
+    else:
+        physical = _physical_fn(storage, slot, _row_sharding(emb, True, ndim))(stored)
     return jax.device_put(physical, _row_sharding(emb, False, ndim, storage.memory_kind))
 
 
@@ -626,8 +642,13 @@ def _host(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-@jax.jit
 def _take(array, rows):
+    """array[rows]: on the devices for a jax.Array, in NumPy for a NumPy one."""
+    return array[rows] if isinstance(array, np.ndarray) else _take_on_devices(array, rows)
+
+
+@jax.jit
+def _take_on_devices(array, rows):
     return array[rows]
 
 
@@ -747,8 +768,10 @@ def _dynamic_state(emb, name: str, entries: dict, where: str) -> tuple:
         value = entries["slots"][s.name]
         full[s.name] = np.full((plan.rows,) + value.shape[1:], float(s.initializer), np.float32)
         full[s.name][rows] = value
-    put = lambda x: jax.make_array_from_callback(
-        x.shape, _row_sharding(emb, True, x.ndim), lambda i: x[i]
+    put = lambda x: (
+        x
+        if _in_numpy(storage)
+        else jax.make_array_from_callback(x.shape, _row_sharding(emb, True, x.ndim), lambda i: x[i])
     )
     riders = {s.name: put(full[s.name]) for s in storage.riders}
     table = storage.join_row(put(logical.astype(table_plan.config.dtype)), riders)
@@ -868,21 +891,22 @@ def _describe_slots(slots: dict) -> str:
 
 
 def _embedding_target(emb) -> dict:
-    """Abstract logical arrays (padded to `emb`'s N * S rows) on `emb`'s mesh."""
+    """Abstract logical arrays (padded to `emb`'s N * S rows) on `emb`'s mesh; NumPy ones
+    for the tables converted on this host (`_in_numpy`)."""
     tables, slots = {}, {}
     for name, plan in emb.table_plans.items():
         if name in emb.dynamic:
             continue
         rows, d = plan.layout.padded_rows, plan.config.dim
-        tables[name] = jax.ShapeDtypeStruct(
-            (rows, d), plan.config.dtype, sharding=_row_sharding(emb, True, 2)
-        )
+
+        def target(shape, dtype, storage=plan.storage):
+            if _in_numpy(storage):
+                return np.zeros(shape, dtype)
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=_row_sharding(emb, True, len(shape)))
+
+        tables[name] = target((rows, d), plan.config.dtype)
         slots[name] = {
-            s.name: jax.ShapeDtypeStruct(
-                (rows, d) if s.rank == 2 else (rows,),
-                jnp.float32,
-                sharding=_row_sharding(emb, True, s.rank),
-            )
+            s.name: target((rows, d) if s.rank == 2 else (rows,), jnp.float32)
             for s in plan.storage.slot_specs
         }
     return {"tables": tables, "slots": slots}

@@ -381,6 +381,15 @@ def test_checkpoint_and_restore_tables_keep_host_tables_on_host(tmp_path, placem
     assert {x.sharding.memory_kind for x in big} == {_HOST}
     assert restored.tables["small"].sharding.memory_kind == "device"
     chex.assert_trees_all_equal(emb2.export(restored), emb4.export(state))
+    # The format does not depend on the placement: a device table restores the checkpoint
+    # of a host table, and a host table the checkpoint of a device table.
+    device = jte.Embedding(_train_spec("device"), make_mesh(2), backend="xla")
+    on_device, _ = jte.checkpoint.restore(tmp_path / "ckpt", device)
+    chex.assert_trees_all_equal(device.export(on_device), emb4.export(state))
+    jte.checkpoint.save(tmp_path / "from_device", device, on_device)
+    back, _ = jte.checkpoint.restore(tmp_path / "from_device", emb4)
+    assert back.tables["big"].sharding.memory_kind == _HOST
+    chex.assert_trees_all_equal(emb4.export(back), emb4.export(state))
     if placement is _CACHED:  # Saved from the host arrays; restored with empty caches.
         assert np.all(np.asarray(restored.index["big"].table.tags) == -1)
     for batch in batches[1:]:
@@ -509,6 +518,40 @@ def test_dynamic_tables_in_host_memory(
     assert jax.tree.map(int, first.dynamic_stats(restored)) == jax.tree.map(
         int, embs["host"].dynamic_stats(states["host"])
     )
+
+
+@pytest.mark.parametrize("strategy", ["div", "mod"])
+def test_checkpoints_convert_host_tables_in_numpy(strategy):
+    """A host table may be larger than HBM, so a checkpoint never moves it through a
+    device: its arrays become logical rows in NumPy on the host (lane-packed rows and "mod"
+    order undone there), and logical rows become host arrays the same way."""
+    from jax_tpu_embed import checkpoint
+
+    emb = jte.Embedding(
+        _spec("host", strategy, ("adagrad", "rowwise_adagrad")),
+        make_mesh(4),
+        backend="xla",
+        tpu_layout=True,
+        lane_width=128,
+    )
+    state = emb.init(jax.random.key(0))
+    exported, slots = emb.export(state), emb.export_slots(state)
+    for name, plan in emb.table_plans.items():
+        storage = plan.storage
+        assert storage.packing.packed  # Narrow rows, lane-packed as on TPU.
+        table, riders = checkpoint._to_logical(emb, storage, None, state.tables[name])
+        assert isinstance(table, np.ndarray)
+        np.testing.assert_array_equal(table, exported[name])
+        for s in storage.stored:
+            logical = checkpoint._to_logical(emb, storage, s, state.slots[name][s.name])
+            assert isinstance(logical, np.ndarray)
+            np.testing.assert_array_equal(logical, slots[name][s.name])
+            back = checkpoint._to_physical(emb, storage, s, logical)
+            assert back.sharding.memory_kind == _HOST
+            np.testing.assert_array_equal(np.asarray(back), np.asarray(state.slots[name][s.name]))
+        back = checkpoint._to_physical(emb, storage, None, storage.join_row(table, riders))
+        assert back.sharding.memory_kind == _HOST
+        np.testing.assert_array_equal(np.asarray(back), np.asarray(state.tables[name]))
 
 
 @pytest.mark.parametrize(
