@@ -166,7 +166,7 @@ class TableConfig:
             may be larger than HBM: each step gathers the rows it touches to the device
             and writes the updated ones back, in place (README, "Tables in host memory";
             a dynamic table's index stays in HBM); `jte.HostCached(cache_rows=...)`: in
-            host memory, with the hot rows cached in HBM (static tables only, for now).
+            host memory, with the hot rows cached in HBM.
     """
 
     vocabulary_size: int | None = None
@@ -197,17 +197,15 @@ class TableConfig:
                 f"{where}: placement must be one of {list(PLACEMENTS)} or a "
                 f"jte.HostCached(cache_rows=...), got {self.placement!r}."
             )
-        if cached and self.dynamic is not None:
-            raise ValueError(
-                f"{where}: a dynamic table cannot have placement={self.placement!r} yet; "
-                f"use placement='host' or 'device'."
-            )
-        if cached and _is_int(self.vocabulary_size):
+        rows = self.vocabulary_size
+        if isinstance(self.dynamic, DynamicTable):
+            rows = self.dynamic.capacity
+        if cached and _is_int(rows):
             assert isinstance(self.placement, HostCached)
-            if self.placement.cache_rows >= int(self.vocabulary_size):  # type: ignore[arg-type]
+            if self.placement.cache_rows >= int(rows):  # type: ignore[arg-type]
                 raise ValueError(
                     f"{where}: HostCached(cache_rows={self.placement.cache_rows}) is not "
-                    f"smaller than the table's {self.vocabulary_size} rows: the whole table "
+                    f"smaller than the table's {rows} rows: the whole table "
                     f"fits the cache; use placement='device'."
                 )
         if self.dynamic is not None:

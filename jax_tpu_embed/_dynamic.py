@@ -54,14 +54,18 @@ class DynamicRows(NamedTuple):
         return {int(i): r for i, r in zip(self.ids, self.rows)}
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["index", "key"], meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["index", "key", "cache"], meta_fields=[]
+)
 @dataclasses.dataclass
 class DynamicState:
-    """One dynamic table's state beside its slot table: the index, and the table's key
-    (uint32 (2,), replicated) that its initial rows are drawn from."""
+    """One dynamic table's state beside its slot table: the index, the table's key
+    (uint32 (2,), replicated) that its initial rows are drawn from, and for a `HostCached`
+    table its caches (`_placement.CacheState`; None otherwise)."""
 
     index: Any  # _hashindex.IndexState
     key: Any
+    cache: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

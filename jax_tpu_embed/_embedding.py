@@ -283,11 +283,12 @@ class Embedding:
             for name in self.dynamic
         }
         for name in self.cached:
-            index[name] = jax.tree.map(
-                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                jax.eval_shape(self.cached[name].empty_cache),
-                self._cache_shardings(name),
-            )
+            if name not in self.dynamic:  # A dynamic table's are in its DynamicState.
+                index[name] = jax.tree.map(
+                    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                    jax.eval_shape(self.cached[name].empty_cache),
+                    self._cache_shardings(name),
+                )
         return EmbeddingState(tables, slots, step, index)
 
     def _cache_shardings(self, name: str) -> _placement.CacheState:
@@ -295,20 +296,38 @@ class Embedding:
         shapes = jax.eval_shape(self.cached[name].empty_cache)
         return jax.tree.map(lambda x: self._rows(x.ndim), shapes)
 
-    def empty_caches(self, traced: bool = False) -> dict:
-        """{HostCached table name: caches holding no row}, placed as the state holds them."""
-        out = {}
+    def with_empty_caches(self, index: dict, traced: bool = False) -> dict:
+        """`index` (a state's, without the caches of HostCached tables, or with) with every
+        HostCached table's caches holding no row, placed as the state holds them: a
+        dynamic table's in its `DynamicState`, any other's under its name."""
+        caches = {}
         for name, storage in self.cached.items():
-            out[name] = jax.tree.map(
+            caches[name] = jax.tree.map(
                 lambda x, s: _sharding.constrain(x, s) if traced else jax.device_put(x, s),
                 storage.empty_cache(),
                 self._cache_shardings(name),
             )
+        return self._set_caches(index, caches)
+
+    def _set_caches(self, index: dict, caches: dict) -> dict:
+        """`index` with these HostCached tables' caches ({name: CacheState})."""
+        out = dict(index)
+        for name, cache in caches.items():
+            out[name] = (
+                dataclasses.replace(out[name], cache=cache) if name in self.dynamic else cache
+            )
         return out
+
+    def _cache_of(self, index: dict, name: str) -> _placement.CacheState:
+        """A HostCached table's caches in a state's index."""
+        return index[name].cache if name in self.dynamic else index[name]
 
     def _index_shapes(self, name: str) -> _dynamic.DynamicState:
         words = jax.ShapeDtypeStruct((2,), jnp.uint32)
-        return jax.eval_shape(functools.partial(self._empty_index, name), words)
+        shapes = jax.eval_shape(functools.partial(self._empty_index, name), words)
+        if name in self.cached:
+            shapes.cache = jax.eval_shape(self.cached[name].empty_cache)
+        return shapes
 
     def _index_shardings(self, name: str) -> _dynamic.DynamicState:
         """The shardings of a dynamic table's `DynamicState`: the index's arrays split by
@@ -318,30 +337,29 @@ class Embedding:
         return _dynamic.DynamicState(
             index=jax.tree.map(lambda x: self._rows(x.ndim), shapes.index),
             key=NamedSharding(self.mesh, P(None)),
+            cache=self._cache_shardings(name) if name in self.cached else None,
         )
 
     def _empty_index(self, name: str, key_words) -> _dynamic.DynamicState:
+        """A dynamic table's empty index and key words (its caches: `with_empty_caches`)."""
         return _dynamic.DynamicState(
             _dynamic.empty_index(self.dynamic[name], self.num_shards), key_words
         )
 
     def _new_index(self, key) -> dict:
-        """{dynamic table name: its empty index and its key's words; HostCached table name:
-        its empty caches}."""
-        out = self.empty_caches(traced=isinstance(key, jax.core.Tracer))
+        """{dynamic table name: its empty index, its key's words (and empty caches when
+        HostCached); other HostCached table name: its empty caches}."""
+        traced = isinstance(key, jax.core.Tracer)
+        out = {}
         keys = self.initializer.table_keys(key) if self.dynamic else {}
         for name in self.dynamic:
             state = self._empty_index(name, _dynamic.key_words(keys[name]))
             out[name] = jax.tree.map(
-                lambda x, s: (
-                    _sharding.constrain(x, s)
-                    if isinstance(key, jax.core.Tracer)
-                    else jax.device_put(x, s)
-                ),
+                lambda x, s: _sharding.constrain(x, s) if traced else jax.device_put(x, s),
                 state,
-                self._index_shardings(name),
+                dataclasses.replace(self._index_shardings(name), cache=None),
             )
-        return out
+        return self.with_empty_caches(out, traced)
 
     def _abstract(self, storage: _storage.TableStorage, dtype) -> tuple:
         table_shape, slot_shapes = storage.shapes()
@@ -451,7 +469,7 @@ class Embedding:
                 for s in storage.stored
             }
         step_array = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
-        index = {**index, **self.empty_caches()}
+        index = self.with_empty_caches(index)
         return EmbeddingState(*self.state_arrays(new_tables, new_slots), step_array, index)
 
     def _restore_dynamic(self, tables: dict, slots: dict, step: int, key) -> tuple:
@@ -503,8 +521,9 @@ class Embedding:
                 table_slots[slot_name] = full
             slots[name] = table_slots
             state = _dynamic.DynamicState(built, _dynamic.key_words(keys[name]))
+            shardings = dataclasses.replace(self._index_shardings(name), cache=None)
             index[name] = jax.tree.map(
-                lambda x, s: jax.device_put(np.asarray(x), s), state, self._index_shardings(name)
+                lambda x, s: jax.device_put(np.asarray(x), s), state, shardings
             )
         return tables, slots, index
 
@@ -890,7 +909,10 @@ class Embedding:
 
     def _dynamic_specs(self):
         row = P(self.axis)
-        return {name: _dynamic.DynamicState(index=row, key=P()) for name in self.dynamic}
+        return {
+            name: _dynamic.DynamicState(row, P(), row if name in self.cached else None)
+            for name in self.dynamic
+        }
 
     def _dynamic_rows(self, index, step, split) -> dict:
         """{path: (B, L) int32 slot-table rows of the ids, -1 where an id has none}."""
@@ -999,7 +1021,7 @@ class Embedding:
                     step,
                     self.axis,
                 )
-                new_index[name] = _dynamic.DynamicState(idx, index[name].key)
+                new_index[name] = dataclasses.replace(index[name], index=idx)
                 new_tables[name], new_slots[name] = table, table_slots
                 values.append(rows)
                 if resets is not None:
@@ -1096,8 +1118,9 @@ class Embedding:
         now = _sharding.constrain(jnp.full((self.num_shards,), step, jnp.int32), self._rows(1))
         for name, storage in self.cached.items():
             assert storage.cache is not None
+            cache = self._cache_of(index, name)
             table, own = _placement.with_cache(
-                storage.cache, tables[name], slots.get(name, {}), index[name], now
+                storage.cache, tables[name], slots.get(name, {}), cache, now
             )
             tables[name] = table
             if name in slots:
@@ -1106,11 +1129,11 @@ class Embedding:
 
     def _without_caches(self, tables, slots, index) -> tuple[dict, dict, dict]:
         """The inverse of `_with_caches`: (tables, slots, index with the new caches)."""
-        tables, slots, index = dict(tables), dict(slots), dict(index)
+        tables, slots, caches = dict(tables), dict(slots), {}
         for name in self.cached:
             tables[name], slots[name], cache = _placement.without_cache(tables[name], slots[name])
-            index[name] = jax.tree.map(_sharding.constrain, cache, self._cache_shardings(name))
-        return tables, slots, index
+            caches[name] = jax.tree.map(_sharding.constrain, cache, self._cache_shardings(name))
+        return tables, slots, self._set_caches(index, caches)
 
     def prefetch(self, state: EmbeddingState, features: Nested) -> EmbeddingState:
         """Brings the rows `features` will touch into the caches of the HostCached tables
@@ -1137,8 +1160,14 @@ class Embedding:
         return self._prefetch_jit(state, self._prepare(features))
 
     def _prefetch(self, state: EmbeddingState, flat) -> EmbeddingState:
-        feats = self._normalized(flat)
         names = [n for n, s in self.cached.items() if s.cache and s.cache.prefetch]
+        # A dynamic table's ids as the rows they hold now (ids without one: none to fetch;
+        # ids the current step admits are not resident yet, and miss in the next step).
+        split = self._split_dynamic(flat)
+        if split and any(n in self.dynamic for n in names):
+            rows = self._dynamic_rows(state.index, state.step, split)
+            flat = {**flat, **self._dynamic_leaves(split, rows)}
+        feats = self._normalized(flat)
         paths = {n: [f.path for f in self.feature_plans if f.table == n] for n in names}
         tables, slots = self._with_caches(state.tables, state.slots, state.index, state.step + 1)
 
@@ -1183,7 +1212,7 @@ class Embedding:
         counted. Jittable."""
         out = {}
         for name, storage in self.cached.items():
-            lines = state.index[name].table
+            lines = self._cache_of(state.index, name).table
             totals = jnp.asarray(lines.counts).sum(0, dtype=jnp.int32)
             out[name] = {c: totals[i] for i, c in enumerate(_placement.COUNTERS)}
             out[name]["rows"] = jnp.int32(lines.tags.size * storage.packing.per_row)

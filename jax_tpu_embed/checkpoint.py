@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -358,7 +359,7 @@ def restore(
         }
     step_array = jax.device_put(jnp.asarray(meta["step"], jnp.int32), NamedSharding(emb.mesh, P()))
     # A HostCached table's host arrays hold all of it: its caches start empty.
-    index = {**index, **emb.empty_caches()}
+    index = emb.with_empty_caches(index)
     state = _embedding.EmbeddingState(*emb.state_arrays(tables, slots), step_array, index)
     return state, dense
 
@@ -669,7 +670,9 @@ def _dynamic_logical(emb, state, name: str, physical, physical_slots) -> dict:
     "n_filter" (the real counts) go to the metadata, not the item."""
     plan = emb.dynamic[name]
     storage = emb.table_plans[name].storage
-    index = jax.tree.map(_host, state.index[name])
+    index = _dynamic.DynamicState(
+        *(jax.tree.map(_host, x) for x in (state.index[name].index, state.index[name].key))
+    )
     entries = _dynamic.held(plan, index.index)
     where = _dynamic.slot_rows(storage, entries["rows"]).astype(np.int32)
     table, riders = _to_logical(emb, storage, None, physical)
@@ -778,7 +781,8 @@ def _dynamic_state(emb, name: str, entries: dict, where: str) -> tuple:
     physical = _to_physical(emb, storage, None, table)
     slots = {s.name: _to_physical(emb, storage, s, put(full[s.name])) for s in storage.stored}
     state = _dynamic.DynamicState(built, entries["key"])
-    index = jax.tree.map(_placed, state, emb.abstract_state().index[name])
+    abstract = dataclasses.replace(emb.abstract_state().index[name], cache=None)
+    index = jax.tree.map(_placed, state, abstract)  # Caches: `Embedding.with_empty_caches`.
     assert len(ids) == len(rows)
     return physical, slots, index
 

@@ -201,12 +201,16 @@ def _result(
             "index_bytes_per_chip": 0,
             "cache_bytes_per_chip": 0,
         }
+        index, cache = index_shapes.get(name), None
+        if name in emb.dynamic:  # Rows of its capacity, and its index (ids, scores, filter).
+            index, cache = index.index, index.cache
+            entry["capacity"] = emb.dynamic[name].rows
+            entry["index_bytes_per_chip"] = per_chip * row_sharded(index)
+        elif table.cache:
+            index, cache = None, index
         if table.cache:  # Its rows in host memory; a cache of them in HBM.
             entry["cache_rows"] = table.cache.cache_rows
-            entry["cache_bytes_per_chip"] = per_chip * row_sharded(index_shapes[name])
-        if name in emb.dynamic:  # Rows of its capacity, and its index (ids, scores, filter).
-            entry["capacity"] = emb.dynamic[name].rows
-            entry["index_bytes_per_chip"] = per_chip * row_sharded(index_shapes[name])
+            entry["cache_bytes_per_chip"] = per_chip * row_sharded(cache)
         tables.append(entry)
     # Tables with placement "host" or HostCached hold their rows and slots in the hosts'
     # memory.

@@ -437,30 +437,45 @@ _LFU_TTL = jte.DynamicTable(
 )
 
 
+# A cache of a third of the capacity, in sets of 4, 4 rows fetched per host call.
+_DYNAMIC_CACHED = jte.HostCached(cache_rows=24, ways=4, max_misses=4)
+
+
 @pytest.mark.parametrize(
-    "shards, routing, tpu_layout, optimizer, dynamic, dtype",
+    "shards, routing, tpu_layout, optimizer, dynamic, dtype, placement",
     [
-        pytest.param(1, "gather", False, "adagrad", _LRU, jnp.float32, marks=_SLOW),
-        (2, "owner", True, "rowwise_adagrad", _LRU, jnp.float32),
-        pytest.param(4, "gather", True, "adam+extras", _LFU_TTL, jnp.float32, marks=_SLOW),
-        pytest.param(2, "gather", False, "sgd+extras", _LRU, jnp.bfloat16, marks=_SLOW),
+        pytest.param(1, "gather", False, "adagrad", _LRU, jnp.float32, "host", marks=_SLOW),
+        (2, "owner", True, "rowwise_adagrad", _LRU, jnp.float32, "host"),
+        pytest.param(4, "gather", True, "adam+extras", _LFU_TTL, jnp.float32, "host", marks=_SLOW),
+        pytest.param(2, "gather", False, "sgd+extras", _LRU, jnp.bfloat16, "host", marks=_SLOW),
+        (1, "gather", False, "adagrad", _LRU, jnp.float32, _DYNAMIC_CACHED),
+        pytest.param(
+            2,
+            "owner",
+            False,
+            "rowwise_adagrad",
+            _LFU_TTL,
+            jnp.float32,
+            jte.HostCached(cache_rows=8, ways=2, max_misses=2),
+            marks=_SLOW,
+        ),
     ],
 )
 def test_dynamic_tables_in_host_memory(
-    tmp_path, shards, routing, tpu_layout, optimizer, dynamic, dtype
+    tmp_path, shards, routing, tpu_layout, optimizer, dynamic, dtype, placement
 ):
-    """A dynamic table whose rows and slots live in host memory (its index on the device)
-    against the same table in HBM, over a stream that evicts every step (and with "lfu"
-    expires and filters): the same ids resident and the same counters; lookups, rows and
-    slots equal to float32 rounding (a reused row starts from its initial row inside the
-    update's read, which changes how XLA:CPU fuses the row function, as for HostCached);
-    the arrays stay in host memory. Exported tables restored on another mesh land in host
-    memory and continue as the device table does; a checkpoint restores into host memory
-    on the first mesh."""
+    """A dynamic table whose rows and slots live in host memory (its index on the device;
+    HostCached: and a cache of its rows, which prefetches) against the same table in HBM,
+    over a stream that evicts every step (and with "lfu" expires and filters): the same ids
+    resident and the same counters; lookups, rows and slots equal to float32 rounding (a
+    reused row starts from its initial row inside the update's read, which changes how
+    XLA:CPU fuses the row function, as for HostCached); the arrays stay in host memory.
+    Exported tables restored on another mesh land in host memory and continue as the
+    device table does; a checkpoint restores into host memory on the first mesh."""
     mesh = make_mesh(shards)
     embs = {
         p: jte.Embedding(
-            _dynamic_spec(p, optimizer, dynamic, dtype),
+            _dynamic_spec(placement if p == "host" else p, optimizer, dynamic, dtype),
             mesh,
             backend="xla",
             routing=routing,
@@ -488,19 +503,27 @@ def test_dynamic_tables_in_host_memory(
 
     states = {p: e.init(jax.random.key(0)) for p, e in embs.items()}
     stream = test_dynamic.batches(2, 10, pool_size=400)
-    for feats, grads in stream[:7]:
+    for i, (feats, grads) in enumerate(stream[:7]):
         acts = {p: e.lookup(states[p], feats) for p, e in embs.items()}
         close(acts["host"], acts["device"])
+        states["host"] = embs["host"].prefetch(states["host"], stream[i + 1][0])
         states = {p: e.apply_gradients(states[p], feats, grads) for p, e in embs.items()}
     stats = same(states)
     assert stats["evicted"] + stats["expired"] > 0, stats
+    if not isinstance(placement, str):
+        cache = jax.tree.map(int, embs["host"].cache_stats(states["host"]))["users"]
+        assert cache["hits"] > 0 and cache["prefetched"] > 0, cache
 
     # Both restored on another mesh (from the host table's export): the host one in host
     # memory, and both continue the same.
     other = make_mesh(2 if shards != 2 else 4)
     tables, slots = embs["host"].export(states["host"]), embs["host"].export_slots(states["host"])
     embs = {
-        p: jte.Embedding(_dynamic_spec(p, optimizer, dynamic, dtype), other, backend="xla")
+        p: jte.Embedding(
+            _dynamic_spec(placement if p == "host" else p, optimizer, dynamic, dtype),
+            other,
+            backend="xla",
+        )
         for p in embs
     }
     states = {
@@ -511,7 +534,7 @@ def test_dynamic_tables_in_host_memory(
     same(states)
 
     jte.checkpoint.save(tmp_path / "ckpt", embs["host"], states["host"])
-    first = jte.Embedding(_dynamic_spec("host", optimizer, dynamic, dtype), mesh, backend="xla")
+    first = jte.Embedding(_dynamic_spec(placement, optimizer, dynamic, dtype), mesh, backend="xla")
     restored, _ = jte.checkpoint.restore(tmp_path / "ckpt", first)
     assert restored.tables["users"].sharding.memory_kind == _HOST
     chex.assert_trees_all_equal(first.export(restored), embs["host"].export(states["host"]))
@@ -561,10 +584,10 @@ def test_checkpoints_convert_host_tables_in_numpy(strategy):
         (lambda: jte.TableConfig(10, 4, placement=3), r"placement must be one of"),  # type: ignore[arg-type]
         (
             lambda: jte.TableConfig(
-                dim=4, name="d", dynamic=jte.DynamicTable(100), placement=jte.HostCached(10)
+                dim=4, name="d", dynamic=jte.DynamicTable(100), placement=jte.HostCached(100)
             ),
-            r"TableConfig\(name='d'\): a dynamic table cannot have "
-            r"placement=HostCached\(cache_rows=10.*use placement='host' or 'device'",
+            r"TableConfig\(name='d'\): HostCached\(cache_rows=100\) is not smaller than the "
+            r"table's 100 rows",
         ),
         (
             lambda: jte.TableConfig(50, 4, name="c", placement=jte.HostCached(50)),

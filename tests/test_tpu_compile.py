@@ -506,32 +506,44 @@ def test_dynamic_train_step_compiles_in_place():
     assert ratio <= DYNAMIC_BYTES_LIMIT, f"dynamic/static bytes {ratio:.0f}x"
 
 
-@pytest.mark.slow  # Two minutes of compiling.
-def test_dynamic_host_table_train_step_compiles_in_place():
+@pytest.mark.slow  # Two to three minutes of compiling each.
+@pytest.mark.parametrize("cached", [False, True], ids=["host", "host_cached"])
+def test_dynamic_host_table_train_step_compiles_in_place(cached):
     """The W1-shaped dynamic table of the test above with its rows and slots in host memory
-    (its index on the device), v5p:2x2x1: the train step compiles and fits; the host arrays
-    are aliased (no host temporary); the step makes the static host table's host calls,
-    a gather for the lookup, a gather and a scatter for the update (the rows given to new
-    ids start from their initial rows inside the update, not by a write of their own); the
-    device holds less than the host table, and no device temporary is the table's size."""
+    (its index on the device; HostCached: and a cache of 10% of its rows, the step
+    prefetching the next batch first), v5p:2x2x1: the train step compiles and fits; the
+    host arrays are aliased (no host temporary); the step makes the static host table's
+    host calls, a gather for the lookup, a gather and a scatter for the update (and one
+    gather for the prefetch): the rows given to new ids start from their initial rows
+    inside the update, not by a write of their own; no device temporary is the table's
+    size, and without a cache the device holds less than the host table."""
     topo = _aot.topology("v5p:2x2x1")
+    placement = jte.HostCached(cache_rows=100_000) if cached else "host"
     table = jte.TableConfig(
         None,
         64,
         combiner="sum",
         name="t",
-        placement="host",
+        placement=placement,
         dynamic=jte.DynamicTable(capacity=1_000_000),
     )
     spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(learning_rate=0.05))
     emb = jte.Embedding(spec, _aot.mesh(topo))
-    r = _aot.compile_train_step(emb, 4096, 20, topo=topo)
+    step, _ = _aot.train_step_fn(emb, 16)
+    if cached:  # The next batch's rows prefetched (same shapes as this batch's).
+        default = step
+        step = lambda state, dense, features: default(  # noqa: E731
+            emb.prefetch(state, features), dense, features
+        )
+    r = _aot.compile_train_step(emb, 4096, 20, topo=topo, step=step)
     assert r.fits and r.unaliased_state == [], r.unaliased_state
     host_state = r.table_bytes["t"] + r.slot_bytes["t"]
     assert host_state <= r.host_argument_bytes <= 1.001 * host_state
     assert r.host_alias_bytes == r.host_argument_bytes and r.host_temp_bytes == 0
-    assert sorted(c.kind for c in r.host_calls) == ["gather", "gather", "scatter"]
-    assert r.peak_bytes < host_state, _aot.format_bytes(r.peak_bytes)
+    kinds = sorted(c.kind for c in r.host_calls)
+    assert kinds == ["gather"] * (3 if cached else 2) + ["scatter"], kinds
+    if not cached:
+        assert r.peak_bytes < host_state, _aot.format_bytes(r.peak_bytes)
     big = [t for t in r.largest_temps if t.space == "hbm" and t.bytes >= r.table_bytes["t"]]
     assert not big, big
 
