@@ -84,6 +84,7 @@ def save(
     *,
     dense: Any = None,
     blocking: bool = True,
+    since_step: int | None = None,
 ) -> int:
     """Writes `state` (and `dense`) as the checkpoint of step `state.step` under `directory`.
 
@@ -95,13 +96,19 @@ def save(
         dense: Optional pytree of arrays (e.g. flax params and optax state) saved alongside.
         blocking: True: return once the checkpoint is complete on disk. False: return once
             the arrays are on the host, orbax writing them in the background; `wait()` joins.
+        since_step: An incremental save on top of the checkpoint of that step in
+            `directory` (itself full or incremental): each dynamic table stores the rows and
+            slots of only the ids updated (or admitted) since then, with every live id and
+            its scores; an id the table evicted since then is one the save does not list.
+            Static tables and `dense` are saved whole. `restore` reads back through the
+            chain; keep its steps.
 
     Returns:
         The step saved (complete on disk only when `blocking`).
 
     Raises:
-        ValueError: `state` does not match `emb`'s tables, or `directory` already holds a
-            checkpoint for this step.
+        ValueError: `state` does not match `emb`'s tables, `directory` already holds a
+            checkpoint for this step, or `since_step` is not an earlier step it holds.
         CheckpointWriteError (an OSError): writing failed (e.g. a full disk); the message
             names the directory, the step and the cause. The earlier steps are still
             restorable. With blocking=False such an error comes from `wait`.
@@ -114,10 +121,13 @@ def save(
     _guards.check_not_consumed(dense, "checkpoint.save", "dense state", "dense")
     _check_state(emb, state)
     step = int(jax.device_get(state.step))
+    _check_since(path, step, since_step)
     embedding = {"tables": {}, "slots": {}}
     physical, physical_slots = emb.table_arrays(state)  # Each table's arrays as stored alone.
     dynamic = {
-        name: _dynamic_logical(emb, state, name, physical.pop(name), physical_slots.pop(name))
+        name: _dynamic_logical(
+            emb, state, name, physical.pop(name), physical_slots.pop(name), since_step
+        )
         for name in emb.dynamic
     }
     for name, plan in emb.table_plans.items():
@@ -135,7 +145,7 @@ def save(
         }
     items = {
         "embedding": ocp.args.StandardSave(embedding),
-        "metadata": ocp.args.JsonSave(_metadata(emb, step, dense is not None, dynamic)),
+        "metadata": ocp.args.JsonSave(_metadata(emb, step, dense is not None, dynamic, since_step)),
     }
     if dynamic:
         items["dynamic"] = ocp.args.StandardSave(
@@ -160,6 +170,19 @@ def save(
                 _PENDING_STEPS[path] = (step, earlier)
                 _join_at_exit()
     return step
+
+
+def _check_since(path: str, step: int, since_step) -> None:
+    if since_step is None:
+        return
+    if isinstance(since_step, bool) or not isinstance(since_step, (int, np.integer)):
+        raise ValueError(f"checkpoint.save: since_step must be an int or None, got {since_step!r}.")
+    steps = all_steps(path) if _exists(path) else []
+    if since_step >= step or int(since_step) not in steps:
+        raise ValueError(
+            f"checkpoint.save: since_step={since_step} must be an earlier step of {path} "
+            f"(this save is step {step}); its steps are {steps}."
+        )
 
 
 class CheckpointWriteError(OSError):
@@ -312,16 +335,7 @@ def restore(
                     embedding=ocp.args.StandardRestore(_embedding_target(emb), strict=False)
                 ),
             ).embedding
-        saved_dynamic = meta.get("dynamic", {})
-        dynamic = {}
-        if saved_dynamic:
-            with _reading(path, step, "dynamic", earlier):
-                dynamic = manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        dynamic=ocp.args.StandardRestore(_dynamic_target(emb, saved_dynamic))
-                    ),
-                ).dynamic
+        dynamic = _dynamic_entries(manager, path, step, meta, emb, earlier)
         dense = None
         if meta["has_dense"]:
             hint = "" if dense_target is None else "dense_target does not match it, or "
@@ -342,8 +356,7 @@ def restore(
     _check_values(emb, stored, where)
     tables, slots, index = {}, {}, {}
     for name in emb.dynamic:
-        entries = _unpadded(dynamic[name], saved_dynamic[name])
-        tables[name], slots[name], index[name] = _dynamic_state(emb, name, entries, where)
+        tables[name], slots[name], index[name] = _dynamic_state(emb, name, dynamic[name], where)
     for name, plan in emb.table_plans.items():
         if name in emb.dynamic:
             continue
@@ -579,10 +592,13 @@ def _slot_info(plan) -> dict:
     return {s.name: {"rank": s.rank} for s in plan.storage.slot_specs}
 
 
-def _metadata(emb, step: int, has_dense: bool, dynamic: dict | None = None) -> dict:
+def _metadata(
+    emb, step: int, has_dense: bool, dynamic: dict | None = None, since_step: int | None = None
+) -> dict:
     meta = {
         "format": _FORMAT,
         "step": step,
+        "since_step": None if since_step is None else int(since_step),
         "has_dense": has_dense,
         "partition_strategy": emb.spec.partition_strategy,  # Informational only.
         "num_shards": emb.num_shards,
@@ -615,6 +631,7 @@ def _dynamic_info(emb, name: str, saved: dict) -> dict:
         "dtype": jnp.dtype(table.config.dtype).name,
         "slots": _slot_info(table),
         "ids": int(saved["n_ids"]),
+        "changed": int(saved["n_changed"]),  # Ids with rows in the item (all in a full save).
         "filter_ids": int(saved["n_filter"]),
         "counters": list(_hashindex.STAT_NAMES),
         "config": {
@@ -660,21 +677,24 @@ def _padded(x: np.ndarray, fill) -> np.ndarray:
     return np.full((1,) + x.shape[1:], fill, x.dtype)
 
 
-def _dynamic_logical(emb, state, name: str, physical, physical_slots) -> dict:
+def _dynamic_logical(emb, state, name: str, physical, physical_slots, since=None) -> dict:
     """A dynamic table's checkpoint item, NumPy: {"ids" int64 ascending (every id holding a
-    slot, TTL-expired ones too), "last", "count" int32 (the index's scores), "rows" float32
-    (n, D), "slots" {slot: (n, D) or (n,)}, "filter_ids" int64, "filter_count" int32 (the
-    admission filter), "key" uint32 (2,) (the words its initial rows are drawn from),
-    "counters" int64 (one per _hashindex.STAT_NAMES, summed over the shards)}; arrays of
-    no entries hold one, id -1. Only the rows of held ids leave the devices. "n_ids" and
-    "n_filter" (the real counts) go to the metadata, not the item."""
+    slot, TTL-expired ones too), "last", "count" int32 (the index's scores), "changed"
+    int64 (the ids whose rows follow: all of them, or with `since` those updated at a step
+    >= since), "rows" float32 (m, D), "slots" {slot: (m, D) or (m,)}, "filter_ids" int64,
+    "filter_count" int32 (the admission filter), "key" uint32 (2,) (the words its initial
+    rows are drawn from), "counters" int64 (one per _hashindex.STAT_NAMES, summed over the
+    shards)}; arrays of no entries hold one, id -1. Only the rows saved leave the devices.
+    "n_ids", "n_changed" and "n_filter" (the real counts) go to the metadata, not the
+    item."""
     plan = emb.dynamic[name]
     storage = emb.table_plans[name].storage
     index = _dynamic.DynamicState(
         *(jax.tree.map(_host, x) for x in (state.index[name].index, state.index[name].key))
     )
     entries = _dynamic.held(plan, index.index)
-    where = _dynamic.slot_rows(storage, entries["rows"]).astype(np.int32)
+    changed = np.ones(len(entries["ids"]), bool) if since is None else entries["last"] >= since
+    where = _dynamic.slot_rows(storage, entries["rows"][changed]).astype(np.int32)
     table, riders = _to_logical(emb, storage, None, physical)
     rows = _host(_take(table, where)).astype(np.float32)
     slots = {}
@@ -689,6 +709,7 @@ def _dynamic_logical(emb, state, name: str, physical, physical_slots) -> dict:
         "ids": _padded(entries["ids"], -1),
         "last": _padded(entries["last"], 0),
         "count": _padded(entries["count"], 0),
+        "changed": _padded(entries["ids"][changed], -1),
         "rows": _padded(rows, 0.0),
         "slots": slots,
         "filter_ids": _padded(entries["filter_ids"], -1),
@@ -696,11 +717,12 @@ def _dynamic_logical(emb, state, name: str, physical, physical_slots) -> dict:
         "key": np.asarray(index.key, np.uint32).reshape(2),
         "counters": entries["counters"].astype(np.int64),
         "n_ids": len(entries["ids"]),
+        "n_changed": int(changed.sum()),
         "n_filter": len(entries["filter_ids"]),
     }
 
 
-_COUNTS = ("n_ids", "n_filter")
+_COUNTS = ("n_ids", "n_changed", "n_filter")
 
 
 def _placed(value, abstract: jax.ShapeDtypeStruct) -> jax.Array:
@@ -716,13 +738,14 @@ def _dynamic_target(emb, saved: dict) -> dict:
         if name not in emb.dynamic:
             continue
         n, nf, d = max(info["ids"], 1), max(info["filter_ids"], 1), info["dim"]
+        m = max(info.get("changed", info["ids"]), 1)
         out[name] = {
             "ids": np.zeros((n,), np.int64),
             "last": np.zeros((n,), np.int32),
             "count": np.zeros((n,), np.int32),
-            "rows": np.zeros((n, d), np.float32),
+            "rows": np.zeros((m, d), np.float32),
             "slots": {
-                s: np.zeros((n, d) if v["rank"] == 2 else (n,), np.float32)
+                s: np.zeros((m, d) if v["rank"] == 2 else (m,), np.float32)
                 for s, v in info["slots"].items()
             },
             "filter_ids": np.zeros((nf,), np.int64),
@@ -730,19 +753,87 @@ def _dynamic_target(emb, saved: dict) -> dict:
             "key": np.zeros((2,), np.uint32),
             "counters": np.zeros((len(info["counters"]),), np.int64),
         }
+        if "changed" in info:  # Saves before incremental ones had rows of every id.
+            out[name]["changed"] = np.zeros((m,), np.int64)
     return out
 
 
 def _unpadded(stored: dict, info: dict) -> dict:
-    """The dynamic item of one table without its padding entries; counters by name."""
-    n, nf = info["ids"], info["filter_ids"]
-    out: dict[str, Any] = {k: np.asarray(stored[k])[:n] for k in ("ids", "last", "count", "rows")}
-    out["slots"] = {s: np.asarray(v)[:n] for s, v in stored["slots"].items()}
+    """The dynamic item of one table without its padding entries; counters by name;
+    "changed": the ids "rows" and "slots" belong to."""
+    n, nf, m = info["ids"], info["filter_ids"], info.get("changed", info["ids"])
+    out: dict[str, Any] = {k: np.asarray(stored[k])[:n] for k in ("ids", "last", "count")}
+    out["changed"] = np.asarray(stored["changed"])[:m] if "changed" in stored else out["ids"]
+    out["rows"] = np.asarray(stored["rows"])[:m]
+    out["slots"] = {s: np.asarray(v)[:m] for s, v in stored["slots"].items()}
     out["filter_ids"] = np.asarray(stored["filter_ids"])[:nf]
     out["filter_count"] = np.asarray(stored["filter_count"])[:nf]
     out["key"] = np.asarray(stored["key"], np.uint32)
     out["counters"] = dict(zip(info["counters"], np.asarray(stored["counters"]).tolist()))
     return out
+
+
+def _dynamic_entries(manager, path: str, step: int, meta: dict, emb, earlier: list) -> dict:
+    """{dynamic table name of `emb`: its entries at `step` (`_unpadded`) with the rows and
+    slots of every id}: an incremental save's other rows come from the step it was saved
+    on top of, read the same way (a chain down to a full save)."""
+    ocp = _orbax()
+    saved = meta.get("dynamic", {})
+    if not saved:
+        return {}
+    with _reading(path, step, "dynamic", earlier):
+        item = manager.restore(
+            step,
+            args=ocp.args.Composite(dynamic=ocp.args.StandardRestore(_dynamic_target(emb, saved))),
+        ).dynamic
+    out = {name: _unpadded(item[name], saved[name]) for name in item}
+    base = meta.get("since_step")
+    if base is None:
+        return out
+    older = [s for s in earlier if s < base]
+    if base not in earlier:
+        raise CheckpointCorruptError(
+            f"checkpoint.restore: step {step} of {path} was saved on top of step {base} "
+            f"(since_step), which the directory no longer holds; its steps are "
+            f"{sorted(earlier + [step])}."
+        )
+    with _reading(path, base, "metadata/metadata", older):
+        base_meta = manager.restore(
+            base, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
+        ).metadata
+    below = _dynamic_entries(manager, path, base, base_meta, emb, older)
+    return {name: _on_top(e, below[name], f"{path}/{step}", name) for name, e in out.items()}
+
+
+def _on_top(entries: dict, below: dict, where: str, name: str) -> dict:
+    """An incremental save's entries with every id's rows and slots: its own for the ids it
+    lists as changed, those of the save below for the others."""
+    ids, changed = entries["ids"], entries["changed"]
+    mine = np.isin(ids, changed)
+    at = np.searchsorted(below["ids"], ids[~mine])
+    found = (at < len(below["ids"])) & (
+        below["ids"][np.minimum(at, len(below["ids"]) - 1)] == ids[~mine]
+    )
+    if not found.all():
+        raise CheckpointCorruptError(
+            f"checkpoint.restore: {where}, table {name!r}: {int((~found).sum())} ids not "
+            f"updated since the step below it are not in that step (e.g. id "
+            f"{int(ids[~mine][~found][0])}); the chain of incremental saves is broken."
+        )
+    own = np.searchsorted(changed, ids[mine])
+
+    def merge(mine_values, below_values):
+        out = np.empty((len(ids),) + mine_values.shape[1:], mine_values.dtype)
+        out[mine] = mine_values[own]
+        out[~mine] = below_values[at]
+        return out
+
+    return {
+        **entries,
+        "changed": ids,
+        "rows": merge(entries["rows"], below["rows"]),
+        "slots": {s: merge(v, below["slots"][s]) for s, v in entries["slots"].items()},
+    }
 
 
 def _dynamic_state(emb, name: str, entries: dict, where: str) -> tuple:

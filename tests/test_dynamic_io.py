@@ -159,6 +159,48 @@ def test_checkpoint_item_is_the_logical_form(saved):
     assert info["filter_ids"] > 0 and np.all(item["filter_count"] >= 1)
 
 
+def test_incremental_saves_restore_through_the_chain(tmp_path):
+    """A full save at step 4, then saves since 4 (at 7) and since 7 (at 10), on 4 devices:
+    each incremental save holds rows of fewer ids than it lists, and each step restores on
+    2 devices to exactly what the run showed then (ids evicted or expired in between are
+    gone, the others keep their rows). A broken chain, or a since_step that is not an
+    earlier step, is a clear error."""
+    import shutil
+
+    steps = stream(3, 10)
+    emb = jte.Embedding(spec_of(DYNAMIC), make_mesh(4))
+    state = train(emb, emb.init(jax.random.key(0)), steps[:4])
+    checkpoint.save(tmp_path, emb, state)
+    snapshots = {}
+    for since, until in ((4, 7), (7, 10)):
+        state = train(emb, state, steps[since:until])
+        checkpoint.save(tmp_path, emb, state, since_step=since)
+        snapshots[until] = Snapshot(emb, state)
+    s = stats(emb, state)["users"]
+    assert s["evicted"] > 0 and s["expired"] > 0
+    for step in (7, 10):
+        info = ocp.JsonCheckpointHandler().restore(tmp_path / str(step) / "metadata")
+        assert info["since_step"] == step - 3
+        users = info["dynamic"]["users"]
+        assert 0 < users["changed"] < users["ids"], users
+        small = jte.Embedding(spec_of(DYNAMIC, strategy="mod"), make_mesh(2))
+        restored, _ = checkpoint.restore(tmp_path, small, step=step)
+        Snapshot(small, restored).assert_equals(snapshots[step], exact=True)
+
+    state = train(emb, state, steps[:1])  # Step 11.
+    with pytest.raises(ValueError, match=r"since_step=5 must be an earlier step of .*\[4, 7, 10\]"):
+        checkpoint.save(tmp_path, emb, state, since_step=5)
+    with pytest.raises(ValueError, match=r"since_step=11 must be an earlier step .*step 11"):
+        checkpoint.save(tmp_path, emb, state, since_step=11)
+    with pytest.raises(ValueError, match=r"since_step must be an int or None, got '7'"):
+        checkpoint.save(tmp_path, emb, state, since_step="7")  # type: ignore[arg-type]
+    shutil.rmtree(tmp_path / "7")
+    with pytest.raises(
+        checkpoint.CheckpointCorruptError, match=r"saved on top of step 7 \(since_step\)"
+    ):
+        checkpoint.restore(tmp_path, emb, step=10)
+
+
 @pytest.mark.slow
 def test_checkpoint_restores_onto_a_larger_capacity_and_refuses_a_small_one(saved):
     """Capacity 64 on 2 devices: the same live rows, scores and counters (then steps of
