@@ -159,7 +159,7 @@ def train(
     a small HostCached cache, each step prefetching the next step's rows first).
     """
     if strategy == "dynamic":
-        return train_dynamic(mesh_kind, inputs, routing)
+        return train_dynamic(mesh_kind, inputs, routing, placement)
     emb = jte.Embedding(make_spec(strategy, placement), make_mesh(mesh_kind), routing=routing)
     if placement in ("host", "cached"):  # Never stacked; their arrays stay on the host.
         kinds = {x.sharding.memory_kind for x in jax.tree.leaves(emb.abstract_state().tables)}
@@ -220,15 +220,19 @@ def dynamic_step_data(step: int):
     return features, grads
 
 
-def train_dynamic(mesh_kind: str, inputs: str = "local", routing: str = "auto") -> dict:
+def train_dynamic(
+    mesh_kind: str, inputs: str = "local", routing: str = "auto", placement: str = "device"
+) -> dict:
     """`train` for a dynamic table shared by two features, so small that LRU evicts every
     step: {"ids", "rows", "acc", "stats/<counter>", "acts/<step>/<feature>"}. Ids travel
-    as `jte.split_ids` halves (global jax.Arrays with inputs="local")."""
+    as `jte.split_ids` halves (global jax.Arrays with inputs="local"). placement "host":
+    its rows and slots in the processes' host memory, its index on the devices."""
     users = jte.TableConfig(
         dim=8,
         combiner="mean",
         name="users",
         dynamic=jte.DynamicTable(capacity=64, bucket_size=8),
+        placement=placement,
     )
     spec = jte.EmbeddingSpec(
         {"user": jte.FeatureConfig(users), "hist": jte.FeatureConfig(users)},
@@ -236,6 +240,8 @@ def train_dynamic(mesh_kind: str, inputs: str = "local", routing: str = "auto") 
     )
     emb = jte.Embedding(spec, make_mesh(mesh_kind), routing=routing)
     state = emb.init(jax.random.key(0))
+    if placement == "host":
+        assert state.tables["users"].sharding.memory_kind == "pinned_host"
     rows = multihost.process_batch_rows(emb, B)
     out = {}
     for step in range(STEPS + 2):

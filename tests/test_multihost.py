@@ -158,7 +158,12 @@ def job(tmp_path_factory):
     j.stop()
 
 
-DYNAMIC_CASES = ("dynamic:explicit", "dynamic:auto:local:init:owner")
+# "host": the dynamic table's rows and slots in the processes' host memory.
+DYNAMIC_CASES = (
+    "dynamic:explicit",
+    "dynamic:auto:local:init:owner",
+    "dynamic:explicit:local:init:gather:host",
+)
 
 
 @pytest.fixture(scope="module")

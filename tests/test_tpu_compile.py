@@ -506,6 +506,15 @@ def test_dynamic_train_step_compiles_in_place():
     assert ratio <= DYNAMIC_BYTES_LIMIT, f"dynamic/static bytes {ratio:.0f}x"
 
 
+def _train_step(emb, prefetching: bool):
+    """The train step `_aot` compiles; `prefetching`: it first prefetches the next batch's
+    rows into the HostCached tables' caches (a batch of the same shapes as this one)."""
+    step, _ = _aot.train_step_fn(emb, 16)
+    if not prefetching:
+        return step
+    return lambda state, dense, features: step(emb.prefetch(state, features), dense, features)
+
+
 @pytest.mark.slow  # Two to three minutes of compiling each.
 @pytest.mark.parametrize("cached", [False, True], ids=["host", "host_cached"])
 def test_dynamic_host_table_train_step_compiles_in_place(cached):
@@ -529,13 +538,7 @@ def test_dynamic_host_table_train_step_compiles_in_place(cached):
     )
     spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(learning_rate=0.05))
     emb = jte.Embedding(spec, _aot.mesh(topo))
-    step, _ = _aot.train_step_fn(emb, 16)
-    if cached:  # The next batch's rows prefetched (same shapes as this batch's).
-        default = step
-        step = lambda state, dense, features: default(  # noqa: E731
-            emb.prefetch(state, features), dense, features
-        )
-    r = _aot.compile_train_step(emb, 4096, 20, topo=topo, step=step)
+    r = _aot.compile_train_step(emb, 4096, 20, topo=topo, step=_train_step(emb, cached))
     assert r.fits and r.unaliased_state == [], r.unaliased_state
     host_state = r.table_bytes["t"] + r.slot_bytes["t"]
     assert host_state <= r.host_argument_bytes <= 1.001 * host_state
@@ -588,13 +591,7 @@ def test_host_tables_train_step_compiles_beyond_hbm(topology, cache):
     spec, host_tables = _criteo_with_host_tables(cache)
     topo = _aot.topology(topology)
     emb = jte.Embedding(spec, _aot.mesh(topo))
-    step, _ = _aot.train_step_fn(emb, 16)
-    if cache:  # The next batch's rows prefetched (same shapes as this batch's).
-        default = step
-        step = lambda state, dense, features: default(  # noqa: E731
-            emb.prefetch(state, features), dense, features
-        )
-    r = _aot.compile_train_step(emb, 512, 1, topo=topo, step=step)
+    r = _aot.compile_train_step(emb, 512, 1, topo=topo, step=_train_step(emb, cache > 0))
     host_state = sum(
         r.table_bytes[n] + r.slot_bytes[n] for n, p in emb.table_plans.items() if p.storage.on_host
     )
