@@ -445,7 +445,9 @@ _DYNAMIC_CACHED = jte.HostCached(cache_rows=24, ways=4, max_misses=4)
     "shards, routing, tpu_layout, optimizer, dynamic, dtype, placement",
     [
         pytest.param(1, "gather", False, "adagrad", _LRU, jnp.float32, "host", marks=_SLOW),
-        (2, "owner", True, "rowwise_adagrad", _LRU, jnp.float32, "host"),
+        # Slow: the fast tier's dynamic host tables are the HostCached case below and
+        # test_dynamic.py's train step.
+        pytest.param(2, "owner", True, "rowwise_adagrad", _LRU, jnp.float32, "host", marks=_SLOW),
         pytest.param(4, "gather", True, "adam+extras", _LFU_TTL, jnp.float32, "host", marks=_SLOW),
         pytest.param(2, "gather", False, "sgd+extras", _LRU, jnp.bfloat16, "host", marks=_SLOW),
         (1, "gather", False, "adagrad", _LRU, jnp.float32, _DYNAMIC_CACHED),
