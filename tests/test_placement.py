@@ -766,6 +766,94 @@ def test_flax_linen_and_nnx_layers_with_a_host_table():
     chex.assert_trees_all_close(tables[_CACHED], tables["device"], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # Six models compiled.
+def test_flax_linen_and_nnx_layers_with_a_dynamic_host_table():
+    """Linen and NNX models whose layer holds a dynamic table (int64 ids as split halves)
+    in host memory, or HostCached with each step prefetching the next batch, train with
+    the losses of the same models with the table in HBM."""
+    import flax.linen as nn
+    from flax import nnx
+
+    rng = np.random.default_rng(4)
+    mesh = make_mesh(2)
+    pool = rng.integers(-(2**62), 2**62, size=300, dtype=np.int64)
+    batches = [
+        {
+            "features": {
+                "big": jte.split_ids(pool[rng.integers(0, 300, (_B, 5))]),
+                "small": rng.integers(0, 30, (_B, 2)).astype(np.int32),
+            },
+            "label": rng.normal(size=(_B,)).astype(np.float32),
+        }
+        for _ in range(4)
+    ]
+
+    def spec(placement):
+        big = jte.TableConfig(
+            dim=8,
+            combiner="sum",
+            name="big",
+            placement=placement,
+            dynamic=jte.DynamicTable(capacity=128, bucket_size=8),
+        )
+        small = jte.TableConfig(vocabulary_size=30, dim=8, name="small")
+        return jte.EmbeddingSpec(
+            {"big": jte.FeatureConfig(big), "small": jte.FeatureConfig(small)},
+            jte.Adagrad(0.1),
+        )
+
+    class Linen(nn.Module):
+        embed: jte.flax.Embed
+
+        @nn.compact
+        def __call__(self, batch):
+            acts = self.embed(batch["features"])
+            x = jnp.concatenate([acts["big"], acts["small"]], axis=-1)
+            return nn.Dense(1, name="head")(x)[:, 0]
+
+    class Nnx(nnx.Module):
+        def __init__(self, emb, rngs):
+            self.embed = jte.nnx.Embed.from_embedding(emb, rngs=rngs)
+            self.head = nnx.Linear(16, 1, rngs=rngs)
+
+        def __call__(self, features):
+            acts = self.embed(features)
+            return self.head(jnp.concatenate([acts["big"], acts["small"]], axis=-1))[:, 0]
+
+    cached = jte.HostCached(cache_rows=48, ways=4)
+    losses = {}
+    for p in ("device", "host", cached):
+        emb = jte.Embedding(spec(p), mesh, backend="xla")
+        step = jte.flax.make_train_step(
+            Linen(jte.flax.Embed.from_embedding(emb)),
+            lambda out, batch: jnp.mean((out - batch["label"]) ** 2),
+            optax.sgd(0.1),
+        )
+        state = step.init(jax.random.key(0), batches[0])
+        model = Nnx(jte.Embedding(spec(p), mesh, backend="xla"), nnx.Rngs(0))
+        nnx_step = jte.nnx.make_train_step(
+            model,
+            lambda m, batch: jnp.mean((m(batch["features"]) - batch["label"]) ** 2),
+            optax.sgd(0.1),
+        )
+        losses[p is cached, p == "host"] = out = []
+        for i, batch in enumerate(batches):
+            upcoming = batches[i + 1] if p is cached and i + 1 < len(batches) else None
+            state, metrics = step(state, batch, next_batch=upcoming)
+            out.append(
+                (float(metrics["loss"]), float(nnx_step(batch, next_batch=upcoming)["loss"]))
+            )
+        nnx_step.flush()
+        linen_state = jte.flax.embedding_states(state.embedding)["embed"]
+        if p != "device":
+            assert linen_state.tables["big"].sharding.memory_kind == _HOST
+        if p is cached:
+            assert int(emb.cache_stats(linen_state)["big"]["prefetched"]) > 0
+    device = losses[False, False]
+    np.testing.assert_allclose(losses[False, True], device, rtol=1e-6)
+    np.testing.assert_allclose(losses[True, False], device, rtol=1e-6)
+
+
 def test_a_platform_without_host_memory_is_named():
     """`check_placements` names the table and the platform when the devices have no pinned
     host memory (CPU, TPU and GPU devices have it; a device without memory spaces not)."""
