@@ -553,9 +553,12 @@ def test_plan_reports_a_dynamic_tables_index(tmp_path, placement):
     assert res["fits"] and "dyn 2,000,128" in plan.format_table(res)
 
 
-@pytest.mark.parametrize("placement", ["device", "host"])
+@pytest.mark.parametrize(
+    "placement", ["device", "host", jte.HostCached(cache_rows=256, ways=4)], ids=str
+)
 def test_train_step_fed_by_split_ids(placement):
-    """jte.make_train_step with a dynamic table (in HBM, or in host memory): a pipeline
+    """jte.make_train_step with a dynamic table (in HBM, in host memory, or there with a
+    cache of a quarter of its rows, the step given the next batch to prefetch): a pipeline
     gives jte.split_ids halves; the table learns (loss falls), the metrics carry the index's
     counters, and int64 NumPy ids beyond int32 are an error instead of being cut by jit."""
     import optax
@@ -577,13 +580,21 @@ def test_train_step_fed_by_split_ids(placement):
     pool = rng.integers(-(2**63), 2**63 - 1, size=32, dtype=np.int64)
     target = {int(i): float(v) for i, v in zip(pool, rng.normal(size=32))}
     losses, metrics, y = [], {}, None
+    batches = []
     for _ in range(30):
         ids = rng.choice(pool, size=16)
         y = np.array([target[int(i)] for i in ids], np.float32)
-        state, metrics = step(state, {"features": {"user": jte.split_ids(ids)}, "y": y})
+        batches.append({"features": {"user": jte.split_ids(ids)}, "y": y})
+    cached = isinstance(placement, jte.HostCached)
+    for i, batch in enumerate(batches):
+        upcoming = batches[i + 1] if cached and i + 1 < len(batches) else None
+        state, metrics = step(state, batch, next_batch=upcoming)
         losses.append(float(metrics["loss"]))
+    if cached:  # Its 32 ids stay cached once admitted: later updates find them in HBM.
+        cache = jax.tree.map(int, emb.cache_stats(state.embedding))["users"]
+        assert cache["hits"] > 0 and cache["misses"] <= 32, cache
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
-    kind = "pinned_host" if placement == "host" else "device"
+    kind = "device" if placement == "device" else "pinned_host"
     assert state.embedding.tables["users"].sharding.memory_kind == kind
     stats = jax.tree.map(int, emb.dynamic_stats(state.embedding))["users"]
     assert stats["occupancy"] == stats["admitted"] == 32

@@ -445,12 +445,14 @@ _DYNAMIC_CACHED = jte.HostCached(cache_rows=24, ways=4, max_misses=4)
     "shards, routing, tpu_layout, optimizer, dynamic, dtype, placement",
     [
         pytest.param(1, "gather", False, "adagrad", _LRU, jnp.float32, "host", marks=_SLOW),
-        # Slow: the fast tier's dynamic host tables are the HostCached case below and
-        # test_dynamic.py's train step.
+        # Slow, like every case here: the fast tier trains dynamic host and HostCached
+        # tables in test_dynamic.py's train step.
         pytest.param(2, "owner", True, "rowwise_adagrad", _LRU, jnp.float32, "host", marks=_SLOW),
         pytest.param(4, "gather", True, "adam+extras", _LFU_TTL, jnp.float32, "host", marks=_SLOW),
         pytest.param(2, "gather", False, "sgd+extras", _LRU, jnp.bfloat16, "host", marks=_SLOW),
-        (1, "gather", False, "adagrad", _LRU, jnp.float32, _DYNAMIC_CACHED),
+        pytest.param(
+            1, "gather", False, "adagrad", _LRU, jnp.float32, _DYNAMIC_CACHED, marks=_SLOW
+        ),
         pytest.param(
             2,
             "owner",
