@@ -689,10 +689,7 @@ def _dynamic_logical(emb, state, name: str, physical, physical_slots, since=None
     item."""
     plan = emb.dynamic[name]
     storage = emb.table_plans[name].storage
-    index = _dynamic.DynamicState(
-        *(jax.tree.map(_host, x) for x in (state.index[name].index, state.index[name].key))
-    )
-    entries = _dynamic.held(plan, index.index)
+    entries = _dynamic.held(plan, jax.tree.map(_host, state.index[name].index))
     changed = np.ones(len(entries["ids"]), bool) if since is None else entries["last"] >= since
     where = _dynamic.slot_rows(storage, entries["rows"][changed]).astype(np.int32)
     table, riders = _to_logical(emb, storage, None, physical)
@@ -714,7 +711,7 @@ def _dynamic_logical(emb, state, name: str, physical, physical_slots, since=None
         "slots": slots,
         "filter_ids": _padded(entries["filter_ids"], -1),
         "filter_count": _padded(entries["filter_count"], 0),
-        "key": np.asarray(index.key, np.uint32).reshape(2),
+        "key": np.asarray(_host(state.index[name].key), np.uint32).reshape(2),
         "counters": entries["counters"].astype(np.int64),
         "n_ids": len(entries["ids"]),
         "n_changed": int(changed.sum()),

@@ -201,14 +201,12 @@ def _result(
             "index_bytes_per_chip": 0,
             "cache_bytes_per_chip": 0,
         }
-        index, cache = index_shapes.get(name), None
+        state = index_shapes.get(name)  # A DynamicState, a HostCached table's caches, or None.
         if name in emb.dynamic:  # Rows of its capacity, and its index (ids, scores, filter).
-            index, cache = index.index, index.cache
             entry["capacity"] = emb.dynamic[name].rows
-            entry["index_bytes_per_chip"] = per_chip * row_sharded(index)
-        elif table.cache:
-            index, cache = None, index
+            entry["index_bytes_per_chip"] = per_chip * row_sharded(state.index)
         if table.cache:  # Its rows in host memory; a cache of them in HBM.
+            cache = state.cache if name in emb.dynamic else state
             entry["cache_rows"] = table.cache.cache_rows
             entry["cache_bytes_per_chip"] = per_chip * row_sharded(cache)
         tables.append(entry)

@@ -692,15 +692,62 @@ def test_cache_model_is_exact_lru_where_everything_fits(tmp_path):
     assert cache_model.set_associative(same, 16, 16) == [1, 0, 0, 0, 0]
 
 
+def _train_linen_and_nnx(spec, mesh, batches, prefetch: bool):
+    """A linen model and an NNX model (an Embed layer of `spec`, a dense head on the "big"
+    and "small" activations) trained with SGD on `batches`, each step given the next batch
+    when `prefetch`. Returns ([(linen loss, NNX loss)] per step, (linen Embedding, its
+    state), (NNX Embedding, its state))."""
+    import flax.linen as nn
+    from flax import nnx
+
+    class Linen(nn.Module):
+        embed: jte.flax.Embed
+
+        @nn.compact
+        def __call__(self, batch):
+            acts = self.embed(batch["features"])
+            x = jnp.concatenate([acts["big"], acts["small"]], axis=-1)
+            return nn.Dense(1, name="head")(x)[:, 0]
+
+    class Nnx(nnx.Module):
+        def __init__(self, emb, rngs):
+            self.embed = jte.nnx.Embed.from_embedding(emb, rngs=rngs)
+            self.head = nnx.Linear(16, 1, rngs=rngs)
+
+        def __call__(self, features):
+            acts = self.embed(features)
+            return self.head(jnp.concatenate([acts["big"], acts["small"]], axis=-1))[:, 0]
+
+    emb = jte.Embedding(spec, mesh, backend="xla")
+    step = jte.flax.make_train_step(
+        Linen(jte.flax.Embed.from_embedding(emb)),
+        lambda out, batch: jnp.mean((out - batch["label"]) ** 2),
+        optax.sgd(0.1),
+    )
+    state = step.init(jax.random.key(0), batches[0])
+    model = Nnx(jte.Embedding(spec, mesh, backend="xla"), nnx.Rngs(0))
+    nnx_step = jte.nnx.make_train_step(
+        model,
+        lambda m, batch: jnp.mean((m(batch["features"]) - batch["label"]) ** 2),
+        optax.sgd(0.1),
+    )
+    losses = []
+    for i, batch in enumerate(batches):
+        upcoming = batches[i + 1] if prefetch and i + 1 < len(batches) else None
+        state, metrics = step(state, batch, next_batch=upcoming)
+        nnx_metrics = nnx_step(batch, next_batch=upcoming)
+        losses.append((float(metrics["loss"]), float(nnx_metrics["loss"])))
+    nnx_step.flush()
+    linen_state = jte.flax.embedding_states(state.embedding)["embed"]
+    return losses, (emb, linen_state), (model.embed.embedding, model.embed.embedding_state)
+
+
 @pytest.mark.slow  # Four models compiled.
 def test_flax_linen_and_nnx_layers_with_a_host_table():
     """A linen model and an NNX model whose layer holds a host table (or a HostCached one,
     each step prefetching the next batch) train as the same models with the table on the
     device: equal losses and tables (to float32 rounding when cached), the table on the
     host."""
-    import flax.linen as nn
-    from flax import nnx
-
     rng = np.random.default_rng(4)
     mesh = make_mesh(2)
     batches = [
@@ -713,55 +760,15 @@ def test_flax_linen_and_nnx_layers_with_a_host_table():
         }
         for _ in range(3)
     ]
-
-    class Linen(nn.Module):
-        embed: jte.flax.Embed
-
-        @nn.compact
-        def __call__(self, batch):
-            acts = self.embed(batch["features"])
-            x = jnp.concatenate([acts["big"], acts["small"]], axis=-1)
-            return nn.Dense(1, name="head")(x)[:, 0]
-
-    def linen_loss(outputs, batch):
-        return jnp.mean((outputs - batch["label"]) ** 2)
-
-    class Nnx(nnx.Module):
-        def __init__(self, emb, rngs):
-            self.embed = jte.nnx.Embed.from_embedding(emb, rngs=rngs)
-            self.head = nnx.Linear(16, 1, rngs=rngs)
-
-        def __call__(self, features):
-            acts = self.embed(features)
-            return self.head(jnp.concatenate([acts["big"], acts["small"]], axis=-1))[:, 0]
-
-    def nnx_loss(model, batch):
-        return jnp.mean((model(batch["features"]) - batch["label"]) ** 2)
-
     losses, tables = {}, {}
     for p in ("device", "host", _CACHED):
-        emb = jte.Embedding(_train_spec(p), mesh, backend="xla")
-        model = Linen(jte.flax.Embed.from_embedding(emb))
-        step = jte.flax.make_train_step(model, linen_loss, optax.sgd(0.1))
-        state = step.init(jax.random.key(0), batches[0])
-        nnx_model = Nnx(jte.Embedding(_train_spec(p), mesh, backend="xla"), nnx.Rngs(0))
-        nnx_step = jte.nnx.make_train_step(nnx_model, nnx_loss, optax.sgd(0.1))
-        losses[p] = []
-        for i, batch in enumerate(batches):
-            upcoming = batches[i + 1] if p is _CACHED and i + 1 < len(batches) else None
-            state, metrics = step(state, batch, next_batch=upcoming)
-            nnx_metrics = nnx_step(batch, next_batch=upcoming)
-            losses[p].append((float(metrics["loss"]), float(nnx_metrics["loss"])))
-        nnx_step.flush()
-        linen_state = jte.flax.embedding_states(state.embedding)["embed"]
-        nnx_state = nnx_model.embed.embedding_state
-        if p != "device":
-            assert linen_state.tables["big"].sharding.memory_kind == _HOST
-            assert nnx_state.tables["big"].sharding.memory_kind == _HOST
-        if p is _CACHED:  # The steps prefetched the next batches' rows.
-            for e, s in ((emb, linen_state), (nnx_model.embed.embedding, nnx_state)):
-                assert int(e.cache_stats(s)["big"]["prefetched"]) > 0
-        tables[p] = (emb.export(linen_state), nnx_model.embed.embedding.export(nnx_state))
+        losses[p], *trained = _train_linen_and_nnx(_train_spec(p), mesh, batches, p is _CACHED)
+        for emb, state in trained:
+            if p != "device":
+                assert state.tables["big"].sharding.memory_kind == _HOST
+            if p is _CACHED:  # The steps prefetched the next batches' rows.
+                assert int(emb.cache_stats(state)["big"]["prefetched"]) > 0
+        tables[p] = tuple(emb.export(state) for emb, state in trained)
     assert losses["host"] == losses["device"]
     chex.assert_trees_all_equal(tables["host"], tables["device"])
     np.testing.assert_allclose(losses[_CACHED], losses["device"], rtol=1e-6)
@@ -773,9 +780,6 @@ def test_flax_linen_and_nnx_layers_with_a_dynamic_host_table():
     """Linen and NNX models whose layer holds a dynamic table (int64 ids as split halves)
     in host memory, or HostCached with each step prefetching the next batch, train with
     the losses of the same models with the table in HBM."""
-    import flax.linen as nn
-    from flax import nnx
-
     rng = np.random.default_rng(4)
     mesh = make_mesh(2)
     pool = rng.integers(-(2**62), 2**62, size=300, dtype=np.int64)
@@ -804,49 +808,12 @@ def test_flax_linen_and_nnx_layers_with_a_dynamic_host_table():
             jte.Adagrad(0.1),
         )
 
-    class Linen(nn.Module):
-        embed: jte.flax.Embed
-
-        @nn.compact
-        def __call__(self, batch):
-            acts = self.embed(batch["features"])
-            x = jnp.concatenate([acts["big"], acts["small"]], axis=-1)
-            return nn.Dense(1, name="head")(x)[:, 0]
-
-    class Nnx(nnx.Module):
-        def __init__(self, emb, rngs):
-            self.embed = jte.nnx.Embed.from_embedding(emb, rngs=rngs)
-            self.head = nnx.Linear(16, 1, rngs=rngs)
-
-        def __call__(self, features):
-            acts = self.embed(features)
-            return self.head(jnp.concatenate([acts["big"], acts["small"]], axis=-1))[:, 0]
-
     cached = jte.HostCached(cache_rows=48, ways=4)
     losses = {}
     for p in ("device", "host", cached):
-        emb = jte.Embedding(spec(p), mesh, backend="xla")
-        step = jte.flax.make_train_step(
-            Linen(jte.flax.Embed.from_embedding(emb)),
-            lambda out, batch: jnp.mean((out - batch["label"]) ** 2),
-            optax.sgd(0.1),
+        losses[p is cached, p == "host"], (emb, linen_state), _ = _train_linen_and_nnx(
+            spec(p), mesh, batches, p is cached
         )
-        state = step.init(jax.random.key(0), batches[0])
-        model = Nnx(jte.Embedding(spec(p), mesh, backend="xla"), nnx.Rngs(0))
-        nnx_step = jte.nnx.make_train_step(
-            model,
-            lambda m, batch: jnp.mean((m(batch["features"]) - batch["label"]) ** 2),
-            optax.sgd(0.1),
-        )
-        losses[p is cached, p == "host"] = out = []
-        for i, batch in enumerate(batches):
-            upcoming = batches[i + 1] if p is cached and i + 1 < len(batches) else None
-            state, metrics = step(state, batch, next_batch=upcoming)
-            out.append(
-                (float(metrics["loss"]), float(nnx_step(batch, next_batch=upcoming)["loss"]))
-            )
-        nnx_step.flush()
-        linen_state = jte.flax.embedding_states(state.embedding)["embed"]
         if p != "device":
             assert linen_state.tables["big"].sharding.memory_kind == _HOST
         if p is cached:
