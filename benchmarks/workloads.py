@@ -139,6 +139,22 @@ def _short(key: str) -> str:
 # -- generator -----------------------------------------------------------------------------
 
 
+def jax_loss(acts, R):
+    """(loss, d(loss)/d(acts)) of the workloads' loss Σ_f Σ acts_f ⊙ R_f, for jitted JAX steps.
+
+    The gradient is R, tied to the loss by a factor 1 + 0·loss. A real model's gradients
+    depend on its activations; this loss's would not, and then XLA has nothing that orders
+    the lookups' reads of a table before the update's in-place writes to it, and copies
+    every table each step (an `optimization_barrier` is removed before that decision). The
+    step returns the loss too, or XLA drops the lookups, which the eager peers always run.
+    """
+    import jax.numpy as jnp
+
+    loss = sum(jnp.sum(acts[f] * R[f]) for f in acts)
+    tie = 1.0 + 0.0 * loss  # 1 for a finite loss.
+    return loss, {f: R[f] * tie for f in acts}
+
+
 def power_law_cdf(vocabulary_size: int, exponent: float = 1.05) -> np.ndarray:
     """Exact CDF (float64, length V) of P(r) ∝ (r+1)^-exponent on r in [0, V)."""
     w = np.arange(1, vocabulary_size + 1, dtype=np.float64) ** (-exponent)
