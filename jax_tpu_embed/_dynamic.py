@@ -335,14 +335,6 @@ def scatter_rows(tables: list, shapes: list, axis) -> list:
     return out
 
 
-def index_ops(plan: DynamicPlan):
-    """(find, update) of the plan's index kernel: the C++ one is bit-identical to the XLA
-    one (tests/test_hashindex_cpu.py)."""
-    if plan.kernel == "cpu":
-        return _hashindex_cpu.find, _hashindex_cpu.update
-    return _hashindex.find, _hashindex.update
-
-
 def with_kernel(plan: DynamicPlan, table_plan) -> DynamicPlan:
     """The plan with its index run by the C++ kernel when its slot table's backend is the
     C++ one ("cpu") and the kernel builds here, else by XLA ops; resolved in passes
@@ -470,18 +462,14 @@ def lookup_rows(plan: DynamicPlan, storage, index, hi, lo, now, axis):
     """Inside shard_map: the global slot-table rows of the table's gathered ids (`hi`,
     `lo`: `gather_ids`'s), as `scatter_rows` takes them. Read-only."""
     me = lax.axis_index(axis)
-    find, _ = index_ops(plan)
-    if plan.kernel == "cpu":  # The C++ index passes over padding without reading a bucket.
-        owner, bucket = _hashindex.locate(plan.index, lax.axis_size(axis), hi, lo)
-        others = owner != me
-        hi, lo = jnp.where(others, jnp.uint32(PAD), hi), jnp.where(others, jnp.uint32(PAD), lo)
-        row, found = find(plan.index, index, hi, lo, bucket, now)
-        return jnp.where(found & ~others, storage.layout.global_ids(me, row) + 1, 0)
+    if plan.kernel == "cpu":  # One pass over the gathered ids, reading owned ones' buckets.
+        row = _hashindex_cpu.find_owned(plan.index, index, hi, lo, me, lax.axis_size(axis), now)
+        return jnp.where(row >= 0, storage.layout.global_ids(me, row) + 1, 0)
     window = capacity(plan, hi.shape[0], lax.axis_size(axis))
     owned = _owned(plan, hi, lo, True, axis, window)
 
     def body(hi, lo, bucket, valid, carry):
-        row, found = find(plan.index, index, hi, lo, bucket, now)
+        row, found = _hashindex.find(plan.index, index, hi, lo, bucket, now)
         return (jnp.where(found & valid, storage.layout.global_ids(me, row), -1),), carry
 
     ids = (owned.hi, owned.lo, owned.bucket)
@@ -504,20 +492,13 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
     too. (Writing the resets to host memory here, the TPU compiler puts the written table
     in HBM: docs/design.md.)"""
     me = lax.axis_index(axis)
-    _, update = index_ops(plan)
     in_place = not storage.on_host
     if plan.kernel == "cpu":
         assert in_place, "host tables run the XLA index"
         n = lax.axis_size(axis)
-        owner, _ = _hashindex.locate(plan.index, n, hi, lo)
-        mine = (owner == me) & ~is_pad(hi, lo) & keep
-        u_hi, u_lo, u_valid, where = _hashindex_cpu.distinct(hi, lo, mine)
-        _, u_bucket = _hashindex.locate(plan.index, n, u_hi, u_lo)
-        index, u_row, fresh = update(plan.index, index, u_hi, u_lo, u_bucket, u_valid, now)
-        fresh = fresh & u_valid & (u_row >= 0)
-        table, slots = _reset_fresh(storage, table, slots, u_row, fresh, key, u_hi, u_lo, plan.dim)
-        row = u_row[where]
-        rows = jnp.where(mine & (row >= 0), storage.layout.global_ids(me, row) + 1, 0)
+        index, r = _hashindex_cpu.resolve_update(plan.index, index, hi, lo, keep, me, n, now)
+        table, slots = _reset_fresh(storage, table, slots, r, key, plan.dim)
+        rows = jnp.where(r.rows >= 0, storage.layout.global_ids(me, r.rows) + 1, 0)
         return index, table, slots, rows, None
     window = capacity(plan, hi.shape[0], lax.axis_size(axis))
     owned = _owned(plan, hi, lo, keep, axis, window)
@@ -605,26 +586,27 @@ def _few(n: int, share: int = 8) -> int:
 ROUND = 64  # Rounds of placements and resets take n / ROUND ids each (`_few`).
 
 
-def _reset_fresh(storage, table, slots: dict, rows, fresh, key, hi, lo, dim: int):
-    """`_reset` of the rows the C++ index gave to new ids (`fresh`), `_few` at a time in
-    rounds: none when the step gave none away (a trained table's usual step), and the
-    arrays updated in place by the loop. (The XLA index resets its placements in its own
-    rounds, `update_rows`.)"""
-    n = fresh.shape[0]
+def _reset_fresh(storage, table, slots: dict, resolved, key, dim: int):
+    """`_reset` of the rows the C++ index gave to new ids (`resolved`: its compacted fresh
+    rows and ids), `_few` at a time in rounds: none when the step gave none away (a trained
+    table's usual step), and the arrays updated in place by the loop. (The XLA index resets
+    its placements in its own rounds, `update_rows`.)"""
+    rows, hi, lo = resolved.fresh_rows, resolved.fresh_hi, resolved.fresh_lo
+    count, n = resolved.fresh_count, rows.shape[0]
     k = _few(n, ROUND)
     if k == n:
+        fresh = lax.iota(jnp.int32, n) < count
         return _reset(storage, table, slots, rows, fresh, initial_rows(key, hi, lo, dim))
-    count = jnp.sum(fresh, dtype=jnp.int32)
-    at, _ = _first(fresh, n, by_sort=False)
 
     def body(state):
         start, table, slots = state
-        # The last round's slice may start earlier (clamped): it resets some rows again,
-        # to the same values.
-        p_at = lax.dynamic_slice_in_dim(at, start, k)
-        picked = jnp.minimum(p_at, n - 1)
-        init = initial_rows(key, hi[picked], lo[picked], dim)
-        table, slots = _reset(storage, table, slots, rows[picked], p_at < n, init)
+        # The last round starts earlier where it would run past the end: it resets some
+        # rows again, to the same values.
+        at = jnp.minimum(start, n - k)
+        take = lambda x: lax.dynamic_slice_in_dim(x, at, k)
+        fresh = at + lax.iota(jnp.int32, k) < count
+        init = initial_rows(key, take(hi), take(lo), dim)
+        table, slots = _reset(storage, table, slots, take(rows), fresh, init)
         return start + k, table, slots
 
     _, table, slots = lax.while_loop(

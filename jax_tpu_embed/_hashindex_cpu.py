@@ -11,7 +11,11 @@ outputs bit for bit:
   says how it reproduces the XLA order). The index arrays are donated operands aliased to
   the results (`input_output_aliases`), so the kernel writes the slots it changes where
   they are: with the state donated to the jitted step a step costs O(ids), not O(capacity).
-- `distinct`: `_dynamic._distinct` (sorted distinct ids, their mask, each entry's position).
+- `find_owned` and `resolve_update`: what `_dynamic.lookup_rows` and `update_rows` do on a
+  shard with a table's gathered ids, in one call each: locate them (`_hashindex.locate`),
+  keep the ones the shard owns (distinct ones, for the update, by a hash table), and `find`
+  or `update` them. The same index and rows as `locate`, a sort for the distinct ids and
+  `update` in XLA ops; the update's resets come back compacted.
 
 The source (csrc/hashindex.cc) is compiled on first use by `_cpu_kernels`' builder, into the
 same cache. Without g++ `available()` is False after one warning, and callers keep the XLA
@@ -21,6 +25,7 @@ path.
 from __future__ import annotations
 
 import pathlib
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +38,8 @@ _SOURCE = pathlib.Path(__file__).parent / "csrc" / "hashindex.cc"
 _TARGETS = {
     "jte_hashindex_find": "JteHashindexFind",
     "jte_hashindex_update": "JteHashindexUpdate",
-    "jte_hashindex_distinct": "JteHashindexDistinct",
+    "jte_hashindex_find_owned": "JteHashindexFindOwned",
+    "jte_hashindex_resolve_update": "JteHashindexResolveUpdate",
 }
 _EVICTION = {"lru": 0, "lfu": 1, "none": 2}  # Must match `Eviction` in the C++ source.
 _FIELDS = ("hi", "lo", "last", "count", "filter_hi", "filter_lo", "filter_count", "stats")
@@ -132,22 +138,89 @@ def update(config: hx.IndexConfig, state: hx.IndexState, hi, lo, local_bucket, v
     return new, out[-2].reshape(shape), out[-1].reshape(shape)
 
 
-def distinct(hi, lo, valid):
-    """`_dynamic._distinct`: sorted distinct (hi, lo) of the valid entries (the rest
-    padding, after them), a mask of the distinct ones, and each entry's position in the
-    distinct list. (n,) arrays."""
+def _locator(config: hx.IndexConfig, num_shards: int) -> dict:
+    """The attributes that locate ids (`_hashindex.locate`) in the C++ kernels."""
+    config.check_shards(num_shards)
+    return {
+        "bucket_key": np.int64(_key(config.seed, hx._SALT_BUCKET)),
+        "buckets": np.int64(config.buckets),
+        "num_shards": np.int64(num_shards),
+    }
+
+
+def find_owned(config: hx.IndexConfig, state: hx.IndexState, hi, lo, me, num_shards: int, now):
+    """Inside shard_map, on shard `me` of `num_shards`: the local rows (int32, -1: none) of
+    the gathered ids ((n,) uint32 words) that this shard owns and holds; -1 for the others
+    and for padding. `_hashindex.locate`, then `find` of the owned ids. Read-only."""
     _require()
     n = hi.shape[0]
-    return jax.ffi.ffi_call(
-        "jte_hashindex_distinct",
-        (
-            jax.ShapeDtypeStruct((n,), jnp.uint32),
-            jax.ShapeDtypeStruct((n,), jnp.uint32),
-            jax.ShapeDtypeStruct((n,), jnp.bool_),
-            jax.ShapeDtypeStruct((n,), jnp.int32),
-        ),
-    )(
-        jnp.asarray(hi).astype(jnp.uint32),
-        jnp.asarray(lo).astype(jnp.uint32),
-        jnp.broadcast_to(jnp.asarray(valid, bool), (n,)),
+    return jax.ffi.ffi_call("jte_hashindex_find_owned", jax.ShapeDtypeStruct((n,), jnp.int32))(
+        jnp.asarray(hi, jnp.uint32),
+        jnp.asarray(lo, jnp.uint32),
+        jnp.asarray(me, jnp.int32).reshape(1),
+        _now(now),
+        *(jnp.asarray(getattr(state, f), d) for f, d in zip(_FIELDS[:3], _DTYPES)),
+        ttl_steps=_ttl(config),
+        bucket_size=np.int64(config.bucket_size),
+        **_locator(config, num_shards),
     )
+
+
+class Resolved(NamedTuple):
+    """`resolve_update`'s results besides the new index: each gathered position's local row
+    (-1: not this shard's, padding, or no row), and the rows given to new ids this step with
+    those ids, compacted (the first `fresh_count` of `fresh_rows`, `fresh_hi`, `fresh_lo`; the
+    rest -1 and padding)."""
+
+    rows: Any
+    fresh_count: Any
+    fresh_rows: Any
+    fresh_hi: Any
+    fresh_lo: Any
+
+
+def resolve_update(
+    config: hx.IndexConfig, state: hx.IndexState, hi, lo, keep, me, num_shards: int, now
+) -> tuple[hx.IndexState, Resolved]:
+    """Inside shard_map, on shard `me`: one update step of the gathered ids ((n,) uint32
+    words) that this shard owns (none when `keep` is False), as `_hashindex.locate`, a
+    deduplication and `update` would make it, bit for bit in the index. The state's arrays
+    are updated in place where the caller donates them."""
+    _require()
+    n = hi.shape[0]
+    arrays = [jnp.asarray(getattr(state, f), d) for f, d in zip(_FIELDS, _DTYPES)]
+    threshold = -1
+    if config.admit_probability < 1.0:
+        threshold = hx._admit_threshold(config.admit_probability)
+    vec = lambda dtype: jax.ShapeDtypeStruct((n,), dtype)
+    out = jax.ffi.ffi_call(
+        "jte_hashindex_resolve_update",
+        tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+        + (
+            vec(jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+            vec(jnp.int32),
+            vec(jnp.uint32),
+            vec(jnp.uint32),
+        ),
+        input_output_aliases={5 + i: i for i in range(len(arrays))},
+    )(
+        jnp.asarray(hi, jnp.uint32),
+        jnp.asarray(lo, jnp.uint32),
+        jnp.asarray(keep, bool).reshape(1),
+        jnp.asarray(me, jnp.int32).reshape(1),
+        _now(now),
+        *arrays,
+        ttl_steps=_ttl(config),
+        eviction=np.int32(_EVICTION[config.eviction]),
+        min_count=np.int32(config.min_count),
+        threshold=np.int64(threshold),
+        prio_key=np.int64(_key(config.seed, hx._SALT_PRIORITY)),
+        admit_key=np.int64(_key(config.seed, hx._SALT_ADMIT)),
+        bucket_size=np.int64(config.bucket_size),
+        filter_bucket_size=np.int64(config.filter_bucket_size),
+        **_locator(config, num_shards),
+    )
+    k = len(arrays)
+    rows, count, f_rows, f_hi, f_lo = out[k:]
+    return hx.IndexState(*out[:k]), Resolved(rows, count[0], f_rows, f_hi, f_lo)

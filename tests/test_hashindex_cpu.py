@@ -206,9 +206,9 @@ def test_update_on_odd_states():
 
 
 def _distinct(hi, lo, valid):
-    """The C++ `distinct`'s reference in XLA ops: sorted distinct (hi, lo) of the valid
-    entries (the rest padding, after them), a mask of the distinct ones, and each entry's
-    position in the distinct list."""
+    """The distinct valid entries in XLA ops: sorted distinct (hi, lo) (the rest padding,
+    after them), a mask of the distinct ones, and each entry's position in the distinct
+    list."""
     n = hi.shape[0]
     pad = jnp.uint32(hx.PAD)
     hi, lo = jnp.where(valid, hi, pad), jnp.where(valid, lo, pad)
@@ -223,45 +223,49 @@ def _distinct(hi, lo, valid):
     return u_hi, u_lo, ~_dynamic.is_pad(u_hi, u_lo), where
 
 
-@pytest.mark.parametrize("n", [1, 7, 64, 1000, 20000])  # 20000: the radix sort
-def test_distinct_identical(n, rng):
-    pool = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, max(2, n // 3), np.int64)
-    pool[0] = -1  # (PAD, PAD): padding even where valid
-    pool[1] = -(1 << 32)  # hi PAD, lo 0: a real id just below padding
-    ids = rng.choice(pool, n)
-    hi, lo = hx.split_ids(ids)
-    for valid in (np.ones(n, bool), rng.random(n) < 0.7, np.zeros(n, bool)):
-        _assert_same(
-            jax.jit(_distinct)(hi, lo, valid),
-            jax.jit(_hashindex_cpu.distinct)(hi, lo, valid),
-            f"distinct n={n}",
-        )
-
-
 # Every rule happens in a short stream on 4 shards.
 MESH = dataclasses.replace(MESH_CONFIG, ttl_steps=8, filter_bucket_size=4)
 
 
-def _both_sharded(config, mesh):
-    """Inside shard_map, as `_dynamic.update_rows` runs it, with each implementation from
-    the same state: the gathered ids deduplicated, then updated on their owner; and a lookup
-    of them. Returns the XLA state and, per output array, whether the two agree."""
+def _by_row(rows, hi, lo, fresh):
+    """(rows, hi, lo) of the fresh entries, ascending by row, padded with -1: the resets,
+    in an order that does not depend on the order of the ids."""
+    key = jnp.where(fresh, rows, jnp.iinfo(jnp.int32).max)
+    key, hi, lo = jax.lax.sort((key, hi, lo), num_keys=1)
+    keep = key < jnp.iinfo(jnp.int32).max
+    return jnp.where(keep, key, -1), jnp.where(keep, hi, 0), jnp.where(keep, lo, 0)
+
+
+def _both_sharded(config, mesh, keep: bool = True):
+    """Inside shard_map, the C++ `resolve_update` and `find_owned` (as `_dynamic` runs them)
+    against XLA ops from the same state: the gathered ids located, the owned ones
+    deduplicated and updated, and found. Returns the XLA state and, per output array,
+    whether the two agree."""
     n = mesh.shape["shard"]
 
-    def path(impl, state, hi, lo, now):
-        m = IMPLS[impl]
-        distinct = _distinct if impl == "xla" else _hashindex_cpu.distinct
+    def xla(state, hi, lo, now):
+        me = jax.lax.axis_index("shard")
         owner, lb = hx.locate(config, n, hi, lo)
-        mine = (owner == jax.lax.axis_index("shard")) & ~_dynamic.is_pad(hi, lo)
-        u_hi, u_lo, u_valid, where = distinct(hi, lo, mine)
+        mine = (owner == me) & ~_dynamic.is_pad(hi, lo) & keep
+        u_hi, u_lo, u_valid, where = _distinct(hi, lo, mine)
         _, u_lb = hx.locate(config, n, u_hi, u_lo)
-        state, row, fresh = m.update(config, state, u_hi, u_lo, u_lb, u_valid, now)
-        found_row, found = m.find(config, state, hi, lo, lb, now)
-        return state, (u_hi, u_lo, u_valid, where, row[where], fresh, found_row, found)
+        state, row, fresh = hx.update(config, state, u_hi, u_lo, u_lb, u_valid, now)
+        rows = jnp.where(mine, row[where], -1)
+        resets = _by_row(row, u_hi, u_lo, fresh & u_valid & (row >= 0))
+        found_row, found = hx.find(config, state, hi, lo, lb, now)
+        found_row = jnp.where(found & (owner == me), found_row, -1)
+        return state, (rows, *resets, found_row)
+
+    def cpp(state, hi, lo, now):
+        me = jax.lax.axis_index("shard")
+        state, r = _hashindex_cpu.resolve_update(config, state, hi, lo, keep, me, n, now)
+        fresh = jax.lax.iota(jnp.int32, hi.shape[0]) < r.fresh_count
+        resets = _by_row(r.fresh_rows, r.fresh_hi, r.fresh_lo, fresh)
+        found_row = _hashindex_cpu.find_owned(config, state, hi, lo, me, n, now)
+        return state, (r.rows, *resets, found_row)
 
     def local(state, hi, lo, now):
-        want = path("xla", state, hi, lo, now)
-        got = path("cpp", state, hi, lo, now)
+        want, got = xla(state, hi, lo, now), cpp(state, hi, lo, now)
         same = [jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got))]
         return want[0], jnp.stack(same)[None]
 
@@ -290,21 +294,31 @@ def test_identical_under_shard_map(shards):
         assert same.all(), (t, np.argwhere(~same).tolist())
     s = hx.stats(config, state, len(stream))
     assert int(s["evicted"]) and int(s["expired"]) and int(s["filter_evicted"])
+    # A skipped table (keep False): nothing changes, and no id has a row.
+    before = jax.tree.map(np.asarray, state)
+    after, same = _both_sharded(config, mesh, keep=False)(state, hi, lo, np.int32(len(stream) + 1))
+    assert np.asarray(same).all()
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, np.asarray(b))
 
 
 @pytest.mark.parametrize("shards", [0, 2])
 def test_update_is_in_place(shards):
     """A donated step writes into the index buffers: no copy of the (NB·b,) arrays, the
     same buffers before and after, and temporaries of O(ids), not O(capacity). Plain jit
-    (shards 0) and inside shard_map on 2 devices, as `_dynamic` runs it."""
+    (shards 0, `update`) and inside shard_map on 2 devices (`resolve_update`, as `_dynamic`
+    runs it)."""
     config = hx.IndexConfig(buckets=8192, bucket_size=64, ttl_steps=50, min_count=2,
                             filter_buckets=4096, filter_bucket_size=16)  # fmt: skip
     u, n = 512, max(shards, 1)
 
     def local(state, hi, lo, now):
-        owner, lb = hx.locate(config, n, hi, lo)
-        mine = owner == (jax.lax.axis_index("shard") if shards else 0)
-        state, row, fresh = _hashindex_cpu.update(config, state, hi, lo, lb, mine, now)
+        if shards:
+            me = jax.lax.axis_index("shard")
+            state, r = _hashindex_cpu.resolve_update(config, state, hi, lo, True, me, n, now)
+            return state, r.rows[None], r.fresh_rows[None]
+        _, lb = hx.locate(config, n, hi, lo)
+        state, row, fresh = _hashindex_cpu.update(config, state, hi, lo, lb, True, now)
         return state, row[None], fresh[None]
 
     state = hx.empty_state(config, n)

@@ -1,8 +1,10 @@
 // The dynamic table's index (../_hashindex.py) on one shard, in C++ through XLA FFI (see
 // ../_hashindex_cpu.py).
 //
-// `Find`, `Update` and `Distinct` give the same outputs as `_hashindex.find`,
-// `_hashindex.update` and `_dynamic._distinct`, bit for bit. The XLA update decides every
+// `Find` and `Update` give the same outputs as `_hashindex.find` and `_hashindex.update`, bit
+// for bit. `FindOwned` and `ResolveUpdate` are what a shard does with a table's gathered ids
+// (`_dynamic.lookup_rows`, `update_rows`): locate them, keep the ones it owns (distinct, for
+// the update), and run `Find` or `Update` on those, in one call. The XLA update decides every
 // bucket at once with sorts; here one pass over the ids decides the same, sequentially:
 //
 //   A. Each id's hit lane, its own expired ("stale") lane, miss, admission (probability
@@ -25,6 +27,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -201,23 +205,11 @@ void CopyIfNotAliased(const T* in, T* out, int64_t n) {
 
 // ------------------------------------------------------------------------------------ find
 
-ffi::Error FindImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buffer<ffi::S32> lb,
-                    ffi::Buffer<ffi::S32> now_buf, ffi::Buffer<ffi::U32> keys_hi,
-                    ffi::Buffer<ffi::U32> keys_lo, ffi::Buffer<ffi::S32> last,
-                    ffi::ResultBuffer<ffi::S32> row, ffi::ResultBuffer<ffi::PRED> found,
-                    int64_t ttl_steps, int64_t bucket_size) {
-  // The index arrays are flat (IndexState): bucket g's slots at [g*b, (g+1)*b).
-  const int64_t n = hi.element_count();
-  const int64_t b = bucket_size, nbl = keys_hi.element_count() / b;
-  if (nbl == 0) return ffi::Error::InvalidArgument("jte hashindex find: empty index");
-  const Ttl ttl{ttl_steps};
-  const int32_t now = now_buf.typed_data()[0];
-  const uint32_t *qh = hi.typed_data(), *ql = lo.typed_data();
-  const int32_t* qb = lb.typed_data();
-  const uint32_t *kh = keys_hi.typed_data(), *kl = keys_lo.typed_data();
-  const int32_t* kt = last.typed_data();
-  int32_t* out_row = row->typed_data();
-  bool* out_found = found->typed_data();
+// `Find` on raw arrays: n queries (ids qh, ql; local buckets qb) against the flat index of
+// nbl buckets of b slots.
+void FindCore(int64_t n, const uint32_t* qh, const uint32_t* ql, const int32_t* qb, int32_t now,
+              const uint32_t* kh, const uint32_t* kl, const int32_t* kt, int64_t nbl, int64_t b,
+              const Ttl ttl, int32_t* out_row, bool* out_found) {
   // Pass 1: each query's first lane whose lo word matches, in out_row (-1: none).
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n) PrefetchBucket(kl + Clamp(qb[i + kAhead], nbl) * b, b);
@@ -245,6 +237,62 @@ ffi::Error FindImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buf
     out_row[i] = r;
     out_found[i] = r >= 0;
   }
+}
+
+ffi::Error FindImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buffer<ffi::S32> lb,
+                    ffi::Buffer<ffi::S32> now_buf, ffi::Buffer<ffi::U32> keys_hi,
+                    ffi::Buffer<ffi::U32> keys_lo, ffi::Buffer<ffi::S32> last,
+                    ffi::ResultBuffer<ffi::S32> row, ffi::ResultBuffer<ffi::PRED> found,
+                    int64_t ttl_steps, int64_t bucket_size) {
+  // The index arrays are flat (IndexState): bucket g's slots at [g*b, (g+1)*b).
+  const int64_t b = bucket_size, nbl = keys_hi.element_count() / b;
+  if (nbl == 0) return ffi::Error::InvalidArgument("jte hashindex find: empty index");
+  FindCore(hi.element_count(), hi.typed_data(), lo.typed_data(), lb.typed_data(),
+           now_buf.typed_data()[0], keys_hi.typed_data(), keys_lo.typed_data(),
+           last.typed_data(), nbl, b, Ttl{ttl_steps}, row->typed_data(), found->typed_data());
+  return ffi::Error::Success();
+}
+
+// Where ids live: `_hashindex.locate`'s global bucket, owner shard and local bucket.
+struct Locator {
+  uint32_t key;  // `_hashindex._key(seed, _SALT_BUCKET)`.
+  int64_t buckets, per;  // Global buckets, and buckets per shard.
+  // The id's local bucket when shard `me` owns it, else -1.
+  int32_t Local(uint32_t h, uint32_t l, int32_t me) const {
+    const int64_t g = int64_t(Hash(key, h, l) % uint32_t(buckets));
+    return g / per == me ? int32_t(g % per) : -1;
+  }
+};
+
+// `find` of the gathered ids that shard `me` owns, located here: each id's local row, -1
+// where another shard owns it, it is padding, or it is not held. (What `_dynamic.lookup_rows`
+// did with XLA ops around `Find`, in one pass.)
+ffi::Error FindOwnedImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo,
+                         ffi::Buffer<ffi::S32> me_buf, ffi::Buffer<ffi::S32> now_buf,
+                         ffi::Buffer<ffi::U32> keys_hi, ffi::Buffer<ffi::U32> keys_lo,
+                         ffi::Buffer<ffi::S32> last, ffi::ResultBuffer<ffi::S32> row,
+                         int64_t ttl_steps, int64_t bucket_size, int64_t bucket_key,
+                         int64_t buckets, int64_t num_shards) {
+  const int64_t n = hi.element_count();
+  const int64_t b = bucket_size, nbl = keys_hi.element_count() / b;
+  if (nbl == 0) return ffi::Error::InvalidArgument("jte hashindex find_owned: empty index");
+  const Locator at{uint32_t(bucket_key), buckets, buckets / num_shards};
+  const int32_t me = me_buf.typed_data()[0];
+  const uint32_t *qh = hi.typed_data(), *ql = lo.typed_data();
+  std::vector<uint32_t> oh(size_t(n), kPad), ol(size_t(n), kPad);
+  std::vector<int32_t> qb(size_t(n), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (IsPad(qh[i], ql[i])) continue;
+    const int32_t local = at.Local(qh[i], ql[i], me);
+    if (local < 0) continue;  // Another shard's: passed over as padding.
+    oh[i] = qh[i];
+    ol[i] = ql[i];
+    qb[i] = local;
+  }
+  std::unique_ptr<bool[]> found(new bool[size_t(std::max<int64_t>(n, 1))]);
+  FindCore(n, oh.data(), ol.data(), qb.data(), now_buf.typed_data()[0], keys_hi.typed_data(),
+           keys_lo.typed_data(), last.typed_data(), nbl, b, Ttl{ttl_steps}, row->typed_data(),
+           found.get());
   return ffi::Error::Success();
 }
 
@@ -304,60 +352,26 @@ struct Config {
   uint32_t prio_key, admit_key;
 };
 
-ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf,
-                      ffi::Buffer<ffi::S32> lb_buf, ffi::Buffer<ffi::PRED> valid_buf,
-                      ffi::Buffer<ffi::S32> now_buf, ffi::Buffer<ffi::U32> in_hi,
-                      ffi::Buffer<ffi::U32> in_lo, ffi::Buffer<ffi::S32> in_last,
-                      ffi::Buffer<ffi::S32> in_count, ffi::Buffer<ffi::U32> in_fhi,
-                      ffi::Buffer<ffi::U32> in_flo, ffi::Buffer<ffi::S32> in_fcount,
-                      ffi::Buffer<ffi::S32> in_stats, ffi::ResultBuffer<ffi::U32> out_hi,
-                      ffi::ResultBuffer<ffi::U32> out_lo, ffi::ResultBuffer<ffi::S32> out_last,
-                      ffi::ResultBuffer<ffi::S32> out_count, ffi::ResultBuffer<ffi::U32> out_fhi,
-                      ffi::ResultBuffer<ffi::U32> out_flo,
-                      ffi::ResultBuffer<ffi::S32> out_fcount,
-                      ffi::ResultBuffer<ffi::S32> out_stats, ffi::ResultBuffer<ffi::S32> row_buf,
-                      ffi::ResultBuffer<ffi::PRED> fresh_buf, int64_t ttl_steps,
-                      int32_t eviction, int32_t min_count, int64_t threshold, int64_t prio_key,
-                      int64_t admit_key, int64_t bucket_size, int64_t filter_bucket_size) {
-  const Config c{ttl_steps, eviction, min_count, threshold, uint32_t(prio_key),
-                 uint32_t(admit_key)};
+// The index's arrays on one shard (flat: bucket g's slots at [g*b, (g+1)*b)), written in place.
+struct IndexArrays {
+  uint32_t *ki, *kl;
+  int32_t *kt, *kc;
+  uint32_t *fi, *fl;
+  int32_t* fc;
+  int64_t nbl, b, nfl, bf;
+};
+
+// `Update` on raw arrays: u distinct ids (hi, lo; local buckets lb; valid) against the index
+// `x`, in place. Writes each id's local row (-1: none) and fresh flag, and adds the step's
+// counts to `tally`.
+void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t* hi,
+                const uint32_t* lo, const int32_t* lb, const bool* valid, int32_t now,
+                int32_t* row, bool* fresh, int64_t* tally) {
   const Ttl ttl{c.ttl_steps};
-  const int64_t u = hi_buf.element_count();
-  const int64_t b = bucket_size, nbl = in_hi.element_count() / b;
-  const int64_t bf = filter_bucket_size, nfl = in_fhi.element_count() / bf;
-  const int64_t slots = nbl * b, fslots = nfl * bf;
-  const int32_t now = now_buf.typed_data()[0];
   const bool filter = c.min_count > 1;
-  if (nbl == 0 || (filter && nfl == 0)) {
-    return ffi::Error::InvalidArgument("jte hashindex update: empty index");
-  }
-
-  // The index, in place (the operands are donated and aliased to the results).
-  uint32_t* ki = out_hi->typed_data();
-  uint32_t* kl = out_lo->typed_data();
-  int32_t* kt = out_last->typed_data();
-  int32_t* kc = out_count->typed_data();
-  uint32_t* fi = out_fhi->typed_data();
-  uint32_t* fl = out_flo->typed_data();
-  int32_t* fc = out_fcount->typed_data();
-  int32_t* st = out_stats->typed_data();
-  CopyIfNotAliased(in_hi.typed_data(), ki, slots);
-  CopyIfNotAliased(in_lo.typed_data(), kl, slots);
-  CopyIfNotAliased(in_last.typed_data(), kt, slots);
-  CopyIfNotAliased(in_count.typed_data(), kc, slots);
-  CopyIfNotAliased(in_fhi.typed_data(), fi, fslots);
-  CopyIfNotAliased(in_flo.typed_data(), fl, fslots);
-  CopyIfNotAliased(in_fcount.typed_data(), fc, fslots);
-  CopyIfNotAliased(in_stats.typed_data(), st, int64_t(in_stats.element_count()));
-
-  const uint32_t* hi = hi_buf.typed_data();
-  const uint32_t* lo = lo_buf.typed_data();
-  const int32_t* lb = lb_buf.typed_data();
-  const bool* valid = valid_buf.typed_data();
-  int32_t* row = row_buf->typed_data();
-  bool* fresh = fresh_buf->typed_data();
-  int64_t tally[kStats] = {};
-
+  uint32_t *ki = x.ki, *kl = x.kl, *fi = x.fi, *fl = x.fl;
+  int32_t *kt = x.kt, *kc = x.kc, *fc = x.fc;
+  const int64_t b = x.b, nbl = x.nbl, bf = x.bf, nfl = x.nfl;
   // A. Read only.
   std::vector<int64_t> base(size_t(u), 0);       // The bucket's first slot.
   std::vector<int32_t> hit_lane(size_t(u), -1);  // -1: not a hit.
@@ -593,8 +607,49 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf
     }
   }
 
-  // Every shard row of stats gets the step's counts (XLA broadcasts them the same way).
-  const int64_t stat_rows = int64_t(in_stats.element_count()) / kStats;
+}
+
+// The index operands (donated) and results (aliased to them) of an update.
+struct IndexIn {
+  ffi::Buffer<ffi::U32> hi, lo;
+  ffi::Buffer<ffi::S32> last, count;
+  ffi::Buffer<ffi::U32> fhi, flo;
+  ffi::Buffer<ffi::S32> fcount, stats;
+};
+struct IndexOut {
+  ffi::ResultBuffer<ffi::U32> hi, lo;
+  ffi::ResultBuffer<ffi::S32> last, count;
+  ffi::ResultBuffer<ffi::U32> fhi, flo;
+  ffi::ResultBuffer<ffi::S32> fcount, stats;
+};
+
+// Runs `run(index arrays, tally)` on the index in place (copied first where XLA did not alias
+// it), then adds the tally to every shard row of stats (XLA broadcasts the counts the same
+// way).
+template <typename F>
+ffi::Error OnIndex(const char* what, const Config& c, IndexIn& in, IndexOut& out,
+                   int64_t bucket_size, int64_t filter_bucket_size, F run) {
+  const int64_t b = bucket_size, nbl = in.hi.element_count() / b;
+  const int64_t bf = filter_bucket_size, nfl = in.fhi.element_count() / bf;
+  const int64_t slots = nbl * b, fslots = nfl * bf;
+  if (nbl == 0 || (c.min_count > 1 && nfl == 0)) {
+    return ffi::Error::InvalidArgument(std::string("jte hashindex ") + what + ": empty index");
+  }
+  IndexArrays x{out.hi->typed_data(),   out.lo->typed_data(),  out.last->typed_data(),
+                out.count->typed_data(), out.fhi->typed_data(), out.flo->typed_data(),
+                out.fcount->typed_data(), nbl, b, nfl, bf};
+  int32_t* st = out.stats->typed_data();
+  CopyIfNotAliased(in.hi.typed_data(), x.ki, slots);
+  CopyIfNotAliased(in.lo.typed_data(), x.kl, slots);
+  CopyIfNotAliased(in.last.typed_data(), x.kt, slots);
+  CopyIfNotAliased(in.count.typed_data(), x.kc, slots);
+  CopyIfNotAliased(in.fhi.typed_data(), x.fi, fslots);
+  CopyIfNotAliased(in.flo.typed_data(), x.fl, fslots);
+  CopyIfNotAliased(in.fcount.typed_data(), x.fc, fslots);
+  CopyIfNotAliased(in.stats.typed_data(), st, int64_t(in.stats.element_count()));
+  int64_t tally[kStats] = {};
+  run(x, tally);
+  const int64_t stat_rows = int64_t(in.stats.element_count()) / kStats;
   for (int64_t r = 0; r < stat_rows; ++r) {
     for (int k = 0; k < kStats; ++k) {
       st[r * kStats + k] = int32_t(uint32_t(st[r * kStats + k]) + uint32_t(tally[k]));
@@ -603,40 +658,130 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf
   return ffi::Error::Success();
 }
 
-// -------------------------------------------------------------------------------- distinct
+ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo,
+                      ffi::Buffer<ffi::S32> lb, ffi::Buffer<ffi::PRED> valid,
+                      ffi::Buffer<ffi::S32> now, ffi::Buffer<ffi::U32> in_hi,
+                      ffi::Buffer<ffi::U32> in_lo, ffi::Buffer<ffi::S32> in_last,
+                      ffi::Buffer<ffi::S32> in_count, ffi::Buffer<ffi::U32> in_fhi,
+                      ffi::Buffer<ffi::U32> in_flo, ffi::Buffer<ffi::S32> in_fcount,
+                      ffi::Buffer<ffi::S32> in_stats, ffi::ResultBuffer<ffi::U32> out_hi,
+                      ffi::ResultBuffer<ffi::U32> out_lo, ffi::ResultBuffer<ffi::S32> out_last,
+                      ffi::ResultBuffer<ffi::S32> out_count, ffi::ResultBuffer<ffi::U32> out_fhi,
+                      ffi::ResultBuffer<ffi::U32> out_flo,
+                      ffi::ResultBuffer<ffi::S32> out_fcount,
+                      ffi::ResultBuffer<ffi::S32> out_stats, ffi::ResultBuffer<ffi::S32> row,
+                      ffi::ResultBuffer<ffi::PRED> fresh, int64_t ttl_steps,
+                      int32_t eviction, int32_t min_count, int64_t threshold, int64_t prio_key,
+                      int64_t admit_key, int64_t bucket_size, int64_t filter_bucket_size) {
+  const Config c{ttl_steps, eviction, min_count, threshold, uint32_t(prio_key),
+                 uint32_t(admit_key)};
+  IndexIn in{in_hi, in_lo, in_last, in_count, in_fhi, in_flo, in_fcount, in_stats};
+  IndexOut out{out_hi, out_lo, out_last, out_count, out_fhi, out_flo, out_fcount, out_stats};
+  return OnIndex("update", c, in, out, bucket_size, filter_bucket_size,
+                 [&](const IndexArrays& x, int64_t* tally) {
+                   UpdateCore(c, x, hi.element_count(), hi.typed_data(), lo.typed_data(),
+                              lb.typed_data(), valid.typed_data(), now.typed_data()[0],
+                              row->typed_data(), fresh->typed_data(), tally);
+                 });
+}
 
-ffi::Error DistinctImpl(ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf,
-                        ffi::Buffer<ffi::PRED> valid_buf, ffi::ResultBuffer<ffi::U32> u_hi,
-                        ffi::ResultBuffer<ffi::U32> u_lo, ffi::ResultBuffer<ffi::PRED> u_valid,
-                        ffi::ResultBuffer<ffi::S32> where) {
+// ------------------------------------------------------------------------- resolve_update
+
+// The gathered ids' whole update on shard `me` (what `_dynamic.update_rows` did with
+// `locate`, a sort for the distinct ids and `Update`): the ids this shard owns (and are not
+// padding; none when `keep` is false) are located, deduplicated by a hash table in order of
+// first appearance, and updated by `UpdateCore`, whose results do not depend on the order of
+// its ids. Returns each position's local row (-1: not owned, or no row), and the rows given
+// to new ids with those ids, compacted: the first `fresh_count` entries of fresh_row,
+// fresh_hi, fresh_lo (the rest -1 and padding).
+ffi::Error ResolveUpdateImpl(
+    ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf, ffi::Buffer<ffi::PRED> keep_buf,
+    ffi::Buffer<ffi::S32> me_buf, ffi::Buffer<ffi::S32> now_buf, ffi::Buffer<ffi::U32> in_hi,
+    ffi::Buffer<ffi::U32> in_lo, ffi::Buffer<ffi::S32> in_last, ffi::Buffer<ffi::S32> in_count,
+    ffi::Buffer<ffi::U32> in_fhi, ffi::Buffer<ffi::U32> in_flo, ffi::Buffer<ffi::S32> in_fcount,
+    ffi::Buffer<ffi::S32> in_stats, ffi::ResultBuffer<ffi::U32> out_hi,
+    ffi::ResultBuffer<ffi::U32> out_lo, ffi::ResultBuffer<ffi::S32> out_last,
+    ffi::ResultBuffer<ffi::S32> out_count, ffi::ResultBuffer<ffi::U32> out_fhi,
+    ffi::ResultBuffer<ffi::U32> out_flo, ffi::ResultBuffer<ffi::S32> out_fcount,
+    ffi::ResultBuffer<ffi::S32> out_stats, ffi::ResultBuffer<ffi::S32> row_buf,
+    ffi::ResultBuffer<ffi::S32> fresh_count, ffi::ResultBuffer<ffi::S32> fresh_row,
+    ffi::ResultBuffer<ffi::U32> fresh_hi, ffi::ResultBuffer<ffi::U32> fresh_lo,
+    int64_t ttl_steps, int32_t eviction, int32_t min_count, int64_t threshold, int64_t prio_key,
+    int64_t admit_key, int64_t bucket_size, int64_t filter_bucket_size, int64_t bucket_key,
+    int64_t buckets, int64_t num_shards) {
+  const Config c{ttl_steps, eviction, min_count, threshold, uint32_t(prio_key),
+                 uint32_t(admit_key)};
+  const Locator at{uint32_t(bucket_key), buckets, buckets / num_shards};
   const int64_t n = hi_buf.element_count();
   const uint32_t* hi = hi_buf.typed_data();
   const uint32_t* lo = lo_buf.typed_data();
-  const bool* valid = valid_buf.typed_data();
-  std::vector<std::pair<uint64_t, int32_t>> keys(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    keys[i] = {valid[i] ? Join(hi[i], lo[i]) : ~uint64_t(0), int32_t(i)};
-  }
-  SortPairs(keys);
-  uint32_t* oh = u_hi->typed_data();
-  uint32_t* ol = u_lo->typed_data();
-  bool* ov = u_valid->typed_data();
-  int32_t* ow = where->typed_data();
-  int64_t segment = -1;
-  for (int64_t k = 0; k < n; ++k) {
-    const uint64_t key = keys[k].first;
-    if (k == 0 || key != keys[k - 1].first) {
-      ++segment;
-      oh[segment] = uint32_t(key >> 32);
-      ol[segment] = uint32_t(key);
-      ov[segment] = key != ~uint64_t(0);
+  const bool keep = keep_buf.typed_data()[0];
+  const int32_t me = me_buf.typed_data()[0];
+  int32_t* row = row_buf->typed_data();
+
+  // The distinct owned ids, by open addressing: slot -> index into u_*, -1 empty.
+  std::vector<uint32_t> u_hi, u_lo;
+  std::vector<int32_t> u_lb, where(size_t(n), -1);
+  u_hi.reserve(size_t(n));
+  u_lo.reserve(size_t(n));
+  u_lb.reserve(size_t(n));
+  size_t mask = 1;
+  while (mask < 2 * size_t(n)) mask <<= 1;
+  std::vector<int32_t> table(mask, -1);
+  --mask;
+  for (int64_t i = 0; keep && i < n; ++i) {
+    const uint32_t h = hi[i], l = lo[i];
+    if (IsPad(h, l)) continue;
+    const int32_t local = at.Local(h, l, me);
+    if (local < 0) continue;
+    for (size_t s = Mix32(l ^ Mix32(h)) & mask;; s = (s + 1) & mask) {
+      const int32_t k = table[s];
+      if (k < 0) {
+        table[s] = int32_t(u_hi.size());
+        where[i] = int32_t(u_hi.size());
+        u_hi.push_back(h);
+        u_lo.push_back(l);
+        u_lb.push_back(local);
+        break;
+      }
+      if (u_hi[size_t(k)] == h && u_lo[size_t(k)] == l) {
+        where[i] = k;
+        break;
+      }
     }
-    ow[keys[k].second] = int32_t(segment);
   }
-  for (int64_t k = segment + 1; k < n; ++k) {
-    oh[k] = kPad;
-    ol[k] = kPad;
-    ov[k] = false;
+  const int64_t u = int64_t(u_hi.size());
+  std::vector<int32_t> u_row(size_t(u), -1);
+  std::unique_ptr<bool[]> u_valid(new bool[size_t(std::max<int64_t>(u, 1))]);
+  std::unique_ptr<bool[]> u_fresh(new bool[size_t(std::max<int64_t>(u, 1))]);
+  std::fill(u_valid.get(), u_valid.get() + u, true);
+
+  IndexIn in{in_hi, in_lo, in_last, in_count, in_fhi, in_flo, in_fcount, in_stats};
+  IndexOut out{out_hi, out_lo, out_last, out_count, out_fhi, out_flo, out_fcount, out_stats};
+  ffi::Error err = OnIndex("resolve_update", c, in, out, bucket_size, filter_bucket_size,
+                           [&](const IndexArrays& x, int64_t* tally) {
+                             UpdateCore(c, x, u, u_hi.data(), u_lo.data(), u_lb.data(),
+                                        u_valid.get(), now_buf.typed_data()[0], u_row.data(),
+                                        u_fresh.get(), tally);
+                           });
+  if (!err.success()) return err;
+  for (int64_t i = 0; i < n; ++i) row[i] = where[i] < 0 ? -1 : u_row[size_t(where[i])];
+  int32_t* f_row = fresh_row->typed_data();
+  uint32_t* f_hi = fresh_hi->typed_data();
+  uint32_t* f_lo = fresh_lo->typed_data();
+  int64_t m = 0;
+  for (int64_t k = 0; k < u; ++k) {
+    if (!u_fresh[size_t(k)] || u_row[size_t(k)] < 0) continue;
+    f_row[m] = u_row[size_t(k)];
+    f_hi[m] = u_hi[size_t(k)];
+    f_lo[m] = u_lo[size_t(k)];
+    ++m;
+  }
+  fresh_count->typed_data()[0] = int32_t(m);
+  for (int64_t k = m; k < n; ++k) {
+    f_row[k] = -1;
+    f_hi[k] = kPad;
+    f_lo[k] = kPad;
   }
   return ffi::Error::Success();
 }
@@ -691,12 +836,58 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexUpdate, UpdateImpl,
                                   .Attr<int64_t>("bucket_size")
                                   .Attr<int64_t>("filter_bucket_size"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexDistinct, DistinctImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexFindOwned, FindOwnedImpl,
                               ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // hi, gathered
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // lo
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // me, (1,)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // now, (1,)
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // local row
+                                  .Attr<int64_t>("ttl_steps")
+                                  .Attr<int64_t>("bucket_size")
+                                  .Attr<int64_t>("bucket_key")
+                                  .Attr<int64_t>("buckets")
+                                  .Attr<int64_t>("num_shards"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexResolveUpdate, ResolveUpdateImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // hi, gathered
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // lo
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // keep, (1,)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // me, (1,)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // now, (1,)
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // the IndexState, donated
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()  // the new IndexState
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // local row per position
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // fresh count, (1,)
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // fresh rows
+                                  .Ret<ffi::Buffer<ffi::U32>>()  // their ids
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Attr<int64_t>("ttl_steps")
+                                  .Attr<int32_t>("eviction")
+                                  .Attr<int32_t>("min_count")
+                                  .Attr<int64_t>("threshold")
+                                  .Attr<int64_t>("prio_key")
+                                  .Attr<int64_t>("admit_key")
+                                  .Attr<int64_t>("bucket_size")
+                                  .Attr<int64_t>("filter_bucket_size")
+                                  .Attr<int64_t>("bucket_key")
+                                  .Attr<int64_t>("buckets")
+                                  .Attr<int64_t>("num_shards"));
