@@ -106,6 +106,49 @@ def _ok(xp, x, low, low_open):
     return ok
 
 
+def _in_host_memory(x: Any) -> bool:
+    return isinstance(x, jax.Array) and x.sharding.memory_kind == "pinned_host"
+
+
+def _first_bad_in_host_shards(items: list[Restored]) -> list[tuple[Restored, int, float]]:
+    """(item, flat index, value) of the first value outside its domain in each of `items`
+    (jax.Arrays in host memory), read shard by shard in NumPy: never moved to a device.
+    With several processes each reads its own shards, and one all-gather of the findings
+    gives every process the same answer."""
+    if not items:
+        return []
+    # Per item: (found, flat index, value), the earliest of this process's shards.
+    mine = np.zeros((len(items), 3), np.float64)
+    for k, it in enumerate(items):
+        width = int(np.prod(it.array.shape[1:], dtype=np.int64))
+        best = None
+        for shard in it.array.addressable_shards:
+            start = shard.index[0].start or 0
+            if start >= it.rows:
+                continue
+            flat = np.asarray(shard.data)[: it.rows - start].astype(np.float32).reshape(-1)
+            bad = ~_ok(np, flat, *_bounds(it))
+            if bad.any():
+                i = int(np.argmax(bad))
+                at = start * width + i
+                if best is None or at < best[0]:
+                    best = (at, float(flat[i]))
+        if best is not None:
+            mine[k] = (1.0, best[0], best[1])
+    every = mine[None]
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        every = np.asarray(multihost_utils.process_allgather(mine))
+    found = []
+    for k, it in enumerate(items):
+        hits = [row for row in every[:, k] if row[0]]
+        if hits:
+            _, at, value = min(hits, key=lambda row: row[1])
+            found.append((it, int(at), float(value)))
+    return found
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _first_bad_on_devices(arrays: tuple, specs: tuple) -> tuple:
     """Per array: (any value outside its domain, the flat index of the first, its value)."""
@@ -122,9 +165,15 @@ def check_restored(items: list[Restored], where: str) -> None:
     """ValueError naming each table or slot (row and value) outside its optimizer's
     domain: a non-finite value anywhere, or a slot value its update is not defined for
     (`SlotSpec.low`). NumPy arrays are checked on the host, jax.Arrays on their devices
-    (one program for all of them, reading each array once)."""
+    (one program for all of them, reading each array once), jax.Arrays in host memory
+    shard by shard on the hosts that hold them (and the findings shared, so that every
+    process raises or none)."""
     found: list[tuple[Restored, int, float]] = []
-    on_devices = [it for it in items if isinstance(it.array, jax.Array)]
+    in_host = [it for it in items if _in_host_memory(it.array)]
+    on_devices = [
+        it for it in items if isinstance(it.array, jax.Array) and not _in_host_memory(it.array)
+    ]
+    found += _first_bad_in_host_shards(in_host)
     for it in items:
         if isinstance(it.array, jax.Array):
             continue

@@ -36,9 +36,12 @@ restore reads each device's slice of the logical rows and converts them back on 
 devices. The conversion holds a transient second copy of the tables in device memory while
 saving (none for "div" tables whose V is a multiple of N: their layout already is the
 logical one), and while restoring the read copies are freed one table at a time as they are
-converted. Tables in host memory (`placement="host"`, `HostCached`) may be larger than HBM:
-with one process they are converted on the host, in NumPy, and never pass through a device
-(`_in_numpy`).
+converted. Tables in host memory (`placement="host"`, `HostCached`) may be larger than HBM,
+and never pass through a device. When each shard holds one block of the logical rows ("div"
+with V a multiple of N), every host converts its own shards in NumPy and orbax writes and
+reads the logical blocks in host memory, with any number of processes (`_by_shard`). Other
+host tables are converted whole in NumPy with one process (`_in_numpy`); with several, on
+the devices.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _dynamic, _embedding, _guards, _hashindex, _optimizers, _storage
+from . import _dynamic, _embedding, _guards, _hashindex, _optimizers, _placement, _storage
 
 _FORMAT = "jax_tpu_embed.checkpoint/1"
 _ITEMS = ("embedding", "metadata", "dense", "dynamic")
@@ -134,13 +137,16 @@ def save(
         if name in emb.dynamic:
             continue
         storage = plan.storage
-        table, riders = _to_logical(emb, storage, None, physical.pop(name))
-        embedding["tables"][name] = table
         own = physical_slots.pop(name)
+        if _by_shard(emb, name):
+            table, riders = _blocks_to_logical(emb, storage, None, physical.pop(name))
+            convert = functools.partial(_blocks_to_logical, emb, storage)
+        else:
+            table, riders = _to_logical(emb, storage, None, physical.pop(name))
+            convert = functools.partial(_to_logical, emb, storage)
+        embedding["tables"][name] = table
         embedding["slots"][name] = {
-            s.name: riders[s.name]
-            if s.name in riders
-            else _to_logical(emb, storage, s, own[s.name])
+            s.name: riders[s.name] if s.name in riders else convert(s, own[s.name])
             for s in storage.slot_specs
         }
     items = {
@@ -364,12 +370,15 @@ def restore(
         # pop: each read copy is freed as soon as it is converted.
         own = stored["slots"].pop(name)
         riders = {s.name: own.pop(s.name) for s in storage.riders}
-        tables[name] = _to_physical(
-            emb, storage, None, storage.join_row(stored["tables"].pop(name), riders)
-        )
-        slots[name] = {
-            s.name: _to_physical(emb, storage, s, own.pop(s.name)) for s in storage.stored
-        }
+        if _by_shard(emb, name):
+            tables[name] = _blocks_to_physical(emb, storage, stored["tables"].pop(name), riders)
+            convert = lambda s, x, storage=storage: _blocks_to_physical(emb, storage, x, slot=s)
+        else:
+            tables[name] = _to_physical(
+                emb, storage, None, storage.join_row(stored["tables"].pop(name), riders)
+            )
+            convert = functools.partial(_to_physical, emb, storage)
+        slots[name] = {s.name: convert(s, own.pop(s.name)) for s in storage.stored}
     step_array = jax.device_put(jnp.asarray(meta["step"], jnp.int32), NamedSharding(emb.mesh, P()))
     # A HostCached table's host arrays hold all of it: its caches start empty.
     index = emb.with_empty_caches(index)
@@ -438,11 +447,20 @@ def _path(directory) -> str:
 
 
 def _exists(path: str) -> bool:
+    """Whether the directory exists, as process 0 sees it (every process takes the same
+    branch: one that saw the directory another process had just created would open a
+    manager the others do not, and orbax's collective steps would no longer match)."""
     if "://" in path:
         from etils import epath
 
-        return epath.Path(path).is_dir()
-    return os.path.isdir(path)
+        here = epath.Path(path).is_dir()
+    else:
+        here = os.path.isdir(path)
+    if jax.process_count() == 1:
+        return here
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(here)))
 
 
 class _QuietAbsl(logging.Filter):
@@ -556,10 +574,84 @@ def _physical_fn(
     return jax.jit(fn, out_shardings=sharding)
 
 
+def _by_shard(emb, name: str) -> bool:
+    """Whether a static table's arrays are converted shard by shard, in NumPy, on the hosts
+    that hold them: a table in host memory (which may be larger than HBM: it must not pass
+    through a device) whose every shard holds one block of the logical rows ("div", V a
+    multiple of N), so that each device's block of the saved (V, ...) array is its own
+    shard's. Orbax writes and reads these blocks in host memory; with several processes,
+    each converts only its own shards."""
+    if name in emb.dynamic:
+        return False
+    storage = emb.table_plans[name].storage
+    layout = storage.layout
+    return (
+        storage.on_host
+        and layout.strategy == "div"
+        and layout.padded_rows == layout.vocabulary_size
+    )
+
+
+def _host_blocks(shape: tuple, sharding: NamedSharding, blocks: dict) -> jax.Array:
+    """{device: NumPy block} -> the array `shape` with `sharding`, in host memory."""
+    on = lambda d: jax.sharding.SingleDeviceSharding(d, memory_kind=_placement.HOST)
+    arrays = [jax.device_put(block, on(d)) for d, block in blocks.items()]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _blocks_to_logical(emb, storage: _storage.TableStorage, slot, array: jax.Array):
+    """`_to_logical` of a `_by_shard` table: each local shard of the stored host array
+    unpacked to its block of logical rows in NumPy; the logical array in host memory,
+    row-sharded. A table that is stored as its logical rows is returned as it is."""
+    if storage.is_identity(slot):
+        return array if slot is not None else (array, {})
+    packing = storage.packing if slot is None else storage.slot_packing(slot)
+    rows = storage.layout.rows_per_shard
+    parts: dict[str, dict] = {}
+    for shard in array.addressable_shards:
+        block = packing.unpack(np.asarray(shard.data), 1, rows)
+        if slot is not None:
+            parts.setdefault("", {})[shard.device] = block
+            continue
+        table, riders = storage.split_row(block)
+        for key, value in {"": table, **riders}.items():
+            parts.setdefault(key, {})[shard.device] = np.ascontiguousarray(value)
+    logical = {}
+    for key, blocks in parts.items():
+        shape = (storage.layout.vocabulary_size,) + next(iter(blocks.values())).shape[1:]
+        sharding = _row_sharding(emb, True, len(shape), _placement.HOST)
+        logical[key] = _host_blocks(shape, sharding, blocks)
+    table = logical.pop("")
+    return table if slot is not None else (table, logical)
+
+
+def _blocks_to_physical(emb, storage: _storage.TableStorage, logical, riders=None, slot=None):
+    """`_to_physical` of a `_by_shard` table from the logical host arrays restore read
+    (the table with `riders` {name: array}, or a slot's): each local block joined and packed
+    in NumPy into its shard of the stored array in host memory."""
+    packing = storage.packing if slot is None else storage.slot_packing(slot)
+    physical_shape = storage.shapes()[0] if slot is None else storage.shapes()[1][slot.name]
+    riders = riders or {}
+    rider_blocks = {
+        name: {sh.device: sh.data for sh in x.addressable_shards} for name, x in riders.items()
+    }
+    blocks = {}
+    for shard in logical.addressable_shards:
+        block = np.asarray(shard.data)
+        if riders:
+            block = storage.join_row(
+                block, {n: np.asarray(b[shard.device]) for n, b in rider_blocks.items()}
+            )
+        blocks[shard.device] = packing.pack(block, 1)
+    sharding = _row_sharding(emb, False, len(physical_shape), _placement.HOST)
+    return _host_blocks(physical_shape, sharding, blocks)
+
+
 def _in_numpy(storage: _storage.TableStorage) -> bool:
     """Whether a table's arrays are converted on this host, in NumPy, instead of on the
     devices: a table in host memory (which may be larger than HBM: it must not pass through
-    a device), when this one process holds every shard of it."""
+    a device), when this one process holds every shard of it. (`save` and `restore` take
+    the static tables that `_by_shard` serves shard by shard instead.)"""
     return storage.on_host and jax.process_count() == 1
 
 
@@ -983,15 +1075,19 @@ def _describe_slots(slots: dict) -> str:
 
 
 def _embedding_target(emb) -> dict:
-    """Abstract logical arrays (padded to `emb`'s N * S rows) on `emb`'s mesh; NumPy ones
-    for the tables converted on this host (`_in_numpy`)."""
+    """Abstract logical arrays (padded to `emb`'s N * S rows) on `emb`'s mesh, in host
+    memory for the tables converted by shard (`_by_shard`); NumPy ones for the tables
+    converted whole on this host (`_in_numpy`)."""
     tables, slots = {}, {}
     for name, plan in emb.table_plans.items():
         if name in emb.dynamic:
             continue
         rows, d = plan.layout.padded_rows, plan.config.dim
 
-        def target(shape, dtype, storage=plan.storage):
+        def target(shape, dtype, storage=plan.storage, name=name):
+            if _by_shard(emb, name):
+                sharding = _row_sharding(emb, True, len(shape), _placement.HOST)
+                return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
             if _in_numpy(storage):
                 return np.zeros(shape, dtype)
             return jax.ShapeDtypeStruct(shape, dtype, sharding=_row_sharding(emb, True, len(shape)))

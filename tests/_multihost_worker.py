@@ -42,19 +42,24 @@ def make_spec(strategy: str, placement: str = "device") -> jte.EmbeddingSpec:
     return make_spec_placed(strategy, placement)
 
 
-def make_spec_placed(strategy: str, placement) -> jte.EmbeddingSpec:
+SIZES = {"shared": 37, "hot": 29, "seq": 21}
+# Multiples of 8: each "div" shard one block of the logical rows (checkpoints by shard).
+EVEN_SIZES = {"shared": 40, "hot": 32, "seq": 24}
+
+
+def make_spec_placed(strategy: str, placement, sizes=SIZES) -> jte.EmbeddingSpec:
     """Three tables: "shared" (Adagrad, the spec's) for a weighted multi-hot and a one-hot
     feature, "hot" (the same row form and optimizer: stacked with "shared") for a multi-hot
-    feature, "seq" (its own Adam) for a sequence feature. V is not a multiple of 8, so "div"
-    shards differ in size and both strategies pad. `placement`: every table's."""
+    feature, "seq" (its own Adam) for a sequence feature. With SIZES V is not a multiple of
+    8, so "div" shards differ in size and both strategies pad. `placement`: every table's."""
     shared = jte.TableConfig(
-        vocabulary_size=37, dim=8, combiner="mean", name="shared", placement=placement
+        vocabulary_size=sizes["shared"], dim=8, combiner="mean", name="shared", placement=placement
     )
     hot = jte.TableConfig(
-        vocabulary_size=29, dim=8, combiner="sum", name="hot", placement=placement
+        vocabulary_size=sizes["hot"], dim=8, combiner="sum", name="hot", placement=placement
     )
     seq = jte.TableConfig(
-        vocabulary_size=21,
+        vocabulary_size=sizes["seq"],
         dim=4,
         name="seq",
         optimizer=jte.Adam(learning_rate=0.05),
@@ -284,6 +289,37 @@ def read_criteo(directory: str) -> dict:
     return out
 
 
+def checkpoint_roundtrip(strategy: str, mesh_kind: str, placement: str, directory: str) -> dict:
+    """Trains two steps on tables whose V is a multiple of 8, saves a checkpoint under
+    `directory` with `jte.checkpoint` (every process writing its shards), and restores it.
+    {"saved/...": the tables and slots saved, "table/...", "slot/...": those restored,
+    "meta/by_shard": whether each table was converted shard by shard on its hosts}."""
+    from jax_tpu_embed import checkpoint
+
+    emb = jte.Embedding(make_spec_placed(strategy, placement, EVEN_SIZES), make_mesh(mesh_kind))
+    state = emb.init(jax.random.key(0))
+    rows = multihost.process_batch_rows(emb, B)
+    for step in range(2):
+        local = jax.tree.map(lambda x: x[rows], global_step_data(step))
+        features, grads = multihost.global_batch(emb, local)
+        state = emb.apply_gradients(state, features, grads)
+    out = {f"saved/{k}": v for k, v in _exported(emb, state).items()}
+    checkpoint.save(directory, emb, state)
+    restored, _ = checkpoint.restore(directory, emb)
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves((restored.tables, restored.slots))}
+    assert kinds == {"pinned_host" if placement == "host" else "device"}, kinds
+    out.update(_exported(emb, restored))
+    out["meta/by_shard"] = np.array([checkpoint._by_shard(emb, n) for n in sorted(emb.table_plans)])
+    return out
+
+
+def _exported(emb, state) -> dict:
+    out = {f"table/{n}": np.asarray(t) for n, t in emb.export(state).items()}
+    for name, slots in emb.export_slots(state).items():
+        out.update({f"slot/{name}/{k}": np.asarray(v) for k, v in slots.items()})
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
@@ -318,7 +354,14 @@ def main(argv=None) -> int:
 
     for case in args.cases.split(","):
         t0 = time.perf_counter()
-        result = read_criteo(args.out) if case == "criteo" else train(*case.split(":"))
+        if case == "criteo":
+            result = read_criteo(args.out)
+        elif case.startswith("checkpoint:"):
+            _, strategy, mesh_kind, placement = case.split(":")
+            where = os.path.join(args.out, case.replace(":", "_"))
+            result = checkpoint_roundtrip(strategy, mesh_kind, placement, where)
+        else:
+            result = train(*case.split(":"))
         if jax.process_index() == 0:
             # Written whole, then renamed: the test reads each case as soon as it appears.
             path = os.path.join(args.out, case.replace(":", "_") + ".npz")

@@ -42,7 +42,15 @@ CASES = (
     "mod:explicit:local:init:owner:host",
     "div:auto:local:init:gather:cached",
 )
-JOB_CASES = CASES + ("criteo",)
+# checkpoint:strategy:mesh:placement (worker.checkpoint_roundtrip): tables of V a multiple
+# of 8 saved by both processes and restored. "div" in host memory converts shard by shard
+# on each process's host; "mod" in host memory and device tables go through the devices.
+CHECKPOINT_CASES = (
+    "checkpoint:div:explicit:host",
+    "checkpoint:mod:auto:host",
+    "checkpoint:div:auto:device",
+)
+JOB_CASES = CASES + ("criteo",) + CHECKPOINT_CASES
 NUM_PROCESSES = 2
 
 # One job (the module fixture `job`) serves every case: the module runs on one pytest-xdist
@@ -216,6 +224,40 @@ def test_two_processes_match_one(job, case):
     np.testing.assert_array_equal(np.sort(rows.ravel()), np.arange(worker.B))
     if case.split(":")[2:3] == ["numpy"]:  # Only the global batch passes the NumPy check.
         assert got["meta/same_check"].tolist() == [False, True]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CHECKPOINT_CASES)
+def test_checkpoints_of_two_processes(job, case, tmp_path):
+    """A checkpoint saved by 2 processes x 4 devices restores there bit for bit, holds what
+    one process with 8 devices trains, and restores in one process, on 8 devices and on 2
+    (in device memory). Host tables of "div" with V a multiple of N are converted on each
+    process's host, shard by shard; the others on the devices."""
+    from jax_tpu_embed import checkpoint
+
+    _, strategy, mesh_kind, placement = case.split(":")
+    got = job.result(case)
+    saved = {k[len("saved/") :]: v for k, v in got.items() if k.startswith("saved/")}
+    restored = {k: v for k, v in got.items() if k.startswith(("table/", "slot/"))}
+    assert sorted(saved) == sorted(restored) and saved
+    for key in saved:  # Restored on the 2 processes: bit for bit.
+        np.testing.assert_array_equal(restored[key], saved[key], err_msg=key)
+    by_shard = strategy == "div" and placement == "host"
+    assert got["meta/by_shard"].tolist() == [by_shard] * 3
+    want = worker.checkpoint_roundtrip(strategy, mesh_kind, placement, str(tmp_path / "one"))
+    for key in saved:  # Trained by one process: the same values.
+        np.testing.assert_allclose(saved[key], want[f"saved/{key}"], rtol=1e-6, atol=1e-6)
+    directory = job.out / case.replace(":", "_")
+    for devices, where in ((8, placement), (2, "device")):
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("shard",))
+        spec = worker.make_spec_placed(strategy, where, worker.EVEN_SIZES)
+        emb = jte.Embedding(spec, mesh)
+        state, _ = checkpoint.restore(directory, emb)
+        for name, table in emb.export(state).items():
+            np.testing.assert_array_equal(table, saved[f"table/{name}"], err_msg=name)
+        for name, slots in emb.export_slots(state).items():
+            for slot, value in slots.items():
+                np.testing.assert_array_equal(value, saved[f"slot/{name}/{slot}"])
 
 
 @pytest.mark.slow

@@ -581,6 +581,54 @@ def test_checkpoints_convert_host_tables_in_numpy(strategy):
         np.testing.assert_array_equal(np.asarray(back), np.asarray(state.tables[name]))
 
 
+def test_host_checkpoints_convert_shard_by_shard(tmp_path):
+    """Host tables whose every shard holds one block of the logical rows ("div", V a
+    multiple of N) are saved and restored shard by shard on the hosts that hold them (with
+    any number of processes; tests/test_multihost.py runs two): lane-packed rows, riders
+    and bfloat16 come back bit for bit, the files are a device table's, and a non-finite
+    value in a host shard is refused at restore, naming the table and the row."""
+    from jax_tpu_embed import checkpoint
+
+    def spec(placement):
+        tables = [
+            jte.TableConfig(40, 4, name="a", placement=placement),  # Adagrad: a rider
+            jte.TableConfig(
+                48, 12, name="b", placement=placement, dtype=jnp.bfloat16,
+                optimizer=jte.RowwiseAdagrad(0.1),
+            ),
+            jte.TableConfig(32, 16, name="c", placement=placement, optimizer=jte.Adam(0.05)),
+        ]  # fmt: skip
+        features = {t.name: jte.FeatureConfig(t) for t in tables}
+        return jte.EmbeddingSpec(features, jte.Adagrad(0.1), partition_strategy="div")
+
+    emb = jte.Embedding(spec("host"), make_mesh(4), backend="xla", tpu_layout=True, lane_width=128)
+    assert all(checkpoint._by_shard(emb, name) for name in emb.table_plans)
+    assert emb.table_plans["a"].storage.riders and emb.table_plans["a"].storage.packing.packed
+    state = emb.init(jax.random.key(2))
+    rng = np.random.default_rng(2)
+    for _ in range(2):
+        batch = {n: rng.integers(-1, v, (_B, 3)) for n, v in (("a", 40), ("b", 48), ("c", 32))}
+        grads = jax.tree.map(lambda a: jnp.sin(a) + 0.3, emb.lookup(state, batch))
+        state = emb.apply_gradients(state, batch, grads)
+    checkpoint.save(tmp_path / "ckpt", emb, state)
+    back, _ = checkpoint.restore(tmp_path / "ckpt", emb)
+    assert _memory_kinds(back) == {_HOST}
+    chex.assert_trees_all_equal((back.tables, back.slots), (state.tables, state.slots))
+    device = jte.Embedding(spec("device"), make_mesh(2), backend="xla")
+    on_device, _ = checkpoint.restore(tmp_path / "ckpt", device)
+    chex.assert_trees_all_equal(device.export(on_device), emb.export(state))
+    chex.assert_trees_all_equal(device.export_slots(on_device), emb.export_slots(state))
+
+    # A NaN in shard 2's first physical row: logical row 16 of "c" (8 rows a shard).
+    bad = np.asarray(state.tables["c"]).copy()
+    bad[2 * bad.shape[0] // 4, 0] = np.nan
+    tables = {**state.tables, "c": jax.device_put(bad, state.tables["c"].sharding)}
+    broken = jte.EmbeddingState(tables, state.slots, state.step + 1, state.index)
+    checkpoint.save(tmp_path / "ckpt", emb, broken)
+    with pytest.raises(ValueError, match=r"table 'c' has nan at row 16, column 0"):
+        checkpoint.restore(tmp_path / "ckpt", emb)
+
+
 @pytest.mark.parametrize(
     "build, match",
     [
