@@ -253,20 +253,83 @@ ffi::Error FindImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buf
   return ffi::Error::Success();
 }
 
-// Where ids live: `_hashindex.locate`'s global bucket, owner shard and local bucket.
-struct Locator {
-  uint32_t key;  // `_hashindex._key(seed, _SALT_BUCKET)`.
-  int64_t buckets, per;  // Global buckets, and buckets per shard.
-  // The id's local bucket when shard `me` owns it, else -1.
-  int32_t Local(uint32_t h, uint32_t l, int32_t me) const {
-    const int64_t g = int64_t(Hash(key, h, l) % uint32_t(buckets));
-    return g / per == me ? int32_t(g % per) : -1;
+// x / d and x % d for a fixed 32-bit d, by multiplication (Lemire, Kaser and Kurz, "Faster
+// remainder by direct computation", 2019): exact for every 32-bit x and d >= 2. A hardware
+// division per id and word was most of `find_owned`'s time.
+struct Divisor {
+  uint32_t d;
+  uint64_t m;  // ceil(2^64 / d); unused when d == 1.
+  explicit Divisor(uint32_t d_) : d(d_), m(d_ > 1 ? ~uint64_t(0) / d_ + 1 : 0) {}
+  uint32_t Div(uint32_t x) const {
+    return d == 1 ? x : uint32_t((static_cast<unsigned __int128>(m) * x) >> 64);
+  }
+  uint32_t Mod(uint32_t x) const {
+    return d == 1 ? 0 : uint32_t((static_cast<unsigned __int128>(m * x) * d) >> 64);
   }
 };
 
+// Where ids live: `_hashindex.locate`'s global bucket, owner shard and local bucket.
+struct Locator {
+  uint32_t key;  // `_hashindex._key(seed, _SALT_BUCKET)`.
+  Divisor buckets, per;  // Global buckets, and buckets per shard.
+  Locator(int64_t key_, int64_t buckets_, int64_t num_shards)
+      : key(uint32_t(key_)),
+        buckets(uint32_t(buckets_)),
+        per(uint32_t(buckets_ / num_shards)) {}
+  // The id's local bucket when shard `me` owns it, else -1.
+  int32_t Local(uint32_t h, uint32_t l, int32_t me) const {
+    const uint32_t g = buckets.Mod(Hash(key, h, l));
+    const uint32_t owner = per.Div(g);
+    return owner == uint32_t(me) ? int32_t(g - owner * per.d) : -1;
+  }
+};
+
+// The distinct ids that shard `me` owns among n gathered ones (padding skipped; none when
+// `keep` is false), in order of first appearance, with their local buckets, and each
+// position's index among them (-1: not owned). One probe of an open-addressing table a
+// position.
+struct Owned {
+  std::vector<uint32_t> hi, lo;
+  std::vector<int32_t> lb, where;
+};
+
+Owned OwnedDistinct(const Locator& at, int32_t me, int64_t n, const uint32_t* hi,
+                    const uint32_t* lo, bool keep) {
+  Owned o;
+  o.where.assign(size_t(n), -1);
+  o.hi.reserve(size_t(n));
+  o.lo.reserve(size_t(n));
+  o.lb.reserve(size_t(n));
+  size_t mask = 1;
+  while (mask < 2 * size_t(n)) mask <<= 1;
+  std::vector<int32_t> table(mask, -1);  // Slot -> index into o.hi, -1: empty.
+  --mask;
+  for (int64_t i = 0; keep && i < n; ++i) {
+    const uint32_t h = hi[i], l = lo[i];
+    if (IsPad(h, l)) continue;
+    const int32_t local = at.Local(h, l, me);
+    if (local < 0) continue;
+    for (size_t s = Mix32(l ^ Mix32(h)) & mask;; s = (s + 1) & mask) {
+      const int32_t k = table[s];
+      if (k < 0) {
+        table[s] = o.where[i] = int32_t(o.hi.size());
+        o.hi.push_back(h);
+        o.lo.push_back(l);
+        o.lb.push_back(local);
+        break;
+      }
+      if (o.hi[size_t(k)] == h && o.lo[size_t(k)] == l) {
+        o.where[i] = k;
+        break;
+      }
+    }
+  }
+  return o;
+}
+
 // `find` of the gathered ids that shard `me` owns, located here: each id's local row, -1
-// where another shard owns it, it is padding, or it is not held. (What `_dynamic.lookup_rows`
-// did with XLA ops around `Find`, in one pass.)
+// where another shard owns it, it is padding, or it is not held. Each distinct id's bucket
+// is read once. (What `_dynamic.lookup_rows` did with XLA ops around `Find`.)
 ffi::Error FindOwnedImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo,
                          ffi::Buffer<ffi::S32> me_buf, ffi::Buffer<ffi::S32> now_buf,
                          ffi::Buffer<ffi::U32> keys_hi, ffi::Buffer<ffi::U32> keys_lo,
@@ -276,23 +339,17 @@ ffi::Error FindOwnedImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo,
   const int64_t n = hi.element_count();
   const int64_t b = bucket_size, nbl = keys_hi.element_count() / b;
   if (nbl == 0) return ffi::Error::InvalidArgument("jte hashindex find_owned: empty index");
-  const Locator at{uint32_t(bucket_key), buckets, buckets / num_shards};
-  const int32_t me = me_buf.typed_data()[0];
-  const uint32_t *qh = hi.typed_data(), *ql = lo.typed_data();
-  std::vector<uint32_t> oh(size_t(n), kPad), ol(size_t(n), kPad);
-  std::vector<int32_t> qb(size_t(n), 0);
-  for (int64_t i = 0; i < n; ++i) {
-    if (IsPad(qh[i], ql[i])) continue;
-    const int32_t local = at.Local(qh[i], ql[i], me);
-    if (local < 0) continue;  // Another shard's: passed over as padding.
-    oh[i] = qh[i];
-    ol[i] = ql[i];
-    qb[i] = local;
-  }
-  std::unique_ptr<bool[]> found(new bool[size_t(std::max<int64_t>(n, 1))]);
-  FindCore(n, oh.data(), ol.data(), qb.data(), now_buf.typed_data()[0], keys_hi.typed_data(),
-           keys_lo.typed_data(), last.typed_data(), nbl, b, Ttl{ttl_steps}, row->typed_data(),
-           found.get());
+  const Locator at(bucket_key, buckets, num_shards);
+  const Owned o =
+      OwnedDistinct(at, me_buf.typed_data()[0], n, hi.typed_data(), lo.typed_data(), true);
+  const int64_t u = int64_t(o.hi.size());
+  std::vector<int32_t> u_row(size_t(std::max<int64_t>(u, 1)));
+  std::unique_ptr<bool[]> found(new bool[size_t(std::max<int64_t>(u, 1))]);
+  FindCore(u, o.hi.data(), o.lo.data(), o.lb.data(), now_buf.typed_data()[0],
+           keys_hi.typed_data(), keys_lo.typed_data(), last.typed_data(), nbl, b,
+           Ttl{ttl_steps}, u_row.data(), found.get());
+  int32_t* out = row->typed_data();
+  for (int64_t i = 0; i < n; ++i) out[i] = o.where[i] < 0 ? -1 : u_row[size_t(o.where[i])];
   return ffi::Error::Success();
 }
 
@@ -711,7 +768,7 @@ ffi::Error ResolveUpdateImpl(
     int64_t buckets, int64_t num_shards) {
   const Config c{ttl_steps, eviction, min_count, threshold, uint32_t(prio_key),
                  uint32_t(admit_key)};
-  const Locator at{uint32_t(bucket_key), buckets, buckets / num_shards};
+  const Locator at(bucket_key, buckets, num_shards);
   const int64_t n = hi_buf.element_count();
   const uint32_t* hi = hi_buf.typed_data();
   const uint32_t* lo = lo_buf.typed_data();
@@ -719,37 +776,9 @@ ffi::Error ResolveUpdateImpl(
   const int32_t me = me_buf.typed_data()[0];
   int32_t* row = row_buf->typed_data();
 
-  // The distinct owned ids, by open addressing: slot -> index into u_*, -1 empty.
-  std::vector<uint32_t> u_hi, u_lo;
-  std::vector<int32_t> u_lb, where(size_t(n), -1);
-  u_hi.reserve(size_t(n));
-  u_lo.reserve(size_t(n));
-  u_lb.reserve(size_t(n));
-  size_t mask = 1;
-  while (mask < 2 * size_t(n)) mask <<= 1;
-  std::vector<int32_t> table(mask, -1);
-  --mask;
-  for (int64_t i = 0; keep && i < n; ++i) {
-    const uint32_t h = hi[i], l = lo[i];
-    if (IsPad(h, l)) continue;
-    const int32_t local = at.Local(h, l, me);
-    if (local < 0) continue;
-    for (size_t s = Mix32(l ^ Mix32(h)) & mask;; s = (s + 1) & mask) {
-      const int32_t k = table[s];
-      if (k < 0) {
-        table[s] = int32_t(u_hi.size());
-        where[i] = int32_t(u_hi.size());
-        u_hi.push_back(h);
-        u_lo.push_back(l);
-        u_lb.push_back(local);
-        break;
-      }
-      if (u_hi[size_t(k)] == h && u_lo[size_t(k)] == l) {
-        where[i] = k;
-        break;
-      }
-    }
-  }
+  const Owned o = OwnedDistinct(at, me, n, hi, lo, keep);
+  const std::vector<uint32_t>&u_hi = o.hi, &u_lo = o.lo;
+  const std::vector<int32_t>& where = o.where;
   const int64_t u = int64_t(u_hi.size());
   std::vector<int32_t> u_row(size_t(u), -1);
   std::unique_ptr<bool[]> u_valid(new bool[size_t(std::max<int64_t>(u, 1))]);
@@ -760,7 +789,7 @@ ffi::Error ResolveUpdateImpl(
   IndexOut out{out_hi, out_lo, out_last, out_count, out_fhi, out_flo, out_fcount, out_stats};
   ffi::Error err = OnIndex("resolve_update", c, in, out, bucket_size, filter_bucket_size,
                            [&](const IndexArrays& x, int64_t* tally) {
-                             UpdateCore(c, x, u, u_hi.data(), u_lo.data(), u_lb.data(),
+                             UpdateCore(c, x, u, u_hi.data(), u_lo.data(), o.lb.data(),
                                         u_valid.get(), now_buf.typed_data()[0], u_row.data(),
                                         u_fresh.get(), tally);
                            });
