@@ -57,15 +57,24 @@ class TableLayout:
         return (v - p + n - 1) // n  # ids p, p + n, ... below v.
 
     def owner_and_local(self, ids):
-        """Shard owning each id, and the id's index inside that shard (jnp or np ids)."""
+        """Shard owning each id, and the id's index inside that shard (jnp or np ids).
+
+        One floor division per id and case, the remainders by multiplication (x - (x // d)
+        * d is x % d, negative x included): XLA:CPU divides an int32 array by a constant
+        with a division per element, the dearest arithmetic of a step's id mapping."""
         n = self.num_shards
         if self.strategy == "mod":
-            return ids % n, ids // n
+            local = ids // n
+            return ids - local * n, local
         q, r = divmod(self.vocabulary_size, n)
+        if r == 0:  # Equal shards (q >= 1).
+            owner = ids // q
+            return owner, ids - owner * q
         big = r * (q + 1)  # Rows held by the larger shards.
         rest = ids - big
-        owner = _where(ids, ids < big, ids // (q + 1), r + rest // max(q, 1))
-        local = _where(ids, ids < big, ids % (q + 1), rest % max(q, 1))
+        first, later = ids // (q + 1), rest // max(q, 1)
+        owner = _where(ids, ids < big, first, r + later)
+        local = _where(ids, ids < big, ids - first * (q + 1), rest - later * max(q, 1))
         return owner, local
 
     def id_steps(self) -> tuple[np.ndarray, int]:
