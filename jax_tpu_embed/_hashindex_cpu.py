@@ -103,6 +103,23 @@ def find(config: hx.IndexConfig, state: hx.IndexState, hi, lo, local_bucket, now
     return row.reshape(shape), found.reshape(shape)
 
 
+def _update_attrs(config: hx.IndexConfig) -> dict:
+    """The update kernels' attributes: the index's rules and hash keys."""
+    threshold = -1  # Admission by probability: a hash below it admits; -1 admits all.
+    if config.admit_probability < 1.0:
+        threshold = hx._admit_threshold(config.admit_probability)
+    return {
+        "ttl_steps": _ttl(config),
+        "eviction": np.int32(_EVICTION[config.eviction]),
+        "min_count": np.int32(config.min_count),
+        "threshold": np.int64(threshold),
+        "prio_key": np.int64(_key(config.seed, hx._SALT_PRIORITY)),
+        "admit_key": np.int64(_key(config.seed, hx._SALT_ADMIT)),
+        "bucket_size": np.int64(config.bucket_size),
+        "filter_bucket_size": np.int64(config.filter_bucket_size),
+    }
+
+
 def update(config: hx.IndexConfig, state: hx.IndexState, hi, lo, local_bucket, valid, now):
     """`_hashindex.update`, bit for bit: (new state, local row int32 (-1: no slot), fresh
     bool). The state's arrays are updated in place where the caller donates them."""
@@ -110,9 +127,6 @@ def update(config: hx.IndexConfig, state: hx.IndexState, hi, lo, local_bucket, v
     shape = jnp.shape(hi)
     u = int(np.prod(shape))
     arrays = [jnp.asarray(getattr(state, f), d) for f, d in zip(_FIELDS, _DTYPES)]
-    threshold = -1
-    if config.admit_probability < 1.0:
-        threshold = hx._admit_threshold(config.admit_probability)
     out = jax.ffi.ffi_call(
         "jte_hashindex_update",
         tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
@@ -125,14 +139,7 @@ def update(config: hx.IndexConfig, state: hx.IndexState, hi, lo, local_bucket, v
         jnp.broadcast_to(jnp.asarray(valid, bool), shape).reshape(u),
         _now(now),
         *arrays,
-        ttl_steps=_ttl(config),
-        eviction=np.int32(_EVICTION[config.eviction]),
-        min_count=np.int32(config.min_count),
-        threshold=np.int64(threshold),
-        prio_key=np.int64(_key(config.seed, hx._SALT_PRIORITY)),
-        admit_key=np.int64(_key(config.seed, hx._SALT_ADMIT)),
-        bucket_size=np.int64(config.bucket_size),
-        filter_bucket_size=np.int64(config.filter_bucket_size),
+        **_update_attrs(config),
     )
     new = hx.IndexState(*out[: len(arrays)])
     return new, out[-2].reshape(shape), out[-1].reshape(shape)
@@ -189,9 +196,6 @@ def resolve_update(
     _require()
     n = hi.shape[0]
     arrays = [jnp.asarray(getattr(state, f), d) for f, d in zip(_FIELDS, _DTYPES)]
-    threshold = -1
-    if config.admit_probability < 1.0:
-        threshold = hx._admit_threshold(config.admit_probability)
     vec = lambda dtype: jax.ShapeDtypeStruct((n,), dtype)
     out = jax.ffi.ffi_call(
         "jte_hashindex_resolve_update",
@@ -211,14 +215,7 @@ def resolve_update(
         jnp.asarray(me, jnp.int32).reshape(1),
         _now(now),
         *arrays,
-        ttl_steps=_ttl(config),
-        eviction=np.int32(_EVICTION[config.eviction]),
-        min_count=np.int32(config.min_count),
-        threshold=np.int64(threshold),
-        prio_key=np.int64(_key(config.seed, hx._SALT_PRIORITY)),
-        admit_key=np.int64(_key(config.seed, hx._SALT_ADMIT)),
-        bucket_size=np.int64(config.bucket_size),
-        filter_bucket_size=np.int64(config.filter_bucket_size),
+        **_update_attrs(config),
         **_locator(config, num_shards),
     )
     k = len(arrays)
