@@ -37,11 +37,11 @@ devices. The conversion holds a transient second copy of the tables in device me
 saving (none for "div" tables whose V is a multiple of N: their layout already is the
 logical one), and while restoring the read copies are freed one table at a time as they are
 converted. Tables in host memory (`placement="host"`, `HostCached`) may be larger than HBM,
-and never pass through a device. When each shard holds one block of the logical rows ("div"
-with V a multiple of N), every host converts its own shards in NumPy and orbax writes and
-reads the logical blocks in host memory, with any number of processes (`_by_shard`). Other
-host tables are converted whole in NumPy with one process (`_in_numpy`); with several, on
-the devices.
+so they stay off the devices where they can. When each shard holds one block of the logical
+rows ("div" with V a multiple of N), every host converts its own shards in NumPy and orbax
+writes and reads the logical blocks in host memory, with any number of processes
+(`_by_shard`). Other host tables are converted whole in NumPy with one process
+(`_in_numpy`); with several, on the devices.
 """
 
 from __future__ import annotations
@@ -370,14 +370,13 @@ def restore(
         # pop: each read copy is freed as soon as it is converted.
         own = stored["slots"].pop(name)
         riders = {s.name: own.pop(s.name) for s in storage.riders}
+        table = stored["tables"].pop(name)
         if _by_shard(emb, name):
-            tables[name] = _blocks_to_physical(emb, storage, stored["tables"].pop(name), riders)
-            convert = lambda s, x, storage=storage: _blocks_to_physical(emb, storage, x, slot=s)
+            convert = functools.partial(_blocks_to_physical, emb, storage)
+            tables[name] = convert(None, table, riders)
         else:
-            tables[name] = _to_physical(
-                emb, storage, None, storage.join_row(stored["tables"].pop(name), riders)
-            )
             convert = functools.partial(_to_physical, emb, storage)
+            tables[name] = convert(None, storage.join_row(table, riders))
         slots[name] = {s.name: convert(s, own.pop(s.name)) for s in storage.stored}
     step_array = jax.device_put(jnp.asarray(meta["step"], jnp.int32), NamedSharding(emb.mesh, P()))
     # A HostCached table's host arrays hold all of it: its caches start empty.
@@ -601,44 +600,43 @@ def _host_blocks(shape: tuple, sharding: NamedSharding, blocks: dict) -> jax.Arr
 
 def _blocks_to_logical(emb, storage: _storage.TableStorage, slot, array: jax.Array):
     """`_to_logical` of a `_by_shard` table: each local shard of the stored host array
-    unpacked to its block of logical rows in NumPy; the logical array in host memory,
-    row-sharded. A table that is stored as its logical rows is returned as it is."""
+    unpacked to its block of logical rows in NumPy (riders split off); the logical arrays in
+    host memory, row-sharded. A table that is stored as its logical rows is returned as it
+    is."""
     if storage.is_identity(slot):
         return array if slot is not None else (array, {})
     packing = storage.packing if slot is None else storage.slot_packing(slot)
-    rows = storage.layout.rows_per_shard
-    parts: dict[str, dict] = {}
+    blocks, rider_blocks = {}, {}
     for shard in array.addressable_shards:
-        block = packing.unpack(np.asarray(shard.data), 1, rows)
-        if slot is not None:
-            parts.setdefault("", {})[shard.device] = block
-            continue
-        table, riders = storage.split_row(block)
-        for key, value in {"": table, **riders}.items():
-            parts.setdefault(key, {})[shard.device] = np.ascontiguousarray(value)
-    logical = {}
-    for key, blocks in parts.items():
+        block = packing.unpack(np.asarray(shard.data), 1, storage.layout.rows_per_shard)
+        if slot is None:
+            block, riders = storage.split_row(block)
+            for rider, value in riders.items():
+                rider_blocks.setdefault(rider, {})[shard.device] = np.ascontiguousarray(value)
+        blocks[shard.device] = np.ascontiguousarray(block)
+
+    def logical(blocks):
         shape = (storage.layout.vocabulary_size,) + next(iter(blocks.values())).shape[1:]
-        sharding = _row_sharding(emb, True, len(shape), _placement.HOST)
-        logical[key] = _host_blocks(shape, sharding, blocks)
-    table = logical.pop("")
-    return table if slot is not None else (table, logical)
+        return _host_blocks(shape, _row_sharding(emb, True, len(shape), _placement.HOST), blocks)
+
+    table = logical(blocks)
+    return table if slot is not None else (table, {r: logical(b) for r, b in rider_blocks.items()})
 
 
-def _blocks_to_physical(emb, storage: _storage.TableStorage, logical, riders=None, slot=None):
+def _blocks_to_physical(emb, storage: _storage.TableStorage, slot, logical, riders=None):
     """`_to_physical` of a `_by_shard` table from the logical host arrays restore read
-    (the table with `riders` {name: array}, or a slot's): each local block joined and packed
-    in NumPy into its shard of the stored array in host memory."""
+    (a slot's, or for slot None the table's with its `riders` {name: array}): each local
+    block joined and packed in NumPy into its shard of the stored array in host memory."""
     packing = storage.packing if slot is None else storage.slot_packing(slot)
     physical_shape = storage.shapes()[0] if slot is None else storage.shapes()[1][slot.name]
-    riders = riders or {}
     rider_blocks = {
-        name: {sh.device: sh.data for sh in x.addressable_shards} for name, x in riders.items()
+        name: {sh.device: sh.data for sh in x.addressable_shards}
+        for name, x in (riders or {}).items()
     }
     blocks = {}
     for shard in logical.addressable_shards:
         block = np.asarray(shard.data)
-        if riders:
+        if rider_blocks:
             block = storage.join_row(
                 block, {n: np.asarray(b[shard.device]) for n, b in rider_blocks.items()}
             )

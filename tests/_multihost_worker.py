@@ -201,11 +201,7 @@ def train(
     assert int(_gather(state.step)) == first_step + STEPS
     # Which rows each process fed: (processes, b); checked by the test, not compared.
     out["meta/rows"] = _gather_rows(rows)
-    for name, table in emb.export(state).items():
-        out[f"table/{name}"] = np.asarray(table)
-    for name, slots in emb.export_slots(state).items():
-        for slot, value in slots.items():
-            out[f"slot/{name}/{slot}"] = np.asarray(value)
+    out.update(_exported(emb, state))
     return out
 
 
