@@ -505,12 +505,13 @@ def sighted(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid,
     tally["expired"] = freed.sum()
     new = dataclasses.replace(
         state,
-        hi=write(state.hi, c["set"], pad, cleared),
-        lo=write(state.lo, c["set"], pad, cleared),
         last=write(state.last, e["set"], e["last"], edited),
         count=write(state.count, e["set"], e["count"], edited),
         stats=state.stats + _tally(tally)[None, :],
     )
+    if config.ttl_steps is not None:  # Without TTL no slot expires, so none is freed.
+        new.hi = write(state.hi, c["set"], pad, cleared)
+        new.lo = write(state.lo, c["set"], pad, cleared)
     return Sighted(new, hit, row, miss, admit, in_filter, f_lane, sightings)
 
 
