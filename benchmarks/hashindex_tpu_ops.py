@@ -7,8 +7,10 @@ No TPU needed (shared/TPU_AOT.md). Compiles for one device of the topology, with
 against one shard of a 1M-slot index (buckets of 64 uint32 slots): `_hashindex.find` and
 `_hashindex.update` whole, then access patterns: the 2-D row gathers and point scatters
 the index was first built of, and the flat windows, scatters into fresh arrays and sorts
-it is built of now. The compiler's "bytes accessed" per id. These are the numbers behind
-docs/design.md "Dynamic tables" (TPU: not yet efficient).
+it is built of now; and `find` on the keys stored block-interleaved (bucket g's 64 hi
+words, then its 64 lo words, in one flat array), against the two arrays it reads now. The
+compiler's "bytes accessed" per id. These are the numbers behind docs/design.md "Dynamic
+tables" (TPU: not yet efficient).
 """
 
 from __future__ import annotations
@@ -61,6 +63,22 @@ def measure(topology: str, ids: int) -> list[dict]:
     )
     at, valid = spec((u,), jnp.int32), spec((u,), jnp.bool_)
     flat = spec((nb * BUCKET,))
+    keys = spec((nb * 2 * BUCKET,))
+
+    def windows(flat, first, width):
+        return jax.vmap(lambda s: lax.dynamic_slice(flat, (s,), (width,)))(first)
+
+    def find_interleaved(keys, hi, lo, lb):
+        # One 128-word window per id; its halves are lane slices, so nothing is relaid out.
+        k = windows(keys, lb * 2 * BUCKET, 2 * BUCKET)
+        match = (k[:, :BUCKET] == hi[:, None]) & (k[:, BUCKET:] == lo[:, None])
+        lane = jnp.max(jnp.where(match, lax.broadcasted_iota(jnp.int32, match.shape, 1), -1), 1)
+        return jnp.where(lane >= 0, lb * BUCKET + lane, -1)
+
+    def two_windows(hi_flat, lo_flat, lb):
+        k_hi = windows(hi_flat, lb * BUCKET, BUCKET)
+        return (k_hi ^ windows(lo_flat, lb * BUCKET, BUCKET)).sum(1)
+
     dn = lax.ScatterDimensionNumbers(
         update_window_dims=(1,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
     )
@@ -76,6 +94,19 @@ def measure(topology: str, ids: int) -> list[dict]:
             lambda s, h, lo, b, v: hx.update(config, s, h, lo, b, v, 5),
             (state, words, words, at, valid),
             (0,),
+        ),
+        (
+            "find, keys block-interleaved (one flat array)",
+            find_interleaved,
+            (keys, words, words, at),
+            (),
+        ),
+        ("two 64-word windows combined lane by lane", two_windows, (flat, flat, at), ()),
+        (
+            "one 128-word window, summed",
+            lambda a, i: windows(a, i * 2 * BUCKET, 2 * BUCKET).sum(1),
+            (keys, at),
+            (),
         ),
         ("(U, 64) row gather of a (buckets, 64) array", lambda a, i: a[i], (rows, at), ()),
         (
