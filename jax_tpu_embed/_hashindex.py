@@ -303,6 +303,16 @@ def _put_rows(flat, first, rows, write):
     )
 
 
+def _only_lane(mask):
+    """(any, lane) of (U, l) masks with at most one lane set per row (an id holds at most
+    one slot and one filter entry): one max over the lanes, where `any` and `argmax` are
+    two passes over the (U, l) mask for the TPU compiler. The lane is 0 where none is set,
+    as argmax gives it."""
+    lanes = lax.broadcasted_iota(jnp.int32, mask.shape, 1)
+    lane = jnp.max(jnp.where(mask, lanes, -1), 1)
+    return lane >= 0, jnp.maximum(lane, 0)
+
+
 def _at(rows, column):
     """rows[i, column[i]] of (U, l) rows: a select over the lanes, no gather."""
     lanes = lax.broadcasted_iota(jnp.int32, rows.shape, 1)
@@ -333,8 +343,7 @@ def find(config: IndexConfig, state: IndexState, hi, lo, local_bucket, now):
     last = _rows(state.last, lb * b, b)
     match = (keys_hi == hi[:, None]) & (keys_lo == lo[:, None])
     match &= ~_expired(config, last, now) & ~_is_pad(hi, lo)[:, None]
-    found = match.any(-1)
-    lane = jnp.argmax(match, -1).astype(jnp.int32)
+    found, lane = _only_lane(match)
     return jnp.where(found, lb * b + lane, -1).reshape(shape), found.reshape(shape)
 
 
@@ -449,11 +458,9 @@ def sighted(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid,
     expired = occupied & _expired(config, last, now)
     same = (keys_hi == hi[:, None]) & (keys_lo == lo[:, None]) & valid[:, None]
     hit_lanes, stale_lanes = same & ~expired, same & expired
-    hit = hit_lanes.any(1)
+    hit, hit_lane = _only_lane(hit_lanes)
     miss = valid & ~hit
-    hit_lane = jnp.argmax(hit_lanes, 1).astype(jnp.int32)
-    stale = stale_lanes.any(1)
-    stale_lane = jnp.argmax(stale_lanes, 1).astype(jnp.int32)
+    stale, stale_lane = _only_lane(stale_lanes)
     hit_count = jnp.where(hit_lanes, count, 0).sum(1)
 
     admit = miss
@@ -469,8 +476,7 @@ def sighted(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid,
         f_hi, f_lo = _rows(state.filter_hi, fb * bf, bf), _rows(state.filter_lo, fb * bf, bf)
         f_count = _rows(state.filter_count, fb * bf, bf)
         f_same = (f_hi == hi[:, None]) & (f_lo == lo[:, None]) & miss[:, None]
-        in_filter = f_same.any(1)
-        f_lane = jnp.argmax(f_same, 1).astype(jnp.int32)
+        in_filter, f_lane = _only_lane(f_same)
         sightings = jnp.minimum(jnp.where(f_same, f_count, 0).sum(1) + 1, config.min_count)
         admit &= sightings >= config.min_count
 
