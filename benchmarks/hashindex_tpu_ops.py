@@ -65,19 +65,16 @@ def measure(topology: str, ids: int) -> list[dict]:
     flat = spec((nb * BUCKET,))
     keys = spec((nb * 2 * BUCKET,))
 
-    def windows(flat, first, width):
-        return jax.vmap(lambda s: lax.dynamic_slice(flat, (s,), (width,)))(first)
-
     def find_interleaved(keys, hi, lo, lb):
         # One 128-word window per id; its halves are lane slices, so nothing is relaid out.
-        k = windows(keys, lb * 2 * BUCKET, 2 * BUCKET)
+        k = hx._rows(keys, lb * 2 * BUCKET, 2 * BUCKET)
         match = (k[:, :BUCKET] == hi[:, None]) & (k[:, BUCKET:] == lo[:, None])
         lane = jnp.max(jnp.where(match, lax.broadcasted_iota(jnp.int32, match.shape, 1), -1), 1)
         return jnp.where(lane >= 0, lb * BUCKET + lane, -1)
 
     def two_windows(hi_flat, lo_flat, lb):
-        k_hi = windows(hi_flat, lb * BUCKET, BUCKET)
-        return (k_hi ^ windows(lo_flat, lb * BUCKET, BUCKET)).sum(1)
+        k_hi = hx._rows(hi_flat, lb * BUCKET, BUCKET)
+        return (k_hi ^ hx._rows(lo_flat, lb * BUCKET, BUCKET)).sum(1)
 
     dn = lax.ScatterDimensionNumbers(
         update_window_dims=(1,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
@@ -104,7 +101,7 @@ def measure(topology: str, ids: int) -> list[dict]:
         ("two 64-word windows combined lane by lane", two_windows, (flat, flat, at), ()),
         (
             "one 128-word window, summed",
-            lambda a, i: windows(a, i * 2 * BUCKET, 2 * BUCKET).sum(1),
+            lambda a, i: hx._rows(a, i * 2 * BUCKET, 2 * BUCKET).sum(1),
             (keys, at),
             (),
         ),

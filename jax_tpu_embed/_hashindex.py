@@ -509,15 +509,16 @@ def sighted(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid,
     pad = jnp.uint32(PAD)
     tally = {"hits": hit.sum(), "misses": miss.sum(), "rejected": (miss & ~admit).sum()}
     tally["expired"] = freed.sum()
+    keys = {}
+    if config.ttl_steps is not None:  # Without TTL no slot expires, so none is freed.
+        keys = {k: write(getattr(state, k), c["set"], pad, cleared) for k in ("hi", "lo")}
     new = dataclasses.replace(
         state,
+        **keys,
         last=write(state.last, e["set"], e["last"], edited),
         count=write(state.count, e["set"], e["count"], edited),
         stats=state.stats + _tally(tally)[None, :],
     )
-    if config.ttl_steps is not None:  # Without TTL no slot expires, so none is freed.
-        new.hi = write(state.hi, c["set"], pad, cleared)
-        new.lo = write(state.lo, c["set"], pad, cleared)
     return Sighted(new, hit, row, miss, admit, in_filter, f_lane, sightings)
 
 
