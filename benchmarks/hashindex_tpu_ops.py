@@ -7,8 +7,8 @@ No TPU needed (shared/TPU_AOT.md). Compiles for one device of the topology, with
 against one shard of a 1M-slot index (buckets of 64 uint32 slots): `_hashindex.find` and
 `_hashindex.update` whole, then access patterns: the 2-D row gathers and point scatters
 the index was first built of, and the flat windows, scatters into fresh arrays and sorts
-it is built of now; and `find` on the keys stored block-interleaved (bucket g's 64 hi
-words, then its 64 lo words, in one flat array), against the two arrays it reads now. The
+it is built of now; and `find` on keys stored in two arrays (hi, lo) as they were before
+they were block-interleaved (bucket g's 64 hi words, then its 64 lo words). The
 compiler's "bytes accessed" per id. These are the numbers behind docs/design.md "Dynamic
 tables" (TPU: not yet efficient).
 """
@@ -52,12 +52,10 @@ def measure(topology: str, ids: int) -> list[dict]:
     config = hx.IndexConfig(buckets=nb, bucket_size=BUCKET)
     rows, words = spec((nb, BUCKET)), spec((u,))
     state = hx.IndexState(
-        hi=spec((nb * BUCKET,)),
-        lo=spec((nb * BUCKET,)),
+        keys=spec((nb * 2 * BUCKET,)),
         last=spec((nb * BUCKET,), jnp.int32),
         count=spec((nb * BUCKET,), jnp.int32),
-        filter_hi=spec((0,)),
-        filter_lo=spec((0,)),
+        filter_keys=spec((0,)),
         filter_count=spec((0,), jnp.int32),
         stats=spec((1, len(hx.STAT_NAMES)), jnp.int32),
     )
@@ -65,10 +63,10 @@ def measure(topology: str, ids: int) -> list[dict]:
     flat = spec((nb * BUCKET,))
     keys = spec((nb * 2 * BUCKET,))
 
-    def find_interleaved(keys, hi, lo, lb):
-        # One 128-word window per id; its halves are lane slices, so nothing is relaid out.
-        k = hx._rows(keys, lb * 2 * BUCKET, 2 * BUCKET)
-        match = (k[:, :BUCKET] == hi[:, None]) & (k[:, BUCKET:] == lo[:, None])
+    def find_two_arrays(hi_flat, lo_flat, hi, lo, lb):
+        # `find` as it was before the keys were interleaved: a 64-word window of each array.
+        k_hi, k_lo = hx._rows(hi_flat, lb * BUCKET, BUCKET), hx._rows(lo_flat, lb * BUCKET, BUCKET)
+        match = (k_hi == hi[:, None]) & (k_lo == lo[:, None])
         lane = jnp.max(jnp.where(match, lax.broadcasted_iota(jnp.int32, match.shape, 1), -1), 1)
         return jnp.where(lane >= 0, lb * BUCKET + lane, -1)
 
@@ -93,9 +91,9 @@ def measure(topology: str, ids: int) -> list[dict]:
             (0,),
         ),
         (
-            "find, keys block-interleaved (one flat array)",
-            find_interleaved,
-            (keys, words, words, at),
+            "find, keys in two arrays (hi, lo: as before)",
+            find_two_arrays,
+            (flat, flat, words, words, at),
             (),
         ),
         ("two 64-word windows combined lane by lane", two_windows, (flat, flat, at), ()),

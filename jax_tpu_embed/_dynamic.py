@@ -765,8 +765,7 @@ def held(plan: DynamicPlan, index) -> dict[str, np.ndarray]:
     "filter_count" (int32), the admission filter's entries; "counters" (int64, one per
     `_hashindex.STAT_NAMES`), summed over the shards."""
     ids, rows, last, count = _hashindex.export(plan.index, index, now=None)
-    f_hi = np.asarray(index.filter_hi).reshape(-1)
-    f_lo = np.asarray(index.filter_lo).reshape(-1)
+    f_hi, f_lo = _hashindex.slot_words(index.filter_keys, plan.index.filter_bucket_size)
     f_count = np.asarray(index.filter_count).reshape(-1)
     keep = ~((f_hi == PAD) & (f_lo == PAD))
     f_ids = _hashindex.join_ids(f_hi[keep], f_lo[keep])
@@ -819,8 +818,7 @@ def rebuild(plan: DynamicPlan, num_shards: int, entries: Mapping[str, Any]):
         kept = lane < bf
         at = sorted_f[kept] * bf + lane[kept]
         src = order[kept]
-        state.filter_hi.reshape(-1)[at] = hi[src]
-        state.filter_lo.reshape(-1)[at] = lo[src]
+        _hashindex.set_slot_words(state.filter_keys, bf, at, hi[src], lo[src])
         state.filter_count.reshape(-1)[at] = f_count.reshape(-1)[src]
     counters = entries.get("counters")
     if counters is not None:

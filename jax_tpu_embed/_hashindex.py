@@ -157,29 +157,30 @@ class IndexConfig:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["hi", "lo", "last", "count", "filter_hi", "filter_lo", "filter_count", "stats"],
+    data_fields=["keys", "last", "count", "filter_keys", "filter_count", "stats"],
     meta_fields=[],
 )
 @dataclasses.dataclass
 class IndexState:
     """One dynamic table's index; every array sharded over the shard axis (first dim). The
-    slot arrays are flat, bucket g's slots at [g·b, (g+1)·b) (see `_rows`).
+    slot arrays are flat, bucket g's slots at [g·b, (g+1)·b) (see `_rows`); the keys are
+    block-interleaved, bucket g's b hi words at [2g·b, (2g+1)·b) and then its b lo words,
+    so that one window of 2b words holds a bucket's keys (`_key_rows`, `slot_words`).
 
     Attributes:
-        hi, lo: (NB·b,) uint32, the key of each slot; PAD in both for an empty slot.
+        keys: (NB·2b,) uint32, the key of each slot; PAD in both words for an empty slot.
         last: (NB·b,) int32, the step of the slot's last update (its admission included).
         count: (NB·b,) int32, steps in which the id was updated since its admission.
-        filter_hi, filter_lo: (NF·bf,) uint32, ids being counted by the admission filter.
+        filter_keys: (NF·2bf,) uint32, ids being counted by the admission filter, laid out
+            as `keys`.
         filter_count: (NF·bf,) int32, their sightings so far.
         stats: (N, len(STAT_NAMES)) int32, each shard's counters (STAT_NAMES).
     """
 
-    hi: Any
-    lo: Any
+    keys: Any
     last: Any
     count: Any
-    filter_hi: Any
-    filter_lo: Any
+    filter_keys: Any
     filter_count: Any
     stats: Any
 
@@ -190,12 +191,10 @@ def empty_state(config: IndexConfig, num_shards: int) -> IndexState:
     nb, b = config.buckets, config.bucket_size
     nf, bf = config.filter_buckets, config.filter_bucket_size
     return IndexState(
-        hi=np.full(nb * b, PAD, np.uint32),
-        lo=np.full(nb * b, PAD, np.uint32),
+        keys=np.full(nb * 2 * b, PAD, np.uint32),
         last=np.zeros(nb * b, np.int32),
         count=np.zeros(nb * b, np.int32),
-        filter_hi=np.full(nf * bf, PAD, np.uint32),
-        filter_lo=np.full(nf * bf, PAD, np.uint32),
+        filter_keys=np.full(nf * 2 * bf, PAD, np.uint32),
         filter_count=np.zeros(nf * bf, np.int32),
         stats=np.zeros((num_shards, len(STAT_NAMES)), np.int32),
     )
@@ -215,6 +214,27 @@ def join_ids(hi, lo) -> np.ndarray:
     hi = np.asarray(hi).astype(np.uint64)
     lo = np.asarray(lo).astype(np.uint64)
     return ((hi << np.uint64(32)) | lo).view(np.int64)
+
+
+def slot_words(keys, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(hi, lo), flat uint32 in slot order, of block-interleaved keys (`IndexState.keys`
+    with width b, `filter_keys` with bf); NumPy."""
+    k = np.asarray(keys).reshape(-1, 2, width)
+    return k[:, 0].reshape(-1), k[:, 1].reshape(-1)
+
+
+def set_slot_words(keys: np.ndarray, width: int, slots, hi, lo) -> None:
+    """Writes (hi, lo) into the slots `slots` (slot order, as `slot_words`) of a NumPy
+    block-interleaved key array, in place."""
+    k = keys.reshape(-1, 2, width)
+    slots = np.asarray(slots, np.int64)
+    k[slots // width, 0, slots % width] = hi
+    k[slots // width, 1, slots % width] = lo
+
+
+def slot_ids(config: IndexConfig, state: IndexState) -> np.ndarray:
+    """Each slot's id, int64 in slot order (-1: empty); NumPy."""
+    return join_ids(*slot_words(state.keys, config.bucket_size))
 
 
 # ---------------------------------------------------------------------------------- hashes
@@ -284,6 +304,22 @@ def _rows(flat, first, width: int):
     return jax.vmap(lambda s: lax.dynamic_slice(flat, (s,), (width,)))(first)
 
 
+def _key_rows(keys, bucket, width: int):
+    """(hi, lo), each (U, width): the keys of the buckets `bucket` (U,) of block-interleaved
+    keys. One window of 2·width words per bucket, whose halves are lane slices: the TPU
+    compiler charges two windows of width words, one per word array, four times the bytes
+    of this one (benchmarks/hashindex_tpu_ops.py)."""
+    window = _rows(keys, bucket * (2 * width), 2 * width)
+    return window[:, :width], window[:, width:]
+
+
+def _put_key_rows(keys, bucket, hi, lo, write):
+    """`_put_rows` for block-interleaved keys: the buckets `bucket` (G,) set to (hi, lo)
+    ((G, width) each) where `write`."""
+    width = hi.shape[1]
+    return _put_rows(keys, bucket * (2 * width), jnp.concatenate([hi, lo], 1), write)
+
+
 def _put_rows(flat, first, rows, write):
     """`flat` with the windows at `first` ((G,), distinct where `write`) set to `rows`
     ((G, width)); the others left as they are. One windowed scatter."""
@@ -337,9 +373,9 @@ def find(config: IndexConfig, state: IndexState, hi, lo, local_bucket, now):
     b = config.bucket_size
     shape = jnp.shape(hi)
     hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
-    nbl = state.hi.shape[0] // b
+    nbl = state.last.shape[0] // b
     lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
-    keys_hi, keys_lo = _rows(state.hi, lb * b, b), _rows(state.lo, lb * b, b)
+    keys_hi, keys_lo = _key_rows(state.keys, lb, b)
     last = _rows(state.last, lb * b, b)
     match = (keys_hi == hi[:, None]) & (keys_lo == lo[:, None])
     match &= ~_expired(config, last, now) & ~_is_pad(hi, lo)[:, None]
@@ -449,10 +485,10 @@ def sighted(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid,
     hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
     valid = jnp.asarray(valid, bool).reshape(-1) & ~_is_pad(hi, lo)
     now = jnp.asarray(now, jnp.int32)
-    nbl = state.hi.shape[0] // b
+    nbl = state.last.shape[0] // b
     lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
 
-    keys_hi, keys_lo = _rows(state.hi, lb * b, b), _rows(state.lo, lb * b, b)
+    keys_hi, keys_lo = _key_rows(state.keys, lb, b)
     last, count = _rows(state.last, lb * b, b), _rows(state.count, lb * b, b)
     occupied = ~_is_pad(keys_hi, keys_lo)
     expired = occupied & _expired(config, last, now)
@@ -472,8 +508,8 @@ def sighted(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid,
         admit &= _admit_hash(config, hi, lo, now) < threshold
     if config.min_count > 1:
         bf = config.filter_bucket_size
-        fb = lb // (nbl // (state.filter_hi.shape[0] // bf))
-        f_hi, f_lo = _rows(state.filter_hi, fb * bf, bf), _rows(state.filter_lo, fb * bf, bf)
+        fb = lb // (nbl // (state.filter_count.shape[0] // bf))
+        f_hi, f_lo = _key_rows(state.filter_keys, fb, bf)
         f_count = _rows(state.filter_count, fb * bf, bf)
         f_same = (f_hi == hi[:, None]) & (f_lo == lo[:, None]) & miss[:, None]
         in_filter, f_lane = _only_lane(f_same)
@@ -489,7 +525,8 @@ def sighted(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid,
     edit = hit | freed
     z = jnp.zeros_like(hi)
     group, _, group_bucket = _groups(jnp.where(edit, lb, nbl), z, hi, lo, edit, groups)
-    first = jnp.minimum(group_bucket, nbl - 1) * b
+    bucket = jnp.minimum(group_bucket, nbl - 1)
+    first = bucket * b
     lane = jnp.where(hit, hit_lane, stale_lane)
     e = _spread(
         groups,
@@ -511,7 +548,9 @@ def sighted(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid,
     tally["expired"] = freed.sum()
     keys = {}
     if config.ttl_steps is not None:  # Without TTL no slot expires, so none is freed.
-        keys = {k: write(getattr(state, k), c["set"], pad, cleared) for k in ("hi", "lo")}
+        old_hi, old_lo = _key_rows(state.keys, bucket, b)
+        cleared_hi, cleared_lo = (jnp.where(c["set"], pad, w) for w in (old_hi, old_lo))
+        keys["keys"] = _put_key_rows(state.keys, bucket, cleared_hi, cleared_lo, cleared)
     new = dataclasses.replace(
         state,
         **keys,
@@ -540,7 +579,7 @@ def place(config: IndexConfig, state: IndexState, hi, lo, local_bucket, admit, n
     hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
     admit = jnp.asarray(admit, bool).reshape(-1) & ~_is_pad(hi, lo)
     now = jnp.asarray(now, jnp.int32)
-    nbl = state.hi.shape[0] // b
+    nbl = state.last.shape[0] // b
     lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
     prio = priority(config, hi, lo)
 
@@ -549,8 +588,9 @@ def place(config: IndexConfig, state: IndexState, hi, lo, local_bucket, admit, n
     u = hi.shape[0]
     groups = min(u, nbl + 1)
     group, rank, group_bucket = _groups(jnp.where(admit, lb, nbl), prio, hi, lo, admit, groups)
-    first = jnp.minimum(group_bucket, nbl - 1) * b
-    g_hi, g_lo = _rows(state.hi, first, b), _rows(state.lo, first, b)
+    bucket = jnp.minimum(group_bucket, nbl - 1)
+    first = bucket * b
+    g_hi, g_lo = _key_rows(state.keys, bucket, b)
     g_last, g_count = _rows(state.last, first, b), _rows(state.count, first, b)
     g_occupied = ~_is_pad(g_hi, g_lo)
     g_expired = g_occupied & _expired(config, g_last, now)
@@ -595,10 +635,10 @@ def place(config: IndexConfig, state: IndexState, hi, lo, local_bucket, admit, n
         "evicted": (placed & (taken == 2)).sum(),
         "expired": (placed & (taken == 1)).sum(),
     }
+    new_hi, new_lo = jnp.where(e["set"], e["hi"], g_hi), jnp.where(e["set"], e["lo"], g_lo)
     new = dataclasses.replace(
         state,
-        hi=write(state.hi, g_hi, e["hi"]),
-        lo=write(state.lo, g_lo, e["lo"]),
+        keys=_put_key_rows(state.keys, bucket, new_hi, new_lo, written),
         last=write(state.last, g_last, now),
         count=write(state.count, g_count, 1),
         stats=state.stats + _tally(tally)[None, :],
@@ -614,7 +654,7 @@ def filter_step(
     sightings)."""
     b, bf = config.bucket_size, config.filter_bucket_size
     hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
-    nbl, nfl = state.hi.shape[0] // b, state.filter_hi.shape[0] // bf
+    nbl, nfl = state.last.shape[0] // b, state.filter_count.shape[0] // bf
     fb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1) // (nbl // nfl)
     miss, in_filter, f_lane, sightings = seen.miss, seen.in_filter, seen.f_lane, seen.sightings
     prio = priority(config, hi, lo)
@@ -624,13 +664,14 @@ def filter_step(
     f_group, f_rank, f_group_bucket = _groups(
         jnp.where(miss, fb, nfl), prio, hi, lo, first, f_groups
     )
-    f_first = jnp.minimum(f_group_bucket, nfl - 1) * bf
+    f_bucket = jnp.minimum(f_group_bucket, nfl - 1)
+    f_first = f_bucket * bf
     f_marks = (
         jnp.zeros((f_groups, bf), jnp.int32)
         .at[f_group, f_lane]
         .add(jnp.where(in_filter, jnp.where(placed, 2, 1), 0))
     )
-    g_hi, g_lo = _rows(state.filter_hi, f_first, bf), _rows(state.filter_lo, f_first, bf)
+    g_hi, g_lo = _key_rows(state.filter_keys, f_bucket, bf)
     g_count = _rows(state.filter_count, f_first, bf)
     f_free = ((f_marks & 2) > 0) | _is_pad(g_hi, g_lo)
     f_cls = jnp.where(f_free, 0, jnp.where((f_marks & 1) > 0, 3, 1))
@@ -674,9 +715,8 @@ def filter_step(
     )
     written = (s["set"] | r["set"]).any(1) & (f_group_bucket < nfl)
 
-    def write(array, old, name):
-        value = jnp.where(r["set"], r[name], jnp.where(s["set"], s[name], old))
-        return _put_rows(array, f_first, value, written)
+    def value(old, name):
+        return jnp.where(r["set"], r[name], jnp.where(s["set"], s[name], old))
 
     tally = {
         "filter_evicted": (recorded & (f_taken == 1)).sum(),
@@ -684,17 +724,24 @@ def filter_step(
     }
     return dataclasses.replace(
         state,
-        filter_hi=write(state.filter_hi, g_hi, "hi"),
-        filter_lo=write(state.filter_lo, g_lo, "lo"),
-        filter_count=write(state.filter_count, g_count, "count"),
+        filter_keys=_put_key_rows(
+            state.filter_keys, f_bucket, value(g_hi, "hi"), value(g_lo, "lo"), written
+        ),
+        filter_count=_put_rows(state.filter_count, f_first, value(g_count, "count"), written),
         stats=state.stats + _tally(tally)[None, :],
     )
 
 
 def occupancy(config: IndexConfig, state: IndexState, now):
     """Live slots (holding a key, not expired) of an index, int32 (local or global arrays)."""
-    occupied = ~_is_pad(state.hi, state.lo)
-    return (occupied & ~_expired(config, state.last, now)).sum(dtype=jnp.int32)
+    return (_held(config, state) & ~_expired(config, state.last, now)).sum(dtype=jnp.int32)
+
+
+def _held(config: IndexConfig, state: IndexState):
+    """(NB·b,) bool, slot order: the slot holds a key. The reshape splits each shard's run
+    of whole buckets, which a sharded (Explicit) dimension allows."""
+    keys = jnp.asarray(state.keys).reshape(-1, 2, config.bucket_size)
+    return ~_is_pad(keys[:, 0], keys[:, 1]).reshape(-1)
 
 
 def stats(config: IndexConfig, state: IndexState, now) -> dict:
@@ -704,7 +751,7 @@ def stats(config: IndexConfig, state: IndexState, now) -> dict:
     totals = jnp.asarray(state.stats).sum(0, dtype=jnp.int32)
     out = {name: totals[i] for i, name in enumerate(STAT_NAMES)}
     out["occupancy"] = occupancy(config, state, now)
-    out["held"] = (~_is_pad(state.hi, state.lo)).sum(dtype=jnp.int32)
+    out["held"] = _held(config, state).sum(dtype=jnp.int32)
     return out
 
 
@@ -718,7 +765,7 @@ def export(config: IndexConfig, state: IndexState, now=None):
     With `now` None every slot holding a key is exported, TTL-expired ones included: they
     keep their `last`, so `build` restores them expired, and a restored index behaves as the
     saved one would have. With `now` given, expired entries are left out."""
-    hi, lo = np.asarray(state.hi).reshape(-1), np.asarray(state.lo).reshape(-1)
+    hi, lo = slot_words(state.keys, config.bucket_size)
     last, count = np.asarray(state.last).reshape(-1), np.asarray(state.count).reshape(-1)
     keep = ~((hi == PAD) & (lo == PAD))
     if now is not None and config.ttl_steps is not None:
@@ -766,6 +813,7 @@ def build(config: IndexConfig, num_shards: int, ids, last, count):
     state = empty_state(config, num_shards)
     rows = np.empty(ids.size, np.int64)
     rows[order] = sorted_g * b + lane
-    for name, values in (("hi", hi), ("lo", lo), ("last", last), ("count", count)):
-        getattr(state, name).reshape(-1)[rows] = values
+    set_slot_words(state.keys, b, rows, hi, lo)
+    state.last[rows] = last
+    state.count[rows] = count
     return state, rows

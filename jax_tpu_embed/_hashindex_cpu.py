@@ -42,9 +42,8 @@ _TARGETS = {
     "jte_hashindex_resolve_update": "JteHashindexResolveUpdate",
 }
 _EVICTION = {"lru": 0, "lfu": 1, "none": 2}  # Must match `Eviction` in the C++ source.
-_FIELDS = ("hi", "lo", "last", "count", "filter_hi", "filter_lo", "filter_count", "stats")
-_DTYPES = (jnp.uint32, jnp.uint32, jnp.int32, jnp.int32, jnp.uint32, jnp.uint32, jnp.int32)
-_DTYPES += (jnp.int32,)
+_FIELDS = ("keys", "last", "count", "filter_keys", "filter_count", "stats")
+_DTYPES = (jnp.uint32, jnp.int32, jnp.int32, jnp.uint32, jnp.int32, jnp.int32)
 
 _LIBRARY = _cpu_kernels.Library(_SOURCE, _TARGETS, "C++ hash index")
 
@@ -96,7 +95,7 @@ def find(config: hx.IndexConfig, state: hx.IndexState, hi, lo, local_bucket, now
         jnp.asarray(lo).astype(jnp.uint32).reshape(n),
         jnp.asarray(local_bucket, jnp.int32).reshape(n),
         _now(now),
-        *(jnp.asarray(getattr(state, f), d) for f, d in zip(_FIELDS[:3], _DTYPES)),
+        *(jnp.asarray(getattr(state, f), d) for f, d in zip(_FIELDS[:2], _DTYPES)),
         ttl_steps=_ttl(config),
         bucket_size=np.int64(config.bucket_size),
     )
@@ -166,7 +165,7 @@ def find_owned(config: hx.IndexConfig, state: hx.IndexState, hi, lo, me, num_sha
         jnp.asarray(lo, jnp.uint32),
         jnp.asarray(me, jnp.int32).reshape(1),
         _now(now),
-        *(jnp.asarray(getattr(state, f), d) for f, d in zip(_FIELDS[:3], _DTYPES)),
+        *(jnp.asarray(getattr(state, f), d) for f, d in zip(_FIELDS[:2], _DTYPES)),
         ttl_steps=_ttl(config),
         bucket_size=np.int64(config.bucket_size),
         **_locator(config, num_shards),

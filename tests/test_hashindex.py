@@ -172,8 +172,7 @@ class Reference:
 
 
 def _buckets_of(state, b: int) -> list[dict[int, tuple[int, int]]]:
-    hi, lo = np.asarray(state.hi).reshape(-1, b), np.asarray(state.lo).reshape(-1, b)
-    ids = hx.join_ids(hi, lo)
+    ids = hx.join_ids(*hx.slot_words(state.keys, b)).reshape(-1, b)
     last, count = np.asarray(state.last).reshape(-1, b), np.asarray(state.count).reshape(-1, b)
     return [
         {int(i): (int(t), int(n)) for i, t, n in zip(ids[g], last[g], count[g]) if i != -1}
@@ -182,7 +181,7 @@ def _buckets_of(state, b: int) -> list[dict[int, tuple[int, int]]]:
 
 
 def _filter_of(state, bf: int) -> list[dict[int, int]]:
-    ids = hx.join_ids(np.asarray(state.filter_hi), np.asarray(state.filter_lo)).reshape(-1, bf)
+    ids = hx.join_ids(*hx.slot_words(state.filter_keys, bf)).reshape(-1, bf)
     count = np.asarray(state.filter_count).reshape(-1, bf)
     return [
         {int(i): int(n) for i, n in zip(ids[f], count[f]) if i != -1} for f in range(ids.shape[0])
@@ -224,10 +223,10 @@ def _check_invariants(config, state, now):
     if config.ttl_steps is None:
         assert s["held"] == s["occupancy"]
     assert s["misses"] == s["admitted"] + s["rejected"] + s["failed"]
-    ids = hx.join_ids(np.asarray(state.hi), np.asarray(state.lo))
+    ids = hx.slot_ids(config, state)
     keys = ids[ids != -1]
     assert np.unique(keys).size == keys.size, "an id holds two slots"
-    fids = hx.join_ids(np.asarray(state.filter_hi), np.asarray(state.filter_lo))
+    fids = hx.join_ids(*hx.slot_words(state.filter_keys, config.filter_bucket_size))
     fkeys = fids[fids != -1]
     assert np.unique(fkeys).size == fkeys.size, "an id holds two filter entries"
 
@@ -246,7 +245,7 @@ def _run_against_reference(config, steps, width, pool, seed=0):
             what = want.get(int(i), "padding")
             assert (r >= 0) == (what in ("hit", "placed")), (t, int(i), what)
             assert bool(f) == (what == "placed"), (t, int(i), what)
-        flat = hx.join_ids(np.asarray(state.hi), np.asarray(state.lo)).reshape(-1)
+        flat = hx.slot_ids(config, state)
         np.testing.assert_array_equal(flat[row[row >= 0]], ids[row >= 0])
         assert _buckets_of(state, config.bucket_size) == [
             {i: tuple(e) for i, e in b.items()} for b in ref.buckets
@@ -333,7 +332,7 @@ def test_find_is_read_only_and_agrees(rng):
     want = np.vectorize(lambda i: i != -1 and ref.live(int(i), now))(queries)
     np.testing.assert_array_equal(found, want)
     assert want.any() and (~want).any()
-    flat = hx.join_ids(before.hi, before.lo).reshape(-1)
+    flat = hx.slot_ids(config, before)
     np.testing.assert_array_equal(flat[row[found]], queries[found])
     assert (row[~found] == -1).all()
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state)):
@@ -450,7 +449,7 @@ def test_export_build_round_trip(onto):
         state, _, _ = _update_one_shard(config, state, ids, t)
     ids, rows, last, count = hx.export(config, state)
     assert (np.diff(ids) > 0).all()
-    flat = hx.join_ids(np.asarray(state.hi), np.asarray(state.lo)).reshape(-1)
+    flat = hx.slot_ids(config, state)
     np.testing.assert_array_equal(flat[rows], ids)
     live = hx.export(config, state, now=40)[0]
     assert 0 < live.size < ids.size  # some expired entries are left out with `now`
@@ -460,7 +459,7 @@ def test_export_build_round_trip(onto):
     for a, b in zip((ids, last, count), (again[0], again[2], again[3])):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(built_rows // config.bucket_size, rows // config.bucket_size)
-    np.testing.assert_array_equal(hx.join_ids(built.hi, built.lo).reshape(-1)[built_rows], ids)
+    np.testing.assert_array_equal(hx.slot_ids(config, built)[built_rows], ids)
     assert built.stats.shape == (onto, len(hx.STAT_NAMES))
 
     # The rebuilt index (other lanes, other mesh) goes on exactly as the original.

@@ -73,6 +73,18 @@ inline bool IsPad(uint32_t hi, uint32_t lo) { return (hi & lo) == kPad; }
 
 inline uint64_t Join(uint32_t hi, uint32_t lo) { return (uint64_t(hi) << 32) | lo; }
 
+// Block-interleaved keys (IndexState.keys, filter_keys): the bucket whose first slot is
+// `base` (g*b: its slots are g*b + j in `last` and `count`) has its b hi words at
+// keys[2*base, 2*base + b), then its b lo words.
+template <typename T>
+inline T* HiWords(T* keys, int64_t base) {
+  return keys + 2 * base;
+}
+template <typename T>
+inline T* LoWords(T* keys, int64_t base, int64_t b) {
+  return keys + 2 * base + b;
+}
+
 // int32 in an order-preserving uint32.
 inline uint32_t Ordered(int32_t x) { return uint32_t(x) ^ 0x80000000u; }
 
@@ -208,27 +220,29 @@ void CopyIfNotAliased(const T* in, T* out, int64_t n) {
 // `Find` on raw arrays: n queries (ids qh, ql; local buckets qb) against the flat index of
 // nbl buckets of b slots.
 void FindCore(int64_t n, const uint32_t* qh, const uint32_t* ql, const int32_t* qb, int32_t now,
-              const uint32_t* kh, const uint32_t* kl, const int32_t* kt, int64_t nbl, int64_t b,
-              const Ttl ttl, int32_t* out_row, bool* out_found) {
+              const uint32_t* keys, const int32_t* kt, int64_t nbl, int64_t b, const Ttl ttl,
+              int32_t* out_row, bool* out_found) {
   // Pass 1: each query's first lane whose lo word matches, in out_row (-1: none).
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) PrefetchBucket(kl + Clamp(qb[i + kAhead], nbl) * b, b);
+    if (i + kAhead < n) PrefetchBucket(LoWords(keys, Clamp(qb[i + kAhead], nbl) * b, b), b);
     const int64_t base = Clamp(qb[i], nbl) * b;
-    const int64_t j = IsPad(qh[i], ql[i]) ? b : FirstLoMatch(kl + base, b, 0, ql[i]);
+    const int64_t j =
+        IsPad(qh[i], ql[i]) ? b : FirstLoMatch(LoWords(keys, base, b), b, 0, ql[i]);
     out_row[i] = j < b ? int32_t(j) : -1;
   }
   // Pass 2: hi and TTL from there.
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n && out_row[i + kAhead] >= 0) {
-      const int64_t s = Clamp(qb[i + kAhead], nbl) * b + out_row[i + kAhead];
-      __builtin_prefetch(kh + s);
-      if (ttl.steps >= 0) __builtin_prefetch(kt + s);
+      const int64_t ahead = Clamp(qb[i + kAhead], nbl) * b;
+      __builtin_prefetch(HiWords(keys, ahead) + out_row[i + kAhead]);
+      if (ttl.steps >= 0) __builtin_prefetch(kt + ahead + out_row[i + kAhead]);
     }
     const int64_t from = out_row[i];
     int32_t r = -1;
     if (from >= 0) {
       const int64_t base = Clamp(qb[i], nbl) * b;
-      ForEachMatch(kh + base, kl + base, b, from, qh[i], ql[i], [&](int64_t j) {
+      ForEachMatch(HiWords(keys, base), LoWords(keys, base, b), b, from, qh[i], ql[i],
+                   [&](int64_t j) {
         if (ttl.Expired(kt[base + j], now)) return false;
         r = int32_t(base + j);
         return true;
@@ -240,16 +254,15 @@ void FindCore(int64_t n, const uint32_t* qh, const uint32_t* ql, const int32_t* 
 }
 
 ffi::Error FindImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buffer<ffi::S32> lb,
-                    ffi::Buffer<ffi::S32> now_buf, ffi::Buffer<ffi::U32> keys_hi,
-                    ffi::Buffer<ffi::U32> keys_lo, ffi::Buffer<ffi::S32> last,
-                    ffi::ResultBuffer<ffi::S32> row, ffi::ResultBuffer<ffi::PRED> found,
-                    int64_t ttl_steps, int64_t bucket_size) {
+                    ffi::Buffer<ffi::S32> now_buf, ffi::Buffer<ffi::U32> keys,
+                    ffi::Buffer<ffi::S32> last, ffi::ResultBuffer<ffi::S32> row,
+                    ffi::ResultBuffer<ffi::PRED> found, int64_t ttl_steps, int64_t bucket_size) {
   // The index arrays are flat (IndexState): bucket g's slots at [g*b, (g+1)*b).
-  const int64_t b = bucket_size, nbl = keys_hi.element_count() / b;
+  const int64_t b = bucket_size, nbl = last.element_count() / b;
   if (nbl == 0) return ffi::Error::InvalidArgument("jte hashindex find: empty index");
   FindCore(hi.element_count(), hi.typed_data(), lo.typed_data(), lb.typed_data(),
-           now_buf.typed_data()[0], keys_hi.typed_data(), keys_lo.typed_data(),
-           last.typed_data(), nbl, b, Ttl{ttl_steps}, row->typed_data(), found->typed_data());
+           now_buf.typed_data()[0], keys.typed_data(), last.typed_data(), nbl, b,
+           Ttl{ttl_steps}, row->typed_data(), found->typed_data());
   return ffi::Error::Success();
 }
 
@@ -332,12 +345,11 @@ Owned OwnedDistinct(const Locator& at, int32_t me, int64_t n, const uint32_t* hi
 // is read once. (What `_dynamic.lookup_rows` did with XLA ops around `Find`.)
 ffi::Error FindOwnedImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo,
                          ffi::Buffer<ffi::S32> me_buf, ffi::Buffer<ffi::S32> now_buf,
-                         ffi::Buffer<ffi::U32> keys_hi, ffi::Buffer<ffi::U32> keys_lo,
-                         ffi::Buffer<ffi::S32> last, ffi::ResultBuffer<ffi::S32> row,
-                         int64_t ttl_steps, int64_t bucket_size, int64_t bucket_key,
-                         int64_t buckets, int64_t num_shards) {
+                         ffi::Buffer<ffi::U32> keys, ffi::Buffer<ffi::S32> last,
+                         ffi::ResultBuffer<ffi::S32> row, int64_t ttl_steps, int64_t bucket_size,
+                         int64_t bucket_key, int64_t buckets, int64_t num_shards) {
   const int64_t n = hi.element_count();
-  const int64_t b = bucket_size, nbl = keys_hi.element_count() / b;
+  const int64_t b = bucket_size, nbl = last.element_count() / b;
   if (nbl == 0) return ffi::Error::InvalidArgument("jte hashindex find_owned: empty index");
   const Locator at(bucket_key, buckets, num_shards);
   const Owned o =
@@ -346,8 +358,8 @@ ffi::Error FindOwnedImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo,
   std::vector<int32_t> u_row(size_t(std::max<int64_t>(u, 1)));
   std::unique_ptr<bool[]> found(new bool[size_t(std::max<int64_t>(u, 1))]);
   FindCore(u, o.hi.data(), o.lo.data(), o.lb.data(), now_buf.typed_data()[0],
-           keys_hi.typed_data(), keys_lo.typed_data(), last.typed_data(), nbl, b,
-           Ttl{ttl_steps}, u_row.data(), found.get());
+           keys.typed_data(), last.typed_data(), nbl, b, Ttl{ttl_steps}, u_row.data(),
+           found.get());
   int32_t* out = row->typed_data();
   for (int64_t i = 0; i < n; ++i) out[i] = o.where[i] < 0 ? -1 : u_row[size_t(o.where[i])];
   return ffi::Error::Success();
@@ -409,11 +421,12 @@ struct Config {
   uint32_t prio_key, admit_key;
 };
 
-// The index's arrays on one shard (flat: bucket g's slots at [g*b, (g+1)*b)), written in place.
+// The index's arrays on one shard (flat: bucket g's slots at [g*b, (g+1)*b); the keys
+// block-interleaved, see HiWords), written in place.
 struct IndexArrays {
-  uint32_t *ki, *kl;
+  uint32_t* k;
   int32_t *kt, *kc;
-  uint32_t *fi, *fl;
+  uint32_t* fk;
   int32_t* fc;
   int64_t nbl, b, nfl, bf;
 };
@@ -426,7 +439,7 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
                 int32_t* row, bool* fresh, int64_t* tally) {
   const Ttl ttl{c.ttl_steps};
   const bool filter = c.min_count > 1;
-  uint32_t *ki = x.ki, *kl = x.kl, *fi = x.fi, *fl = x.fl;
+  uint32_t *keys = x.k, *fkeys = x.fk;
   int32_t *kt = x.kt, *kc = x.kc, *fc = x.fc;
   const int64_t b = x.b, nbl = x.nbl, bf = x.bf, nfl = x.nfl;
   // A. Read only.
@@ -444,10 +457,10 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
   // Pass 1 of the bucket scans (see kAhead): the first lane whose lo word matches, in
   // hit_lane for now.
   for (int64_t i = 0; i < u; ++i) {
-    if (i + kAhead < u) PrefetchBucket(kl + Clamp(lb[i + kAhead], nbl) * b, b);
+    if (i + kAhead < u) PrefetchBucket(LoWords(keys, Clamp(lb[i + kAhead], nbl) * b, b), b);
     base[i] = Clamp(lb[i], nbl) * b;
     const bool v = valid[i] && !IsPad(hi[i], lo[i]);
-    const int64_t j = v ? FirstLoMatch(kl + base[i], b, 0, lo[i]) : b;
+    const int64_t j = v ? FirstLoMatch(LoWords(keys, base[i], b), b, 0, lo[i]) : b;
     hit_lane[i] = j < b ? int32_t(j) : -1;
     row[i] = -1;
     fresh[i] = false;
@@ -456,13 +469,13 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
   for (int64_t i = 0; i < u; ++i) {
     if (i + kAhead < u && hit_lane[i + kAhead] >= 0) {
       const int64_t s = base[i + kAhead] + hit_lane[i + kAhead];
-      __builtin_prefetch(ki + s);
+      __builtin_prefetch(HiWords(keys, base[i + kAhead]) + hit_lane[i + kAhead]);
       __builtin_prefetch(kt + s, 1);
       __builtin_prefetch(kc + s, 1);
     }
     if (filter && i + kAhead < u) {
       const int64_t fb = base[i + kAhead] / b / (nbl / nfl);
-      for (int64_t j = 0; j < bf; j += 16) __builtin_prefetch(fl + fb * bf + j);
+      PrefetchBucket(LoWords(fkeys, fb * bf, bf), bf);
     }
     const uint32_t h = hi[i], l = lo[i];
     const int64_t g = base[i] / b;
@@ -472,7 +485,7 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
     const int64_t from = hit_lane[i];
     hit_lane[i] = -1;
     if (from >= 0) {
-      ForEachMatch(ki + base[i], kl + base[i], b, from, h, l, [&](int64_t j) {
+      ForEachMatch(HiWords(keys, base[i]), LoWords(keys, base[i], b), b, from, h, l, [&](int64_t j) {
         if (ttl.Expired(bt[j], now)) {
           if (stale_lane[i] < 0) stale_lane[i] = int32_t(j);
         } else if (hit_lane[i] < 0) {
@@ -496,7 +509,7 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
     if (c.threshold >= 0) ok = int64_t(Mix32(Hash(c.admit_key, h, l) ^ admit_now)) < c.threshold;
     if (filter) {
       const int64_t fb = g / (nbl / nfl);
-      const uint32_t *gl = fl + fb * bf, *gh = fi + fb * bf;
+      const uint32_t *gl = LoWords(fkeys, fb * bf, bf), *gh = HiWords(fkeys, fb * bf);
       const int32_t* gc = fc + fb * bf;
       uint32_t sum = 0;  // int32 sum, wrapping as XLA's does.
       for (int64_t j = 0; j < bf; ++j) {
@@ -516,8 +529,8 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
     // B (for admitted ids): the id's own expired slot is cleared. No other id reads it.
     if (stale_lane[i] >= 0) {
       const int64_t s = base[i] + stale_lane[i];
-      ki[s] = kPad;
-      kl[s] = kPad;
+      HiWords(keys, base[i])[stale_lane[i]] = kPad;
+      LoWords(keys, base[i], b)[stale_lane[i]] = kPad;
       kt[s] = 0;
       kc[s] = 0;
       ++tally[kExpired];
@@ -534,8 +547,7 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
     const uint64_t bucket = admitted[start].bucket_prio >> 32;
     if (start + kAhead < admitted.size()) {  // A later group's bucket.
       const int64_t ahead = int64_t(admitted[start + kAhead].bucket_prio >> 32) * b;
-      PrefetchBucket(ki + ahead, b);
-      PrefetchBucket(kl + ahead, b);
+      PrefetchBucket(HiWords(keys, ahead), 2 * b);
       PrefetchBucket(kt + ahead, b);
       if (c.eviction == kLfu) PrefetchBucket(kc + ahead, b);
     }
@@ -543,11 +555,12 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
     while (end < admitted.size() && (admitted[end].bucket_prio >> 32) == bucket) ++end;
     const size_t want = end - start;
     const int64_t s0 = int64_t(bucket) * b;
+    uint32_t *bh = HiWords(keys, s0), *bl = LoWords(keys, s0, b);
     order.clear();
     // Each slot's class, without branches: 0 free, 1 expired, 2 evictable, 3 unavailable.
     const bool evicts = c.eviction != kNone;
     for (int64_t j = 0; j < b; ++j) {
-      const bool pad = IsPad(ki[s0 + j], kl[s0 + j]);
+      const bool pad = IsPad(bh[j], bl[j]);
       const bool expired = ttl.Expired(kt[s0 + j], now);
       const bool evictable = evicts & (kt[s0 + j] < now);
       cls[j] = pad ? 0 : expired ? 1 : evictable ? 2 : 3;
@@ -565,11 +578,11 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
           s1 = Ordered(kc[s]);
           s2 = Ordered(kt[s]);
         }
-        keyed[n++] = {(uint64_t(cls[j]) << 32) | s1, uint64_t(s2) << 32, Join(ki[s], kl[s]),
+        keyed[n++] = {(uint64_t(cls[j]) << 32) | s1, uint64_t(s2) << 32, Join(bh[j], bl[j]),
                       int32_t(j)};
       }
       const size_t take = std::min(n, want - order.size());
-      auto prio_of = [&](int32_t j) { return Hash(c.prio_key, ki[s0 + j], kl[s0 + j]); };
+      auto prio_of = [&](int32_t j) { return Hash(c.prio_key, bh[j], bl[j]); };
       AppendSmallest(keyed.data(), keyed.data() + n, take, prio_of, order);
     }
     for (size_t k = 0; k < want; ++k) {
@@ -583,8 +596,8 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
       if (cls[j] == 1) ++tally[kExpired];
       if (cls[j] == 2) ++tally[kEvicted];
       ++tally[kAdmitted];
-      ki[s] = uint32_t(admitted[start + k].id >> 32);
-      kl[s] = uint32_t(admitted[start + k].id);
+      bh[j] = uint32_t(admitted[start + k].id >> 32);
+      bl[j] = uint32_t(admitted[start + k].id);
       kt[s] = now;
       kc[s] = 1;
       row[i] = int32_t(s);
@@ -603,13 +616,14 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
       const int64_t fb = (base[i] / b) / per;
       if (f_lane[i] >= 0) {
         const int64_t s = fb * bf + f_lane[i];
+        uint32_t *eh = HiWords(fkeys, fb * bf) + f_lane[i], *el = LoWords(fkeys, fb * bf, bf) + f_lane[i];
         if (fresh[i]) {
-          fi[s] = kPad;
-          fl[s] = kPad;
+          *eh = kPad;
+          *el = kPad;
           fc[s] = 0;
         } else {
-          fi[s] = hi[i];
-          fl[s] = lo[i];
+          *eh = hi[i];
+          *el = lo[i];
           fc[s] = sightings[i];
           sighted.push_back(s);
         }
@@ -626,25 +640,26 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
       while (end < firsts.size() && (firsts[end].bucket_prio >> 32) == fb) ++end;
       const size_t want = end - start;
       const int64_t s0 = int64_t(fb) * bf;
+      uint32_t *gh = HiWords(fkeys, s0), *gl = LoWords(fkeys, s0, bf);
       auto mark = std::lower_bound(sighted.begin(), sighted.end(), s0);
       order.clear();
       size_t n = 0;
       for (int64_t j = 0; j < bf; ++j) {
         const int64_t s = s0 + j;
         while (mark != sighted.end() && *mark < s) ++mark;
-        if (IsPad(fi[s], fl[s])) {
+        if (IsPad(gh[j], gl[j])) {
           fcls[j] = 0;
           order.push_back(int32_t(j));
         } else if (mark != sighted.end() && *mark == s) {
           fcls[j] = 3;
         } else {
           fcls[j] = 1;
-          keyed[n++] = {Ordered(fc[s]), 0, Join(fi[s], fl[s]), int32_t(j)};
+          keyed[n++] = {Ordered(fc[s]), 0, Join(gh[j], gl[j]), int32_t(j)};
         }
       }
       if (order.size() < want) {
         const size_t take = std::min(n, want - order.size());
-        auto prio_of = [&](int32_t j) { return Hash(c.prio_key, fi[s0 + j], fl[s0 + j]); };
+        auto prio_of = [&](int32_t j) { return Hash(c.prio_key, gh[j], gl[j]); };
         AppendSmallest(keyed.data(), keyed.data() + n, take, prio_of, order);
       }
       for (size_t k = 0; k < want; ++k) {
@@ -656,8 +671,8 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
         const int32_t j = order[k];
         const int64_t s = s0 + j;
         if (fcls[j] == 1) ++tally[kFilterEvicted];
-        fi[s] = uint32_t(firsts[start + k].id >> 32);
-        fl[s] = uint32_t(firsts[start + k].id);
+        gh[j] = uint32_t(firsts[start + k].id >> 32);
+        gl[j] = uint32_t(firsts[start + k].id);
         fc[s] = 1;
       }
       start = end;
@@ -668,15 +683,15 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
 
 // The index operands (donated) and results (aliased to them) of an update.
 struct IndexIn {
-  ffi::Buffer<ffi::U32> hi, lo;
+  ffi::Buffer<ffi::U32> keys;
   ffi::Buffer<ffi::S32> last, count;
-  ffi::Buffer<ffi::U32> fhi, flo;
+  ffi::Buffer<ffi::U32> fkeys;
   ffi::Buffer<ffi::S32> fcount, stats;
 };
 struct IndexOut {
-  ffi::ResultBuffer<ffi::U32> hi, lo;
+  ffi::ResultBuffer<ffi::U32> keys;
   ffi::ResultBuffer<ffi::S32> last, count;
-  ffi::ResultBuffer<ffi::U32> fhi, flo;
+  ffi::ResultBuffer<ffi::U32> fkeys;
   ffi::ResultBuffer<ffi::S32> fcount, stats;
 };
 
@@ -686,22 +701,19 @@ struct IndexOut {
 template <typename F>
 ffi::Error OnIndex(const char* what, const Config& c, IndexIn& in, IndexOut& out,
                    int64_t bucket_size, int64_t filter_bucket_size, F run) {
-  const int64_t b = bucket_size, nbl = in.hi.element_count() / b;
-  const int64_t bf = filter_bucket_size, nfl = in.fhi.element_count() / bf;
+  const int64_t b = bucket_size, nbl = in.last.element_count() / b;
+  const int64_t bf = filter_bucket_size, nfl = in.fcount.element_count() / bf;
   const int64_t slots = nbl * b, fslots = nfl * bf;
   if (nbl == 0 || (c.min_count > 1 && nfl == 0)) {
     return ffi::Error::InvalidArgument(std::string("jte hashindex ") + what + ": empty index");
   }
-  IndexArrays x{out.hi->typed_data(),   out.lo->typed_data(),  out.last->typed_data(),
-                out.count->typed_data(), out.fhi->typed_data(), out.flo->typed_data(),
-                out.fcount->typed_data(), nbl, b, nfl, bf};
+  IndexArrays x{out.keys->typed_data(),  out.last->typed_data(),   out.count->typed_data(),
+                out.fkeys->typed_data(), out.fcount->typed_data(), nbl, b, nfl, bf};
   int32_t* st = out.stats->typed_data();
-  CopyIfNotAliased(in.hi.typed_data(), x.ki, slots);
-  CopyIfNotAliased(in.lo.typed_data(), x.kl, slots);
+  CopyIfNotAliased(in.keys.typed_data(), x.k, 2 * slots);
   CopyIfNotAliased(in.last.typed_data(), x.kt, slots);
   CopyIfNotAliased(in.count.typed_data(), x.kc, slots);
-  CopyIfNotAliased(in.fhi.typed_data(), x.fi, fslots);
-  CopyIfNotAliased(in.flo.typed_data(), x.fl, fslots);
+  CopyIfNotAliased(in.fkeys.typed_data(), x.fk, 2 * fslots);
   CopyIfNotAliased(in.fcount.typed_data(), x.fc, fslots);
   CopyIfNotAliased(in.stats.typed_data(), st, int64_t(in.stats.element_count()));
   int64_t tally[kStats] = {};
@@ -717,14 +729,12 @@ ffi::Error OnIndex(const char* what, const Config& c, IndexIn& in, IndexOut& out
 
 ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo,
                       ffi::Buffer<ffi::S32> lb, ffi::Buffer<ffi::PRED> valid,
-                      ffi::Buffer<ffi::S32> now, ffi::Buffer<ffi::U32> in_hi,
-                      ffi::Buffer<ffi::U32> in_lo, ffi::Buffer<ffi::S32> in_last,
-                      ffi::Buffer<ffi::S32> in_count, ffi::Buffer<ffi::U32> in_fhi,
-                      ffi::Buffer<ffi::U32> in_flo, ffi::Buffer<ffi::S32> in_fcount,
-                      ffi::Buffer<ffi::S32> in_stats, ffi::ResultBuffer<ffi::U32> out_hi,
-                      ffi::ResultBuffer<ffi::U32> out_lo, ffi::ResultBuffer<ffi::S32> out_last,
-                      ffi::ResultBuffer<ffi::S32> out_count, ffi::ResultBuffer<ffi::U32> out_fhi,
-                      ffi::ResultBuffer<ffi::U32> out_flo,
+                      ffi::Buffer<ffi::S32> now, ffi::Buffer<ffi::U32> in_keys,
+                      ffi::Buffer<ffi::S32> in_last, ffi::Buffer<ffi::S32> in_count,
+                      ffi::Buffer<ffi::U32> in_fkeys, ffi::Buffer<ffi::S32> in_fcount,
+                      ffi::Buffer<ffi::S32> in_stats, ffi::ResultBuffer<ffi::U32> out_keys,
+                      ffi::ResultBuffer<ffi::S32> out_last, ffi::ResultBuffer<ffi::S32> out_count,
+                      ffi::ResultBuffer<ffi::U32> out_fkeys,
                       ffi::ResultBuffer<ffi::S32> out_fcount,
                       ffi::ResultBuffer<ffi::S32> out_stats, ffi::ResultBuffer<ffi::S32> row,
                       ffi::ResultBuffer<ffi::PRED> fresh, int64_t ttl_steps,
@@ -732,8 +742,8 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo,
                       int64_t admit_key, int64_t bucket_size, int64_t filter_bucket_size) {
   const Config c{ttl_steps, eviction, min_count, threshold, uint32_t(prio_key),
                  uint32_t(admit_key)};
-  IndexIn in{in_hi, in_lo, in_last, in_count, in_fhi, in_flo, in_fcount, in_stats};
-  IndexOut out{out_hi, out_lo, out_last, out_count, out_fhi, out_flo, out_fcount, out_stats};
+  IndexIn in{in_keys, in_last, in_count, in_fkeys, in_fcount, in_stats};
+  IndexOut out{out_keys, out_last, out_count, out_fkeys, out_fcount, out_stats};
   return OnIndex("update", c, in, out, bucket_size, filter_bucket_size,
                  [&](const IndexArrays& x, int64_t* tally) {
                    UpdateCore(c, x, hi.element_count(), hi.typed_data(), lo.typed_data(),
@@ -753,13 +763,12 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo,
 // fresh_hi, fresh_lo (the rest -1 and padding).
 ffi::Error ResolveUpdateImpl(
     ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf, ffi::Buffer<ffi::PRED> keep_buf,
-    ffi::Buffer<ffi::S32> me_buf, ffi::Buffer<ffi::S32> now_buf, ffi::Buffer<ffi::U32> in_hi,
-    ffi::Buffer<ffi::U32> in_lo, ffi::Buffer<ffi::S32> in_last, ffi::Buffer<ffi::S32> in_count,
-    ffi::Buffer<ffi::U32> in_fhi, ffi::Buffer<ffi::U32> in_flo, ffi::Buffer<ffi::S32> in_fcount,
-    ffi::Buffer<ffi::S32> in_stats, ffi::ResultBuffer<ffi::U32> out_hi,
-    ffi::ResultBuffer<ffi::U32> out_lo, ffi::ResultBuffer<ffi::S32> out_last,
-    ffi::ResultBuffer<ffi::S32> out_count, ffi::ResultBuffer<ffi::U32> out_fhi,
-    ffi::ResultBuffer<ffi::U32> out_flo, ffi::ResultBuffer<ffi::S32> out_fcount,
+    ffi::Buffer<ffi::S32> me_buf, ffi::Buffer<ffi::S32> now_buf, ffi::Buffer<ffi::U32> in_keys,
+    ffi::Buffer<ffi::S32> in_last, ffi::Buffer<ffi::S32> in_count,
+    ffi::Buffer<ffi::U32> in_fkeys, ffi::Buffer<ffi::S32> in_fcount,
+    ffi::Buffer<ffi::S32> in_stats, ffi::ResultBuffer<ffi::U32> out_keys,
+    ffi::ResultBuffer<ffi::S32> out_last, ffi::ResultBuffer<ffi::S32> out_count,
+    ffi::ResultBuffer<ffi::U32> out_fkeys, ffi::ResultBuffer<ffi::S32> out_fcount,
     ffi::ResultBuffer<ffi::S32> out_stats, ffi::ResultBuffer<ffi::S32> row_buf,
     ffi::ResultBuffer<ffi::S32> fresh_count, ffi::ResultBuffer<ffi::S32> fresh_row,
     ffi::ResultBuffer<ffi::U32> fresh_hi, ffi::ResultBuffer<ffi::U32> fresh_lo,
@@ -785,8 +794,8 @@ ffi::Error ResolveUpdateImpl(
   std::unique_ptr<bool[]> u_fresh(new bool[size_t(std::max<int64_t>(u, 1))]);
   std::fill(u_valid.get(), u_valid.get() + u, true);
 
-  IndexIn in{in_hi, in_lo, in_last, in_count, in_fhi, in_flo, in_fcount, in_stats};
-  IndexOut out{out_hi, out_lo, out_last, out_count, out_fhi, out_flo, out_fcount, out_stats};
+  IndexIn in{in_keys, in_last, in_count, in_fkeys, in_fcount, in_stats};
+  IndexOut out{out_keys, out_last, out_count, out_fkeys, out_fcount, out_stats};
   ffi::Error err = OnIndex("resolve_update", c, in, out, bucket_size, filter_bucket_size,
                            [&](const IndexArrays& x, int64_t* tally) {
                              UpdateCore(c, x, u, u_hi.data(), u_lo.data(), o.lb.data(),
@@ -823,9 +832,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexFind, FindImpl,
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // last
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::PRED>>()
                                   .Attr<int64_t>("ttl_steps")
@@ -839,18 +847,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexUpdate, UpdateImpl,
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // valid
                                   .Arg<ffi::Buffer<ffi::S32>>()   // now, (1,)
                                   .Arg<ffi::Buffer<ffi::U32>>()   // the IndexState, donated
-                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()  // the new IndexState
-                                  .Ret<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
@@ -871,9 +875,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexFindOwned, FindOwnedImpl,
                                   .Arg<ffi::Buffer<ffi::U32>>()  // lo
                                   .Arg<ffi::Buffer<ffi::S32>>()  // me, (1,)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // now, (1,)
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // last
                                   .Ret<ffi::Buffer<ffi::S32>>()  // local row
                                   .Attr<int64_t>("ttl_steps")
                                   .Attr<int64_t>("bucket_size")
@@ -889,18 +892,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexResolveUpdate, ResolveUpdateImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // me, (1,)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // now, (1,)
                                   .Arg<ffi::Buffer<ffi::U32>>()   // the IndexState, donated
-                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()  // the new IndexState
-                                  .Ret<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
