@@ -12,7 +12,7 @@ the row kernels never learn that a row belongs to an id.
 Resolution runs under `shard_map`, on the shard that owns each id's bucket (the index is
 row-sharded by buckets, "div" over buckets, so which ids are resident does not depend on
 the mesh): each device all-gathers the table's ids of the global batch, the owner finds
-(lookup) or finds, admits and evicts (update) the distinct ids it owns, and one
+the ids it owns (lookup) or finds, admits and evicts the distinct ones (update), and one
 reduce-scatter brings each device its examples' rows. An id with no row (never admitted,
 refused, evicted, expired) reads its *initial row*: the default initializer's truncated
 normal, drawn from a hash of (table key, id), so it is the same on every mesh and
@@ -370,11 +370,12 @@ class Owned(NamedTuple):
 
 
 def capacity(plan: DynamicPlan, positions: int, num_shards: int) -> int:
-    """C: distinct ids one shard resolves per pass. `max_ids_per_shard` when given; else on
+    """C: ids one shard resolves per pass (an update's distinct ones, a lookup's owned
+    positions: `_mine`). `max_ids_per_shard` when given; else on
     TPU layouts 1.5 times the average share of the P gathered positions (the TPU compiler
     charges each resolved id several tiles, so every device resolving all P would cost N
     times its share); elsewhere P, one pass: XLA:CPU's loops cost more than the work they
-    save. A shard owning more distinct ids in a step runs more passes: never drops one."""
+    save. A shard owning more ids in a step runs more passes: never drops one."""
     if plan.window:
         c = plan.window
     elif plan.compact:
@@ -386,8 +387,9 @@ def capacity(plan: DynamicPlan, positions: int, num_shards: int) -> int:
 
 def _owned(plan: DynamicPlan, hi, lo, keep, axis, window: int) -> Owned:
     """Sorts the gathered ids (`gather_ids`) by (owned first, local bucket, priority, hi, lo)
-    and compacts the distinct owned ones to the front. Two sorts of P entries; no gather
-    (the TPU compiler charges a 1-D gather a whole tile per element)."""
+    and moves the distinct owned ones to the front (`_to_front`). No gather (the TPU
+    compiler charges a 1-D gather a whole tile per element). What an update resolves; a
+    lookup needs no distinct ids (`_mine`)."""
     n = lax.axis_size(axis)
     p = hi.shape[0]
     nbl = plan.index.buckets // n
@@ -400,21 +402,42 @@ def _owned(plan: DynamicPlan, hi, lo, keep, axis, window: int) -> Owned:
     owned = k0 < nbl
     new = jnp.concatenate([jnp.ones((1,), bool), (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])])
     first = owned & new
-    # The distinct ones to the front, in their sorted order.
-    _, d_at, d_hi, d_lo, d_bucket = lax.sort((jnp.where(first, 0, 1), iota, hi, lo, k0), num_keys=2)
     count = jnp.sum(first, dtype=jnp.int32)
+    at, (d_hi, d_lo, d_bucket) = _to_front(plan, n, first, count, window, hi, lo)
+    return Owned(d_hi, d_lo, d_bucket, count, at, pos, owned)
+
+
+def _to_front(plan: DynamicPlan, num_shards: int, mask, count, window: int, hi, lo):
+    """The entries of `mask` (count of them) moved to the front in their order, by one sort
+    keyed by position that carries only the id words; the local buckets are computed again
+    from them (a hash: the TPU compiler charges each operand of a sort, or of a scatter,
+    far more than the hash). Returns (their positions (P,), P past the count; (hi, lo,
+    local bucket), (P + C,) each, padding past the count)."""
+    p = hi.shape[0]
+    iota = lax.iota(jnp.int32, p)
+    key, hi, lo = lax.sort((jnp.where(mask, iota, iota + p), hi, lo), num_keys=1)
     live = iota < count
     extra = 0 if window >= p else window  # Room for the last pass's window.
     pad = lambda x, v: jnp.pad(jnp.where(live, x, v), (0, extra), constant_values=v)
-    return Owned(
-        hi=pad(d_hi, jnp.uint32(PAD)),
-        lo=pad(d_lo, jnp.uint32(PAD)),
-        bucket=pad(d_bucket, 0),
-        count=count,
-        first=jnp.where(live, d_at, p),
-        pos=pos,
-        owned=owned,
-    )
+    hi, lo = pad(hi, jnp.uint32(PAD)), pad(lo, jnp.uint32(PAD))
+    bucket = _hashindex.locate(plan.index, num_shards, hi, lo)[1]
+    return jnp.where(live, key, p), (hi, lo, bucket)
+
+
+def _mine(plan: DynamicPlan, hi, lo, axis, window: int):
+    """The gathered positions this shard owns, repeats included, moved to the front in
+    position order (`_to_front`): one sort of the P positions, where `_owned` sorts them
+    twice, by more keys. A read-only lookup needs no distinct ids: a repeat finds what its
+    first finds.
+
+    Returns ((hi, lo, bucket), (P + C,) each as `Owned`'s; their gathered positions (P,),
+    P past the count; the count)."""
+    n = lax.axis_size(axis)
+    owner, _ = _hashindex.locate(plan.index, n, hi, lo)
+    mine = (owner == lax.axis_index(axis)) & ~is_pad(hi, lo)
+    count = jnp.sum(mine, dtype=jnp.int32)
+    pos, ids = _to_front(plan, n, mine, count, window, hi, lo)
+    return ids, pos, count
 
 
 def _windows(count, window: int, inputs, body, outputs, carry):
@@ -465,17 +488,18 @@ def lookup_rows(plan: DynamicPlan, storage, index, hi, lo, now, axis):
     if plan.kernel == "cpu":  # One pass over the gathered ids, reading owned ones' buckets.
         row = _hashindex_cpu.find_owned(plan.index, index, hi, lo, me, lax.axis_size(axis), now)
         return jnp.where(row >= 0, storage.layout.global_ids(me, row) + 1, 0)
-    window = capacity(plan, hi.shape[0], lax.axis_size(axis))
-    owned = _owned(plan, hi, lo, True, axis, window)
+    p = hi.shape[0]
+    window = capacity(plan, p, lax.axis_size(axis))
+    ids, pos, count = _mine(plan, hi, lo, axis, window)
 
     def body(hi, lo, bucket, valid, carry):
         row, found = _hashindex.find(plan.index, index, hi, lo, bucket, now)
         return (jnp.where(found & valid, storage.layout.global_ids(me, row), -1),), carry
 
-    ids = (owned.hi, owned.lo, owned.bucket)
-    empty = (jnp.full(owned.hi.shape, -1, jnp.int32),)
-    (rows,), _ = _windows(owned.count, window, ids, body, empty, None)
-    return _back(owned, rows)
+    empty = (jnp.full(ids[0].shape, -1, jnp.int32),)
+    (rows,), _ = _windows(count, window, ids, body, empty, None)
+    # Row + 1 at each owned position (0: no row), 0 elsewhere, as `scatter_rows` takes it.
+    return jnp.zeros(p, jnp.int32).at[pos].set(rows[:p] + 1, mode="drop", unique_indices=True)
 
 
 def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, keep, now, axis):
@@ -508,7 +532,7 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
     # Rules 1-3 (hits, admission, freed slots), then placement, each a pass at a time
     # (`_hashindex.place`: a bucket's ids may span passes); the filter sees them all.
     def sighted(hi, lo, bucket, valid, index):
-        s = _hashindex.sighted(config, index, hi, lo, bucket, valid, now)
+        s = _hashindex.sighted(config, index, hi, lo, bucket, valid, now, grouped=True)
         return (s.hit, s.row, s.miss, s.admit, s.in_filter, s.f_lane, s.sightings), s.state
 
     bools = [like(bool)] * 5

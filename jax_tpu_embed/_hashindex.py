@@ -404,6 +404,18 @@ def _groups(key, prio, hi, lo, flag, num_groups: int):
     return back(group_sorted), back(before - base), group_key
 
 
+def _runs(key, num_groups: int, fill: int):
+    """`_groups`' (group, group key) for candidates whose equal keys are contiguous (the
+    caller sorted them): each run of equal keys is a group, numbered in input order; unused
+    groups hold `fill`. A running count, no sort (at a pass of ids the TPU compiler charges
+    `_groups`' sort more than the whole `find`)."""
+    u = key.shape[0]
+    start = jnp.ones(u, bool).at[1:].set(key[1:] != key[:-1])
+    group = jnp.cumsum(start, dtype=jnp.int32) - 1
+    group_key = jnp.full(num_groups, fill, key.dtype).at[group].set(key, mode="drop")
+    return group, group_key
+
+
 def _lane_order(keys):
     """(G, l) lane order: the lanes of each row sorted by `keys`, which leave no ties."""
     lanes = lax.broadcasted_iota(jnp.int32, keys[0].shape, 1)
@@ -475,12 +487,19 @@ class Sighted:
     sightings: Any
 
 
-def sighted(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, now):
+def sighted(
+    config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, now, *, grouped=False
+):
     """Rules 1-3 of `update` and the writes they make: hits get last = now, count += 1;
     an admitted id's own expired slot is freed (cleared). Placement (`place`) reads the
     result: a slot hit this step then has last == now (never evictable) and a freed one is
     empty. Ids are independent here, so any split of a step's ids into calls gives the same
-    state."""
+    state.
+
+    `grouped`: the caller promises that ids of one local bucket are contiguous (sorted by
+    bucket, as `_dynamic` resolves them), so the writes are grouped by runs, without a
+    sort. Ids of one bucket apart would be written by two groups, one losing the other's
+    edits."""
     b = config.bucket_size
     hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
     valid = jnp.asarray(valid, bool).reshape(-1) & ~_is_pad(hi, lo)
@@ -523,8 +542,11 @@ def sighted(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid,
     u = hi.shape[0]
     groups = min(u, nbl + 1)
     edit = hit | freed
-    z = jnp.zeros_like(hi)
-    group, _, group_bucket = _groups(jnp.where(edit, lb, nbl), z, hi, lo, edit, groups)
+    if grouped:  # At most the valid ids' nbl buckets and one run of padding.
+        group, group_bucket = _runs(lb, groups, nbl)
+    else:
+        z = jnp.zeros_like(hi)
+        group, _, group_bucket = _groups(jnp.where(edit, lb, nbl), z, hi, lo, edit, groups)
     bucket = jnp.minimum(group_bucket, nbl - 1)
     first = bucket * b
     lane = jnp.where(hit, hit_lane, stale_lane)

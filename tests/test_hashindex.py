@@ -339,6 +339,36 @@ def test_find_is_read_only_and_agrees(rng):
         np.testing.assert_array_equal(a, np.asarray(b))
 
 
+def test_sighted_grouped_by_runs_equals_sighted_by_sort():
+    """`sighted(grouped=True)` (ids of a bucket contiguous, as `_dynamic` resolves them:
+    its writes grouped by runs, no sort) gives the state and results of the sorting path,
+    with TTL (freed slots rewrite keys) and hits sharing buckets, padding at the end."""
+    config, width, pool = CASES["ttl"]
+    state, _, _ = _run_against_reference(config, 30, width, pool, seed=2)
+    held = hx.slot_ids(config, state)
+    rng = np.random.default_rng(5)
+    ids = np.unique(np.concatenate([rng.choice(held[held != -1], 12), rng.integers(-99, 99, 8)]))
+    hi, lo = hx.split_ids(ids)
+    _, lb = hx.locate(config, 1, hi, lo)
+    order = np.argsort(np.asarray(lb), kind="stable")
+    pad = np.full(5, hx.PAD, np.uint32)
+    hi, lo = np.concatenate([hi[order], pad]), np.concatenate([lo[order], pad])
+    lb = np.concatenate([np.asarray(lb)[order], np.zeros(5, np.int32)])
+    assert np.unique(lb[:-5]).size < ids.size, "no two ids share a bucket"
+    valid = hi != hx.PAD
+    out = {
+        grouped: jax.jit(functools.partial(hx.sighted, config, grouped=grouped))(
+            state, hi, lo, lb, valid, np.int32(31)
+        )
+        for grouped in (False, True)
+    }
+    step = np.asarray(out[False].state.stats - state.stats)[0]
+    assert step[hx.STAT_NAMES.index("hits")] > 0, "no hit"
+    assert step[hx.STAT_NAMES.index("expired")] > 0, "no freed slot"
+    for a, b in zip(jax.tree.leaves(out[False]), jax.tree.leaves(out[True])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_update_has_no_loop_and_no_64_bit():
     config = CASES["tiny_all"][0]
     state = hx.empty_state(config, 1)
