@@ -86,7 +86,7 @@ def test_bf16_results_do_not_depend_on_mesh_or_strategy(rng):
 # (routed among them: test_bf16_results_do_not_depend_on_mesh_or_strategy routes on the XLA
 # ops in the fast tier) are marked slow.
 _KERNEL_OPTIMIZERS = ("sgd+extras", "adagrad+extras", "adam+extras", "rowwise_adagrad")
-_FAST_KERNEL_CASES = ("adagrad+extras-d48", "rmsprop-d200-nearest")
+_FAST_KERNEL_CASES = ("adagrad+extras-d48",)
 _KERNEL_CASES = [(key, 48, "mod", 8, True, "gather", f"{key}-d48") for key in _KERNEL_OPTIMIZERS]
 _KERNEL_CASES += [
     ("adagrad", 32, "div", 4, True, "gather", "adagrad-d32"),

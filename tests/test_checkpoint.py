@@ -156,7 +156,7 @@ def _assert_same_state(emb_a, state_a, emb_b, state_b, exact=True):
     "save_on,restore_on",
     [
         (("mod", 8, "explicit"), ("div", 2, "auto")),
-        (("div", 4, "explicit"), ("mod", 3, "explicit")),
+        pytest.param(("div", 4, "explicit"), ("mod", 3, "explicit"), marks=pytest.mark.slow),
     ],
 )
 def test_restore_on_other_mesh_and_strategy_continues_identically(tmp_path, save_on, restore_on):
@@ -449,7 +449,9 @@ def _multi_slot_spec(strategy):
     "save_on,restore_on",
     [
         pytest.param(("mod", 8, 0), ("div", 2, 0), id="mod8-div2", marks=pytest.mark.slow),
-        pytest.param(("mod", 8, 128), ("div", 1, 0), id="mod8-lanes128-div1"),
+        pytest.param(
+            ("mod", 8, 128), ("div", 1, 0), id="mod8-lanes128-div1", marks=pytest.mark.slow
+        ),
         pytest.param(("div", 2, 0), ("mod", 4, 128), id="div2-mod4-lanes128"),
     ],
 )

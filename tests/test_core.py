@@ -527,16 +527,17 @@ def _close(a, b):
 
 # Plain rows (lane_width 0) or packed as on a TPU mesh (128): each optimizer one of them,
 # Adagrad both (test_lane_packed_layout_gives_identical_results compares the two layouts).
+# The fast tier keeps one plain and one packed case of each pass kind (ids, unique ids).
 @pytest.mark.parametrize(
     "opt_key,strategy,num_shards,max_ids,max_unique,lane_width",
     [
         ("adagrad", "div", 4, 1, None, 0),
-        ("adagrad", "div", 4, 1, None, 128),
-        ("adam", "mod", 2, 3, 1, 128),
-        ("ftrl", "div", 8, 5, None, 0),
+        pytest.param("adagrad", "div", 4, 1, None, 128, marks=pytest.mark.slow),
+        pytest.param("adam", "mod", 2, 3, 1, 128, marks=pytest.mark.slow),
+        pytest.param("ftrl", "div", 8, 5, None, 0, marks=pytest.mark.slow),
         ("rowwise_adagrad", "mod", 4, None, 2, 128),
         ("sgd", "div", 1, 2, None, 0),
-        ("adagrad_momentum", "div", 1, None, 3, 128),
+        pytest.param("adagrad_momentum", "div", 1, None, 3, 128, marks=pytest.mark.slow),
     ],
 )
 def test_update_in_passes_matches_reference(
@@ -565,7 +566,7 @@ def test_update_in_passes_matches_reference(
 @pytest.mark.parametrize(
     "opt_key,strategy,num_shards,keys",
     [
-        ("adagrad", "div", 4, "packed"),
+        pytest.param("adagrad", "div", 4, "packed", marks=pytest.mark.slow),
         ("ftrl", "mod", 2, "packed"),
         ("adagrad", "mod", 4, "separate"),
     ],

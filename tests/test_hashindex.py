@@ -344,7 +344,7 @@ def test_sighted_grouped_by_runs_equals_sighted_by_sort():
     its writes grouped by runs, no sort) gives the state and results of the sorting path,
     with TTL (freed slots rewrite keys) and hits sharing buckets, padding at the end."""
     config, width, pool = CASES["ttl"]
-    state, _, _ = _run_against_reference(config, 30, width, pool, seed=2)
+    state, _, _ = _run_against_reference(config, 12, width, pool, seed=2)
     held = hx.slot_ids(config, state)
     rng = np.random.default_rng(5)
     ids = np.unique(np.concatenate([rng.choice(held[held != -1], 12), rng.integers(-99, 99, 8)]))
@@ -358,7 +358,7 @@ def test_sighted_grouped_by_runs_equals_sighted_by_sort():
     valid = hi != hx.PAD
     out = {
         grouped: jax.jit(functools.partial(hx.sighted, config, grouped=grouped))(
-            state, hi, lo, lb, valid, np.int32(31)
+            state, hi, lo, lb, valid, np.int32(13)
         )
         for grouped in (False, True)
     }

@@ -236,7 +236,8 @@ _CACHED = jte.HostCached(cache_rows=64, ways=4)
 
 
 @pytest.mark.parametrize(
-    "kind, placement", [("explicit", "host"), ("auto", "host"), ("explicit", _CACHED)]
+    "kind, placement",
+    [("explicit", "host"), ("auto", "host"), pytest.param("explicit", _CACHED, marks=_SLOW)],
 )
 def test_jitted_train_step_with_global_array_inputs(kind, placement):
     """The train step of a host (or host-cached) table fed global jax.Arrays sharded over
@@ -353,7 +354,8 @@ def test_train_step_prefetches_the_next_batch():
     assert stats["misses"] == len(rows[0] - rows[1]) and stats["prefetched"] > 0, stats
 
 
-@pytest.mark.parametrize("placement", ["host", pytest.param(_CACHED, marks=_SLOW)])
+@_SLOW  # The fast tier converts host checkpoints in test_host_checkpoints_convert_shard_by_shard.
+@pytest.mark.parametrize("placement", ["host", _CACHED])
 def test_checkpoint_and_restore_tables_keep_host_tables_on_host(tmp_path, placement):
     """Save on 4 devices, restore on 2 and continue = continue on 4 (to float32 rounding:
     the mesh changes the order of sums); `restore_tables` of the
@@ -715,6 +717,7 @@ def _benchmark(name: str, tmp_path, *args: str) -> tuple:
     return module, json.loads(out.read_text())
 
 
+@_SLOW  # A benchmark's smoke run.
 def test_host_offload_benchmark_runs(tmp_path):
     """benchmarks/host_offload.py (the script to run on a TPU VM) works, in its quick form."""
     _, result = _benchmark("host_offload", tmp_path)

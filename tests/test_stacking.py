@@ -157,7 +157,7 @@ def test_stacks_group_tables_of_one_row_form_and_optimizer():
     "strategy,num_shards,backend",
     [
         pytest.param("mod", 2, "xla", marks=pytest.mark.slow),
-        ("mod", 4, "pallas_interpret"),
+        pytest.param("mod", 4, "pallas_interpret", marks=pytest.mark.slow),
         pytest.param("div", 8, "xla", marks=pytest.mark.slow),
     ],
 )
