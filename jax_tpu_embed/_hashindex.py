@@ -63,6 +63,10 @@ PAD = 0xFFFFFFFF
 # Salts of the keyed hashes derived from the table's seed: independent streams.
 _SALT_BUCKET, _SALT_PRIORITY, _SALT_ADMIT = 1, 2, 3
 
+# The scatters that combine a window with values (`_put_rows`), and max's identity.
+_ADD, _MAX, _MUL = lax.scatter_add, lax.scatter_max, lax.scatter_mul
+_INT32_MIN = np.iinfo(np.int32).min
+
 # Local rows index int32 arrays inside jit.
 _MAX_LOCAL_SLOTS = 1 << 31
 
@@ -320,16 +324,17 @@ def _put_key_rows(keys, bucket, hi, lo, write):
     return _put_rows(keys, bucket * (2 * width), jnp.concatenate([hi, lo], 1), write)
 
 
-def _put_rows(flat, first, rows, write):
+def _put_rows(flat, first, rows, write, op=lax.scatter):
     """`flat` with the windows at `first` ((G,), distinct where `write`) set to `rows`
-    ((G, width)); the others left as they are. One windowed scatter."""
+    ((G, width)), or combined with them by `op` (`lax.scatter_add`, `_max`, `_mul`); the
+    others left as they are. One windowed scatter."""
     g, width = rows.shape
     # Each skipped window starts past the array at its own place: unique, and dropped.
     skip = flat.shape[0] + lax.iota(jnp.int32, g) * width
     dims = lax.ScatterDimensionNumbers(
         update_window_dims=(1,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
     )
-    return lax.scatter(
+    return op(
         flat,
         jnp.where(write, first, skip)[:, None],
         rows.astype(flat.dtype),
@@ -440,7 +445,7 @@ def update(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, 
     Every outcome depends on keys, steps and counts, not on input order or lanes:
 
     1. TTL: a slot with now - last >= ttl_steps is expired: not found, free for reuse.
-    2. Hit (found live): last = now, count += 1.
+    2. Hit (found live): last = max(last, now) (now, while steps increase), count += 1.
     3. Miss: admission. With min_count k > 1 the filter counts the id's sightings (steps in
        which it missed); the k-th admits it. With admit_probability p < 1 it is admitted iff
        a hash of (seed, now, id) < p. Both apply when both are set; a sighting at or past
@@ -490,16 +495,16 @@ class Sighted:
 def sighted(
     config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, now, *, grouped=False
 ):
-    """Rules 1-3 of `update` and the writes they make: hits get last = now, count += 1;
-    an admitted id's own expired slot is freed (cleared). Placement (`place`) reads the
-    result: a slot hit this step then has last == now (never evictable) and a freed one is
-    empty. Ids are independent here, so any split of a step's ids into calls gives the same
-    state.
+    """Rules 1-3 of `update` and the writes they make: hits get last = max(last, now),
+    count += 1; an admitted id's own expired slot is freed (cleared). Placement (`place`)
+    reads the result: a slot hit this step then has last >= now (never evictable) and a
+    freed one is empty. Ids are independent here, so any split of a step's ids into calls
+    gives the same state.
 
     `grouped`: the caller promises that ids of one local bucket are contiguous (sorted by
     bucket, as `_dynamic` resolves them), so the writes are grouped by runs, without a
-    sort. Ids of one bucket apart would be written by two groups, one losing the other's
-    edits."""
+    sort. Ids of one bucket apart would make two groups write one bucket, which the
+    writes (unique windows) do not allow."""
     b = config.bucket_size
     hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
     valid = jnp.asarray(valid, bool).reshape(-1) & ~_is_pad(hi, lo)
@@ -508,7 +513,7 @@ def sighted(
     lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
 
     keys_hi, keys_lo = _key_rows(state.keys, lb, b)
-    last, count = _rows(state.last, lb * b, b), _rows(state.count, lb * b, b)
+    last = _rows(state.last, lb * b, b)
     occupied = ~_is_pad(keys_hi, keys_lo)
     expired = occupied & _expired(config, last, now)
     same = (keys_hi == hi[:, None]) & (keys_lo == lo[:, None]) & valid[:, None]
@@ -516,7 +521,6 @@ def sighted(
     hit, hit_lane = _only_lane(hit_lanes)
     miss = valid & ~hit
     stale, stale_lane = _only_lane(stale_lanes)
-    hit_count = jnp.where(hit_lanes, count, 0).sum(1)
 
     admit = miss
     in_filter = jnp.zeros_like(miss)
@@ -549,36 +553,28 @@ def sighted(
         group, _, group_bucket = _groups(jnp.where(edit, lb, nbl), z, hi, lo, edit, groups)
     bucket = jnp.minimum(group_bucket, nbl - 1)
     first = bucket * b
-    lane = jnp.where(hit, hit_lane, stale_lane)
-    e = _spread(
-        groups,
-        b,
-        group,
-        lane,
-        {"last": jnp.where(hit, now, 0), "count": jnp.where(hit, hit_count + 1, 0)},
-        edit,
-    )
-    c = _spread(groups, b, group, stale_lane, {}, freed)
-    edited = e["set"].any(1) & (group_bucket < nbl)
-    cleared = c["set"].any(1) & (group_bucket < nbl)
-
-    def write(array, mask, value, which):
-        return _put_rows(array, first, jnp.where(mask, value, _rows(array, first, b)), which)
-
-    pad = jnp.uint32(PAD)
+    # The writes combine each window with the step's values (a hit's last: max with now;
+    # its count: + 1; a freed slot's last and count: times 0, its key
+    # words: max with PAD), so they never read the windows they write: the TPU compiler
+    # charges a scatter whose values were gathered from its own operand several times one
+    # whose values were not (docs/design.md).
+    hits_at = _spread(groups, b, group, hit_lane, {}, hit)["set"]
+    hit_groups = hits_at.any(1) & (group_bucket < nbl)
+    last = _put_rows(state.last, first, jnp.where(hits_at, now, _INT32_MIN), hit_groups, _MAX)
+    count = _put_rows(state.count, first, hits_at.astype(jnp.int32), hit_groups, _ADD)
     tally = {"hits": hit.sum(), "misses": miss.sum(), "rejected": (miss & ~admit).sum()}
     tally["expired"] = freed.sum()
     keys = {}
     if config.ttl_steps is not None:  # Without TTL no slot expires, so none is freed.
-        old_hi, old_lo = _key_rows(state.keys, bucket, b)
-        cleared_hi, cleared_lo = (jnp.where(c["set"], pad, w) for w in (old_hi, old_lo))
-        keys["keys"] = _put_key_rows(state.keys, bucket, cleared_hi, cleared_lo, cleared)
+        freed_at = _spread(groups, b, group, stale_lane, {}, freed)["set"]
+        freed_groups = freed_at.any(1) & (group_bucket < nbl)
+        kept = (~freed_at).astype(jnp.int32)
+        last = _put_rows(last, first, kept, freed_groups, _MUL)
+        count = _put_rows(count, first, kept, freed_groups, _MUL)
+        pads = jnp.where(jnp.concatenate([freed_at, freed_at], 1), jnp.uint32(PAD), 0)
+        keys["keys"] = _put_rows(state.keys, bucket * (2 * b), pads, freed_groups, _MAX)
     new = dataclasses.replace(
-        state,
-        **keys,
-        last=write(state.last, e["set"], e["last"], edited),
-        count=write(state.count, e["set"], e["count"], edited),
-        stats=state.stats + _tally(tally)[None, :],
+        state, **keys, last=last, count=count, stats=state.stats + _tally(tally)[None, :]
     )
     return Sighted(new, hit, row, miss, admit, in_filter, f_lane, sightings)
 

@@ -9,8 +9,9 @@
 //
 //   A. Each id's hit lane, its own expired ("stale") lane, miss, admission (probability
 //      hash, filter sightings), from the old index.
-//   B. Writes of hits (last = now, count + 1) and clears of the stale slots of admitted ids,
-//      done as A reaches each id: the slot is the id's own, which no other id reads.
+//   B. Writes of hits (last = max(last, now), count + 1) and clears of the stale slots of
+//      admitted ids, done as A reaches each id: the slot is the id's own, which no other id
+//      reads.
 //   C. The admitted ids in (bucket, priority, hi, lo) order; per bucket, its slot order
 //      (free by lane; expired by (last, priority); unless "none", live slots with last < now,
 //      lru by last, lfu by (count, last), ties by priority; the rest unavailable) computed on
@@ -19,7 +20,7 @@
 //      (filter bucket, priority) order take free entries, else the unsighted one of lowest
 //      (count, priority).
 //
-// Computing the slot order after B is the XLA order: a slot hit this step has last == now, so
+// Computing the slot order after B is the XLA order: a slot hit this step has last >= now, so
 // it is neither expired nor evictable (XLA marks it unavailable), and a cleared slot is empty
 // (XLA marks it free); nothing else that B writes is read by C. The index arrays are the
 // donated operands (aliased to the results), so a step reads and writes O(ids) memory.
@@ -499,7 +500,7 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
       const int64_t s = base[i] + hit_lane[i];
       ++tally[kHits];
       row[i] = int32_t(s);
-      kt[s] = now;
+      kt[s] = std::max(kt[s], now);
       kc[s] = int32_t(uint32_t(kc[s]) + 1u);
       continue;
     }
