@@ -371,11 +371,11 @@ class Owned(NamedTuple):
 
 def capacity(plan: DynamicPlan, positions: int, num_shards: int) -> int:
     """C: ids one shard resolves per pass (an update's distinct ones, a lookup's owned
-    positions: `_mine`). `max_ids_per_shard` when given; else on
-    TPU layouts 1.5 times the average share of the P gathered positions (the TPU compiler
-    charges each resolved id several tiles, so every device resolving all P would cost N
-    times its share); elsewhere P, one pass: XLA:CPU's loops cost more than the work they
-    save. A shard owning more ids in a step runs more passes: never drops one."""
+    positions: `_mine`). `max_ids_per_shard` when given; else on TPU layouts 1.5 times the
+    average share of the P gathered positions (the TPU compiler charges each resolved id
+    several tiles, so every device resolving all P would cost N times its share);
+    elsewhere P, one pass: XLA:CPU's loops cost more than the work they save. A shard
+    owning more ids in a step runs more passes: never drops one."""
     if plan.window:
         c = plan.window
     elif plan.compact:
@@ -426,9 +426,9 @@ def _to_front(plan: DynamicPlan, num_shards: int, mask, count, window: int, hi, 
 
 def _mine(plan: DynamicPlan, hi, lo, axis, window: int):
     """The gathered positions this shard owns, repeats included, moved to the front in
-    position order (`_to_front`): one sort of the P positions, where `_owned` sorts them
-    twice, by more keys. A read-only lookup needs no distinct ids: a repeat finds what its
-    first finds.
+    position order (`_to_front`): one sort of the P positions keyed by position, where
+    `_owned` first sorts them by four keys. A read-only lookup needs no distinct ids: a
+    repeat finds what its first finds.
 
     Returns ((hi, lo, bucket), (P + C,) each as `Owned`'s; their gathered positions (P,),
     P past the count; the count)."""
