@@ -242,8 +242,8 @@ void FindCore(int64_t n, const uint32_t* qh, const uint32_t* ql, const int32_t* 
     int32_t r = -1;
     if (from >= 0) {
       const int64_t base = Clamp(qb[i], nbl) * b;
-      ForEachMatch(HiWords(keys, base), LoWords(keys, base, b), b, from, qh[i], ql[i],
-                   [&](int64_t j) {
+      const uint32_t *bh = HiWords(keys, base), *bl = LoWords(keys, base, b);
+      ForEachMatch(bh, bl, b, from, qh[i], ql[i], [&](int64_t j) {
         if (ttl.Expired(kt[base + j], now)) return false;
         r = int32_t(base + j);
         return true;
@@ -486,7 +486,8 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
     const int64_t from = hit_lane[i];
     hit_lane[i] = -1;
     if (from >= 0) {
-      ForEachMatch(HiWords(keys, base[i]), LoWords(keys, base[i], b), b, from, h, l, [&](int64_t j) {
+      const uint32_t *bh = HiWords(keys, base[i]), *bl = LoWords(keys, base[i], b);
+      ForEachMatch(bh, bl, b, from, h, l, [&](int64_t j) {
         if (ttl.Expired(bt[j], now)) {
           if (stale_lane[i] < 0) stale_lane[i] = int32_t(j);
         } else if (hit_lane[i] < 0) {
@@ -617,7 +618,8 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
       const int64_t fb = (base[i] / b) / per;
       if (f_lane[i] >= 0) {
         const int64_t s = fb * bf + f_lane[i];
-        uint32_t *eh = HiWords(fkeys, fb * bf) + f_lane[i], *el = LoWords(fkeys, fb * bf, bf) + f_lane[i];
+        uint32_t* eh = HiWords(fkeys, fb * bf) + f_lane[i];
+        uint32_t* el = LoWords(fkeys, fb * bf, bf) + f_lane[i];
         if (fresh[i]) {
           *eh = kPad;
           *el = kPad;
