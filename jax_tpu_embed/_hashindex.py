@@ -317,11 +317,11 @@ def _key_rows(keys, bucket, width: int):
     return window[:, :width], window[:, width:]
 
 
-def _put_key_rows(keys, bucket, hi, lo, write):
+def _put_key_rows(keys, bucket, hi, lo, write, op=lax.scatter):
     """`_put_rows` for block-interleaved keys: the buckets `bucket` (G,) set to (hi, lo)
-    ((G, width) each) where `write`."""
+    ((G, width) each), or combined with them by `op`, where `write`."""
     width = hi.shape[1]
-    return _put_rows(keys, bucket * (2 * width), jnp.concatenate([hi, lo], 1), write)
+    return _put_rows(keys, bucket * (2 * width), jnp.concatenate([hi, lo], 1), write, op)
 
 
 def _put_rows(flat, first, rows, write, op=lax.scatter):
@@ -554,10 +554,10 @@ def sighted(
     bucket = jnp.minimum(group_bucket, nbl - 1)
     first = bucket * b
     # The writes combine each window with the step's values (a hit's last: max with now;
-    # its count: + 1; a freed slot's last and count: times 0, its key
-    # words: max with PAD), so they never read the windows they write: the TPU compiler
-    # charges a scatter whose values were gathered from its own operand several times one
-    # whose values were not (docs/design.md).
+    # its count: + 1; a freed slot's last and count: times 0, its key words: max with
+    # PAD), so they never read the windows they write: the TPU compiler charges a scatter
+    # whose values were gathered from its own operand several times one whose values were
+    # not (docs/design.md).
     hits_at = _spread(groups, b, group, hit_lane, {}, hit)["set"]
     hit_groups = hits_at.any(1) & (group_bucket < nbl)
     last = _put_rows(state.last, first, jnp.where(hits_at, now, _INT32_MIN), hit_groups, _MAX)
@@ -571,8 +571,8 @@ def sighted(
         kept = (~freed_at).astype(jnp.int32)
         last = _put_rows(last, first, kept, freed_groups, _MUL)
         count = _put_rows(count, first, kept, freed_groups, _MUL)
-        pads = jnp.where(jnp.concatenate([freed_at, freed_at], 1), jnp.uint32(PAD), 0)
-        keys["keys"] = _put_rows(state.keys, bucket * (2 * b), pads, freed_groups, _MAX)
+        pads = jnp.where(freed_at, jnp.uint32(PAD), jnp.uint32(0))
+        keys["keys"] = _put_key_rows(state.keys, bucket, pads, pads, freed_groups, _MAX)
     new = dataclasses.replace(
         state, **keys, last=last, count=count, stats=state.stats + _tally(tally)[None, :]
     )
