@@ -13,7 +13,9 @@ Resolution runs under `shard_map`, on the shard that owns each id's bucket (the 
 row-sharded by buckets, "div" over buckets, so which ids are resident does not depend on
 the mesh): each device all-gathers the table's ids of the global batch, the owner finds
 the ids it owns (lookup) or finds, admits and evicts the distinct ones (update), and one
-reduce-scatter brings each device its examples' rows. An id with no row (never admitted,
+reduce-scatter brings each device its examples' rows. Tables whose rows travel by owner
+routing send each device's own ids to their owners instead (`_dynamic_owner`). An id with
+no row (never admitted,
 refused, evicted, expired) reads its *initial row*: the default initializer's truncated
 normal, drawn from a hash of (table key, id), so it is the same on every mesh and
 capacity; a row the update gives to a new id is reset to it, and its slots to their
@@ -80,6 +82,10 @@ class DynamicPlan:
     kernel: str = "xla"  # Who runs the index: "xla" (_hashindex) or "cpu" (_hashindex_cpu).
     compact: bool = False  # Resolve each shard's ids in passes of `capacity` (TPU layouts).
     window: int | None = None  # Distinct ids per pass when given (max_ids_per_shard).
+    # How a device's ids reach their buckets' owners: "gather" (every device all-gathers
+    # the global batch's ids, below) or "owner" (`_dynamic_owner`: each device sends its
+    # own to their owners), as the slot table's rows travel (`Embedding.routing`).
+    route: str = "gather"
 
     @property
     def rows(self) -> int:
@@ -299,6 +305,8 @@ def gather_ids(tables: list, axis) -> list:
     (a collective costs its latency once, not twice per table). `tables`: per table, its
     features' (hi, lo) parts, (b, L) uint32 each. Returns per table (hi, lo), (P,) each:
     device by device, each device's features flattened and joined."""
+    if not tables:
+        return []
     flat = lambda parts: jnp.concatenate([x.reshape(-1) for x in parts])
     words = [flat([h for h, _ in parts] + [lo for _, lo in parts]) for parts in tables]
     every = lax.all_gather(jnp.concatenate(words), axis)  # (N, Σ 2·M)
@@ -345,6 +353,7 @@ def with_kernel(plan: DynamicPlan, table_plan) -> DynamicPlan:
         kernel="cpu" if cpu else "xla",
         compact=table_plan.on_tpu,
         window=table_plan.max_ids,
+        route="owner" if table_plan.routing == "owner" and not cpu else "gather",
     )
 
 
@@ -387,7 +396,7 @@ def capacity(plan: DynamicPlan, positions: int, num_shards: int) -> int:
 
 def _owned(plan: DynamicPlan, hi, lo, keep, axis, window: int) -> Owned:
     """Sorts the gathered ids (`gather_ids`) by (owned first, local bucket, priority, hi, lo)
-    and moves the distinct owned ones to the front (`_to_front`). No gather (the TPU
+    and moves the distinct owned ones to the front (`to_front`). No gather (the TPU
     compiler charges a 1-D gather a whole tile per element). What an update resolves; a
     lookup needs no distinct ids (`_mine`)."""
     n = lax.axis_size(axis)
@@ -403,11 +412,11 @@ def _owned(plan: DynamicPlan, hi, lo, keep, axis, window: int) -> Owned:
     new = jnp.concatenate([jnp.ones((1,), bool), (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])])
     first = owned & new
     count = jnp.sum(first, dtype=jnp.int32)
-    at, (d_hi, d_lo, d_bucket) = _to_front(plan, n, first, count, window, hi, lo)
+    at, (d_hi, d_lo, d_bucket) = to_front(plan, n, first, count, window, hi, lo)
     return Owned(d_hi, d_lo, d_bucket, count, at, pos, owned)
 
 
-def _to_front(plan: DynamicPlan, num_shards: int, mask, count, window: int, hi, lo):
+def to_front(plan: DynamicPlan, num_shards: int, mask, count, window: int, hi, lo):
     """The entries of `mask` (count of them) moved to the front in their order, by one sort
     keyed by position that carries only the id words; the local buckets are computed again
     from them (a hash: the TPU compiler charges each operand of a sort, or of a scatter,
@@ -426,7 +435,7 @@ def _to_front(plan: DynamicPlan, num_shards: int, mask, count, window: int, hi, 
 
 def _mine(plan: DynamicPlan, hi, lo, axis, window: int):
     """The gathered positions this shard owns, repeats included, moved to the front in
-    position order (`_to_front`): one sort of the P positions keyed by position, where
+    position order (`to_front`): one sort of the P positions keyed by position, where
     `_owned` first sorts them by four keys. A read-only lookup needs no distinct ids: a
     repeat finds what its first finds.
 
@@ -436,7 +445,7 @@ def _mine(plan: DynamicPlan, hi, lo, axis, window: int):
     owner, _ = _hashindex.locate(plan.index, n, hi, lo)
     mine = (owner == lax.axis_index(axis)) & ~is_pad(hi, lo)
     count = jnp.sum(mine, dtype=jnp.int32)
-    pos, ids = _to_front(plan, n, mine, count, window, hi, lo)
+    pos, ids = to_front(plan, n, mine, count, window, hi, lo)
     return ids, pos, count
 
 
@@ -468,7 +477,7 @@ def _windows(count, window: int, inputs, body, outputs, carry):
     return outs, carry
 
 
-def _back(owned: Owned, values):
+def to_positions(owned: Owned, values):
     """Each gathered position's value + 1 (0 where not owned) from its distinct id's
     (`values`, int32, (P + C,) in distinct order, -1 for none), for `scatter_rows`. No
     gather: each distinct value's difference from the previous one goes to its id's first
@@ -560,7 +569,7 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
         index, row, placed = _hashindex.place(config, index, hi, lo, bucket, valid, now)
         if in_place:
             init = initial_rows(key, hi, lo, plan.dim)
-            table, slots = _reset(storage, table, slots, row, placed, init)
+            table, slots = reset_rows(storage, table, slots, row, placed, init)
         return (row, placed), (index, table, slots)
 
     (a_row, a_placed), (index, table, slots) = _windows(
@@ -581,7 +590,7 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
         index = _hashindex.filter_step(config, index, *ids, seen, fresh)
     u_row = jnp.where(seen.hit, seen.row, row)
     rows = jnp.where(u_row >= 0, storage.layout.global_ids(me, u_row), -1)
-    return index, table, slots, _back(owned, rows), resets
+    return index, table, slots, to_positions(owned, rows), resets
 
 
 def _first(mask, k: int, *payloads, by_sort: bool):
@@ -611,7 +620,7 @@ ROUND = 64  # Rounds of placements and resets take n / ROUND ids each (`_few`).
 
 
 def _reset_fresh(storage, table, slots: dict, resolved, key, dim: int):
-    """`_reset` of the rows the C++ index gave to new ids (`resolved`: its compacted fresh
+    """`reset_rows` of the rows the C++ index gave to new ids (`resolved`: its compacted fresh
     rows and ids), `_few` at a time in rounds: none when the step gave none away (a trained
     table's usual step), and the arrays updated in place by the loop. (The XLA index resets
     its placements in its own rounds, `update_rows`.)"""
@@ -620,7 +629,7 @@ def _reset_fresh(storage, table, slots: dict, resolved, key, dim: int):
     k = _few(n, ROUND)
     if k == n:
         fresh = lax.iota(jnp.int32, n) < count
-        return _reset(storage, table, slots, rows, fresh, initial_rows(key, hi, lo, dim))
+        return reset_rows(storage, table, slots, rows, fresh, initial_rows(key, hi, lo, dim))
 
     def body(state):
         start, table, slots = state
@@ -630,7 +639,7 @@ def _reset_fresh(storage, table, slots: dict, resolved, key, dim: int):
         take = lambda x: lax.dynamic_slice_in_dim(x, at, k)
         fresh = at + lax.iota(jnp.int32, k) < count
         init = initial_rows(key, take(hi), take(lo), dim)
-        table, slots = _reset(storage, table, slots, take(rows), fresh, init)
+        table, slots = reset_rows(storage, table, slots, take(rows), fresh, init)
         return start + k, table, slots
 
     _, table, slots = lax.while_loop(
@@ -648,7 +657,7 @@ def _initial_values(storage: _storage.TableStorage, init_rows) -> list:
     return [value.astype(storage.dtype)] + [_constant(s, n, storage.dim) for s in storage.stored]
 
 
-def _reset(storage: _storage.TableStorage, table, slots: dict, rows, fresh, init_rows):
+def reset_rows(storage: _storage.TableStorage, table, slots: dict, rows, fresh, init_rows):
     """This shard's arrays with local rows `rows` where `fresh` set to a new id's initial
     row and its slots to their initial values; other rows untouched (writes to a row past
     the shard, where not fresh, are dropped)."""

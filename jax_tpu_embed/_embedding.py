@@ -21,6 +21,7 @@ from . import (
     _config,
     _counts,
     _dynamic,
+    _dynamic_owner,
     _exchange,
     _guards,
     _inflight,
@@ -919,7 +920,7 @@ class Embedding:
         row = P(self.axis)
 
         def local(index, parts, step):
-            plans = list(self.dynamic.values())
+            plans = [p for p in self.dynamic.values() if p.route == "gather"]
             ids = _dynamic.gather_ids(
                 [[parts[p] for p in plan.features] for plan in plans], self.axis
             )
@@ -935,7 +936,20 @@ class Embedding:
                 )
                 for plan, (hi, lo) in zip(plans, ids)
             ]
-            return self._dynamic_back(plans, parts, values)
+            out = self._dynamic_back(plans, parts, values)
+            for plan in self.dynamic.values():
+                if plan.route == "owner":
+                    mine = [parts[p] for p in plan.features]
+                    rows = _dynamic_owner.lookup_rows(
+                        plan,
+                        self.table_plans[plan.name].storage,
+                        index[plan.name].index,
+                        *_dynamic_owner.joined(mine),
+                        step,
+                        self.axis,
+                    )
+                    out.update(zip(plan.features, _dynamic_owner.split(rows, mine)))
+            return out
 
         parts = {
             p: (self._batch_sharded(h), self._batch_sharded(lo)) for p, (h, lo, _) in split.items()
@@ -945,6 +959,8 @@ class Embedding:
     def _dynamic_back(self, plans, parts, values) -> dict:
         """{path: (b, L) rows} of every dynamic feature from the tables' gathered rows
         (`_dynamic.scatter_rows`, one reduce-scatter for them all)."""
+        if not plans:
+            return {}
         shapes = [[parts[p][0].shape for p in plan.features] for plan in plans]
         rows = _dynamic.scatter_rows(values, shapes, self.axis)
         return {p: r for plan, rs in zip(plans, rows) for p, r in zip(plan.features, rs)}
@@ -1000,14 +1016,36 @@ class Embedding:
         update makes (`_dynamic.update_rows`, `_dynamic.Fresh`)."""
         row = P(self.axis)
         names = list(self.dynamic)
+        routed = [
+            name
+            for name in names
+            if _dynamic_owner.routes_updates(self.dynamic[name], self.table_plans[name].storage)
+        ]
 
         def local(index, tables, slots, parts, keep, step):
-            new_index, new_tables, new_slots, values, fresh = {}, {}, {}, [], {}
-            plans = [self.dynamic[name] for name in names]
+            new_index, new_tables, new_slots, values, fresh, out = {}, {}, {}, [], {}, {}
+            for name in routed:
+                plan, mine = self.dynamic[name], [parts[p] for p in self.dynamic[name].features]
+                idx, new_tables[name], new_slots[name], rows = _dynamic_owner.update_rows(
+                    plan,
+                    self.table_plans[name].storage,
+                    index[name].index,
+                    index[name].key,
+                    tables[name],
+                    slots[name],
+                    *_dynamic_owner.joined(mine),
+                    keep[name],
+                    step,
+                    self.axis,
+                )
+                new_index[name] = dataclasses.replace(index[name], index=idx)
+                out.update(zip(plan.features, _dynamic_owner.split(rows, mine)))
+            gathered = [name for name in names if name not in routed]
+            plans = [self.dynamic[name] for name in gathered]
             ids = _dynamic.gather_ids(
                 [[parts[p] for p in plan.features] for plan in plans], self.axis
             )
-            for name, plan, (hi, lo) in zip(names, plans, ids):
+            for name, plan, (hi, lo) in zip(gathered, plans, ids):
                 idx, table, table_slots, rows, resets = _dynamic.update_rows(
                     plan,
                     self.table_plans[name].storage,
@@ -1026,8 +1064,8 @@ class Embedding:
                 values.append(rows)
                 if resets is not None:
                     fresh[name] = resets
-            rows = self._dynamic_back(plans, parts, values)
-            return new_index, new_tables, new_slots, rows, fresh
+            out.update(self._dynamic_back(plans, parts, values))
+            return new_index, new_tables, new_slots, out, fresh
 
         parts = {
             p: (self._batch_sharded(h), self._batch_sharded(lo)) for p, (h, lo, _) in split.items()

@@ -8,7 +8,7 @@ import pytest
 
 import jax_tpu_embed as jte
 from conftest import make_mesh
-from jax_tpu_embed import _dynamic
+from jax_tpu_embed import _dynamic, _dynamic_owner, _hashindex
 
 DIM = 8
 LR = 0.2
@@ -175,7 +175,9 @@ def test_matches_the_dict_reference(n, routing, backend, combiner, kind):
     assert stats["evicted"] == stats["failed"] == stats["rejected"] == 0
 
 
-def run_stream(n, routing, dynamic, steps, seed=2, strategy="div", dtype=jnp.float32, **options):
+def run_stream(
+    n, routing, dynamic, steps, seed=2, strategy="div", dtype=jnp.float32, batch=8, **options
+):
     spec = spec_of(dynamic, dtype=dtype)
     if strategy != "div":
         spec = jte.EmbeddingSpec(
@@ -184,7 +186,7 @@ def run_stream(n, routing, dynamic, steps, seed=2, strategy="div", dtype=jnp.flo
     emb = jte.Embedding(spec, make_mesh(n), routing=routing, backend="xla", **options)
     state = emb.init(jax.random.key(0))
     exports, lookups = [], []
-    for feats, grads in batches(seed, steps, pool_size=400):
+    for feats, grads in batches(seed, steps, batch=batch, pool_size=400):
         lookups.append(np.asarray(emb.lookup(state, feats)["user"]))
         state = emb.apply_gradients(state, feats, grads)
         exports.append(users(emb.export(state)["users"]))
@@ -254,6 +256,64 @@ def test_resolution_in_passes_is_the_same(dynamic):
         np.testing.assert_allclose(a.rows, b.rows, rtol=1e-6, atol=1e-7)
     for a, b in zip(lookups, base_lookups):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "n, batch, dynamic",
+    [
+        (2, 32, jte.DynamicTable(capacity=128, bucket_size=8)),
+        pytest.param(
+            4,
+            64,
+            jte.DynamicTable(
+                capacity=64, bucket_size=4, eviction="lfu", ttl_steps=2, admit_probability=0.8
+            ),
+            marks=pytest.mark.slow,
+        ),
+        # The filter's updates keep the all-gather resolution; its lookups route.
+        pytest.param(
+            4,
+            64,
+            jte.DynamicTable(capacity=64, bucket_size=4, min_count=2, ttl_steps=3),
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["lru", "ttl-lfu-probability", "filter"],
+)
+def test_owner_resolution_in_rounds_is_the_same(n, batch, dynamic):
+    """With routing="owner" each device sends its own distinct ids to their buckets' owners,
+    at most Cd per owner and round (`_dynamic_owner`). With Cd far below a device's ids for
+    one owner (many rounds, buckets split between rounds, one id sent by several devices),
+    the resident ids and every counter equal one device's all-gather resolution exactly;
+    rows and lookups to float32 rounding (the owner exchange sums gradients in another
+    order, and these batches are larger than the other tests')."""
+    steps = 4
+    base_emb, base_state, base_exports, base_lookups = run_stream(
+        1, "gather", dynamic, steps, batch=batch
+    )
+    emb, state, exports, lookups = run_stream(
+        n, "owner", dynamic, steps, batch=batch, max_ids_per_shard=4 * n
+    )
+    plan = emb.dynamic["users"]
+    assert plan.route == "owner"
+    # Rounds happen: a device holds more distinct ids for one owner than Cd.
+    feats = batches(2, 1, batch=batch, pool_size=400)[0][0]
+    per_device = np.concatenate([feats["user"].ids, feats["hist"]], 1).reshape(n, -1)
+    cd = _dynamic_owner.capacity(plan, per_device.shape[1], n)
+    most = 0
+    for ids in per_device:
+        ids = np.unique(ids[ids != -1])
+        owner, _ = _hashindex.locate(plan.index, n, *jte.split_ids(ids))
+        most = max(most, np.bincount(np.asarray(owner), minlength=n).max())
+    assert cd == 8 and most > 2 * cd, (cd, most)
+    stats = jax.tree.map(int, base_emb.dynamic_stats(base_state))
+    assert stats["users"]["evicted"] + stats["users"]["expired"] > 0
+    assert jax.tree.map(int, emb.dynamic_stats(state)) == stats
+    for a, b in zip(exports, base_exports):
+        np.testing.assert_array_equal(a.ids, b.ids)
+        np.testing.assert_allclose(a.rows, b.rows, rtol=2e-5, atol=1e-6)
+    for a, b in zip(lookups, base_lookups):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.slow  # Four streams of several steps each.
