@@ -1013,7 +1013,8 @@ class Embedding:
         """One step of the dynamic tables' indexes (admission, eviction, the reset of the
         rows they give to new ids) -> (index, tables, slots, {path: rows}, fresh): `fresh`
         {table name: (rows, hi, lo)} holds the resets of tables in host memory, which the
-        update makes (`_dynamic.update_rows`, `_dynamic.Fresh`)."""
+        update makes (`_dynamic.update_rows`, `_dynamic.Fresh`). Tables whose updates route
+        (`_dynamic_owner.routes_updates`) are resolved at their owners."""
         row = P(self.axis)
         names = list(self.dynamic)
         routed = [
@@ -1024,13 +1025,15 @@ class Embedding:
 
         def local(index, tables, slots, parts, keep, step):
             new_index, new_tables, new_slots, values, fresh, out = {}, {}, {}, [], {}, {}
+
+            def table_state(name):  # What both resolutions' updates take first.
+                storage = self.table_plans[name].storage
+                return (self.dynamic[name], storage, index[name].index, index[name].key)
+
             for name in routed:
                 plan, mine = self.dynamic[name], [parts[p] for p in self.dynamic[name].features]
                 idx, new_tables[name], new_slots[name], rows = _dynamic_owner.update_rows(
-                    plan,
-                    self.table_plans[name].storage,
-                    index[name].index,
-                    index[name].key,
+                    *table_state(name),
                     tables[name],
                     slots[name],
                     *_dynamic_owner.joined(mine),
@@ -1045,12 +1048,9 @@ class Embedding:
             ids = _dynamic.gather_ids(
                 [[parts[p] for p in plan.features] for plan in plans], self.axis
             )
-            for name, plan, (hi, lo) in zip(gathered, plans, ids):
+            for name, (hi, lo) in zip(gathered, ids):
                 idx, table, table_slots, rows, resets = _dynamic.update_rows(
-                    plan,
-                    self.table_plans[name].storage,
-                    index[name].index,
-                    index[name].key,
+                    *table_state(name),
                     tables[name],
                     slots[name],
                     hi,

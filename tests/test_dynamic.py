@@ -193,6 +193,21 @@ def run_stream(
     return emb, state, exports, lookups
 
 
+def assert_same_stream(base, run, rtol: float):
+    """Two `run_stream`s of a stream that evicts or expires: the same counters and resident
+    ids after every step, rows and lookups to `rtol` (atol a tenth of it)."""
+    base_emb, base_state, base_exports, base_lookups = base
+    emb, state, exports, lookups = run
+    stats = jax.tree.map(int, base_emb.dynamic_stats(base_state))
+    assert stats["users"]["evicted"] + stats["users"]["expired"] > 0
+    assert jax.tree.map(int, emb.dynamic_stats(state)) == stats
+    for a, b in zip(exports, base_exports):
+        np.testing.assert_array_equal(a.ids, b.ids)
+        np.testing.assert_allclose(a.rows, b.rows, rtol=rtol, atol=rtol / 10)
+    for a, b in zip(lookups, base_lookups):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol / 10)
+
+
 @pytest.mark.slow
 def test_the_same_on_every_mesh_and_exchange_with_eviction():
     """A table too small for the stream (LRU evicts every step): the same ids resident and
@@ -248,14 +263,9 @@ def test_resolution_in_passes_is_the_same(dynamic):
         4, "gather", dynamic, 8, tpu_layout=True, max_ids_per_shard=8
     )
     assert emb.dynamic["users"].compact and emb.dynamic["users"].window == 8
-    stats = jax.tree.map(int, base_emb.dynamic_stats(base_state))
-    assert stats["users"]["evicted"] + stats["users"]["expired"] > 0
-    assert jax.tree.map(int, emb.dynamic_stats(state)) == stats
-    for a, b in zip(exports, base_exports):
-        np.testing.assert_array_equal(a.ids, b.ids)
-        np.testing.assert_allclose(a.rows, b.rows, rtol=1e-6, atol=1e-7)
-    for a, b in zip(lookups, base_lookups):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert_same_stream(
+        (base_emb, base_state, base_exports, base_lookups), (emb, state, exports, lookups), 1e-6
+    )
 
 
 @pytest.mark.parametrize(
@@ -306,14 +316,9 @@ def test_owner_resolution_in_rounds_is_the_same(n, batch, dynamic):
         owner, _ = _hashindex.locate(plan.index, n, *jte.split_ids(ids))
         most = max(most, np.bincount(np.asarray(owner), minlength=n).max())
     assert cd == 8 and most > 2 * cd, (cd, most)
-    stats = jax.tree.map(int, base_emb.dynamic_stats(base_state))
-    assert stats["users"]["evicted"] + stats["users"]["expired"] > 0
-    assert jax.tree.map(int, emb.dynamic_stats(state)) == stats
-    for a, b in zip(exports, base_exports):
-        np.testing.assert_array_equal(a.ids, b.ids)
-        np.testing.assert_allclose(a.rows, b.rows, rtol=2e-5, atol=1e-6)
-    for a, b in zip(lookups, base_lookups):
-        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+    assert_same_stream(
+        (base_emb, base_state, base_exports, base_lookups), (emb, state, exports, lookups), 2e-5
+    )
 
 
 @pytest.mark.slow  # Four streams of several steps each.
