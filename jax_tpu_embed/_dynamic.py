@@ -13,9 +13,9 @@ Resolution runs under `shard_map`, on the shard that owns each id's bucket (the 
 row-sharded by buckets, "div" over buckets, so which ids are resident does not depend on
 the mesh): each device all-gathers the table's ids of the global batch, the owner finds
 the ids it owns (lookup) or finds, admits and evicts the distinct ones (update), and one
-reduce-scatter brings each device its examples' rows. Tables whose rows travel by owner
-routing send each device's own ids to their owners instead (`_dynamic_owner`). An id with
-no row (never admitted,
+reduce-scatter brings each device its examples' rows. On TPU layouts and under owner
+routing each device sends its own ids to their owners instead (`_dynamic_owner`,
+`with_kernel`). An id with no row (never admitted,
 refused, evicted, expired) reads its *initial row*: the default initializer's truncated
 normal, drawn from a hash of (table key, id), so it is the same on every mesh and
 capacity; a row the update gives to a new id is reset to it, and its slots to their
@@ -84,7 +84,7 @@ class DynamicPlan:
     window: int | None = None  # Distinct ids per pass when given (max_ids_per_shard).
     # How a device's ids reach their buckets' owners: "gather" (every device all-gathers
     # the global batch's ids, below) or "owner" (`_dynamic_owner`: each device sends its
-    # own to their owners), as the slot table's rows travel (`Embedding.routing`).
+    # own to their owners); `with_kernel` decides.
     route: str = "gather"
 
     @property
@@ -345,15 +345,19 @@ def scatter_rows(tables: list, shapes: list, axis) -> list:
 
 def with_kernel(plan: DynamicPlan, table_plan) -> DynamicPlan:
     """The plan with its index run by the C++ kernel when its slot table's backend is the
-    C++ one ("cpu") and the kernel builds here, else by XLA ops; resolved in passes
-    (`capacity`) where the slot table is laid out for TPU."""
+    C++ one ("cpu") and the kernel builds here, else by XLA ops. XLA ops resolve ids at
+    their owners (`_dynamic_owner`) under owner routing and wherever the slot table is laid
+    out for TPU: the TPU compiler charges the all-gather resolution's sorts of the global
+    batch more than the exchange, from 4 chips on (docs/design.md); elsewhere, and for
+    what cannot route, by all-gather, in passes (`capacity`) on TPU layouts."""
     cpu = table_plan.backend.name == "cpu" and _hashindex_cpu.available()
+    owner = not cpu and (table_plan.routing == "owner" or table_plan.on_tpu)
     return dataclasses.replace(
         plan,
         kernel="cpu" if cpu else "xla",
         compact=table_plan.on_tpu,
         window=table_plan.max_ids,
-        route="owner" if table_plan.routing == "owner" and not cpu else "gather",
+        route="owner" if owner else "gather",
     )
 
 

@@ -3,7 +3,8 @@ shards that own their buckets, in an `all_to_all`, and gets their rows back the 
 
 The all-gather resolution (`_dynamic.lookup_rows`, `update_rows`) hands every device the
 ids of the global batch: its all-gather, sorts and scatters grow with the number of devices
-N at a fixed per-device batch. Here each device works on its m positions of the table:
+N at a fixed per-device batch. Here each device works on its m positions of the table
+(XLA ops on TPU layouts and under owner routing: `_dynamic.with_kernel`):
 
 1. Sort them by (owner, local bucket, priority, hi, lo) and keep the distinct ids (`_Ids`):
    owner p's run of them starts at `bounds[p]`.

@@ -237,32 +237,32 @@ def test_the_same_on_every_mesh_and_exchange_with_eviction():
 @pytest.mark.parametrize(
     "dynamic",
     [
-        jte.DynamicTable(capacity=64, bucket_size=8),
-        pytest.param(
-            jte.DynamicTable(
-                capacity=16,  # 4 buckets: the same capacity on 1 and 4 devices
-                bucket_size=4,
-                eviction="lfu",
-                ttl_steps=3,
-                min_count=2,
-                admit_probability=0.9,
-                filter_capacity=8,
-            ),
-            marks=pytest.mark.slow,  # The fast tier keeps "lru".
+        pytest.param(jte.DynamicTable(capacity=64, bucket_size=8), marks=pytest.mark.slow),
+        jte.DynamicTable(
+            capacity=16,  # 4 buckets: the same capacity on 1 and 4 devices
+            bucket_size=4,
+            eviction="lfu",
+            ttl_steps=3,
+            min_count=2,
+            admit_probability=0.9,
+            filter_capacity=8,
         ),
     ],
     ids=["lru", "filter-ttl-lfu"],
 )
 def test_resolution_in_passes_is_the_same(dynamic):
-    """TPU layouts resolve each shard's distinct ids `max_ids_per_shard` at a time: with a
-    window far smaller than a step's ids (many passes, buckets split between passes) the
-    resident ids and counters equal one device's single pass, rows and lookups to float32
-    rounding (the TPU layout's row passes sum gradients in another order)."""
+    """On TPU layouts ids resolve at their owners (`_dynamic_owner`), except the updates of
+    a table with an admission filter, which all-gather and take each shard's distinct ids
+    `max_ids_per_shard` at a time: with windows far smaller than a step's ids (many passes
+    or rounds, buckets split between them) the resident ids and counters equal one device's
+    single pass, rows and lookups to float32 rounding (the TPU layout's row passes sum
+    gradients in another order). The fast tier takes the filter: both resolutions."""
     base_emb, base_state, base_exports, base_lookups = run_stream(1, "gather", dynamic, 8)
     emb, state, exports, lookups = run_stream(
         4, "gather", dynamic, 8, tpu_layout=True, max_ids_per_shard=8
     )
-    assert emb.dynamic["users"].compact and emb.dynamic["users"].window == 8
+    plan = emb.dynamic["users"]
+    assert plan.compact and plan.window == 8 and plan.route == "owner"
     assert_same_stream(
         (base_emb, base_state, base_exports, base_lookups), (emb, state, exports, lookups), 1e-6
     )
