@@ -15,11 +15,10 @@ the mesh): each device all-gathers the table's ids of the global batch, the owne
 the ids it owns (lookup) or finds, admits and evicts the distinct ones (update), and one
 reduce-scatter brings each device its examples' rows. On TPU layouts and under owner
 routing each device sends its own ids to their owners instead (`_dynamic_owner`,
-`with_kernel`). An id with no row (never admitted,
-refused, evicted, expired) reads its *initial row*: the default initializer's truncated
-normal, drawn from a hash of (table key, id), so it is the same on every mesh and
-capacity; a row the update gives to a new id is reset to it, and its slots to their
-initial values, before the optimizer step.
+`with_kernel`). An id with no row (never admitted, refused, evicted, expired) reads its
+*initial row*: the default initializer's truncated normal, drawn from a hash of (table
+key, id), so it is the same on every mesh and capacity; a row the update gives to a new
+id is reset to it, and its slots to their initial values, before the optimizer step.
 
 Ids travel as two uint32 halves (`SplitIds`), so nothing needs `jax_enable_x64`.
 """
