@@ -403,20 +403,25 @@ def _owned(plan: DynamicPlan, hi, lo, keep, axis, window: int) -> Owned:
     compiler charges a 1-D gather a whole tile per element). What an update resolves; a
     lookup needs no distinct ids (`_mine`)."""
     n = lax.axis_size(axis)
-    p = hi.shape[0]
     nbl = plan.index.buckets // n
     owner, bucket = _hashindex.locate(plan.index, n, hi, lo)
     mine = (owner == lax.axis_index(axis)) & ~is_pad(hi, lo) & keep
-    k0 = jnp.where(mine, bucket, nbl)
-    prio = _hashindex.priority(plan.index, hi, lo)
-    iota = lax.iota(jnp.int32, p)
-    k0, _, hi, lo, pos = lax.sort((k0, prio, hi, lo, iota), num_keys=4)
+    k0, hi, lo, pos, first = sort_distinct(plan.index, jnp.where(mine, bucket, nbl), nbl, hi, lo)
     owned = k0 < nbl
-    new = jnp.concatenate([jnp.ones((1,), bool), (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])])
-    first = owned & new
     count = jnp.sum(first, dtype=jnp.int32)
     at, (d_hi, d_lo, d_bucket) = to_front(plan, n, first, count, window, hi, lo)
     return Owned(d_hi, d_lo, d_bucket, count, at, pos, owned)
+
+
+def sort_distinct(config: _hashindex.IndexConfig, key, limit: int, hi, lo):
+    """Ids sorted by (`key`, priority, hi, lo), so that the copies of an id are adjacent:
+    (key, hi, lo, their positions before the sort, each one's first: the first copy of an
+    id whose key is below `limit`). One sort of four keys that carries the positions."""
+    prio = _hashindex.priority(config, hi, lo)
+    iota = lax.iota(jnp.int32, key.shape[0])
+    key, _, hi, lo, pos = lax.sort((key, prio, hi, lo, iota), num_keys=4)
+    new = jnp.concatenate([jnp.ones((1,), bool), (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])])
+    return key, hi, lo, pos, new & (key < limit)
 
 
 def to_front(plan: DynamicPlan, num_shards: int, mask, count, window: int, hi, lo):

@@ -99,11 +99,8 @@ def _distinct(plan: _dynamic.DynamicPlan, hi, lo, valid, axis):
     nbl = config.buckets // n
     owner, bucket = _hashindex.locate(config, n, hi, lo)
     k0 = jnp.where(valid, owner * nbl + bucket, config.buckets)
-    prio = _hashindex.priority(config, hi, lo)
-    k0, _, hi, lo, pos = lax.sort((k0, prio, hi, lo, lax.iota(jnp.int32, m)), num_keys=4)
+    k0, hi, lo, pos, first = _dynamic.sort_distinct(config, k0, config.buckets, hi, lo)
     live = k0 < config.buckets
-    new = jnp.concatenate([jnp.ones((1,), bool), (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])])
-    first = live & new
     count = jnp.sum(first, dtype=jnp.int32)
     at, (d_hi, d_lo, d_bucket) = _dynamic.to_front(plan, n, first, count, m, hi, lo)
     owned = _dynamic.Owned(d_hi, d_lo, d_bucket, count, at, pos, live)
@@ -200,14 +197,10 @@ def _merged(config, n: int, hi, lo):
     copies of one id adjacent: (hi, lo, local bucket, first copy (and not PAD), each sorted
     entry's slot). What `sighted(grouped=True)` and `place` take, and `_spread`'s input."""
     nbl = config.buckets // n
-    live = ~_dynamic.is_pad(hi, lo)
     _, bucket = _hashindex.locate(config, n, hi, lo)
-    key = jnp.where(live, bucket, nbl)
-    prio = _hashindex.priority(config, hi, lo)
-    slot = lax.iota(jnp.int32, hi.shape[0])
-    key, _, hi, lo, slot = lax.sort((key, prio, hi, lo, slot), num_keys=4)
-    new = jnp.concatenate([jnp.ones((1,), bool), (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])])
-    return hi, lo, jnp.minimum(key, nbl - 1), new & (key < nbl), slot
+    key = jnp.where(_dynamic.is_pad(hi, lo), nbl, bucket)
+    key, hi, lo, slot, first = _dynamic.sort_distinct(config, key, nbl, hi, lo)
+    return hi, lo, jnp.minimum(key, nbl - 1), first, slot
 
 
 def _spread(first, values, slot):
