@@ -310,6 +310,7 @@ class NnxRegularized(NnxModel):
         return self.head(self.drop(self.bn(jnp.tanh(x))))[:, 0]
 
 
+@pytest.mark.slow  # The fast tier: the accumulated steps equal the concatenated ones.
 def test_dropout_and_batch_norm_advance_once_per_micro_batch():
     """NNX: the dropout counter moves K times per step, the statistics are carried from one
     micro-batch to the next; linen: batch_stats move and the step traces once."""

@@ -77,7 +77,7 @@ def emb_state():
         ("inf_weight", "xla", "gather"),
         ("inf_grad", "cpu", "gather"),
         ("nan_grad", "xla", "owner"),
-        ("inf_grad", "pallas_interpret", "owner"),
+        pytest.param("inf_grad", "pallas_interpret", "owner", marks=pytest.mark.slow),
     ],
 )
 def test_nonfinite_inputs_skip_only_their_table_and_are_counted(backend, poison, routing, rng):

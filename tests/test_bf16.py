@@ -52,6 +52,7 @@ def test_small_updates_survive_in_bf16():
     np.testing.assert_array_equal(nearest, np.ones(_D, np.float32))
 
 
+@pytest.mark.slow  # The fast tier: the kernels' rounding against the XLA passes.
 def test_bf16_results_do_not_depend_on_mesh_or_strategy(rng):
     table_of = {}
     batches = [_batch(rng) for _ in range(3)]
@@ -265,8 +266,10 @@ def _cpu_cases():
     meshes = [("div", 1, True), ("mod", 1, True), ("div", 8, True), ("mod", 8, True)]
     meshes += [("mod", 8, False)]
     for strategy, n, stochastic in meshes:
-        for key in _CPU_OPTIMIZERS:
-            fast = n == 8 and (stochastic or key == "adagrad+extras")
+        for i, key in enumerate(_CPU_OPTIMIZERS):
+            # The fast tier: each optimizer on one strategy, in turn.
+            mine = strategy == ("div", "mod")[i % 2]
+            fast = n == 8 and mine and (stochastic or key == "adagrad+extras")
             yield pytest.param(
                 key,
                 strategy,

@@ -439,6 +439,7 @@ def test_bfloat16_tables_compute_in_float32(rng):
     np.testing.assert_allclose(acts["f"], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # The fast tier: test_init_is_the_same_for_every_block_size_*.
 def test_same_logical_init_for_every_mesh_and_strategy():
     ref = None
     for strategy in ["div", "mod"]:
@@ -459,7 +460,9 @@ def test_same_logical_init_for_every_mesh_and_strategy():
 @pytest.mark.parametrize(
     "opt_key,strategy,num_shards",
     [
-        ("adagrad", "div", 4),
+        # The fast tier compares packed rows with the reference instead
+        # (test_update_in_passes_*, test_fused_tpu_kernels_*).
+        pytest.param("adagrad", "div", 4, marks=pytest.mark.slow),
         # A rank-1 slot in a packed array of its own (test_checkpoint round-trips it fast).
         pytest.param("rowwise_adagrad", "mod", 2, marks=pytest.mark.slow),
         pytest.param("ftrl", "mod", 8, marks=pytest.mark.slow),  # Two riders.
@@ -527,11 +530,11 @@ def _close(a, b):
 
 # Plain rows (lane_width 0) or packed as on a TPU mesh (128): each optimizer one of them,
 # Adagrad both (test_lane_packed_layout_gives_identical_results compares the two layouts).
-# The fast tier keeps one plain and one packed case of each pass kind (ids, unique ids).
+# The fast tier keeps plain rows in passes of ids and packed rows in passes of unique ids.
 @pytest.mark.parametrize(
     "opt_key,strategy,num_shards,max_ids,max_unique,lane_width",
     [
-        ("adagrad", "div", 4, 1, None, 0),
+        pytest.param("adagrad", "div", 4, 1, None, 0, marks=pytest.mark.slow),
         pytest.param("adagrad", "div", 4, 1, None, 128, marks=pytest.mark.slow),
         pytest.param("adam", "mod", 2, 3, 1, 128, marks=pytest.mark.slow),
         pytest.param("ftrl", "div", 8, 5, None, 0, marks=pytest.mark.slow),
@@ -567,7 +570,7 @@ def test_update_in_passes_matches_reference(
     "opt_key,strategy,num_shards,keys",
     [
         pytest.param("adagrad", "div", 4, "packed", marks=pytest.mark.slow),
-        ("ftrl", "mod", 2, "packed"),
+        pytest.param("ftrl", "mod", 2, "packed", marks=pytest.mark.slow),
         ("adagrad", "mod", 4, "separate"),
     ],
 )
@@ -813,7 +816,9 @@ def test_backend_choice():
         jte.Embedding(mixed, make_mesh(2), backend="xla", cpu_kernels=False)
 
 
-@pytest.mark.parametrize("opt_key", ["adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize(
+    "opt_key", [pytest.param("adagrad", marks=pytest.mark.slow), "rowwise_adagrad", "adam"]
+)
 def test_packed_bfloat16_update_is_bit_identical_to_plain(opt_key, rng):
     """Packed rows are read and written through their raw bits: a bfloat16 table (with -0.0
     entries, which a float sum with zeros would turn into +0.0) and its slots come out of

@@ -619,7 +619,13 @@ def test_plan_reports_a_dynamic_tables_index(tmp_path, placement):
 
 
 @pytest.mark.parametrize(
-    "placement", ["device", "host", jte.HostCached(cache_rows=256, ways=4)], ids=str
+    "placement",
+    [
+        "device",
+        "host",
+        pytest.param(jte.HostCached(cache_rows=256, ways=4), marks=pytest.mark.slow),
+    ],
+    ids=str,
 )
 def test_train_step_fed_by_split_ids(placement):
     """jte.make_train_step with a dynamic table (in HBM, in host memory, or there with a

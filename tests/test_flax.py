@@ -427,6 +427,7 @@ def learnable_batch(rng, v_item=20):
     return batch
 
 
+@pytest.mark.slow  # The fast tier: test_flax_step_equals_generic_step.
 def test_dropout_and_batch_stats_train_and_touch_only_batch_rows():
     """The dropout key advances every step, batch statistics are updated, the loss falls,
     rows outside the batches do not change (bit for bit), and predict(train=False) is

@@ -178,6 +178,7 @@ def test_nnx_step_equals_generic_step(pipeline):
     assert step.trace_count == 1
 
 
+@pytest.mark.slow  # The fast tier: test_nnx_step_equals_generic_step.
 def test_dropout_and_batchnorm_train_and_touch_only_batch_rows():
     """Dropout draws new masks every step, batch statistics move, the loss falls, only the
     rows of the batches change (the others bit for bit), and eval-mode inference works."""

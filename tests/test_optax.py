@@ -31,7 +31,9 @@ def _run(emb, state, rng, steps):
 
 # Not "cpu": there jte.SGD runs the C++ update, whose duplicate sums may differ from the XLA
 # form's in the last bit, while FromOptax takes the XLA row form.
-@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize(
+    "backend", ["xla", pytest.param("pallas_interpret", marks=pytest.mark.slow)]
+)
 def test_optax_sgd_equals_jte_sgd_bit_for_bit(backend):
     mesh = make_mesh(8)
     ours = jte.Embedding(_spec(jte.SGD(0.3), "mod", False), mesh, backend=backend)

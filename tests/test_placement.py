@@ -237,7 +237,11 @@ _CACHED = jte.HostCached(cache_rows=64, ways=4)
 
 @pytest.mark.parametrize(
     "kind, placement",
-    [("explicit", "host"), ("auto", "host"), pytest.param("explicit", _CACHED, marks=_SLOW)],
+    [
+        ("explicit", "host"),
+        pytest.param("auto", "host", marks=_SLOW),  # test_routing's fast case: an Auto mesh.
+        pytest.param("explicit", _CACHED, marks=_SLOW),
+    ],
 )
 def test_jitted_train_step_with_global_array_inputs(kind, placement):
     """The train step of a host (or host-cached) table fed global jax.Arrays sharded over

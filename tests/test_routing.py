@@ -124,7 +124,9 @@ def _skewed(rng, batch, length, vocab):
     return ids.astype(np.int32)
 
 
-@pytest.mark.parametrize("strategy,num_shards", [("div", 8), ("div", 4), ("mod", 8)])
+@pytest.mark.parametrize(
+    "strategy,num_shards", [pytest.param("div", 8, marks=pytest.mark.slow), ("div", 4), ("mod", 8)]
+)
 def test_skew_runs_more_rounds_and_drops_nothing(strategy, num_shards, rng):
     vocab, batch, length = 400, 32, 6
     table = jte.TableConfig(vocab, 4, combiner="mean", name="t")

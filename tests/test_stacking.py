@@ -182,6 +182,7 @@ def test_stacked_tables_train_as_the_reference(strategy, num_shards, backend, rn
             np.testing.assert_array_equal(got_tables[t][~touched], table[~touched], err_msg=t)
 
 
+@pytest.mark.slow  # The fast tier: test_stacked_tables_train_as_the_reference.
 def test_a_skipped_member_keeps_its_rows_while_the_others_update(rng):
     emb = _owner(num_shards=4)
     state = emb.init(jax.random.key(1))

@@ -162,7 +162,7 @@ def _stored_unpacked(topology: str, dim: int) -> bool:
     return dim < 128 and len(shape) == 2 and shape[1] == dim
 
 
-QUICK_DIMS = (16, 64, 128)  # Adagrad at these dims on every topology: the fast tier.
+QUICK_DIMS = (64, 128)  # Adagrad at these dims on every topology: the fast tier.
 QUICK_BF16_DIMS = (64,)
 
 
