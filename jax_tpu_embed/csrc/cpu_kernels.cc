@@ -235,6 +235,23 @@ struct Rounding {
   int32_t first, stride;
 };
 
+// Rows of a large table are read at random: each read would wait for memory. The loops below
+// ask for the row they will read kRowsAhead rows later (every cache line of it) first.
+constexpr int64_t kRowsAhead = 8;
+
+template <typename T>
+inline void PrefetchRow(const T* row, int64_t d, bool write) {
+  const char* p = reinterpret_cast<const char*>(row);
+  const int64_t bytes = d * int64_t(sizeof(T));
+  for (int64_t b = 0; b < bytes; b += 64) {
+    if (write) {
+      __builtin_prefetch(p + b, 1);
+    } else {
+      __builtin_prefetch(p + b, 0);
+    }
+  }
+}
+
 inline void LoadRow(const float* w, int64_t d, float* out) {
   std::memcpy(out, w, sizeof(float) * size_t(d));
 }
@@ -267,6 +284,13 @@ void UpdateRows(const int32_t* keys, int64_t m, const float* scale, const float*
   if (p.flags & kDecayByLr) decay = decay * lr;
   std::vector<float> gs(d), upd(d), row(d);
   for (size_t j = 0; j < s.key.size(); ++j) {
+    if (j + kRowsAhead < s.key.size()) {
+      const int32_t ahead = s.key[j + kRowsAhead];
+      if (ahead >= 0 && ahead < s_rows) {
+        PrefetchRow(table + int64_t(ahead) * d, d, true);
+        if (p.kind == kAdagrad) PrefetchRow(slot + int64_t(ahead) * d, d, true);
+      }
+    }
     int32_t r = s.key[j];
     if (r < 0 || r >= s_rows) continue;  // Gathers fill, scatters drop: no effect.
     SumScaledSegment(s, j, scale, g, per, d, gs.data());
@@ -381,10 +405,15 @@ template <typename T>
 void PooledLookupRows(const int32_t* k, const float* w, const T* t, int64_t b, int64_t l,
                       int64_t s_rows, int64_t d, float* o) {
   std::vector<float> row(d);
+  const int64_t n = b * l;
   for (int64_t i = 0; i < b; ++i) {
     float* oi = o + i * d;
     for (int64_t c = 0; c < d; ++c) oi[c] = 0.0f;
     for (int64_t j = 0; j < l; ++j) {
+      if (i * l + j + kRowsAhead < n) {
+        const int32_t ahead = k[i * l + j + kRowsAhead];
+        if (ahead >= 0 && ahead < s_rows) PrefetchRow(t + int64_t(ahead) * d, d, false);
+      }
       int32_t r = k[i * l + j];
       if (r < 0 || r >= s_rows) continue;  // Not this shard's: its scale is 0.
       float sc = w[i * l + j];
