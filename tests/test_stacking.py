@@ -205,6 +205,7 @@ def test_a_skipped_member_keeps_its_rows_while_the_others_update(rng):
     assert int(state.step) == 1
 
 
+@pytest.mark.slow  # Checkpoints of a stack: the fast tier trains stacks (test_stacked_*).
 def test_export_checkpoint_and_shard_rows_speak_per_table_rows(tmp_path, rng):
     from jax_tpu_embed import checkpoint
 
