@@ -241,13 +241,14 @@ constexpr int64_t kRowsAhead = 8;
 
 template <typename T>
 inline void PrefetchRow(const T* row, int64_t d, bool write) {
-  const char* p = reinterpret_cast<const char*>(row);
-  const int64_t bytes = d * int64_t(sizeof(T));
-  for (int64_t b = 0; b < bytes; b += 64) {
+  // Every 64-byte line the row touches, from the one holding its first byte.
+  const uintptr_t first = reinterpret_cast<uintptr_t>(row);
+  const uintptr_t end = first + uintptr_t(d) * sizeof(T);
+  for (uintptr_t line = first & ~uintptr_t(63); line < end; line += 64) {
     if (write) {
-      __builtin_prefetch(p + b, 1);
+      __builtin_prefetch(reinterpret_cast<const void*>(line), 1);
     } else {
-      __builtin_prefetch(p + b, 0);
+      __builtin_prefetch(reinterpret_cast<const void*>(line), 0);
     }
   }
 }
