@@ -262,7 +262,8 @@ def _cpu_cases():
     """Every optimizer of _CPU_OPTIMIZERS on 1 and 8 devices, "div" and "mod", rounded
     stochastically, and to nearest on ("mod", 8). The rounding bits depend on the global row
     only (first + r * stride: on 8 devices first and stride differ between "div" and
-    "mod"); the fast tier keeps 8 devices (and to nearest once), the slow tier 1 device."""
+    "mod"); the fast tier keeps 8 devices, each optimizer on one strategy in turn (and to
+    nearest once), the slow tier the rest."""
     meshes = [("div", 1, True), ("mod", 1, True), ("div", 8, True), ("mod", 8, True)]
     meshes += [("mod", 8, False)]
     for strategy, n, stochastic in meshes:
