@@ -214,7 +214,7 @@ def main():
         "--warmup", type=int, default=-1, help="untimed steps; -1: enough to fill the index"
     )
     parser.add_argument("--eviction", default="lru", choices=hx.EVICTIONS)
-    parser.add_argument("--json", default="hashindex_bench.json")
+    parser.add_argument("--json", default="bench_results/hashindex_bench.json")
     parser.add_argument(
         "--skip-xla", action="store_true", help="time only the C++ index and the baselines"
     )
@@ -289,6 +289,7 @@ def main():
         "ratios": ratios,
         "stats": s,
     }
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
     print("wrote", args.json)
