@@ -300,40 +300,74 @@ struct Locator {
 
 // The distinct ids that shard `me` owns among n gathered ones (padding skipped; none when
 // `keep` is false), in order of first appearance, with their local buckets, and each
-// position's index among them (-1: not owned). One probe of an open-addressing table a
-// position.
+// position's index among them (-1: not owned). The arrays are a thread's scratch, reused
+// from call to call: a call's outputs are read before the thread's next call.
 struct Owned {
   std::vector<uint32_t> hi, lo;
   std::vector<int32_t> lb, where;
+  // Scratch: each position's hash, the owned positions and their local buckets, and the
+  // open-addressing table of the distinct ids (key, index into hi/lo; -1: empty).
+  std::vector<uint32_t> hash;
+  std::vector<int32_t> pos, pos_lb;
+  struct Entry {
+    uint64_t key;
+    int32_t k;
+  };
+  std::vector<Entry> table;
 };
 
-Owned OwnedDistinct(const Locator& at, int32_t me, int64_t n, const uint32_t* hi,
-                    const uint32_t* lo, bool keep) {
-  Owned o;
+// Three passes rather than one, each simpler for the CPU: the keyed hashes of all ids (a
+// loop the compiler vectorizes), then each id's owner and local bucket with the owned
+// positions compacted without a branch (whether an id is owned is a coin toss for the
+// branch predictor), then one probe of the table an owned position. In one loop the hash
+// did not vectorize and the owner test mispredicted half the time (docs/design.md).
+const Owned& OwnedDistinct(const Locator& at, int32_t me, int64_t n,
+                           const uint32_t* __restrict hi, const uint32_t* __restrict lo,
+                           bool keep) {
+  thread_local Owned o;
   o.where.assign(size_t(n), -1);
-  o.hi.reserve(size_t(n));
-  o.lo.reserve(size_t(n));
-  o.lb.reserve(size_t(n));
-  size_t mask = 1;
-  while (mask < 2 * size_t(n)) mask <<= 1;
-  std::vector<int32_t> table(mask, -1);  // Slot -> index into o.hi, -1: empty.
-  --mask;
-  for (int64_t i = 0; keep && i < n; ++i) {
-    const uint32_t h = hi[i], l = lo[i];
-    if (IsPad(h, l)) continue;
-    const int32_t local = at.Local(h, l, me);
-    if (local < 0) continue;
-    for (size_t s = Mix32(l ^ Mix32(h)) & mask;; s = (s + 1) & mask) {
-      const int32_t k = table[s];
-      if (k < 0) {
-        table[s] = o.where[i] = int32_t(o.hi.size());
-        o.hi.push_back(h);
-        o.lo.push_back(l);
-        o.lb.push_back(local);
+  o.hi.clear();
+  o.lo.clear();
+  o.lb.clear();
+  if (!keep || n == 0) return o;
+  o.hash.resize(size_t(n));
+  o.pos.resize(size_t(n));
+  o.pos_lb.resize(size_t(n));
+  uint32_t* __restrict x = o.hash.data();
+  int32_t* __restrict pos = o.pos.data();
+  int32_t* __restrict pos_lb = o.pos_lb.data();
+  const uint32_t key = at.key;
+  for (int64_t i = 0; i < n; ++i) x[i] = Hash(key, hi[i], lo[i]);
+  const Divisor buckets = at.buckets, per = at.per;
+  int64_t c = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t g = buckets.Mod(x[i]);
+    const uint32_t owner = per.Div(g);
+    pos[c] = int32_t(i);
+    pos_lb[c] = int32_t(g - owner * per.d);
+    c += int64_t((owner == uint32_t(me)) & !IsPad(hi[i], lo[i]));
+  }
+  int bits = 4;
+  while ((int64_t(1) << bits) < 2 * c) ++bits;  // At most half full: c ids at most.
+  o.table.assign(size_t(1) << bits, Owned::Entry{0, -1});
+  const size_t mask = o.table.size() - 1;
+  for (int64_t j = 0; j < c; ++j) {
+    const int64_t i = pos[j];
+    const uint64_t id = Join(hi[i], lo[i]);
+    // The slot from the top bits of the keyed hash times an odd constant: its low bits
+    // are the bucket's, which the owned ids share a range of.
+    for (size_t s = size_t(uint32_t(x[i] * 0x9E3779B1u) >> (32 - bits));; s = (s + 1) & mask) {
+      Owned::Entry& e = o.table[s];
+      if (e.k < 0) {
+        e = {id, int32_t(o.hi.size())};
+        o.where[size_t(i)] = e.k;
+        o.hi.push_back(hi[i]);
+        o.lo.push_back(lo[i]);
+        o.lb.push_back(pos_lb[j]);
         break;
       }
-      if (o.hi[size_t(k)] == h && o.lo[size_t(k)] == l) {
-        o.where[i] = k;
+      if (e.key == id) {
+        o.where[size_t(i)] = e.k;
         break;
       }
     }
@@ -353,7 +387,7 @@ ffi::Error FindOwnedImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo,
   const int64_t b = bucket_size, nbl = last.element_count() / b;
   if (nbl == 0) return ffi::Error::InvalidArgument("jte hashindex find_owned: empty index");
   const Locator at(bucket_key, buckets, num_shards);
-  const Owned o =
+  const Owned& o =
       OwnedDistinct(at, me_buf.typed_data()[0], n, hi.typed_data(), lo.typed_data(), true);
   const int64_t u = int64_t(o.hi.size());
   std::vector<int32_t> u_row(size_t(std::max<int64_t>(u, 1)));
@@ -788,7 +822,7 @@ ffi::Error ResolveUpdateImpl(
   const int32_t me = me_buf.typed_data()[0];
   int32_t* row = row_buf->typed_data();
 
-  const Owned o = OwnedDistinct(at, me, n, hi, lo, keep);
+  const Owned& o = OwnedDistinct(at, me, n, hi, lo, keep);
   const std::vector<uint32_t>&u_hi = o.hi, &u_lo = o.lo;
   const std::vector<int32_t>& where = o.where;
   const int64_t u = int64_t(u_hi.size());
