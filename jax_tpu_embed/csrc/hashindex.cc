@@ -300,42 +300,28 @@ struct Locator {
 
 // The distinct ids that shard `me` owns among n gathered ones (padding skipped; none when
 // `keep` is false), in order of first appearance, with their local buckets, and each
-// position's index among them (-1: not owned). The arrays are a thread's scratch, reused
-// from call to call: a call's outputs are read before the thread's next call.
+// position's index among them (-1: not owned).
 struct Owned {
   std::vector<uint32_t> hi, lo;
   std::vector<int32_t> lb, where;
-  // Scratch: each position's hash, the owned positions and their local buckets, and the
-  // open-addressing table of the distinct ids (key, index into hi/lo; -1: empty).
-  std::vector<uint32_t> hash;
-  std::vector<int32_t> pos, pos_lb;
-  struct Entry {
-    uint64_t key;
-    int32_t k;
-  };
-  std::vector<Entry> table;
 };
 
 // Three passes rather than one, each simpler for the CPU: the keyed hashes of all ids (a
 // loop the compiler vectorizes), then each id's owner and local bucket with the owned
 // positions compacted without a branch (whether an id is owned is a coin toss for the
-// branch predictor), then one probe of the table an owned position. In one loop the hash
-// did not vectorize and the owner test mispredicted half the time (docs/design.md).
-const Owned& OwnedDistinct(const Locator& at, int32_t me, int64_t n,
-                           const uint32_t* __restrict hi, const uint32_t* __restrict lo,
-                           bool keep) {
-  thread_local Owned o;
+// branch predictor), then one probe per owned position of a table sized to them, whose
+// entries hold the whole id. In one loop the hash did not vectorize and the owner test
+// mispredicted half the time (docs/design.md). (Scratch kept in a thread_local cost more
+// than its allocation: GCC looked the thread's address up through `__tls_get_addr`.)
+Owned OwnedDistinct(const Locator& at, int32_t me, int64_t n, const uint32_t* __restrict hi,
+                    const uint32_t* __restrict lo, bool keep) {
+  Owned o;
   o.where.assign(size_t(n), -1);
-  o.hi.clear();
-  o.lo.clear();
-  o.lb.clear();
   if (!keep || n == 0) return o;
-  o.hash.resize(size_t(n));
-  o.pos.resize(size_t(n));
-  o.pos_lb.resize(size_t(n));
-  uint32_t* __restrict x = o.hash.data();
-  int32_t* __restrict pos = o.pos.data();
-  int32_t* __restrict pos_lb = o.pos_lb.data();
+  const size_t len = size_t(n);
+  std::vector<uint32_t> hash(len);
+  std::vector<int32_t> pos(len), pos_lb(len);
+  uint32_t* __restrict x = hash.data();
   const uint32_t key = at.key;
   for (int64_t i = 0; i < n; ++i) x[i] = Hash(key, hi[i], lo[i]);
   const Divisor buckets = at.buckets, per = at.per;
@@ -343,30 +329,37 @@ const Owned& OwnedDistinct(const Locator& at, int32_t me, int64_t n,
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t g = buckets.Mod(x[i]);
     const uint32_t owner = per.Div(g);
-    pos[c] = int32_t(i);
-    pos_lb[c] = int32_t(g - owner * per.d);
+    pos[size_t(c)] = int32_t(i);
+    pos_lb[size_t(c)] = int32_t(g - owner * per.d);
     c += int64_t((owner == uint32_t(me)) & !IsPad(hi[i], lo[i]));
   }
+  o.hi.reserve(size_t(c));
+  o.lo.reserve(size_t(c));
+  o.lb.reserve(size_t(c));
+  struct Entry {
+    uint64_t id;
+    int32_t k;  // Index into o.hi, o.lo; -1: empty.
+  };
   int bits = 4;
   while ((int64_t(1) << bits) < 2 * c) ++bits;  // At most half full: c ids at most.
-  o.table.assign(size_t(1) << bits, Owned::Entry{0, -1});
-  const size_t mask = o.table.size() - 1;
+  std::vector<Entry> table(size_t(1) << bits, Entry{0, -1});
+  const size_t mask = table.size() - 1;
   for (int64_t j = 0; j < c; ++j) {
-    const int64_t i = pos[j];
+    const int64_t i = pos[size_t(j)];
     const uint64_t id = Join(hi[i], lo[i]);
     // The slot from the top bits of the keyed hash times an odd constant: its low bits
     // are the bucket's, which the owned ids share a range of.
     for (size_t s = size_t(uint32_t(x[i] * 0x9E3779B1u) >> (32 - bits));; s = (s + 1) & mask) {
-      Owned::Entry& e = o.table[s];
+      Entry& e = table[s];
       if (e.k < 0) {
         e = {id, int32_t(o.hi.size())};
         o.where[size_t(i)] = e.k;
         o.hi.push_back(hi[i]);
         o.lo.push_back(lo[i]);
-        o.lb.push_back(pos_lb[j]);
+        o.lb.push_back(pos_lb[size_t(j)]);
         break;
       }
-      if (e.key == id) {
+      if (e.id == id) {
         o.where[size_t(i)] = e.k;
         break;
       }
@@ -387,16 +380,19 @@ ffi::Error FindOwnedImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo,
   const int64_t b = bucket_size, nbl = last.element_count() / b;
   if (nbl == 0) return ffi::Error::InvalidArgument("jte hashindex find_owned: empty index");
   const Locator at(bucket_key, buckets, num_shards);
-  const Owned& o =
+  const Owned o =
       OwnedDistinct(at, me_buf.typed_data()[0], n, hi.typed_data(), lo.typed_data(), true);
   const int64_t u = int64_t(o.hi.size());
-  std::vector<int32_t> u_row(size_t(std::max<int64_t>(u, 1)));
+  // u_row[0] = -1 and each distinct id's row after it, so that positions map to rows by
+  // where + 1 without a branch (whether a position is owned is a coin toss).
+  std::vector<int32_t> u_row(size_t(u + 1), -1);
   std::unique_ptr<bool[]> found(new bool[size_t(std::max<int64_t>(u, 1))]);
   FindCore(u, o.hi.data(), o.lo.data(), o.lb.data(), now_buf.typed_data()[0],
-           keys.typed_data(), last.typed_data(), nbl, b, Ttl{ttl_steps}, u_row.data(),
+           keys.typed_data(), last.typed_data(), nbl, b, Ttl{ttl_steps}, u_row.data() + 1,
            found.get());
   int32_t* out = row->typed_data();
-  for (int64_t i = 0; i < n; ++i) out[i] = o.where[i] < 0 ? -1 : u_row[size_t(o.where[i])];
+  const int32_t* where = o.where.data();
+  for (int64_t i = 0; i < n; ++i) out[i] = u_row[size_t(where[i] + 1)];
   return ffi::Error::Success();
 }
 
@@ -822,11 +818,12 @@ ffi::Error ResolveUpdateImpl(
   const int32_t me = me_buf.typed_data()[0];
   int32_t* row = row_buf->typed_data();
 
-  const Owned& o = OwnedDistinct(at, me, n, hi, lo, keep);
+  const Owned o = OwnedDistinct(at, me, n, hi, lo, keep);
   const std::vector<uint32_t>&u_hi = o.hi, &u_lo = o.lo;
   const std::vector<int32_t>& where = o.where;
   const int64_t u = int64_t(u_hi.size());
-  std::vector<int32_t> u_row(size_t(u), -1);
+  std::vector<int32_t> u_row_at(size_t(u + 1), -1);  // As in FindOwnedImpl: -1 first.
+  int32_t* u_row = u_row_at.data() + 1;
   std::unique_ptr<bool[]> u_valid(new bool[size_t(std::max<int64_t>(u, 1))]);
   std::unique_ptr<bool[]> u_fresh(new bool[size_t(std::max<int64_t>(u, 1))]);
   std::fill(u_valid.get(), u_valid.get() + u, true);
@@ -836,18 +833,18 @@ ffi::Error ResolveUpdateImpl(
   ffi::Error err = OnIndex("resolve_update", c, in, out, bucket_size, filter_bucket_size,
                            [&](const IndexArrays& x, int64_t* tally) {
                              UpdateCore(c, x, u, u_hi.data(), u_lo.data(), o.lb.data(),
-                                        u_valid.get(), now_buf.typed_data()[0], u_row.data(),
+                                        u_valid.get(), now_buf.typed_data()[0], u_row,
                                         u_fresh.get(), tally);
                            });
   if (!err.success()) return err;
-  for (int64_t i = 0; i < n; ++i) row[i] = where[i] < 0 ? -1 : u_row[size_t(where[i])];
+  for (int64_t i = 0; i < n; ++i) row[i] = u_row_at[size_t(where[i] + 1)];
   int32_t* f_row = fresh_row->typed_data();
   uint32_t* f_hi = fresh_hi->typed_data();
   uint32_t* f_lo = fresh_lo->typed_data();
   int64_t m = 0;
   for (int64_t k = 0; k < u; ++k) {
-    if (!u_fresh[size_t(k)] || u_row[size_t(k)] < 0) continue;
-    f_row[m] = u_row[size_t(k)];
+    if (!u_fresh[size_t(k)] || u_row[k] < 0) continue;
+    f_row[m] = u_row[k];
     f_hi[m] = u_hi[size_t(k)];
     f_lo[m] = u_lo[size_t(k)];
     ++m;
