@@ -309,8 +309,7 @@ struct Owned {
 // Three passes rather than one, each simpler for the CPU: the keyed hashes of all ids (a
 // loop the compiler vectorizes), then each id's owner and local bucket with the owned
 // positions compacted without a branch (whether an id is owned is a coin toss for the
-// branch predictor), then one probe per owned position of a table sized to them, whose
-// entries hold the whole id. In one loop the hash did not vectorize and the owner test
+// branch predictor), then one probe per owned position of a table sized to them. In one loop the hash did not vectorize and the owner test
 // mispredicted half the time (docs/design.md). (Scratch kept in a thread_local cost more
 // than its allocation: GCC looked the thread's address up through `__tls_get_addr`.)
 Owned OwnedDistinct(const Locator& at, int32_t me, int64_t n, const uint32_t* __restrict hi,
@@ -336,30 +335,34 @@ Owned OwnedDistinct(const Locator& at, int32_t me, int64_t n, const uint32_t* __
   o.hi.reserve(size_t(c));
   o.lo.reserve(size_t(c));
   o.lb.reserve(size_t(c));
+  // Entries of 8 bytes (the keyed hash, and the index into o.hi, o.lo; all ones: empty),
+  // so that the table clears by memset and takes half the cache; a probe compares the
+  // hash, and the whole id only where the hashes are equal.
   struct Entry {
-    uint64_t id;
-    int32_t k;  // Index into o.hi, o.lo; -1: empty.
+    uint32_t hash;
+    int32_t k;
   };
   int bits = 4;
   while ((int64_t(1) << bits) < 2 * c) ++bits;  // At most half full: c ids at most.
-  std::vector<Entry> table(size_t(1) << bits, Entry{0, -1});
-  const size_t mask = table.size() - 1;
+  const size_t mask = (size_t(1) << bits) - 1;
+  std::unique_ptr<Entry[]> table(new Entry[mask + 1]);  // Not value-initialized: memset.
+  std::memset(table.get(), 0xFF, (mask + 1) * sizeof(Entry));
   for (int64_t j = 0; j < c; ++j) {
     const int64_t i = pos[size_t(j)];
-    const uint64_t id = Join(hi[i], lo[i]);
+    const uint32_t h = hi[i], l = lo[i], xi = x[i];
     // The slot from the top bits of the keyed hash times an odd constant: its low bits
     // are the bucket's, which the owned ids share a range of.
-    for (size_t s = size_t(uint32_t(x[i] * 0x9E3779B1u) >> (32 - bits));; s = (s + 1) & mask) {
+    for (size_t s = size_t(uint32_t(xi * 0x9E3779B1u) >> (32 - bits));; s = (s + 1) & mask) {
       Entry& e = table[s];
       if (e.k < 0) {
-        e = {id, int32_t(o.hi.size())};
+        e = {xi, int32_t(o.hi.size())};
         o.where[size_t(i)] = e.k;
-        o.hi.push_back(hi[i]);
-        o.lo.push_back(lo[i]);
+        o.hi.push_back(h);
+        o.lo.push_back(l);
         o.lb.push_back(pos_lb[size_t(j)]);
         break;
       }
-      if (e.id == id) {
+      if (e.hash == xi && o.hi[size_t(e.k)] == h && o.lo[size_t(e.k)] == l) {
         o.where[size_t(i)] = e.k;
         break;
       }
