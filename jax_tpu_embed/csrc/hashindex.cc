@@ -92,8 +92,10 @@ inline uint32_t Ordered(int32_t x) { return uint32_t(x) ^ 0x80000000u; }
 // `_hashindex._expired`: now - last >= ttl_steps in int32 arithmetic (ttl < 0: no TTL).
 struct Ttl {
   int64_t steps;
-  bool Expired(int32_t last, int32_t now) const {
-    return (steps >= 0) & (int64_t(int32_t(uint32_t(now) - uint32_t(last))) >= steps);
+  // `last` is read only with a TTL: callers pass it straight from the index (`kt[...]`),
+  // and without a TTL that read was a cache miss per found id (nothing prefetches it then).
+  bool Expired(const int32_t& last, int32_t now) const {
+    return steps >= 0 && int64_t(int32_t(uint32_t(now) - uint32_t(last))) >= steps;
   }
 };
 
