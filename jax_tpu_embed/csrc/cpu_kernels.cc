@@ -308,15 +308,26 @@ void UpdateRows(const int32_t* keys, int64_t m, const float* scale, const float*
     if (p.kind == kSGD) {
       for (int64_t c = 0; c < d; ++c) upd[c] = w[c] - lr * gs[c];
     } else if (p.kind == kAdagrad) {
-      float* a = slot + int64_t(r) * d;
-      for (int64_t c = 0; c < d; ++c) {
-        float acc = MulAdd(gs[c], gs[c], a[c]);
-        a[c] = acc;
-        if (p.eps > 0.0f) {  // FBGEMM's EXACT_ADAGRAD: lr * g / (sqrt(a) + eps).
-          upd[c] = w[c] - lr * gs[c] / (std::sqrt(acc) + p.eps);
-        } else {
-          // XLA's rsqrt(acc) as 1/sqrt(acc): may differ from it in the last bit.
-          upd[c] = w[c] - lr * gs[c] * (1.0f / std::sqrt(acc));
+      // Restrict pointers and eps in a local, the branch outside the loops: with `p.eps`
+      // read through a reference that the slot's stores might alias, the loop reloaded it
+      // per element and did not vectorize. Vector sqrt and division round as scalar ones.
+      float* __restrict a = slot + int64_t(r) * d;
+      float* __restrict u = upd.data();
+      const float* __restrict gr = gs.data();
+      const float* __restrict wr = w;
+      const float eps = p.eps;
+      if (eps > 0.0f) {  // FBGEMM's EXACT_ADAGRAD: lr * g / (sqrt(a) + eps).
+        for (int64_t c = 0; c < d; ++c) {
+          const float acc = MulAdd(gr[c], gr[c], a[c]);
+          a[c] = acc;
+          u[c] = wr[c] - lr * gr[c] / (std::sqrt(acc) + eps);
+        }
+      } else {
+        // XLA's rsqrt(acc) as 1/sqrt(acc): may differ from it in the last bit.
+        for (int64_t c = 0; c < d; ++c) {
+          const float acc = MulAdd(gr[c], gr[c], a[c]);
+          a[c] = acc;
+          u[c] = wr[c] - lr * gr[c] * (1.0f / std::sqrt(acc));
         }
       }
     } else {
