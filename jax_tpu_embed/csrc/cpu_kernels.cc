@@ -70,30 +70,32 @@ void RadixSort(std::vector<uint32_t>& keys, std::vector<int32_t>& pos) {
 // out_pos in ascending (key, position) order.
 void SortGroup(const int32_t* keys, int64_t m, bool high, std::vector<int32_t>& out_key,
                std::vector<int32_t>& out_pos) {
+  // Without branches on the keys: which group a key is in is a coin toss for the branch
+  // predictor when half the gathered keys are another device's.
   int32_t lo = INT32_MAX;
   size_t count = 0;
   for (int64_t i = 0; i < m; ++i) {
-    if ((keys[i] >= kNotMine) == high) {
-      lo = std::min(lo, keys[i]);
-      ++count;
-    }
+    const bool take = (keys[i] >= kNotMine) == high;
+    lo = take ? std::min(lo, keys[i]) : lo;
+    count += take;
   }
   if (count == 0) return;
-  std::vector<uint32_t> k;
-  std::vector<int32_t> p;
-  k.reserve(count);
-  p.reserve(count);
+  // Every key is written, and the next write overwrites one not taken: one spare entry.
+  std::vector<uint32_t> k(count + 1);
+  std::vector<int32_t> p(count + 1);
+  size_t c = 0;
   for (int64_t i = 0; i < m; ++i) {
-    if ((keys[i] >= kNotMine) == high) {
-      k.push_back(uint32_t(int64_t(keys[i]) - lo));
-      p.push_back(int32_t(i));
-    }
+    k[c] = uint32_t(int64_t(keys[i]) - lo);
+    p[c] = int32_t(i);
+    c += size_t((keys[i] >= kNotMine) == high);
   }
+  k.resize(count);
+  p.resize(count);
   RadixSort(k, p);
-  for (size_t i = 0; i < count; ++i) {
-    out_key.push_back(int32_t(int64_t(k[i]) + lo));
-    out_pos.push_back(p[i]);
-  }
+  const size_t at = out_key.size();
+  out_key.resize(at + count);
+  for (size_t i = 0; i < count; ++i) out_key[at + i] = int32_t(int64_t(k[i]) + lo);
+  out_pos.insert(out_pos.end(), p.begin(), p.end());
 }
 
 // Distinct keys in ascending order and, for each, [begin, end) into pos.
