@@ -292,12 +292,6 @@ struct Locator {
       : key(uint32_t(key_)),
         buckets(uint32_t(buckets_)),
         per(uint32_t(buckets_ / num_shards)) {}
-  // The id's local bucket when shard `me` owns it, else -1.
-  int32_t Local(uint32_t h, uint32_t l, int32_t me) const {
-    const uint32_t g = buckets.Mod(Hash(key, h, l));
-    const uint32_t owner = per.Div(g);
-    return owner == uint32_t(me) ? int32_t(g - owner * per.d) : -1;
-  }
 };
 
 // The distinct ids that shard `me` owns among n gathered ones (padding skipped; none when
@@ -311,9 +305,10 @@ struct Owned {
 // Three passes rather than one, each simpler for the CPU: the keyed hashes of all ids (a
 // loop the compiler vectorizes), then each id's owner and local bucket with the owned
 // positions compacted without a branch (whether an id is owned is a coin toss for the
-// branch predictor), then one probe per owned position of a table sized to them. In one loop the hash did not vectorize and the owner test
-// mispredicted half the time (docs/design.md). (Scratch kept in a thread_local cost more
-// than its allocation: GCC looked the thread's address up through `__tls_get_addr`.)
+// branch predictor), then one probe per owned position of a table sized to them. In one
+// loop the hash did not vectorize and the owner test mispredicted half the time
+// (docs/design.md). Scratch kept in a thread_local to save the allocations cost more than
+// them: GCC looked the thread's address up through `__tls_get_addr` at each use.
 Owned OwnedDistinct(const Locator& at, int32_t me, int64_t n, const uint32_t* __restrict hi,
                     const uint32_t* __restrict lo, bool keep) {
   Owned o;
