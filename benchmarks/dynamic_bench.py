@@ -9,7 +9,9 @@
    random int64 (a fixed random map per table). The dynamic tables are sized so that the
    ids of the cycled batches fill them to `--occupancy` (0.8), and are filled by one pass
    over the batches before timing. Both are measured in the same run, alternating, so the
-   ratio holds on a noisy machine.
+   ratio holds on a noisy machine. The process's CPU time per step (user + system, summed
+   over the timed steps of each) is reported too: it moves less than the wall time when
+   other work shares the cores.
 2. Eviction quality: a Zipf(1.05) stream of int64 ids through a dynamic table's index
    (`_hashindex.update`, LRU, one step = one batch of distinct ids) at `--eviction-occupancy`
    (0.85) of the stream's distinct ids, against exact global LRU of the same capacity (a
@@ -27,6 +29,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import json  # noqa: E402
+import resource  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -98,6 +101,12 @@ def make_step(wl, dynamic_capacity: int | None):
     return emb, fn, batches, R
 
 
+def _cpu_seconds() -> float:
+    """This process's CPU time so far (all threads, user + system)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def step_times(wl, occupancy: float, steps: int) -> dict:
     distinct = max(
         len(np.unique(np.concatenate([wl.ids[k][t].ravel() for k in range(wl.num_batches)])))
@@ -111,16 +120,17 @@ def step_times(wl, occupancy: float, steps: int) -> dict:
         for k in range(wl.num_batches):  # Compile, and fill the dynamic tables.
             state, _ = fn(state, batches[k], R)
         jax.block_until_ready(state)
-        runs[label] = [emb, fn, batches, R, state, []]
+        runs[label] = [emb, fn, batches, R, state, [], 0.0]
     for i in range(steps):  # Alternating, so that both see the same machine.
         for run in runs.values():
-            emb, fn, batches, R, state, times = run
-            t0 = time.perf_counter()
+            emb, fn, batches, R, state, times, _ = run
+            c0, t0 = _cpu_seconds(), time.perf_counter()
             state, loss = fn(state, batches[i % len(batches)], R)
             jax.block_until_ready((state, loss))
             times.append(time.perf_counter() - t0)
-            run[4] = state
+            run[4], run[6] = state, run[6] + _cpu_seconds() - c0
     out = {label: float(np.median(run[5]) * 1e3) for label, run in runs.items()}
+    cpu = {label: run[6] / steps * 1e3 for label, run in runs.items()}
     emb, state = runs["dynamic"][0], runs["dynamic"][4]
     stats = {n: {k: int(v) for k, v in s.items()} for n, s in emb.dynamic_stats(state).items()}
     occupied = np.mean([s["occupancy"] for s in stats.values()]) / emb.dynamic["t0"].rows
@@ -128,6 +138,9 @@ def step_times(wl, occupancy: float, steps: int) -> dict:
         "static_ms": out["static"],
         "dynamic_ms": out["dynamic"],
         "ratio": out["dynamic"] / out["static"],
+        "static_cpu_ms": cpu["static"],
+        "dynamic_cpu_ms": cpu["dynamic"],
+        "cpu_ratio": cpu["dynamic"] / cpu["static"],
         "capacity": capacity,
         "occupancy": float(occupied),
         "stats_t0": stats["t0"],
@@ -237,6 +250,10 @@ def main(argv=None) -> int:
     print(f"{args.workload} train step, {len(jax.devices())} CPU devices (median ms)")
     print(
         f"  static {s['static_ms']:9.1f}   dynamic {s['dynamic_ms']:9.1f}   ratio {s['ratio']:.2f}x"
+    )
+    print(
+        f"  CPU ms per step: static {s['static_cpu_ms']:6.1f}   dynamic "
+        f"{s['dynamic_cpu_ms']:6.1f}   ratio {s['cpu_ratio']:.2f}x"
     )
     print(f"  dynamic capacity {s['capacity']} per table, occupancy {s['occupancy']:.2f}")
     q = eviction_quality(args.eviction_occupancy, args.eviction_steps, 4096, 1_000_000)
