@@ -241,18 +241,15 @@ struct Rounding {
 // ask for the row they will read kRowsAhead rows later (every cache line of it) first.
 constexpr int64_t kRowsAhead = 8;
 
-template <typename T>
-inline void PrefetchRow(const T* row, int64_t d, bool write) {
+// kWrite: whether the row will be written (a template argument: __builtin_prefetch takes
+// only a constant).
+template <bool kWrite, typename T>
+inline void PrefetchRow(const T* row, int64_t d) {
   // Every 64-byte line the row touches, from the one holding its first byte.
   const uintptr_t first = reinterpret_cast<uintptr_t>(row);
   const uintptr_t end = first + uintptr_t(d) * sizeof(T);
-  for (uintptr_t line = first & ~uintptr_t(63); line < end; line += 64) {
-    if (write) {
-      __builtin_prefetch(reinterpret_cast<const void*>(line), 1);
-    } else {
-      __builtin_prefetch(reinterpret_cast<const void*>(line), 0);
-    }
-  }
+  for (uintptr_t line = first & ~uintptr_t(63); line < end; line += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(line), kWrite);
 }
 
 inline void LoadRow(const float* w, int64_t d, float* out) {
@@ -290,8 +287,8 @@ void UpdateRows(const int32_t* keys, int64_t m, const float* scale, const float*
     if (j + kRowsAhead < s.key.size()) {
       const int32_t ahead = s.key[j + kRowsAhead];
       if (ahead >= 0 && ahead < s_rows) {
-        PrefetchRow(table + int64_t(ahead) * d, d, true);
-        if (p.kind == kAdagrad) PrefetchRow(slot + int64_t(ahead) * d, d, true);
+        PrefetchRow<true>(table + int64_t(ahead) * d, d);
+        if (p.kind == kAdagrad) PrefetchRow<true>(slot + int64_t(ahead) * d, d);
       }
     }
     int32_t r = s.key[j];
@@ -426,7 +423,7 @@ void PooledLookupRows(const int32_t* k, const float* w, const T* t, int64_t b, i
     for (int64_t j = 0; j < l; ++j) {
       if (i * l + j + kRowsAhead < n) {
         const int32_t ahead = k[i * l + j + kRowsAhead];
-        if (ahead >= 0 && ahead < s_rows) PrefetchRow(t + int64_t(ahead) * d, d, false);
+        if (ahead >= 0 && ahead < s_rows) PrefetchRow<false>(t + int64_t(ahead) * d, d);
       }
       int32_t r = k[i * l + j];
       if (r < 0 || r >= s_rows) continue;  // Not this shard's: its scale is 0.
