@@ -132,7 +132,7 @@ def test_demo_dynamic_tables_on_criteo_files(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,  # Takes about a minute on 2 cores under a parallel pytest worker.
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout

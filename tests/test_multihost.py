@@ -56,7 +56,9 @@ NUM_PROCESSES = 2
 # One job (the module fixture `job`) serves every case: the module runs on one pytest-xdist
 # worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group("multihost")
-JOB_TIMEOUT_S = 180  # Whole job; a normal run takes well under a minute on 2 cores.
+# The whole job: a bound that catches a hang, not a time to meet. Its cases take about 160 s
+# of each worker on 2 cores shared with another pytest worker; 180 s once ran out there.
+JOB_TIMEOUT_S = 600
 
 
 def _free_port() -> int:

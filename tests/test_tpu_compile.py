@@ -20,10 +20,11 @@ of a shard while a table-sized one is 10x over. Compile time does not depend on 
 Cases known to fail with tables stored as plain (N*S, D) arrays are marked xfail(strict=True)
 with the measured numbers while the engine uses that layout (_KNOWN_UNPACKED); with narrow
 rows packed into 128-lane rows every case must pass.
-The 68 cases take about 2 CPU-minutes of compilation. JTE_TPU_COMPILE_THREADS (default 2)
-sets how many compile at once. The fast tier (`make test`) runs the quick subset: Adagrad at
-dims 16, 64 and 128 on every topology and the bfloat16 cases at dim 64 (14 cases); the rest of
-the matrix is marked slow (`make test-slow`). JTE_TPU_MATRIX=quick drops the rest altogether.
+The 68 cases take about 2 CPU-minutes of compilation. JTE_TPU_COMPILE_THREADS (default 1)
+sets how many compile at once, ahead of the tests that read them. The fast tier (`make test`)
+runs the quick subset: Adagrad at dims 64 and 128 on every topology and the bfloat16 cases at
+dim 64 (10 cases); the rest of the matrix is marked slow (`make test-slow`).
+JTE_TPU_MATRIX=quick drops the rest altogether.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ if importlib.util.find_spec("libtpu") is None:
 
 from jax_tpu_embed import _aot  # noqa: E402
 
-# The `compiler` fixture compiles every selected case of this module ahead of its tests: the
-# module runs on one pytest-xdist worker (--dist loadgroup). libtpu's executables cannot be
+# The `compiler` fixture compiles the selected cases of this module a few ahead of its tests:
+# the module runs on one pytest-xdist worker (--dist loadgroup). libtpu's executables cannot be
 # read back from the persistent compilation cache (conftest).
 pytestmark = [
     pytest.mark.xdist_group("tpu_compile"),
@@ -208,17 +209,29 @@ def _compile(case: Case) -> _aot.CompileReport:
 
 
 class _Compiler:
-    """Compiles the selected cases on a few threads (compilation releases the GIL), in
-    collection order, so that a test mostly finds its report ready."""
+    """Compiles each case a test asks for and the next few after it (collection order) on a
+    background thread (compilation releases the GIL), so that a test mostly finds its report
+    ready. Nothing compiles before a test asks: a worker that pytest-xdist restarts after a
+    crash resumes at the case its tests resume at, instead of compiling the matrix again
+    from the start. One thread by default: two concurrent libtpu compiles once crashed a
+    CI worker (SIGSEGV inside the compiler)."""
 
-    def __init__(self, cases: list[Case], threads: int):
+    def __init__(self, cases: list[Case], threads: int, ahead: int = 2):
+        self._cases, self._ahead = cases, ahead
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, threads))
-        self._futures = {c: self._pool.submit(_compile, c) for c in cases}
+        self._futures: dict[Case, concurrent.futures.Future] = {}
 
-    def get(self, case: Case) -> _aot.CompileReport:
+    def _submit(self, case: Case):
         if case not in self._futures:
             self._futures[case] = self._pool.submit(_compile, case)
-        return self._futures[case].result()
+
+    def get(self, case: Case) -> _aot.CompileReport:
+        self._submit(case)
+        if case in self._cases:
+            at = self._cases.index(case) + 1
+            for later in self._cases[at : at + self._ahead]:
+                self._submit(later)
+        return self._futures.pop(case).result()
 
     def close(self):
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -233,7 +246,7 @@ def compiler(request):
         and hasattr(item, "callspec")
         and "case" in item.callspec.params
     ]
-    threads = int(os.environ.get("JTE_TPU_COMPILE_THREADS", "2"))
+    threads = int(os.environ.get("JTE_TPU_COMPILE_THREADS", "1"))
     pool = _Compiler(selected, threads)
     yield pool
     pool.close()
