@@ -762,10 +762,11 @@ def slot_rows(storage, global_rows):
     return shard * s + local
 
 
-def live(plan: DynamicPlan, storage, index, now: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids ascending, slot-table rows) of the live ids of a table's index (NumPy arrays)."""
+def live(plan: DynamicPlan, index, now: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids ascending, global rows) of the live ids of a table's index (NumPy arrays): a
+    global row is the id's stored position, shard * S + local (`TableStorage.take_stored`)."""
     ids, global_rows, _, _ = _hashindex.export(plan.index, index, now)
-    return np.asarray(ids, np.int64), slot_rows(storage, global_rows)
+    return np.asarray(ids, np.int64), np.asarray(global_rows, np.int64)
 
 
 def check_rows(where: str, given: DynamicRows, dim: int | None = None):

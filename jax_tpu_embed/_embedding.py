@@ -597,13 +597,6 @@ class Embedding:
             physical.shape, self._rows(physical.ndim, memory_kind), lambda index: physical[index]
         )
 
-    def _fetch(self, x: jax.Array) -> np.ndarray:
-        if x.is_fully_addressable:
-            return np.asarray(jax.device_get(x))
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
     def export(self, state: EmbeddingState) -> dict[str, Any]:
         """{table name: (V, D) np.ndarray} in natural row order, whatever strategy or mesh;
         a dynamic table's live rows as `jte.DynamicRows(ids, rows)`, ids ascending.
@@ -615,20 +608,21 @@ class Embedding:
         tables = self.table_arrays(state)[0]
         out = {}
         for name, plan in self.table_plans.items():
-            logical = plan.storage.to_logical(self._fetch(tables[name]))[0]
+            storage = plan.storage
             if name in self.dynamic:
-                ids, rows = self._live_rows(state, name)
-                logical = _dynamic.DynamicRows(ids, logical[rows])
-            out[name] = logical
+                ids, where = self._live(state, name)
+                rows = storage.take_stored(None, where, _reader(tables[name]))
+                out[name] = _dynamic.DynamicRows(ids, storage.split_row(rows)[0])
+            else:
+                out[name] = storage.to_logical(_multihost.to_host(tables[name]))[0]
         return out
 
-    def _live_rows(self, state: EmbeddingState, name: str) -> tuple[np.ndarray, np.ndarray]:
-        """(ids ascending, their slot-table rows) of a dynamic table's live ids (a collective
-        with several processes)."""
-        index = jax.tree.map(self._fetch, state.index[name].index)
+    def _live(self, state: EmbeddingState, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids ascending, their stored positions) of a dynamic table's live ids (a
+        collective with several processes)."""
+        index = jax.tree.map(_multihost.to_host, state.index[name].index)
         now = int(np.asarray(jax.device_get(state.step)))
-        plan = self.dynamic[name]
-        return _dynamic.live(plan, self.table_plans[name].storage, index, now)
+        return _dynamic.live(self.dynamic[name], index, now)
 
     def dynamic_counters(self, state: EmbeddingState) -> dict[str, dict[str, jax.Array]]:
         """`dynamic_stats` without `occupancy`: the counters, and `held` (ids holding a row,
@@ -662,14 +656,27 @@ class Embedding:
         tables, slots = self.table_arrays(state)
         for name, plan in self.table_plans.items():
             storage = plan.storage
-            # The table's own array only when slots ride in it.
-            table = self._fetch(tables[name]) if storage.riders else None
-            out[name] = storage.to_logical(
-                table, {n: self._fetch(x) for n, x in slots[name].items()}
-            )[1]
             if name in self.dynamic:
-                ids, rows = self._live_rows(state, name)
-                out[name] = {n: _dynamic.DynamicRows(ids, x[rows]) for n, x in out[name].items()}
+                ids, where = self._live(state, name)
+                riders = {}
+                if storage.riders:
+                    rows = storage.take_stored(None, where, _reader(tables[name]))
+                    riders = storage.split_row(rows)[1]
+                out[name] = {
+                    s.name: _dynamic.DynamicRows(
+                        ids,
+                        riders[s.name]
+                        if s.name in riders
+                        else storage.take_stored(s, where, _reader(slots[name][s.name])),
+                    )
+                    for s in storage.slot_specs
+                }
+                continue
+            # The table's own array only when slots ride in it.
+            table = _multihost.to_host(tables[name]) if storage.riders else None
+            out[name] = storage.to_logical(
+                table, {n: _multihost.to_host(x) for n, x in slots[name].items()}
+            )[1]
         return out
 
     def shard_rows(self, state: EmbeddingState, table_name: str, shard: int) -> np.ndarray:
@@ -696,9 +703,9 @@ class Embedding:
                 if (piece.index[0].start or 0) == start
             )
         else:
-            # Several processes: all gather, whichever holds the shard; one that read its
-            # own copy instead would leave the others waiting in the all-gather.
-            local = self._fetch(array)[start : start + per_shard]
+            # Several processes: a collective, whichever holds the shard; one that read its
+            # own copy instead would leave the others waiting in it.
+            local = _multihost.to_host(array, np.arange(start, start + per_shard))
         for member in stack.members:
             if member.name == table_name:
                 local = local[member.rows(stack.storage.packing)]
@@ -1307,3 +1314,8 @@ def _distinct(rows):
     rows = lax.sort(rows)
     repeat = jnp.concatenate([jnp.zeros((1,), bool), rows[1:] == rows[:-1]])
     return jnp.where(repeat, NOT_MINE, rows)
+
+
+def _reader(array):
+    """`fetch` for `TableStorage.take_stored`: rows of `array` read onto this host."""
+    return lambda rows: _multihost.to_host(array, rows)

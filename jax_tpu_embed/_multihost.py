@@ -16,6 +16,7 @@ In one process both are trivial (every row; a device_put), so the same code runs
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Any
 
@@ -151,3 +152,65 @@ def check_same_on_every_process(tree: Nested, what: str = "NumPy inputs") -> Non
             f"on every process. To feed each process its own rows, make global jax.Arrays of "
             f"them: multihost.global_batch(emb, local_rows)."
         )
+
+
+# At most this many bytes of an array pass through each device at once in `to_host`.
+CHUNK_BYTES = 64 << 20
+
+
+def to_host(x, rows=None, *, chunk_bytes: int = CHUNK_BYTES) -> np.ndarray:
+    """`x[rows]` (all of `x` when rows is None) as a NumPy array on this process.
+
+    Rows of an array in device memory go through the devices in pieces of at most
+    `chunk_bytes` per device: each device gathers the piece's rows it holds and one
+    all-reduce joins them. Neither the array nor all the rows taken are ever copied whole
+    onto a device (as `process_allgather` of the array would do on every one), and only the
+    rows asked for leave the devices. With several processes it is a collective: every
+    process calls it with the same `rows`. An array this process holds whole is read shard
+    by shard (`jax.device_get`) when all of it is asked for. `rows`: int (m,), indices along
+    dimension 0.
+    """
+    if not isinstance(x, jax.Array):
+        return np.asarray(x) if rows is None else np.asarray(x)[np.asarray(rows)]
+    if x.is_fully_addressable and (rows is None or not _in_pieces(x)):
+        whole = np.asarray(jax.device_get(x))
+        return whole if rows is None else whole[np.asarray(rows)]
+    if x.is_fully_replicated:
+        whole = np.asarray(x.addressable_data(0))
+        return whole if rows is None else whole[np.asarray(rows)]
+    if not _in_pieces(x):  # Host memory with several processes: still through the devices.
+        whole = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return whole if rows is None else whole[np.asarray(rows)]
+    rows = np.arange(x.shape[0]) if rows is None else np.asarray(rows)
+    return _rows_in_pieces(x, rows, chunk_bytes)
+
+
+def _in_pieces(x: jax.Array) -> bool:
+    """Whether `to_host` can take rows of `x` on its devices: a NamedSharding in device
+    memory (a jitted gather cannot read host memory)."""
+    return (
+        x.ndim > 0
+        and isinstance(x.sharding, NamedSharding)
+        and x.sharding.memory_kind in (None, "device")
+    )
+
+
+def _rows_in_pieces(x: jax.Array, rows: np.ndarray, chunk_bytes: int) -> np.ndarray:
+    row_bytes = x.dtype.itemsize * int(np.prod(x.shape[1:], dtype=np.int64))
+    per = max(1, min(len(rows), chunk_bytes // max(row_bytes, 1)))
+    out = np.empty((len(rows),) + x.shape[1:], x.dtype)
+    sharding = x.sharding
+    assert isinstance(sharding, NamedSharding)  # _in_pieces
+    take = _take_replicated(NamedSharding(sharding.mesh, P()))
+    for start in range(0, len(rows), per):
+        piece = rows[start : start + per]
+        n = len(piece)
+        # Every piece the same length (the last padded with row 0): one compiled program.
+        piece = np.pad(piece, (0, per - n)).astype(np.int32 if x.shape[0] < 2**31 else np.int64)
+        out[start : start + n] = np.asarray(take(x, piece).addressable_data(0))[:n]
+    return out
+
+
+@functools.cache
+def _take_replicated(replicated: NamedSharding):
+    return jax.jit(lambda x, rows: x.at[rows].get(out_sharding=replicated))

@@ -222,6 +222,22 @@ class TableStorage:
     def _array_to_physical(self, packing: _layout.Packing, logical):
         return packing.pack(self.layout.to_physical(logical), self.layout.num_shards)
 
+    def take_stored(self, slot: _optimizers.SlotSpec | None, positions, fetch):
+        """One stored array's logical rows (the table's with its riders for slot None) at
+        stored positions, NumPy: positions shard * S + local (a dynamic index's global
+        rows), in any order. `fetch(physical_rows)` reads whole physical rows of the array;
+        only those holding the positions are read, never the whole array."""
+        packing = self.packing if slot is None else self.slot_packing(slot)
+        s = self.layout.rows_per_shard
+        shard, local = np.divmod(np.asarray(positions, np.int64), s)
+        k, w = packing.per_row, packing.padded_width
+        got = np.asarray(fetch(shard * packing.shard_rows(s) + local // k))
+        if not packing.packed:
+            return got
+        lanes = (local % k)[:, None] * w + np.arange(packing.width)
+        got = np.take_along_axis(got, lanes, axis=1)
+        return got if packing.rank == 2 else got[:, 0]
+
     def _array_to_logical(self, packing: _layout.Packing, physical):
         rows = packing.unpack(physical, self.layout.num_shards, self.layout.rows_per_shard)
         return self.layout.to_logical(rows)

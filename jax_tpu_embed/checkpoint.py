@@ -62,7 +62,16 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _dynamic, _embedding, _guards, _hashindex, _optimizers, _placement, _storage
+from . import (
+    _dynamic,
+    _embedding,
+    _guards,
+    _hashindex,
+    _multihost,
+    _optimizers,
+    _placement,
+    _storage,
+)
 
 _FORMAT = "jax_tpu_embed.checkpoint/1"
 _ITEMS = ("embedding", "metadata", "dense", "dynamic")
@@ -741,25 +750,6 @@ def _dynamic_info(emb, name: str, saved: dict) -> dict:
 # ------------------------------------------------------------------ dynamic tables
 
 
-def _host(x) -> np.ndarray:
-    """A jax.Array's whole value on this host (a collective with several processes)."""
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-        return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def _take(array, rows):
-    """array[rows]: on the devices for a jax.Array, in NumPy for a NumPy one."""
-    return array[rows] if isinstance(array, np.ndarray) else _take_on_devices(array, rows)
-
-
-@jax.jit
-def _take_on_devices(array, rows):
-    return array[rows]
-
-
 def _padded(x: np.ndarray, fill) -> np.ndarray:
     """`x` with one entry of `fill` when empty (orbax stores no empty arrays)."""
     if len(x):
@@ -774,24 +764,25 @@ def _dynamic_logical(emb, state, name: str, physical, physical_slots, since=None
     >= since), "rows" float32 (m, D), "slots" {slot: (m, D) or (m,)}, "filter_ids" int64,
     "filter_count" int32 (the admission filter), "key" uint32 (2,) (the words its initial
     rows are drawn from), "counters" int64 (one per _hashindex.STAT_NAMES, summed over the
-    shards)}; arrays of no entries hold one, id -1. Only the rows saved leave the devices.
-    "n_ids", "n_changed" and "n_filter" (the real counts) go to the metadata, not the
-    item."""
+    shards)}; arrays of no entries hold one, id -1. Only the rows saved leave the devices,
+    read from the stored arrays in pieces (`multihost.to_host`): no logical copy of the
+    table is made, on a device or on the host. "n_ids", "n_changed" and "n_filter" (the
+    real counts) go to the metadata, not the item."""
     plan = emb.dynamic[name]
     storage = emb.table_plans[name].storage
-    entries = _dynamic.held(plan, jax.tree.map(_host, state.index[name].index))
+    entries = _dynamic.held(plan, jax.tree.map(_multihost.to_host, state.index[name].index))
     changed = np.ones(len(entries["ids"]), bool) if since is None else entries["last"] >= since
-    where = _dynamic.slot_rows(storage, entries["rows"][changed]).astype(np.int32)
-    table, riders = _to_logical(emb, storage, None, physical)
-    rows = _host(_take(table, where)).astype(np.float32)
+    where = entries["rows"][changed]  # The index's global rows: the stored positions.
+
+    def take(slot, array):
+        return storage.take_stored(slot, where, lambda rows: _multihost.to_host(array, rows))
+
+    rows, riders = storage.split_row(take(None, physical))
     slots = {}
     for s in storage.slot_specs:
-        array = (
-            riders[s.name]
-            if s.name in riders
-            else _to_logical(emb, storage, s, physical_slots[s.name])
-        )
-        slots[s.name] = _padded(_host(_take(array, where)).astype(np.float32), 0.0)
+        value = riders[s.name] if s.name in riders else take(s, physical_slots[s.name])
+        slots[s.name] = _padded(value.astype(np.float32), 0.0)
+    rows = rows.astype(np.float32)
     return {
         "ids": _padded(entries["ids"], -1),
         "last": _padded(entries["last"], 0),
@@ -801,7 +792,7 @@ def _dynamic_logical(emb, state, name: str, physical, physical_slots, since=None
         "slots": slots,
         "filter_ids": _padded(entries["filter_ids"], -1),
         "filter_count": _padded(entries["filter_count"], 0),
-        "key": np.asarray(_host(state.index[name].key), np.uint32).reshape(2),
+        "key": np.asarray(_multihost.to_host(state.index[name].key), np.uint32).reshape(2),
         "counters": entries["counters"].astype(np.int64),
         "n_ids": len(entries["ids"]),
         "n_changed": int(changed.sum()),

@@ -152,6 +152,7 @@ def train(
     start: str = "init",
     routing: str = "auto",
     placement: str = "device",
+    directory: str | None = None,
 ) -> dict:
     """Trains STEPS steps; {"table/t", "slot/t/s", "acts/<step>/<feature>": np.ndarray}.
 
@@ -164,7 +165,7 @@ def train(
     a small HostCached cache, each step prefetching the next step's rows first).
     """
     if strategy == "dynamic":
-        return train_dynamic(mesh_kind, inputs, routing, placement)
+        return train_dynamic(mesh_kind, inputs, routing, placement, directory)
     emb = jte.Embedding(make_spec(strategy, placement), make_mesh(mesh_kind), routing=routing)
     if placement in ("host", "cached"):  # Never stacked; their arrays stay on the host.
         kinds = {x.sharding.memory_kind for x in jax.tree.leaves(emb.abstract_state().tables)}
@@ -222,12 +223,18 @@ def dynamic_step_data(step: int):
 
 
 def train_dynamic(
-    mesh_kind: str, inputs: str = "local", routing: str = "auto", placement: str = "device"
+    mesh_kind: str,
+    inputs: str = "local",
+    routing: str = "auto",
+    placement: str = "device",
+    directory: str | None = None,
 ) -> dict:
     """`train` for a dynamic table shared by two features, so small that LRU evicts every
-    step: {"ids", "rows", "acc", "stats/<counter>", "acts/<step>/<feature>"}. Ids travel
-    as `jte.split_ids` halves (global jax.Arrays with inputs="local"). placement "host":
-    its rows and slots in the processes' host memory, its index on the devices."""
+    step: {"ids", "rows", "acc", "stats/<counter>", "acts/<step>/<feature>", "pieces/..."}.
+    Ids travel as `jte.split_ids` halves (global jax.Arrays with inputs="local"). placement
+    "host": its rows and slots in the processes' host memory, its index on the devices.
+    With a `directory`, the state is saved there by `jte.checkpoint` and restored:
+    "restored/ids", "restored/rows", "restored/acc" are the restored table's."""
     users = jte.TableConfig(
         dim=8,
         combiner="mean",
@@ -258,8 +265,25 @@ def train_dynamic(
     table = emb.export(state)["users"]
     out["ids"], out["rows"] = table.ids, table.rows
     out["acc"] = emb.export_slots(state)["users"]["accumulators"].rows
+    # Rows of the stored table and of an index array read in pieces of 3 rows (through the
+    # devices with several processes), in a shuffled order with repeats.
+    for key, array in (
+        ("table", state.tables["users"]),
+        ("index", jax.tree.leaves(state.index)[0]),
+    ):
+        at = np.random.default_rng(0).permutation(np.r_[np.arange(array.shape[0]), 0, 5, 5])
+        row_bytes = array.dtype.itemsize * int(np.prod(array.shape[1:]))
+        out[f"pieces/{key}"] = multihost.to_host(array, at, chunk_bytes=3 * row_bytes)
     for name, value in emb.dynamic_stats(state)["users"].items():
         out[f"stats/{name}"] = np.asarray(_gather(value))
+    if directory is not None:
+        from jax_tpu_embed import checkpoint
+
+        checkpoint.save(directory, emb, state)
+        restored, _ = checkpoint.restore(directory, emb)
+        table = emb.export(restored)["users"]
+        out["restored/ids"], out["restored/rows"] = table.ids, table.rows
+        out["restored/acc"] = emb.export_slots(restored)["users"]["accumulators"].rows
     return out
 
 
@@ -316,6 +340,11 @@ def _exported(emb, state) -> dict:
     return out
 
 
+def _file(case: str) -> str:
+    """The name a case's files take under --out."""
+    return case.replace(":", "_")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
@@ -354,13 +383,15 @@ def main(argv=None) -> int:
             result = read_criteo(args.out)
         elif case.startswith("checkpoint:"):
             _, strategy, mesh_kind, placement = case.split(":")
-            where = os.path.join(args.out, case.replace(":", "_"))
+            where = os.path.join(args.out, _file(case))
             result = checkpoint_roundtrip(strategy, mesh_kind, placement, where)
+        elif case.startswith("dynamic:"):
+            result = train(*case.split(":"), directory=os.path.join(args.out, _file(case)))
         else:
             result = train(*case.split(":"))
         if jax.process_index() == 0:
             # Written whole, then renamed: the test reads each case as soon as it appears.
-            path = os.path.join(args.out, case.replace(":", "_") + ".npz")
+            path = os.path.join(args.out, _file(case) + ".npz")
             with open(path + ".tmp", "wb") as f:
                 np.savez(f, **result)
             os.replace(path + ".tmp", path)

@@ -450,3 +450,48 @@ def test_serving_export_of_a_dynamic_table(trained):
     small = jax.tree.map(lambda x: x[:3], as_split(feats))
     got = jax.export.deserialize(exp.serialize()).call(server.tables, small)
     assert_close(got, {p: x[:3] for p, x in want.items()}, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "dim, dtype, strategy, optimizer",
+    [
+        (8, jnp.float32, "div", jte.Adagrad(0.1)),  # Packed 16 to a row; the slot rides.
+        (48, jnp.bfloat16, "mod", jte.Adam(0.01)),  # Rows in pairs of words; two slots.
+        (24, jnp.float32, "mod", jte.RowwiseAdagrad(0.1)),  # A rank-1 slot, packed.
+        (200, jnp.float32, "div", jte.Adam(0.01)),  # Wider than a lane row: not packed.
+    ],
+)
+def test_stored_rows_are_the_logical_rows_they_hold(dim, dtype, strategy, optimizer):
+    """`take_stored` (what export and checkpoints read a dynamic table's live rows with,
+    never a whole table) at stored positions, in any order and with repeats, equals the
+    logical rows of the whole arrays at those positions' rows, on the TPU layout's packed
+    arrays (riders, bf16 pairs, rank-1 slots) and plain ones."""
+    table = jte.TableConfig(
+        dim=dim,
+        name="t",
+        dtype=dtype,
+        dynamic=jte.DynamicTable(capacity=4 * 96, bucket_size=8),
+    )
+    spec = jte.EmbeddingSpec(
+        {"f": jte.FeatureConfig(table)}, optimizer, partition_strategy=strategy
+    )
+    rng = np.random.default_rng(0)
+    for lanes in (128, 0):
+        storage = jte.Embedding(spec, make_mesh(4), lane_width=lanes).table_plans["t"].storage
+        table_shape, slot_shapes = storage.shapes()
+        physical = rng.normal(size=table_shape).astype(dtype)
+        slots = {n: rng.normal(size=shape).astype(np.float32) for n, shape in slot_shapes.items()}
+        logical, logical_slots = storage.to_logical(physical, slots)
+        positions = rng.integers(0, storage.layout.num_shards * storage.layout.rows_per_shard, 300)
+        rows = _dynamic.slot_rows(storage, positions)
+        got = storage.take_stored(None, positions, physical.__getitem__)
+        got, riders = storage.split_row(got)
+        np.testing.assert_array_equal(got, logical[rows])
+        for s in storage.slot_specs:
+            value = (
+                riders[s.name]
+                if s.name in riders
+                else storage.take_stored(s, positions, slots[s.name].__getitem__)
+            )
+            np.testing.assert_array_equal(value, logical_slots[s.name][rows], err_msg=s.name)
+        assert storage.packing.packed == (lanes and dim < 128)

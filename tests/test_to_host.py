@@ -1,0 +1,53 @@
+"""`jte.multihost.to_host`: an array's rows on this host, through the devices in pieces."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_tpu_embed as jte
+from conftest import make_mesh
+from jax_tpu_embed import _multihost
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+@pytest.mark.parametrize(
+    "shape, dtype", [((1000, 5), np.float32), ((1000,), np.uint32), ((1000, 3), np.int32)]
+)
+def test_rows_in_pieces_equal_numpy(kind, shape, dtype):
+    """Rows taken on the devices in pieces of a few rows (as with several processes) equal
+    NumPy's, in the order asked, duplicates included; so does the whole array."""
+    rng = np.random.default_rng(0)
+    host = (rng.normal(size=shape) * 1000).astype(dtype)
+    x = jax.device_put(host, NamedSharding(make_mesh(8, kind), P("shard")))
+    rows = rng.integers(0, shape[0], 333)  # Duplicates; 333 is not a multiple of a piece.
+    row_bytes = host.itemsize * int(np.prod(shape[1:]))
+    np.testing.assert_array_equal(jte.multihost.to_host(x, rows), host[rows])
+    for per in (7, 100, 5000):
+        got = jte.multihost.to_host(x, rows, chunk_bytes=per * row_bytes)
+        np.testing.assert_array_equal(got, host[rows])
+    np.testing.assert_array_equal(jte.multihost.to_host(x, np.arange(1000), chunk_bytes=64), host)
+    np.testing.assert_array_equal(jte.multihost.to_host(x), host)
+    assert jte.multihost.to_host(x, np.zeros((0,), np.int64)).shape == (0,) + shape[1:]
+
+
+def test_a_piece_costs_its_rows_on_a_device_not_the_table():
+    """What one piece compiles to on 8 devices: a (4096, 64) float32 output and as much
+    temporary memory per device, whatever the table's rows, and no all-gather of it."""
+    mesh = make_mesh(8, "auto")
+    take = _multihost._take_replicated(NamedSharding(mesh, P()))
+    sizes = []
+    for vocab in (1 << 16, 1 << 22):
+        table = jax.ShapeDtypeStruct(
+            (vocab, 64), jnp.float32, sharding=NamedSharding(mesh, P("shard"))
+        )
+        compiled = take.lower(table, jax.ShapeDtypeStruct((4096,), jnp.int32)).compile()
+        memory, text = compiled.memory_analysis(), compiled.as_text()
+        assert memory is not None and text is not None and "all-gather" not in text
+        sizes.append((memory.temp_size_in_bytes, memory.output_size_in_bytes))
+    assert sizes[0] == sizes[1]
+    assert max(sizes[0]) <= 4096 * 64 * 4, sizes
