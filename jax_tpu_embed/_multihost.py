@@ -22,7 +22,9 @@ from typing import Any
 
 import jax
 import jax.core
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -161,47 +163,53 @@ CHUNK_BYTES = 64 << 20
 def to_host(x, rows=None, *, chunk_bytes: int = CHUNK_BYTES) -> np.ndarray:
     """`x[rows]` (all of `x` when rows is None) as a NumPy array on this process.
 
-    Rows of an array in device memory go through the devices in pieces of at most
-    `chunk_bytes` per device: each device gathers the piece's rows it holds and one
-    all-reduce joins them. Neither the array nor all the rows taken are ever copied whole
-    onto a device (as `process_allgather` of the array would do on every one), and only the
-    rows asked for leave the devices. With several processes it is a collective: every
-    process calls it with the same `rows`. An array this process holds whole is read shard
-    by shard (`jax.device_get`) when all of it is asked for. `rows`: int (m,), indices along
+    The rows go through the devices in pieces of at most `chunk_bytes` per device: each
+    device reads the piece's rows of its own block (from host memory for a table placed
+    there) and one all-reduce of their bits joins them, exactly (-0.0 and NaNs kept).
+    Neither the array nor all the rows taken are ever copied whole onto a device, as
+    `process_allgather` of the array would do on every one, and only the rows asked for
+    leave their memory. With several processes it is a collective: every process calls it
+    with the same `rows`. An array this process holds whole is read shard by shard
+    (`jax.device_get`) when all of it is asked for. `rows`: int (m,), indices along
     dimension 0.
     """
     if not isinstance(x, jax.Array):
         return np.asarray(x) if rows is None else np.asarray(x)[np.asarray(rows)]
-    if x.is_fully_addressable and (rows is None or not _in_pieces(x)):
+    axis = _row_axis(x)
+    if x.is_fully_addressable and (rows is None or axis is None):
         whole = np.asarray(jax.device_get(x))
         return whole if rows is None else whole[np.asarray(rows)]
     if x.is_fully_replicated:
         whole = np.asarray(x.addressable_data(0))
         return whole if rows is None else whole[np.asarray(rows)]
-    if not _in_pieces(x):  # Host memory with several processes: still through the devices.
+    if axis is None:  # Not row blocks over one mesh axis: the whole array, everywhere.
         whole = np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return whole if rows is None else whole[np.asarray(rows)]
     rows = np.arange(x.shape[0]) if rows is None else np.asarray(rows)
-    return _rows_in_pieces(x, rows, chunk_bytes)
+    return _rows_in_pieces(x, axis, rows, chunk_bytes)
 
 
-def _in_pieces(x: jax.Array) -> bool:
-    """Whether `to_host` can take rows of `x` on its devices: a NamedSharding in device
-    memory (a jitted gather cannot read host memory)."""
-    return (
-        x.ndim > 0
-        and isinstance(x.sharding, NamedSharding)
-        and x.sharding.memory_kind in (None, "device")
-    )
+def _row_axis(x: jax.Array) -> str | None:
+    """The mesh axis whose devices each hold one block of `x`'s rows (dimension 0 split
+    evenly over one axis, the others whole), or None when `x` is not sharded so."""
+    sharding = x.sharding
+    if x.ndim == 0 or not isinstance(sharding, NamedSharding):
+        return None
+    spec = tuple(sharding.spec) + (None,) * x.ndim
+    first = spec[0][0] if isinstance(spec[0], tuple) and len(spec[0]) == 1 else spec[0]
+    if not isinstance(first, str) or any(s is not None for s in spec[1 : x.ndim]):
+        return None
+    return first if x.shape[0] % sharding.mesh.shape[first] == 0 else None
 
 
-def _rows_in_pieces(x: jax.Array, rows: np.ndarray, chunk_bytes: int) -> np.ndarray:
+def _rows_in_pieces(x: jax.Array, axis: str, rows: np.ndarray, chunk_bytes: int) -> np.ndarray:
     row_bytes = x.dtype.itemsize * int(np.prod(x.shape[1:], dtype=np.int64))
     per = max(1, min(len(rows), chunk_bytes // max(row_bytes, 1)))
     out = np.empty((len(rows),) + x.shape[1:], x.dtype)
     sharding = x.sharding
-    assert isinstance(sharding, NamedSharding)  # _in_pieces
-    take = _take_replicated(NamedSharding(sharding.mesh, P()))
+    assert isinstance(sharding, NamedSharding)  # _row_axis
+    on_host = sharding.memory_kind not in (None, "device")
+    take = _take_rows(sharding.mesh, axis, on_host)
     for start in range(0, len(rows), per):
         piece = rows[start : start + per]
         n = len(piece)
@@ -212,5 +220,24 @@ def _rows_in_pieces(x: jax.Array, rows: np.ndarray, chunk_bytes: int) -> np.ndar
 
 
 @functools.cache
-def _take_replicated(replicated: NamedSharding):
-    return jax.jit(lambda x, rows: x.at[rows].get(out_sharding=replicated))
+def _take_rows(mesh, axis: str, on_host: bool):
+    """jit(block of rows per device, replicated row indices) -> the rows, replicated: each
+    device reads those in its block (zeros elsewhere) and an all-reduce sums their bits
+    as unsigned integers, which is exact where one device holds each row."""
+    from . import _placement
+
+    def local(block, rows):
+        at = rows - lax.axis_index(axis) * block.shape[0]
+        mine = (at >= 0) & (at < block.shape[0])
+        got = _placement.gather(on_host, [block], [jnp.where(mine, at, 0)])[0]
+        got = jnp.where(mine.reshape(mine.shape + (1,) * (got.ndim - 1)), got, jnp.zeros_like(got))
+        bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[got.dtype.itemsize]
+        words = lax.bitcast_convert_type(got, bits)
+        wide = words.astype(jnp.uint32) if got.dtype.itemsize < 4 else words
+        total = lax.psum(wide, axis).astype(bits)
+        return lax.bitcast_convert_type(total, got.dtype)
+
+    row = P(axis)
+    return jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(row, P()), out_specs=P(), check_vma=False)
+    )
