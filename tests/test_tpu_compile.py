@@ -671,3 +671,36 @@ def test_host_tables_train_step_compiles_beyond_hbm(topology, cache):
     assert max(init[n] for n, p in emb.table_plans.items() if p.storage.on_host) < (
         smallest_host_shard / 10
     )
+
+
+def test_rows_read_out_in_pieces_cost_the_piece_not_the_table():
+    """`multihost.to_host`'s piece (export and checkpoints read rows with it) compiled for
+    v5p:2x2x1: temporaries and output of the piece's size, the same for tables of 2^20 and
+    2^24 rows, in device or host memory, for the widths the engine stores on TPU (128 lanes:
+    narrow rows packed) and for the index's rank-1 arrays. (A width that is not a multiple
+    of 128 and is at least 128, stored unpacked, makes the compiler copy the shard to
+    row-major first: not covered here.)"""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_tpu_embed import _multihost
+
+    topo = _aot.topology("v5p:2x2x1")
+    mesh = _aot.mesh(topo)
+    rows = jax.ShapeDtypeStruct((4096,), np.int32)
+    for kind, shape, dtype in [
+        ("device", (128,), np.float32),
+        ("pinned_host", (128,), np.float32),
+        ("device", (), np.uint32),
+    ]:
+        costs = []
+        for vocab in (1 << 20, 1 << 24):
+            sharding = NamedSharding(mesh, P("shard"), memory_kind=kind)
+            table = jax.ShapeDtypeStruct((vocab,) + shape, dtype, sharding=sharding)
+            take = _multihost._take_rows(mesh, "shard", kind != "device")
+            memory = take.lower(table, rows).compile().memory_analysis()
+            assert memory is not None
+            costs.append((memory.temp_size_in_bytes, memory.output_size_in_bytes))
+        piece = 4096 * int(np.prod(shape)) * np.dtype(dtype).itemsize
+        assert costs[0] == costs[1], (kind, shape, costs)
+        assert costs[0][1] == piece and costs[0][0] <= 2 * piece, (kind, shape, costs)
