@@ -917,7 +917,7 @@ def _on_top(entries: dict, below: dict, where: str, name: str) -> dict:
 def _dynamic_state(emb, name: str, entries: dict, where: str) -> tuple:
     """(physical table, {slot: physical array}, DynamicState) of a dynamic table from its
     logical form: the index rebuilt for emb's mesh and capacity (scores, filter, counters
-    and key as saved), the rows written to the slots the ids get."""
+    and key as saved), the rows written to the slots the ids get, in NumPy on each host."""
     plan = emb.dynamic[name]
     table_plan = emb.table_plans[name]
     storage = table_plan.storage
@@ -940,15 +940,15 @@ def _dynamic_state(emb, name: str, entries: dict, where: str) -> tuple:
         value = entries["slots"][s.name]
         full[s.name] = np.full((plan.rows,) + value.shape[1:], float(s.initializer), np.float32)
         full[s.name][rows] = value
-    put = lambda x: (
-        x
-        if _in_numpy(storage)
-        else jax.make_array_from_callback(x.shape, _row_sharding(emb, True, x.ndim), lambda i: x[i])
-    )
-    riders = {s.name: put(full[s.name]) for s in storage.riders}
-    table = storage.join_row(put(logical.astype(table_plan.config.dtype)), riders)
-    physical = _to_physical(emb, storage, None, table)
-    slots = {s.name: _to_physical(emb, storage, s, put(full[s.name])) for s in storage.stored}
+    # The physical arrays in NumPy, placed straight where they live (each process makes only
+    # its own shards): never a logical copy on the devices, nor a host table in HBM.
+    table, slots = storage.to_physical(logical.astype(table_plan.config.dtype), full)
+
+    def place(x: np.ndarray) -> jax.Array:
+        sharding = _row_sharding(emb, False, x.ndim, storage.memory_kind)
+        return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
+
+    physical, slots = place(table), {n: place(x) for n, x in slots.items()}
     state = _dynamic.DynamicState(built, entries["key"])
     abstract = dataclasses.replace(emb.abstract_state().index[name], cache=None)
     index = jax.tree.map(_placed, state, abstract)  # Caches: `Embedding.with_empty_caches`.
