@@ -170,13 +170,15 @@ def to_host(x, rows=None, *, chunk_bytes: int = CHUNK_BYTES) -> np.ndarray:
     `process_allgather` of the array would do on every one, and only the rows asked for
     leave their memory. With several processes it is a collective: every process calls it
     with the same `rows`. An array this process holds whole is read shard by shard
-    (`jax.device_get`) when all of it is asked for. `rows`: int (m,), indices along
-    dimension 0.
+    (`jax.device_get`) when all of it is asked for or it is no bigger than `chunk_bytes`.
+    `rows`: int (m,), indices along dimension 0.
     """
     if not isinstance(x, jax.Array):
         return np.asarray(x) if rows is None else np.asarray(x)[np.asarray(rows)]
     axis = _row_axis(x)
-    if x.is_fully_addressable and (rows is None or axis is None):
+    # Held here and all of it wanted, or no bigger than a piece: read whole (no compile).
+    small = x.nbytes <= chunk_bytes
+    if x.is_fully_addressable and (rows is None or axis is None or small):
         whole = np.asarray(jax.device_get(x))
         return whole if rows is None else whole[np.asarray(rows)]
     if x.is_fully_replicated:
@@ -204,7 +206,9 @@ def _row_axis(x: jax.Array) -> str | None:
 
 def _rows_in_pieces(x: jax.Array, axis: str, rows: np.ndarray, chunk_bytes: int) -> np.ndarray:
     row_bytes = x.dtype.itemsize * int(np.prod(x.shape[1:], dtype=np.int64))
-    per = max(1, min(len(rows), chunk_bytes // max(row_bytes, 1)))
+    # Pieces of a power of two rows (up to the chunk): a few compiled programs serve every
+    # count of rows, where one per count made each export of a dynamic table compile anew.
+    per = max(1, min(chunk_bytes // max(row_bytes, 1), 1 << max(len(rows) - 1, 0).bit_length()))
     out = np.empty((len(rows),) + x.shape[1:], x.dtype)
     sharding = x.sharding
     assert isinstance(sharding, NamedSharding)  # _row_axis
@@ -213,7 +217,7 @@ def _rows_in_pieces(x: jax.Array, axis: str, rows: np.ndarray, chunk_bytes: int)
     for start in range(0, len(rows), per):
         piece = rows[start : start + per]
         n = len(piece)
-        # Every piece the same length (the last padded with row 0): one compiled program.
+        # Every piece the same length (the last padded with row 0).
         piece = np.pad(piece, (0, per - n)).astype(np.int32 if x.shape[0] < 2**31 else np.int64)
         out[start : start + n] = np.asarray(take(x, piece).addressable_data(0))[:n]
     return out
