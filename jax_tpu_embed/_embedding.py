@@ -611,7 +611,7 @@ class Embedding:
             storage = plan.storage
             if name in self.dynamic:
                 ids, where = self._live(state, name)
-                rows = storage.take_stored(None, where, _reader(tables[name]))
+                rows = storage.take_stored(None, where, tables[name])
                 out[name] = _dynamic.DynamicRows(ids, storage.split_row(rows)[0])
             else:
                 out[name] = storage.to_logical(_multihost.to_host(tables[name]))[0]
@@ -660,14 +660,14 @@ class Embedding:
                 ids, where = self._live(state, name)
                 riders = {}
                 if storage.riders:
-                    rows = storage.take_stored(None, where, _reader(tables[name]))
+                    rows = storage.take_stored(None, where, tables[name])
                     riders = storage.split_row(rows)[1]
                 out[name] = {
                     s.name: _dynamic.DynamicRows(
                         ids,
                         riders[s.name]
                         if s.name in riders
-                        else storage.take_stored(s, where, _reader(slots[name][s.name])),
+                        else storage.take_stored(s, where, slots[name][s.name]),
                     )
                     for s in storage.slot_specs
                 }
@@ -1314,8 +1314,3 @@ def _distinct(rows):
     rows = lax.sort(rows)
     repeat = jnp.concatenate([jnp.zeros((1,), bool), rows[1:] == rows[:-1]])
     return jnp.where(repeat, NOT_MINE, rows)
-
-
-def _reader(array):
-    """`fetch` for `TableStorage.take_stored`: rows of `array` read onto this host."""
-    return lambda rows: _multihost.to_host(array, rows)

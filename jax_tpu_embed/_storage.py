@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _layout, _optimizers, _placement
+from . import _layout, _multihost, _optimizers, _placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,16 +222,17 @@ class TableStorage:
     def _array_to_physical(self, packing: _layout.Packing, logical):
         return packing.pack(self.layout.to_physical(logical), self.layout.num_shards)
 
-    def take_stored(self, slot: _optimizers.SlotSpec | None, positions, fetch):
+    def take_stored(self, slot: _optimizers.SlotSpec | None, positions, array) -> np.ndarray:
         """One stored array's logical rows (the table's with its riders for slot None) at
         stored positions, NumPy: positions shard * S + local (a dynamic index's global
-        rows), in any order. `fetch(physical_rows)` reads whole physical rows of the array;
-        only those holding the positions are read, never the whole array."""
+        rows), in any order. Only the physical rows of `array` (a jax.Array or NumPy)
+        holding them are read (`multihost.to_host`: a collective with several processes),
+        never the whole array."""
         packing = self.packing if slot is None else self.slot_packing(slot)
         s = self.layout.rows_per_shard
         shard, local = np.divmod(np.asarray(positions, np.int64), s)
         k, w = packing.per_row, packing.padded_width
-        got = np.asarray(fetch(shard * packing.shard_rows(s) + local // k))
+        got = _multihost.to_host(array, shard * packing.shard_rows(s) + local // k)
         if not packing.packed:
             return got
         lanes = (local % k)[:, None] * w + np.arange(packing.width)

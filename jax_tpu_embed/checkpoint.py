@@ -774,13 +774,14 @@ def _dynamic_logical(emb, state, name: str, physical, physical_slots, since=None
     changed = np.ones(len(entries["ids"]), bool) if since is None else entries["last"] >= since
     where = entries["rows"][changed]  # The index's global rows: the stored positions.
 
-    def take(slot, array):
-        return storage.take_stored(slot, where, lambda rows: _multihost.to_host(array, rows))
-
-    rows, riders = storage.split_row(take(None, physical))
+    rows, riders = storage.split_row(storage.take_stored(None, where, physical))
     slots = {}
     for s in storage.slot_specs:
-        value = riders[s.name] if s.name in riders else take(s, physical_slots[s.name])
+        value = (
+            riders[s.name]
+            if s.name in riders
+            else storage.take_stored(s, where, physical_slots[s.name])
+        )
         slots[s.name] = _padded(value.astype(np.float32), 0.0)
     rows = rows.astype(np.float32)
     return {

@@ -484,14 +484,14 @@ def test_stored_rows_are_the_logical_rows_they_hold(dim, dtype, strategy, optimi
         logical, logical_slots = storage.to_logical(physical, slots)
         positions = rng.integers(0, storage.layout.num_shards * storage.layout.rows_per_shard, 300)
         rows = _dynamic.slot_rows(storage, positions)
-        got = storage.take_stored(None, positions, physical.__getitem__)
+        got = storage.take_stored(None, positions, physical)
         got, riders = storage.split_row(got)
         np.testing.assert_array_equal(got, logical[rows])
         for s in storage.slot_specs:
             value = (
                 riders[s.name]
                 if s.name in riders
-                else storage.take_stored(s, positions, slots[s.name].__getitem__)
+                else storage.take_stored(s, positions, slots[s.name])
             )
             np.testing.assert_array_equal(value, logical_slots[s.name][rows], err_msg=s.name)
         assert storage.packing.packed == (lanes and dim < 128)
