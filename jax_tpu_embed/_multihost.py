@@ -173,22 +173,26 @@ def to_host(x, rows=None, *, chunk_bytes: int = CHUNK_BYTES) -> np.ndarray:
     (`jax.device_get`) when all of it is asked for or it is no bigger than `chunk_bytes`.
     `rows`: int (m,), indices along dimension 0.
     """
-    if not isinstance(x, jax.Array):
-        return np.asarray(x) if rows is None else np.asarray(x)[np.asarray(rows)]
-    axis = _row_axis(x)
-    # Held here and all of it wanted, or no bigger than a piece: read whole (no compile).
-    small = x.nbytes <= chunk_bytes
-    if x.is_fully_addressable and (rows is None or axis is None or small):
-        whole = np.asarray(jax.device_get(x))
-        return whole if rows is None else whole[np.asarray(rows)]
+    if isinstance(x, jax.Array):
+        axis = _row_axis(x)
+        # Held here and all of it wanted, or no bigger than a piece: read whole (no compile).
+        held = x.is_fully_addressable and (rows is None or x.nbytes <= chunk_bytes)
+        if axis is not None and not held and not x.is_fully_replicated:
+            at = np.arange(x.shape[0]) if rows is None else np.asarray(rows)
+            return _rows_in_pieces(x, axis, at, chunk_bytes)
+        whole = _whole(x)
+    else:
+        whole = np.asarray(x)
+    return whole if rows is None else whole[np.asarray(rows)]
+
+
+def _whole(x: jax.Array) -> np.ndarray:
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
     if x.is_fully_replicated:
-        whole = np.asarray(x.addressable_data(0))
-        return whole if rows is None else whole[np.asarray(rows)]
-    if axis is None:  # Not row blocks over one mesh axis: the whole array, everywhere.
-        whole = np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return whole if rows is None else whole[np.asarray(rows)]
-    rows = np.arange(x.shape[0]) if rows is None else np.asarray(rows)
-    return _rows_in_pieces(x, axis, rows, chunk_bytes)
+        return np.asarray(x.addressable_data(0))
+    # Not row blocks over one mesh axis: the whole array, on every device.
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _row_axis(x: jax.Array) -> str | None:
