@@ -37,11 +37,12 @@ devices. The conversion holds a transient second copy of the tables in device me
 saving (none for "div" tables whose V is a multiple of N: their layout already is the
 logical one), and while restoring the read copies are freed one table at a time as they are
 converted. Tables in host memory (`placement="host"`, `HostCached`) may be larger than HBM,
-so they stay off the devices where they can. When each shard holds one block of the logical
-rows ("div" with V a multiple of N), every host converts its own shards in NumPy and orbax
-writes and reads the logical blocks in host memory, with any number of processes
-(`_by_shard`). Other host tables are converted whole in NumPy with one process
-(`_in_numpy`); with several, on the devices.
+so they never pass through the devices whole (`_conversion`): when each shard holds one
+block of the logical rows ("div" with V a multiple of N), every host converts its own shards
+in NumPy and orbax writes and reads the logical blocks in host memory, with any number of
+processes. Other host tables are converted whole in NumPy with one process; with several,
+their rows cross between the processes through the devices in pieces, each host keeping
+the blocks it writes or the shards it holds.
 """
 
 from __future__ import annotations
@@ -147,12 +148,10 @@ def save(
             continue
         storage = plan.storage
         own = physical_slots.pop(name)
-        if _by_shard(emb, name):
-            table, riders = _blocks_to_logical(emb, storage, None, physical.pop(name))
-            convert = functools.partial(_blocks_to_logical, emb, storage)
-        else:
-            table, riders = _to_logical(emb, storage, None, physical.pop(name))
-            convert = functools.partial(_to_logical, emb, storage)
+        how = _conversion(emb, name)
+        to_logical = {"shards": _blocks_to_logical, "pieces": _pieces_to_logical}.get(how)
+        convert = functools.partial(to_logical or _to_logical, emb, storage)
+        table, riders = convert(None, physical.pop(name))
         embedding["tables"][name] = table
         embedding["slots"][name] = {
             s.name: riders[s.name] if s.name in riders else convert(s, own[s.name])
@@ -380,8 +379,10 @@ def restore(
         own = stored["slots"].pop(name)
         riders = {s.name: own.pop(s.name) for s in storage.riders}
         table = stored["tables"].pop(name)
-        if _by_shard(emb, name):
-            convert = functools.partial(_blocks_to_physical, emb, storage)
+        how = _conversion(emb, name)
+        if how in ("shards", "pieces"):
+            to_physical = _blocks_to_physical if how == "shards" else _pieces_to_physical
+            convert = functools.partial(to_physical, emb, storage)
             tables[name] = convert(None, table, riders)
         else:
             convert = functools.partial(_to_physical, emb, storage)
@@ -529,7 +530,9 @@ def _row_sharding(emb, auto: bool, ndim: int, memory_kind: str | None = None) ->
     return NamedSharding(mesh, P(emb.axis, *([None] * (ndim - 1))), memory_kind=memory_kind)
 
 
-def _exact_sharding(mesh: jax.sharding.Mesh, shape: tuple) -> NamedSharding:
+def _exact_sharding(
+    mesh: jax.sharding.Mesh, shape: tuple, memory_kind: str | None = None
+) -> NamedSharding:
     """A sharding of a logical (V, D) or (V,) array over `mesh`'s devices that splits it
     evenly: rows over g devices (g divides V) and columns over h (h divides D), g·h dividing
     N and as large as possible (row splits first); the other devices hold replicas.
@@ -550,7 +553,8 @@ def _exact_sharding(mesh: jax.sharding.Mesh, shape: tuple) -> NamedSharding:
             best = (g, h)
     g, h = best
     exact = jax.sharding.Mesh(devices.reshape(g, h, n // (g * h)), ("rows", "cols", "replicas"))
-    return NamedSharding(exact, P("rows", "cols") if len(shape) == 2 else P("rows"))
+    spec = P("rows", "cols") if len(shape) == 2 else P("rows")
+    return NamedSharding(exact, spec, memory_kind=memory_kind)
 
 
 @functools.cache
@@ -582,22 +586,27 @@ def _physical_fn(
     return jax.jit(fn, out_shardings=sharding)
 
 
-def _by_shard(emb, name: str) -> bool:
-    """Whether a static table's arrays are converted shard by shard, in NumPy, on the hosts
-    that hold them: a table in host memory (which may be larger than HBM: it must not pass
-    through a device) whose every shard holds one block of the logical rows ("div", V a
-    multiple of N), so that each device's block of the saved (V, ...) array is its own
-    shard's. Orbax writes and reads these blocks in host memory; with several processes,
-    each converts only its own shards."""
-    if name in emb.dynamic:
-        return False
+def _conversion(emb, name: str) -> str:
+    """How `save` and `restore` convert a static table between its stored arrays and its
+    logical rows:
+    - "shards": a table in host memory (which may be larger than HBM: it must not pass
+      through a device) whose every shard holds one block of the logical rows ("div", V a
+      multiple of N), so that each device's block of the saved (V, ...) array is its own
+      shard's. Each host converts its own shards in NumPy, and orbax writes and reads the
+      blocks in host memory, with any number of processes.
+    - "numpy": another table in host memory, with one process: converted whole in NumPy.
+    - "pieces": another table in host memory, with several processes: its rows must cross
+      between the processes, which only the devices can do, so they pass through them in
+      pieces of at most `multihost.CHUNK_BYTES` per device; each host keeps its blocks.
+    - "devices": a table in device memory: converted on the devices, whole.
+    """
     storage = emb.table_plans[name].storage
     layout = storage.layout
-    return (
-        storage.on_host
-        and layout.strategy == "div"
-        and layout.padded_rows == layout.vocabulary_size
-    )
+    if not storage.on_host:
+        return "devices"
+    if layout.strategy == "div" and layout.padded_rows == layout.vocabulary_size:
+        return "shards"
+    return "numpy" if jax.process_count() == 1 else "pieces"
 
 
 def _host_blocks(shape: tuple, sharding: NamedSharding, blocks: dict) -> jax.Array:
@@ -608,7 +617,7 @@ def _host_blocks(shape: tuple, sharding: NamedSharding, blocks: dict) -> jax.Arr
 
 
 def _blocks_to_logical(emb, storage: _storage.TableStorage, slot, array: jax.Array):
-    """`_to_logical` of a `_by_shard` table: each local shard of the stored host array
+    """`_to_logical` of a "shards" table (`_conversion`): each local shard of the stored host array
     unpacked to its block of logical rows in NumPy (riders split off); the logical arrays in
     host memory, row-sharded. A table that is stored as its logical rows is returned as it
     is."""
@@ -633,11 +642,9 @@ def _blocks_to_logical(emb, storage: _storage.TableStorage, slot, array: jax.Arr
 
 
 def _blocks_to_physical(emb, storage: _storage.TableStorage, slot, logical, riders=None):
-    """`_to_physical` of a `_by_shard` table from the logical host arrays restore read
+    """`_to_physical` of a "shards" table (`_conversion`) from the logical host arrays restore read
     (a slot's, or for slot None the table's with its `riders` {name: array}): each local
     block joined and packed in NumPy into its shard of the stored array in host memory."""
-    packing = storage.packing if slot is None else storage.slot_packing(slot)
-    physical_shape = storage.shapes()[0] if slot is None else storage.shapes()[1][slot.name]
     rider_blocks = {
         name: {sh.device: sh.data for sh in x.addressable_shards}
         for name, x in (riders or {}).items()
@@ -649,24 +656,125 @@ def _blocks_to_physical(emb, storage: _storage.TableStorage, slot, logical, ride
             block = storage.join_row(
                 block, {n: np.asarray(b[shard.device]) for n, b in rider_blocks.items()}
             )
-        blocks[shard.device] = packing.pack(block, 1)
+        blocks[shard.device] = block
+    return _packed_shards(emb, storage, slot, blocks)
+
+
+def _packed_shards(emb, storage: _storage.TableStorage, slot, blocks: dict) -> jax.Array:
+    """{device: the logical rows of its shard (S, ...), riders joined} -> the stored array
+    (the table's for slot None), each device's shard packed in NumPy, in host memory."""
+    packing = storage.packing if slot is None else storage.slot_packing(slot)
+    physical_shape = storage.shapes()[0] if slot is None else storage.shapes()[1][slot.name]
     sharding = _row_sharding(emb, False, len(physical_shape), _placement.HOST)
-    return _host_blocks(physical_shape, sharding, blocks)
+    packed = {device: packing.pack(block, 1) for device, block in blocks.items()}
+    return _host_blocks(physical_shape, sharding, packed)
 
 
-def _in_numpy(storage: _storage.TableStorage) -> bool:
-    """Whether a table's arrays are converted on this host, in NumPy, instead of on the
-    devices: a table in host memory (which may be larger than HBM: it must not pass through
-    a device), when this one process holds every shard of it. (`save` and `restore` take
-    the static tables that `_by_shard` serves shard by shard instead.)"""
-    return storage.on_host and jax.process_count() == 1
+def _pieces_to_logical(
+    emb, storage: _storage.TableStorage, slot, array: jax.Array, chunk_bytes: int | None = None
+):
+    """`_to_logical` of a "pieces" table (`_conversion`): its logical rows pass through the
+    devices in pieces (`TableStorage.take_stored`, a collective: every process reads every
+    piece), and each process keeps the rows and columns of its devices' blocks of the saved
+    arrays, which it builds in host memory with `_exact_sharding`. No device holds more
+    than one piece of the table; a host holds its blocks and one piece."""
+    layout = storage.layout
+    v = layout.vocabulary_size
+    chunk = _multihost.CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    row_bytes = array.dtype.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
+    per = max(1, chunk // max(row_bytes, 1))
+    mesh = _auto_twin(emb)
+    saved: dict = {}  # part -> (shape, sharding, {block index: NumPy block})
+    for start in range(0, v, per):
+        rows = np.arange(start, min(start + per, v), dtype=np.int64)
+        owner, local = layout.owner_and_local(rows)
+        got = storage.take_stored(slot, owner * layout.rows_per_shard + local, array)
+        table, riders = (got, {}) if slot is not None else storage.split_row(got)
+        for part, value in {None: table, **riders}.items():
+            if part not in saved:
+                shape = (v,) + value.shape[1:]
+                sharding = _exact_sharding(mesh, shape, _placement.HOST)
+                indices = sharding.addressable_devices_indices_map(shape)
+                boxes = {_box(i, shape) for i in indices.values()}
+                blocks = {box: np.empty([b - a for a, b in box], value.dtype) for box in boxes}
+                saved[part] = (shape, sharding, blocks)
+            for box, block in saved[part][2].items():
+                (r0, r1), *cols = box
+                a, b = max(r0, start), min(r1, start + len(rows))
+                if a < b:
+                    block[a - r0 : b - r0] = value[a - start : b - start][
+                        (slice(None),) + tuple(slice(c0, c1) for c0, c1 in cols)
+                    ]
+
+    def placed(part):
+        shape, sharding, blocks = saved[part]
+        indices = sharding.addressable_devices_indices_map(shape)
+        return _host_blocks(
+            shape, sharding, {d: blocks[_box(i, shape)] for d, i in indices.items()}
+        )
+
+    if slot is not None:
+        return placed(None)
+    return placed(None), {r: placed(r) for r in saved if r is not None}
+
+
+def _box(index, shape: tuple) -> tuple:
+    """A device's index into an array of `shape` (a tuple of slices) -> ((start, stop), ...)."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _pieces_to_physical(
+    emb,
+    storage: _storage.TableStorage,
+    slot,
+    logical: jax.Array,
+    riders: dict | None = None,
+    chunk_bytes: int | None = None,
+) -> jax.Array:
+    """`_to_physical` of a "pieces" table (`_conversion`) from the logical host arrays restore read
+    (row blocks of the padded rows; for slot None the table's with its `riders`): the
+    stored positions pass in pieces, each process reading their logical rows through the
+    devices (`multihost.to_host`, a collective) and keeping those of its own shards, which
+    it packs in NumPy into its shards of the stored array in host memory."""
+    layout = storage.layout
+    s = layout.rows_per_shard
+    first, stride = layout.id_steps()
+    sizes = layout.shard_sizes()
+    parts = [logical] + [(riders or {})[r.name] for r in storage.riders if slot is None]
+    chunk = _multihost.CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    row_bytes = sum(x.dtype.itemsize * int(np.prod(x.shape[1:], dtype=np.int64)) for x in parts)
+    per = max(1, chunk // max(row_bytes, 1))
+    # This process's shards: the rows of the stored array its devices hold, S per shard.
+    indices = _row_sharding(emb, True, 1).addressable_devices_indices_map((layout.padded_rows,))
+    shards = {
+        device: (index[0].start or 0) // s  # pyright: ignore[reportOptionalSubscript]
+        for device, index in indices.items()
+    }
+    blocks: dict = {}
+    for start in range(0, layout.padded_rows, per):
+        positions = np.arange(start, min(start + per, layout.padded_rows), dtype=np.int64)
+        shard, local = np.divmod(positions, s)
+        real = local < sizes[shard]
+        rows = np.where(real, first[shard] + stride * local, 0)
+        got = [_multihost.to_host(x, rows, chunk_bytes=chunk) for x in parts]
+        if slot is None and storage.riders:
+            got = [storage.join_row(got[0], dict(zip([r.name for r in storage.riders], got[1:])))]
+        value = np.where(real.reshape((-1,) + (1,) * (got[0].ndim - 1)), got[0], 0)
+        if not blocks:
+            blocks = {k: np.empty((s,) + value.shape[1:], value.dtype) for k in shards.values()}
+        for k, block in blocks.items():
+            a, b = max(k * s, start), min((k + 1) * s, start + len(positions))
+            if a < b:
+                block[a - k * s : b - k * s] = value[a - start : b - start]
+    return _packed_shards(emb, storage, slot, {d: blocks[k] for d, k in shards.items()})
 
 
 def _to_logical(emb, storage: _storage.TableStorage, slot, array: jax.Array):
     """A stored array -> its logical rows, exactly (V, ...), evenly sharded over `emb`'s
-    devices (see `_exact_sharding`), or a NumPy array (`_in_numpy`); for the table's array
+    devices (see `_exact_sharding`), or a NumPy array for a "numpy" table (`_conversion`);
+    for the table's array
     (slot None) (table, {rider: rows})."""
-    if _in_numpy(storage):
+    if storage.on_host:  # "numpy"
         logical = storage.array_to_logical(slot, np.asarray(array))
         return logical if slot is not None else storage.split_row(logical)
     array = jax.device_put(array, _row_sharding(emb, True, array.ndim))
@@ -676,7 +784,7 @@ def _to_logical(emb, storage: _storage.TableStorage, slot, array: jax.Array):
 
 
 def _to_physical(emb, storage: _storage.TableStorage, slot, stored) -> jax.Array:
-    """Stored logical rows (R', ...) on `emb`'s mesh, or in NumPy (`_in_numpy`) -> the
+    """Stored logical rows (R', ...) on `emb`'s mesh, or in NumPy ("numpy") -> the
     physical array, row-sharded."""
     table_shape, slot_shapes = storage.shapes()
     ndim = len(table_shape if slot is None else slot_shapes[slot.name])
@@ -1066,19 +1174,20 @@ def _describe_slots(slots: dict) -> str:
 
 def _embedding_target(emb) -> dict:
     """Abstract logical arrays (padded to `emb`'s N * S rows) on `emb`'s mesh, in host
-    memory for the tables converted by shard (`_by_shard`); NumPy ones for the tables
-    converted whole on this host (`_in_numpy`)."""
+    memory for the tables converted by "shards" or in "pieces", NumPy ones for "numpy"
+    tables (`_conversion`)."""
     tables, slots = {}, {}
     for name, plan in emb.table_plans.items():
         if name in emb.dynamic:
             continue
         rows, d = plan.layout.padded_rows, plan.config.dim
 
-        def target(shape, dtype, storage=plan.storage, name=name):
-            if _by_shard(emb, name):
+        def target(shape, dtype, name=name):
+            how = _conversion(emb, name)
+            if how in ("shards", "pieces"):
                 sharding = _row_sharding(emb, True, len(shape), _placement.HOST)
                 return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-            if _in_numpy(storage):
+            if how == "numpy":
                 return np.zeros(shape, dtype)
             return jax.ShapeDtypeStruct(shape, dtype, sharding=_row_sharding(emb, True, len(shape)))
 

@@ -309,14 +309,18 @@ def read_criteo(directory: str) -> dict:
     return out
 
 
-def checkpoint_roundtrip(strategy: str, mesh_kind: str, placement: str, directory: str) -> dict:
-    """Trains two steps on tables whose V is a multiple of 8, saves a checkpoint under
-    `directory` with `jte.checkpoint` (every process writing its shards), and restores it.
-    {"saved/...": the tables and slots saved, "table/...", "slot/...": those restored,
-    "meta/by_shard": whether each table was converted shard by shard on its hosts}."""
+def checkpoint_roundtrip(
+    strategy: str, mesh_kind: str, placement: str, directory: str, sizes: str = "even"
+) -> dict:
+    """Trains two steps on tables whose V is a multiple of 8 (sizes "even", else SIZES),
+    saves a checkpoint under `directory` with `jte.checkpoint` (every process writing its
+    shards), and restores it. {"saved/...": the tables and slots saved, "table/...",
+    "slot/...": those restored, "meta/how": how each table was converted
+    (`checkpoint._conversion`)}."""
     from jax_tpu_embed import checkpoint
 
-    emb = jte.Embedding(make_spec_placed(strategy, placement, EVEN_SIZES), make_mesh(mesh_kind))
+    spec = make_spec_placed(strategy, placement, EVEN_SIZES if sizes == "even" else SIZES)
+    emb = jte.Embedding(spec, make_mesh(mesh_kind))
     state = emb.init(jax.random.key(0))
     rows = multihost.process_batch_rows(emb, B)
     for step in range(2):
@@ -329,7 +333,7 @@ def checkpoint_roundtrip(strategy: str, mesh_kind: str, placement: str, director
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves((restored.tables, restored.slots))}
     assert kinds == {"pinned_host" if placement == "host" else "device"}, kinds
     out.update(_exported(emb, restored))
-    out["meta/by_shard"] = np.array([checkpoint._by_shard(emb, n) for n in sorted(emb.table_plans)])
+    out["meta/how"] = np.array([checkpoint._conversion(emb, n) for n in sorted(emb.table_plans)])
     return out
 
 
@@ -382,9 +386,9 @@ def main(argv=None) -> int:
         if case == "criteo":
             result = read_criteo(args.out)
         elif case.startswith("checkpoint:"):
-            _, strategy, mesh_kind, placement = case.split(":")
+            _, strategy, mesh_kind, placement, *sizes = case.split(":")
             where = os.path.join(args.out, _file(case))
-            result = checkpoint_roundtrip(strategy, mesh_kind, placement, where)
+            result = checkpoint_roundtrip(strategy, mesh_kind, placement, where, *sizes)
         elif case.startswith("dynamic:"):
             result = train(*case.split(":"), directory=os.path.join(args.out, _file(case)))
         else:

@@ -42,12 +42,14 @@ CASES = (
     "mod:explicit:local:init:owner:host",
     "div:auto:local:init:gather:cached",
 )
-# checkpoint:strategy:mesh:placement (worker.checkpoint_roundtrip): tables of V a multiple
-# of 8 saved by both processes and restored. "div" in host memory converts shard by shard
-# on each process's host; "mod" in host memory and device tables go through the devices.
+# checkpoint:strategy:mesh:placement[:sizes] (worker.checkpoint_roundtrip): tables of V a
+# multiple of 8 (or not: "uneven") saved by both processes and restored. "div" in host
+# memory with V a multiple of 8 converts shard by shard on each process's host; other host
+# tables cross between the processes in pieces; device tables convert on the devices.
 CHECKPOINT_CASES = (
     "checkpoint:div:explicit:host",
     "checkpoint:mod:auto:host",
+    "checkpoint:div:explicit:host:uneven",
     "checkpoint:div:auto:device",
 )
 JOB_CASES = CASES + ("criteo",) + CHECKPOINT_CASES
@@ -238,25 +240,31 @@ def test_checkpoints_of_two_processes(job, case, tmp_path):
     """A checkpoint saved by 2 processes x 4 devices restores there bit for bit, holds what
     one process with 8 devices trains, and restores in one process, on 8 devices and on 2
     (in device memory). Host tables of "div" with V a multiple of N are converted on each
-    process's host, shard by shard; the others on the devices."""
+    process's host, shard by shard; other host tables pass between the processes in pieces;
+    device tables are converted on the devices."""
     from jax_tpu_embed import checkpoint
 
-    _, strategy, mesh_kind, placement = case.split(":")
+    _, strategy, mesh_kind, placement, *sizes = case.split(":")
     got = job.result(case)
     saved = {k[len("saved/") :]: v for k, v in got.items() if k.startswith("saved/")}
     restored = {k: v for k, v in got.items() if k.startswith(("table/", "slot/"))}
     assert sorted(saved) == sorted(restored) and saved
     for key in saved:  # Restored on the 2 processes: bit for bit.
         np.testing.assert_array_equal(restored[key], saved[key], err_msg=key)
-    by_shard = strategy == "div" and placement == "host"
-    assert got["meta/by_shard"].tolist() == [by_shard] * 3
-    want = worker.checkpoint_roundtrip(strategy, mesh_kind, placement, str(tmp_path / "one"))
+    how = "devices" if placement == "device" else "shards" if strategy == "div" else "pieces"
+    how = "pieces" if sizes == ["uneven"] else how
+    assert got["meta/how"].tolist() == [how] * 3
+    want = worker.checkpoint_roundtrip(
+        strategy, mesh_kind, placement, str(tmp_path / "one"), *sizes
+    )
     for key in saved:  # Trained by one process: the same values.
         np.testing.assert_allclose(saved[key], want[f"saved/{key}"], rtol=1e-6, atol=1e-6)
     directory = job.out / case.replace(":", "_")
     for devices, where in ((8, placement), (2, "device")):
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("shard",))
-        spec = worker.make_spec_placed(strategy, where, worker.EVEN_SIZES)
+        spec = worker.make_spec_placed(
+            strategy, where, worker.SIZES if sizes else worker.EVEN_SIZES
+        )
         emb = jte.Embedding(spec, mesh)
         state, _ = checkpoint.restore(directory, emb)
         for name, table in emb.export(state).items():

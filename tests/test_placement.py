@@ -587,6 +587,67 @@ def test_checkpoints_convert_host_tables_in_numpy(strategy):
         np.testing.assert_array_equal(np.asarray(back), np.asarray(state.tables[name]))
 
 
+@pytest.mark.parametrize("strategy", ["div", "mod"])
+def test_host_checkpoints_convert_in_pieces(strategy):
+    """With several processes a host table whose shards are not blocks of its logical rows
+    ("mod", or V not a multiple of N) must cross between the processes, through the
+    devices, but never whole: its rows pass in pieces (here of 3 stored rows, so that
+    pieces end inside shards and blocks). One process runs the same conversion as two
+    (tests/test_multihost.py runs two): the saved arrays are its logical rows, in host
+    memory, split as the checkpoint splits them, and the restored ones the stored arrays,
+    bit for bit (lane-packed rows, riders, bfloat16)."""
+    from jax_tpu_embed import checkpoint
+
+    spec = _spec("host", strategy, ("adagrad", "rowwise_adagrad", "adam"))
+    emb = jte.Embedding(spec, make_mesh(4), backend="xla", tpu_layout=True, lane_width=128)
+    state = emb.init(jax.random.key(0))
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        batch = _batch(rng, spec)
+        grads = jax.tree.map(lambda a: jnp.cos(a) + 0.2, emb.lookup(state, batch))
+        state = emb.apply_gradients(state, batch, grads)
+    exported, slots = emb.export(state), emb.export_slots(state)
+
+    def logical(storage, slot, array, chunk):
+        out = checkpoint._pieces_to_logical(emb, storage, slot, array, chunk_bytes=chunk)
+        table = out if slot is not None else out[0]
+        assert isinstance(table, jax.Array) and table.sharding.memory_kind == _HOST
+        twin = checkpoint._auto_twin(emb)
+        assert table.sharding == checkpoint._exact_sharding(twin, table.shape, _HOST)
+        return out
+
+    def physical(storage, slot, chunk, rows, riders=None):
+        def padded(x):  # As restore reads it: the padded rows, row blocks in host memory.
+            pad = [(0, storage.layout.padded_rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+            return jax.device_put(
+                np.pad(np.asarray(x), pad), checkpoint._row_sharding(emb, True, x.ndim, _HOST)
+            )
+
+        riders = {r: padded(x) for r, x in (riders or {}).items()}
+        out = checkpoint._pieces_to_physical(
+            emb, storage, slot, padded(rows), riders, chunk_bytes=chunk
+        )
+        assert out.sharding.memory_kind == _HOST
+        return out
+
+    for name, plan in emb.table_plans.items():
+        storage = plan.storage
+        # "pieces" with several processes (but for the div table of V = 40, "shards").
+        assert checkpoint._conversion(emb, name) in ("numpy", "shards")
+        chunk = 3 * state.tables[name].nbytes // state.tables[name].shape[0]
+        table, riders = logical(storage, None, state.tables[name], chunk)
+        np.testing.assert_array_equal(np.asarray(table), exported[name])
+        for s in storage.stored:
+            rows = logical(storage, s, state.slots[name][s.name], chunk)
+            np.testing.assert_array_equal(np.asarray(rows), slots[name][s.name])
+            back = physical(storage, s, chunk, rows)
+            np.testing.assert_array_equal(np.asarray(back), np.asarray(state.slots[name][s.name]))
+        for rider, rows in riders.items():
+            np.testing.assert_array_equal(np.asarray(rows), slots[name][rider])
+        back = physical(storage, None, chunk, table, riders)
+        np.testing.assert_array_equal(np.asarray(back), np.asarray(state.tables[name]))
+
+
 def test_host_checkpoints_convert_shard_by_shard(tmp_path):
     """Host tables whose every shard holds one block of the logical rows ("div", V a
     multiple of N) are saved and restored shard by shard on the hosts that hold them (with
@@ -608,7 +669,7 @@ def test_host_checkpoints_convert_shard_by_shard(tmp_path):
         return jte.EmbeddingSpec(features, jte.Adagrad(0.1), partition_strategy="div")
 
     emb = jte.Embedding(spec("host"), make_mesh(4), backend="xla", tpu_layout=True, lane_width=128)
-    assert all(checkpoint._by_shard(emb, name) for name in emb.table_plans)
+    assert {checkpoint._conversion(emb, name) for name in emb.table_plans} == {"shards"}
     assert emb.table_plans["a"].storage.riders and emb.table_plans["a"].storage.packing.packed
     state = emb.init(jax.random.key(2))
     rng = np.random.default_rng(2)
