@@ -610,8 +610,8 @@ def _conversion(emb, name: str) -> str:
 
 
 def _host_blocks(shape: tuple, sharding: NamedSharding, blocks: dict) -> jax.Array:
-    """{device: NumPy block} -> the array `shape` with `sharding`, in host memory."""
-    on = lambda d: jax.sharding.SingleDeviceSharding(d, memory_kind=_placement.HOST)
+    """{device: NumPy block} -> the array `shape` with `sharding`, in its memory kind."""
+    on = lambda d: jax.sharding.SingleDeviceSharding(d, memory_kind=sharding.memory_kind)
     arrays = [jax.device_put(block, on(d)) for d, block in blocks.items()]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
@@ -662,10 +662,11 @@ def _blocks_to_physical(emb, storage: _storage.TableStorage, slot, logical, ride
 
 def _packed_shards(emb, storage: _storage.TableStorage, slot, blocks: dict) -> jax.Array:
     """{device: the logical rows of its shard (S, ...), riders joined} -> the stored array
-    (the table's for slot None), each device's shard packed in NumPy, in host memory."""
+    (the table's for slot None), each device's shard packed in NumPy, in the table's
+    memory."""
     packing = storage.packing if slot is None else storage.slot_packing(slot)
     physical_shape = storage.shapes()[0] if slot is None else storage.shapes()[1][slot.name]
-    sharding = _row_sharding(emb, False, len(physical_shape), _placement.HOST)
+    sharding = _row_sharding(emb, False, len(physical_shape), storage.memory_kind)
     packed = {device: packing.pack(block, 1) for device, block in blocks.items()}
     return _host_blocks(physical_shape, sharding, packed)
 
@@ -723,6 +724,13 @@ def _box(index, shape: tuple) -> tuple:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
+def _local_shards(emb, layout) -> dict:
+    """{device of this process: the shard of `layout` it holds}."""
+    held = _row_sharding(emb, True, 1).addressable_devices_indices_map((layout.padded_rows,))
+    s = layout.rows_per_shard
+    return {d: (i[0].start or 0) // s for d, i in held.items()}  # pyright: ignore[reportOptionalSubscript]
+
+
 def _pieces_to_physical(
     emb,
     storage: _storage.TableStorage,
@@ -744,12 +752,7 @@ def _pieces_to_physical(
     chunk = _multihost.CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     row_bytes = sum(x.dtype.itemsize * int(np.prod(x.shape[1:], dtype=np.int64)) for x in parts)
     per = max(1, chunk // max(row_bytes, 1))
-    # This process's shards: the rows of the stored array its devices hold, S per shard.
-    indices = _row_sharding(emb, True, 1).addressable_devices_indices_map((layout.padded_rows,))
-    shards = {
-        device: (index[0].start or 0) // s  # pyright: ignore[reportOptionalSubscript]
-        for device, index in indices.items()
-    }
+    shards = _local_shards(emb, layout)
     blocks: dict = {}
     for start in range(0, layout.padded_rows, per):
         positions = np.arange(start, min(start + per, layout.padded_rows), dtype=np.int64)
@@ -1026,7 +1029,9 @@ def _on_top(entries: dict, below: dict, where: str, name: str) -> dict:
 def _dynamic_state(emb, name: str, entries: dict, where: str) -> tuple:
     """(physical table, {slot: physical array}, DynamicState) of a dynamic table from its
     logical form: the index rebuilt for emb's mesh and capacity (scores, filter, counters
-    and key as saved), the rows written to the slots the ids get, in NumPy on each host."""
+    and key as saved), the rows written to the slots the ids get: each process builds and
+    packs only its own shards, in NumPy, placed straight where they live (never a logical
+    copy on the devices, nor a host table in HBM, nor a whole table on one host)."""
     plan = emb.dynamic[name]
     table_plan = emb.table_plans[name]
     storage = table_plan.storage
@@ -1041,27 +1046,36 @@ def _dynamic_state(emb, name: str, entries: dict, where: str) -> tuple:
         built, global_rows = _dynamic.rebuild(plan, emb.num_shards, entries)
     except ValueError as e:
         raise ValueError(f"{where}: table {name!r}: {e}") from None
-    rows = _dynamic.slot_rows(storage, global_rows)
-    logical = np.zeros((plan.rows, plan.dim), np.float32)
-    logical[rows] = entries["rows"]
-    full = {}
-    for s in storage.slot_specs:
-        value = entries["slots"][s.name]
-        full[s.name] = np.full((plan.rows,) + value.shape[1:], float(s.initializer), np.float32)
-        full[s.name][rows] = value
-    # The physical arrays in NumPy, placed straight where they live (each process makes only
-    # its own shards): never a logical copy on the devices, nor a host table in HBM.
-    table, slots = storage.to_physical(logical.astype(table_plan.config.dtype), full)
-
-    def place(x: np.ndarray) -> jax.Array:
-        sharding = _row_sharding(emb, False, x.ndim, storage.memory_kind)
-        return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
-
-    physical, slots = place(table), {n: place(x) for n, x in slots.items()}
+    layout = storage.layout
+    s_rows = layout.rows_per_shard
+    shard, local = np.divmod(np.asarray(global_rows, np.int64), s_rows)
+    mine = _local_shards(emb, layout)
+    padding = np.arange(s_rows)[None, :] >= layout.shard_sizes()[:, None]  # (N, S)
+    blocks, slot_blocks = {}, {s.name: {} for s in storage.stored}
+    for k in set(mine.values()):
+        at = shard == k
+        table = np.zeros((s_rows, plan.dim), table_plan.config.dtype)
+        table[local[at]] = entries["rows"][at].astype(table.dtype)
+        values = {}
+        for spec in storage.slot_specs:
+            value = entries["slots"][spec.name]
+            block = np.full((s_rows,) + value.shape[1:], float(spec.initializer), np.float32)
+            block[local[at]] = value[at]
+            block[padding[k]] = 0.0
+            values[spec.name] = block
+        table = storage.join_row(table, {r.name: values[r.name] for r in storage.riders})
+        blocks.update({d: table for d, j in mine.items() if j == k})
+        for slot, block in slot_blocks.items():
+            block.update({d: values[slot] for d, j in mine.items() if j == k})
+    physical = _packed_shards(emb, storage, None, blocks)
+    slots = {
+        spec.name: _packed_shards(emb, storage, spec, slot_blocks[spec.name])
+        for spec in storage.stored
+    }
     state = _dynamic.DynamicState(built, entries["key"])
     abstract = dataclasses.replace(emb.abstract_state().index[name], cache=None)
     index = jax.tree.map(_placed, state, abstract)  # Caches: `Embedding.with_empty_caches`.
-    assert len(ids) == len(rows)
+    assert len(ids) == len(global_rows)
     return physical, slots, index
 
 
