@@ -165,9 +165,14 @@ class Packing:
 
     @property
     def padded_width(self) -> int:
-        """W: the logical width rounded up to a power of two when packing, else unchanged."""
-        if not self.lanes or self.width >= self.lanes:
+        """W: with lanes, a narrower width rounded up to a power of two (k rows share a
+        physical row) and a wider one to a multiple of the lanes; without, unchanged. (The
+        TPU compiler lays a (rows, D) array with D not a multiple of 128 out dim-major and
+        copies the whole array to row-major around every row gather and scatter.)"""
+        if not self.lanes:
             return self.width
+        if self.width >= self.lanes:
+            return -(-self.width // self.lanes) * self.lanes
         return 1 << (self.width - 1).bit_length()
 
     @property

@@ -277,7 +277,7 @@ def test_update_cost_does_not_grow_with_vocabulary():
         (64, 2, 2, 64),
         (128, 2, 1, 128),
         (1, 1, 128, 1),
-        (200, 2, 1, 200),
+        (200, 2, 1, 256),  # Wider than the lanes: a multiple of them.
         (3, 2, 32, 4),
     ],
 )
@@ -293,8 +293,8 @@ def test_lane_packing_round_trip(width, rank, k, w):
     assert _layout.Packing(width, rank, lanes=0).pack(x, 4) is x
 
 
-@pytest.mark.parametrize("width,k", [(64, 2), (128, 1), (200, 1)])
-def test_row_pairs_pad_each_shard_to_an_even_number_of_physical_rows(width, k):
+@pytest.mark.parametrize("width,k,lanes", [(64, 2, 128), (128, 1, 128), (200, 1, 256)])
+def test_row_pairs_pad_each_shard_to_an_even_number_of_physical_rows(width, k, lanes):
     """A 16-bit table on TPU (row_multiple=2): shards of 73 logical rows (37 or 73 physical
     rows) hold 38 or 74, the padding row zero and dropped on the way back."""
     packing = _layout.Packing(width, 2, lanes=128, row_multiple=2)
@@ -304,12 +304,13 @@ def test_row_pairs_pad_each_shard_to_an_even_number_of_physical_rows(width, k):
     assert not packing.is_identity(73)
     x = np.arange(292 * width, dtype=np.float32).reshape(292, width) + 1.0
     phys = packing.pack(x, 4)
-    assert phys.shape == packing.physical_shape(layout) == (4 * rows, k * width)
+    assert phys.shape == packing.physical_shape(layout) == (4 * rows, lanes)
     np.testing.assert_array_equal(phys.reshape(4, rows, -1)[:, -1], 0.0)
+    np.testing.assert_array_equal(phys[:, k * width :], 0.0)  # Lanes past the rows: zero.
     np.testing.assert_array_equal(packing.unpack(phys, 4, 73), x)
     storage = _storage.TableStorage(layout, width, jnp.dtype(jnp.bfloat16), (), lanes=128)
     assert storage.packing == packing and not storage.is_identity(None)
-    assert storage.block_to_physical(None, x[:8]).shape == (8 // k, k * width)
+    assert storage.block_to_physical(None, x[:8]).shape == (8 // k, lanes)
 
 
 @pytest.mark.parametrize(

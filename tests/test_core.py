@@ -528,6 +528,44 @@ def _close(a, b):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "backend,dim,optimizer,dtype",
+    [
+        ("pallas_interpret", 200, jte.Adam(0.05), jnp.float32),
+        pytest.param("xla", 136, jte.Adagrad(0.1), jnp.bfloat16, marks=pytest.mark.slow),
+    ],
+)
+def test_rows_wider_than_the_lanes_are_stored_a_multiple_of_them_wide(
+    backend, dim, optimizer, dtype
+):
+    """On TPU layouts a row wider than 128 lanes is stored padded to a multiple of 128
+    (the TPU compiler copies a (rows, 200) array whole to another layout around every row
+    gather): the padding lanes stay zero through updates, and lookups, rows and slots equal
+    the unpadded layout's."""
+    table = jte.TableConfig(37, dim, combiner="mean", name="t", optimizer=optimizer, dtype=dtype)
+    features = {"f": jte.FeatureConfig(table)}
+    spec = jte.EmbeddingSpec(features, None, partition_strategy="mod")
+    plain = jte.Embedding(spec, make_mesh(4), backend=backend, lane_width=0)
+    wide = jte.Embedding(spec, make_mesh(4), backend=backend, lane_width=128, tpu_layout=True)
+    states = [e.init(jax.random.key(1)) for e in (plain, wide)]
+    assert states[1].tables["t"].shape == (40, 256)
+    assert all(x.shape == (40, 256) for x in jax.tree.leaves(states[1].slots["t"]))
+    rng = np.random.default_rng(2)
+    for _ in range(2):
+        batch = {"f": rng.integers(-1, 37, (16, 4))}
+        acts = [e.lookup(st, batch) for e, st in zip((plain, wide), states)]
+        jax.tree.map(_close, *acts)
+        grads = jax.tree.map(lambda a: jnp.sin(3 * a) + 0.1, acts[0])
+        states = [e.apply_gradients(st, batch, grads) for e, st in zip((plain, wide), states)]
+    for x in jax.tree.leaves((states[1].tables, states[1].slots)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32)[:, dim:], 0.0)
+    jax.tree.map(
+        lambda a, b: _close(np.asarray(a, np.float32), np.asarray(b, np.float32)),
+        (plain.export(states[0]), plain.export_slots(states[0])),
+        (wide.export(states[1]), wide.export_slots(states[1])),
+    )
+
+
 # Plain rows (lane_width 0) or packed as on a TPU mesh (128): each optimizer one of them,
 # Adagrad both (test_lane_packed_layout_gives_identical_results compares the two layouts).
 # The fast tier keeps plain rows in passes of ids and packed rows in passes of unique ids.
