@@ -78,14 +78,14 @@ def test_bf16_results_do_not_depend_on_mesh_or_strategy(rng):
 
 
 # Optimizers of every slot form (no slot, one riding the table's rows, two, a rank-1 slot;
-# the float32 battery has every optimizer on the kernels) at a packed
-# dim that is not a power of two (rows padded to 64 lanes, two to a 128-lane row); Adagrad at
-# dims 32-256, unpacked 200 among them. Meshes of 4 give shards of 75 rows: odd physical row
-# counts, padded to row pairs. Owner routing once: the owners' kernels update the rows they
-# receive. The fast tier keeps two: packed rows rounded stochastically with a riding slot and
-# the extras, and unpacked rows rounded to nearest with two slots; the rest
-# (routed among them: test_bf16_results_do_not_depend_on_mesh_or_strategy routes on the XLA
-# ops in the fast tier) are marked slow.
+# the float32 battery has every optimizer on the kernels) at a packed dim that is not a power
+# of two (rows padded to 64 lanes, two to a 128-lane row); Adagrad at dims 32-256, 200 among
+# them (padded to 256 lanes). Meshes of 4 give shards of 75 rows: odd physical row counts,
+# padded to row pairs. Owner routing once: the owners' kernels update the rows they receive.
+# The fast tier keeps two: packed rows rounded stochastically with a riding slot and the
+# extras, and unpacked rows rounded to nearest with two slots; the rest (routed among them:
+# test_bf16_results_do_not_depend_on_mesh_or_strategy routes on the XLA ops in the fast
+# tier) are marked slow.
 _KERNEL_OPTIMIZERS = ("sgd+extras", "adagrad+extras", "adam+extras", "rowwise_adagrad")
 _FAST_KERNEL_CASES = ("adagrad+extras-d48",)
 _KERNEL_CASES = [(key, 48, "mod", 8, True, "gather", f"{key}-d48") for key in _KERNEL_OPTIMIZERS]
