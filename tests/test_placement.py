@@ -587,6 +587,20 @@ def test_checkpoints_convert_host_tables_in_numpy(strategy):
         np.testing.assert_array_equal(np.asarray(back), np.asarray(state.tables[name]))
 
 
+def _random_state(emb, seed: int, step: int = 0):
+    """A state whose every row and slot value differs, the slots positive (in every
+    optimizer's domain): what a checkpoint test needs, without a training step, whose
+    compile would be most of the test's time."""
+    rng = np.random.default_rng(seed)
+    tables = {
+        n: rng.normal(size=(p.layout.vocabulary_size, p.config.dim))
+        for n, p in emb.table_plans.items()
+    }
+    shapes = emb.export_slots(emb.init(jax.random.key(seed)))
+    slots = jax.tree.map(lambda x: rng.uniform(0.1, 1.0, np.shape(x)), shapes)
+    return emb.restore_tables(tables, slots, step=step)
+
+
 @pytest.mark.parametrize("strategy", ["div", "mod"])
 def test_host_checkpoints_convert_in_pieces(strategy):
     """With several processes a host table whose shards are not blocks of its logical rows
@@ -600,19 +614,7 @@ def test_host_checkpoints_convert_in_pieces(strategy):
 
     spec = _spec("host", strategy, ("adagrad", "rowwise_adagrad", "adam"))
     emb = jte.Embedding(spec, make_mesh(4), backend="xla", tpu_layout=True, lane_width=128)
-    rng = np.random.default_rng(3)
-    # Every row and slot value distinct (no training step: its compile would be most of
-    # the test's time); slots positive, in every optimizer's domain.
-    state = emb.restore_tables(
-        {
-            n: rng.normal(size=(p.layout.vocabulary_size, p.config.dim))
-            for n, p in emb.table_plans.items()
-        },
-        jax.tree.map(
-            lambda x: rng.uniform(0.1, 1.0, np.shape(x)),
-            emb.export_slots(emb.init(jax.random.key(0))),
-        ),
-    )
+    state = _random_state(emb, seed=3)
     exported, slots = emb.export(state), emb.export_slots(state)
 
     def logical(storage, slot, array, chunk):
@@ -678,20 +680,7 @@ def test_host_checkpoints_convert_shard_by_shard(tmp_path):
     emb = jte.Embedding(spec("host"), make_mesh(4), backend="xla", tpu_layout=True, lane_width=128)
     assert {checkpoint._conversion(emb, name) for name in emb.table_plans} == {"shards"}
     assert emb.table_plans["a"].storage.riders and emb.table_plans["a"].storage.packing.packed
-    rng = np.random.default_rng(2)
-    # Every row and slot value distinct, slots positive (no training step: its compile
-    # would be most of the test's time).
-    state = emb.restore_tables(
-        {
-            n: rng.normal(size=(p.layout.vocabulary_size, p.config.dim))
-            for n, p in emb.table_plans.items()
-        },
-        jax.tree.map(
-            lambda x: rng.uniform(0.1, 1.0, np.shape(x)),
-            emb.export_slots(emb.init(jax.random.key(2))),
-        ),
-        step=2,
-    )
+    state = _random_state(emb, seed=2, step=2)
     checkpoint.save(tmp_path / "ckpt", emb, state)
     back, _ = checkpoint.restore(tmp_path / "ckpt", emb)
     assert _memory_kinds(back) == {_HOST}
