@@ -617,10 +617,10 @@ def _host_blocks(shape: tuple, sharding: NamedSharding, blocks: dict) -> jax.Arr
 
 
 def _blocks_to_logical(emb, storage: _storage.TableStorage, slot, array: jax.Array):
-    """`_to_logical` of a "shards" table (`_conversion`): each local shard of the stored host array
-    unpacked to its block of logical rows in NumPy (riders split off); the logical arrays in
-    host memory, row-sharded. A table that is stored as its logical rows is returned as it
-    is."""
+    """`_to_logical` of a "shards" table (`_conversion`): each local shard of the stored
+    host array unpacked to its block of logical rows in NumPy (riders split off); the
+    logical arrays in host memory, row-sharded. A table that is stored as its logical rows
+    is returned as it is."""
     if storage.is_identity(slot):
         return array if slot is not None else (array, {})
     packing = storage.packing if slot is None else storage.slot_packing(slot)
@@ -642,9 +642,10 @@ def _blocks_to_logical(emb, storage: _storage.TableStorage, slot, array: jax.Arr
 
 
 def _blocks_to_physical(emb, storage: _storage.TableStorage, slot, logical, riders=None):
-    """`_to_physical` of a "shards" table (`_conversion`) from the logical host arrays restore read
-    (a slot's, or for slot None the table's with its `riders` {name: array}): each local
-    block joined and packed in NumPy into its shard of the stored array in host memory."""
+    """`_to_physical` of a "shards" table (`_conversion`) from the logical host arrays
+    restore read (a slot's, or for slot None the table's with its `riders` {name: array}):
+    each local block joined and packed in NumPy into its shard of the stored array in host
+    memory."""
     rider_blocks = {
         name: {sh.device: sh.data for sh in x.addressable_shards}
         for name, x in (riders or {}).items()
@@ -739,11 +740,11 @@ def _pieces_to_physical(
     riders: dict | None = None,
     chunk_bytes: int | None = None,
 ) -> jax.Array:
-    """`_to_physical` of a "pieces" table (`_conversion`) from the logical host arrays restore read
-    (row blocks of the padded rows; for slot None the table's with its `riders`): the
-    stored positions pass in pieces, each process reading their logical rows through the
-    devices (`multihost.to_host`, a collective) and keeping those of its own shards, which
-    it packs in NumPy into its shards of the stored array in host memory."""
+    """`_to_physical` of a "pieces" table (`_conversion`) from the logical host arrays
+    restore read (row blocks of the padded rows; for slot None the table's with its
+    `riders`): the stored positions pass in pieces, each process reading their logical rows
+    through the devices (`multihost.to_host`, a collective) and keeping those of its own
+    shards, which it packs in NumPy into its shards of the stored array in host memory."""
     layout = storage.layout
     s = layout.rows_per_shard
     first, stride = layout.id_steps()
@@ -775,8 +776,7 @@ def _pieces_to_physical(
 def _to_logical(emb, storage: _storage.TableStorage, slot, array: jax.Array):
     """A stored array -> its logical rows, exactly (V, ...), evenly sharded over `emb`'s
     devices (see `_exact_sharding`), or a NumPy array for a "numpy" table (`_conversion`);
-    for the table's array
-    (slot None) (table, {rider: rows})."""
+    for the table's array (slot None) (table, {rider: rows})."""
     if storage.on_host:  # "numpy"
         logical = storage.array_to_logical(slot, np.asarray(array))
         return logical if slot is not None else storage.split_row(logical)
