@@ -89,10 +89,15 @@ def global_batch(emb, local: Nested) -> Nested:
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local)
 
 
+def shard_of_devices(emb) -> dict:
+    """{device of this process: the shard along `emb.axis` it holds, 0..N-1}."""
+    index_map = batch_sharding(emb).addressable_devices_indices_map((emb.num_shards,))
+    return {d: index[0].start or 0 for d, index in index_map.items()}  # pyright: ignore[reportOptionalSubscript]
+
+
 def _local_shards(emb) -> int:
     """How many of the N shards along `emb.axis` this process's devices hold."""
-    index_map = batch_sharding(emb).addressable_devices_indices_map((emb.num_shards,))
-    return len({index[0].start or 0 for index in index_map.values()})  # pyright: ignore[reportOptionalSubscript]
+    return len(set(shard_of_devices(emb).values()))
 
 
 def _check_local_rows(emb, local: Nested) -> None:

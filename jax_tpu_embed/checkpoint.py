@@ -725,13 +725,6 @@ def _box(index, shape: tuple) -> tuple:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
-def _local_shards(emb, layout) -> dict:
-    """{device of this process: the shard of `layout` it holds}."""
-    held = _row_sharding(emb, True, 1).addressable_devices_indices_map((layout.padded_rows,))
-    s = layout.rows_per_shard
-    return {d: (i[0].start or 0) // s for d, i in held.items()}  # pyright: ignore[reportOptionalSubscript]
-
-
 def _pieces_to_physical(
     emb,
     storage: _storage.TableStorage,
@@ -753,7 +746,7 @@ def _pieces_to_physical(
     chunk = _multihost.CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     row_bytes = sum(x.dtype.itemsize * int(np.prod(x.shape[1:], dtype=np.int64)) for x in parts)
     per = max(1, chunk // max(row_bytes, 1))
-    shards = _local_shards(emb, layout)
+    shards = _multihost.shard_of_devices(emb)
     blocks: dict = {}
     for start in range(0, layout.padded_rows, per):
         positions = np.arange(start, min(start + per, layout.padded_rows), dtype=np.int64)
@@ -1049,7 +1042,7 @@ def _dynamic_state(emb, name: str, entries: dict, where: str) -> tuple:
     layout = storage.layout
     s_rows = layout.rows_per_shard
     shard, local = np.divmod(np.asarray(global_rows, np.int64), s_rows)
-    mine = _local_shards(emb, layout)
+    mine = _multihost.shard_of_devices(emb)
     padding = np.arange(s_rows)[None, :] >= layout.shard_sizes()[:, None]  # (N, S)
     blocks, slot_blocks = {}, {s.name: {} for s in storage.stored}
     for k in set(mine.values()):
