@@ -323,20 +323,25 @@ def gather_ids(tables: list, axis) -> list:
 
 
 def scatter_rows(tables: list, shapes: list, axis) -> list:
-    """Inside shard_map: every dynamic table's rows back to the examples' devices in one
-    reduce-scatter. `tables`: per table, (P,) int32, its row + 1 at the positions this
-    shard owns and 0 elsewhere (each position has one owner, so the sum over devices is
-    its row + 1); `shapes`: per table, its features' (b, L). Returns per table the list of
-    its features' (b, L) rows, -1 where an id has none."""
+    """Inside shard_map: every dynamic table's rows to every device in one all-reduce.
+    `tables`: per table, (P,) int32, its row + 1 at the positions this shard owns and 0
+    elsewhere (each position has one owner, so the sum over devices is its row + 1);
+    `shapes`: per table, its features' (b, L). Returns per table the list of its features'
+    (rows of this device's examples (b, L), rows of the global batch (N·b, L)), -1 where
+    an id has none. The global rows are what the slot table's exchange would all-gather
+    (`_plan.Input.ids_all`): one all-reduce here replaces a reduce-scatter and then an
+    all-gather per feature."""
     n = lax.axis_size(axis)
-    every = jnp.concatenate([v.reshape(n, -1) for v in tables], axis=1).reshape(-1)
-    local = lax.psum_scatter(every, axis, scatter_dimension=0, tiled=True) - 1
+    every = lax.psum(jnp.concatenate([v.reshape(n, -1) for v in tables], axis=1), axis) - 1
+    me = lax.axis_index(axis)
     out, start = [], 0
     for table_shapes in shapes:
         rows = []
         for shape in table_shapes:
             m = int(np.prod(shape))
-            rows.append(local[start : start + m].reshape(shape))
+            block = every[:, start : start + m].reshape((n,) + tuple(shape))
+            global_rows = block.reshape((n * shape[0],) + tuple(shape[1:]))
+            rows.append((lax.dynamic_index_in_dim(block, me, keepdims=False), global_rows))
             start += m
         out.append(rows)
     return out

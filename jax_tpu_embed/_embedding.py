@@ -888,16 +888,16 @@ class Embedding:
 
     def _lookup(self, tables, index, step, flat):
         split = self._split_dynamic(flat)
-        extra = {}
+        extra, gathered = {}, {}
         if split:
-            rows = self._dynamic_rows(index, step, split)
+            rows, gathered = self._dynamic_rows(index, step, split)
             flat = {**flat, **self._dynamic_leaves(split, rows)}
             extra = self._initial_rows(index, split, rows)
         feats = self._normalized(flat)
         batch = next(iter(feats.values()))[0].shape[0]
         row = P(self.axis)
         tables, _ = self._with_caches(tables, {}, index, step)
-        acts = self._shard_map(self._lookup_local, (row, row), row)(tables, feats)
+        acts = self._shard_map(self._lookup_local, (row, row, P()), row)(tables, feats, gathered)
         for path, x in extra.items():
             acts[path] = acts[path] + x
         return {
@@ -922,8 +922,10 @@ class Embedding:
             for name in self.dynamic
         }
 
-    def _dynamic_rows(self, index, step, split) -> dict:
-        """{path: (B, L) int32 slot-table rows of the ids, -1 where an id has none}."""
+    def _dynamic_rows(self, index, step, split) -> tuple[dict, dict]:
+        """({path: (B, L) int32 slot-table rows of the ids, -1 where an id has none}, the
+        same rows on every device for the features whose tables resolve by all-gather
+        (`_dynamic_back`))."""
         row = P(self.axis)
 
         def local(index, parts, step):
@@ -943,7 +945,7 @@ class Embedding:
                 )
                 for plan, (hi, lo) in zip(plans, ids)
             ]
-            out = self._dynamic_back(plans, parts, values)
+            out, gathered = self._dynamic_back(plans, parts, values)
             for plan in self.dynamic.values():
                 if plan.route == "owner":
                     mine = [parts[p] for p in plan.features]
@@ -956,21 +958,25 @@ class Embedding:
                         self.axis,
                     )
                     out.update(zip(plan.features, _dynamic_owner.split(rows, mine)))
-            return out
+            return out, gathered
 
         parts = {
             p: (self._batch_sharded(h), self._batch_sharded(lo)) for p, (h, lo, _) in split.items()
         }
-        return self._shard_map(local, (self._dynamic_specs(), row, P()), row)(index, parts, step)
+        specs = (self._dynamic_specs(), row, P())
+        return self._shard_map(local, specs, (row, P()))(index, parts, step)
 
-    def _dynamic_back(self, plans, parts, values) -> dict:
-        """{path: (b, L) rows} of every dynamic feature from the tables' gathered rows
-        (`_dynamic.scatter_rows`, one reduce-scatter for them all)."""
+    def _dynamic_back(self, plans, parts, values) -> tuple[dict, dict]:
+        """({path: (b, L) rows}, {path: (N·b, L) rows of the global batch}) of the dynamic
+        features of `plans` from the tables' gathered rows (`_dynamic.scatter_rows`, one
+        all-reduce for them all). The second, the same on every device, is what the slot
+        tables' exchanges take as `_plan.Input.ids_all` instead of gathering them again."""
         if not plans:
-            return {}
+            return {}, {}
         shapes = [[parts[p][0].shape for p in plan.features] for plan in plans]
         rows = _dynamic.scatter_rows(values, shapes, self.axis)
-        return {p: r for plan, rs in zip(plans, rows) for p, r in zip(plan.features, rs)}
+        pairs = {p: r for plan, rs in zip(plans, rows) for p, r in zip(plan.features, rs)}
+        return {p: r[0] for p, r in pairs.items()}, {p: r[1] for p, r in pairs.items()}
 
     def _scale(self, plan, path: str, split):
         """(B, L) float32: each position's factor under its table's own combiner, over all
@@ -1018,7 +1024,8 @@ class Embedding:
 
     def _admit(self, state, split, ok):
         """One step of the dynamic tables' indexes (admission, eviction, the reset of the
-        rows they give to new ids) -> (index, tables, slots, {path: rows}, fresh): `fresh`
+        rows they give to new ids) -> (index, tables, slots, {path: rows}, fresh, gathered):
+        `gathered` as `_dynamic_rows`'s; `fresh`
         {table name: (rows, hi, lo)} holds the resets of tables in host memory, which the
         update makes (`_dynamic.update_rows`, `_dynamic.Fresh`). Tables whose updates route
         (`_dynamic_owner.routes_updates`) are resolved at their owners."""
@@ -1071,14 +1078,15 @@ class Embedding:
                 values.append(rows)
                 if resets is not None:
                     fresh[name] = resets
-            out.update(self._dynamic_back(plans, parts, values))
-            return new_index, new_tables, new_slots, out, fresh
+            back, gathered = self._dynamic_back(plans, parts, values)
+            out.update(back)
+            return new_index, new_tables, new_slots, out, fresh, gathered
 
         parts = {
             p: (self._batch_sharded(h), self._batch_sharded(lo)) for p, (h, lo, _) in split.items()
         }
         specs = self._dynamic_specs()
-        outs = (specs, row, row, row, row)
+        outs = (specs, row, row, row, row, P())
         return self._shard_map(local, (specs, row, row, row, P(), P()), outs)(
             state.index,
             {n: state.tables[n] for n in names},
@@ -1113,8 +1121,9 @@ class Embedding:
         ok = self._steps_ok(given, local_grads, state.step)
         tables, slots, index, fresh = state.tables, state.slots, state.index, {}
         keys = {name: state.index[name].key for name in self.dynamic}
+        gathered = {}
         if split:
-            index, new_tables, new_slots, rows, fresh = self._admit(state, split, ok)
+            index, new_tables, new_slots, rows, fresh, gathered = self._admit(state, split, ok)
             # Laid out as `init` lays it out, so that the next call's input matches the last
             # call's output and the step compiles once.
             index = {
@@ -1127,8 +1136,8 @@ class Embedding:
         row, rep = P(self.axis), P()
         tables, slots = self._with_caches(tables, slots, index, state.step)
         tables, slots = self._shard_map(
-            self._update_local, (row, row, row, row, row, rep, rep, rep), (row, row)
-        )(tables, slots, feats, local_grads, fresh, keys, state.step, ok)
+            self._update_local, (row, row, row, rep, row, row, rep, rep, rep), (row, row)
+        )(tables, slots, feats, gathered, local_grads, fresh, keys, state.step, ok)
         tables, slots, index = self._without_caches(tables, slots, index)
         any_ok = functools.reduce(jnp.logical_or, ok.values())
         skipped = {name: (~keep).astype(jnp.int32) for name, keep in ok.items()}
@@ -1210,7 +1219,7 @@ class Embedding:
         # ids the current step admits are not resident yet, and miss in the next step).
         split = self._split_dynamic(flat)
         if split and any(n in self.dynamic for n in names):
-            rows = self._dynamic_rows(state.index, state.step, split)
+            rows, _ = self._dynamic_rows(state.index, state.step, split)
             flat = {**flat, **self._dynamic_leaves(split, rows)}
         feats = self._normalized(flat)
         paths = {n: [f.path for f in self.feature_plans if f.table == n] for n in names}
@@ -1265,15 +1274,15 @@ class Embedding:
 
     # Inside shard_map: each stack's backend does its shard-local row work.
 
-    def _lookup_local(self, tables, feats):
+    def _lookup_local(self, tables, feats, gathered):
         out = {}
-        for name, inputs in self.plan.inputs(feats).items():
+        for name, inputs in self.plan.inputs(feats, gathered).items():
             for call, part in _exchange.calls(self.plan, name, inputs):
                 exchange = _exchange.EXCHANGES[call.exchange]
                 out.update(exchange.lookup(call, tables[name], part, self.axis))
         return out
 
-    def _update_local(self, tables, slots, feats, grads, resets, keys, step, ok):
+    def _update_local(self, tables, slots, feats, gathered, grads, resets, keys, step, ok):
         tables, slots = dict(tables), dict(slots)
         fresh = {
             name: _dynamic.Fresh(
@@ -1281,7 +1290,7 @@ class Embedding:
             )
             for name, (rows, hi, lo) in resets.items()
         }
-        for name, inputs in self.plan.inputs(feats).items():
+        for name, inputs in self.plan.inputs(feats, gathered).items():
             calls = _exchange.calls(self.plan, name, inputs)
             # A dynamic table is alone in one call, which updates each row once.
             assert name not in fresh or len(calls) == 1

@@ -60,7 +60,7 @@ class Gather(Exchange):
                     f"{kernel.name} kernels' memory ({plan.vmem} bytes)"
                 )
                 kernel, k = plan.fallback, 1
-        pairs = sum(ids.size for _, ids, _ in inputs)
+        pairs = sum(i.ids.size for i in inputs)
         c = _streams.capacity(plan, n * pairs, n)
         cu = _streams.unique_capacity(plan, c)
         single = kernel.one_pass

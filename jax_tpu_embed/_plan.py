@@ -89,11 +89,15 @@ class FeaturePlan:
 
 class Input(NamedTuple):
     """One feature's shard of the batch: ids (b, L) int32, -1 where none; weights (b, L)
-    float32, or None when the feature has none (derived from the ids where needed)."""
+    float32, or None when the feature has none (derived from the ids where needed).
+    `ids_all`: the global batch's ids (N·b, L), device by device, when the caller has
+    them already (a dynamic table's rows, which its resolution sums over the devices), so
+    that an exchange needs no all-gather of its own; None: the exchange gathers them."""
 
     feature: FeaturePlan
     ids: jax.Array
     weights: jax.Array | None
+    ids_all: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,13 +183,18 @@ class EmbeddingPlan:
             **capacity_sums(list(capacities)),
         )
 
-    def inputs(self, feats: Mapping[str, tuple]) -> dict[str, list[Input]]:
+    def inputs(
+        self, feats: Mapping[str, tuple], ids_all: Mapping[str, jax.Array] | None = None
+    ) -> dict[str, list[Input]]:
         """{state key: the Inputs of its tables' features, in member order} from {feature
-        path: (ids, weights)}; keys without features are left out."""
+        path: (ids, weights)} and the global ids of those that have them ({feature path:
+        `Input.ids_all`}); keys without features are left out."""
+        ids_all = ids_all or {}
         by_table: dict[str, list[Input]] = {}
         for f in self.features:
             if f.path in feats:
-                by_table.setdefault(f.table, []).append(Input(f, *feats[f.path]))
+                ids, weights = feats[f.path]
+                by_table.setdefault(f.table, []).append(Input(f, ids, weights, ids_all.get(f.path)))
         return {
             name: [i for t in plan.tables for i in by_table.get(t, [])]
             for name, plan in self.stacks.items()

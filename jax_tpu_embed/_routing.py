@@ -88,7 +88,7 @@ class _Local:
         self.n = lax.axis_size(axis)
         self.s = s
         keys, outs, scales, parts, first = [], [], [], [], 0
-        for f, ids, weights in inputs:
+        for f, ids, weights, _ in inputs:  # Owner routing sends local ids only.
             b, l = ids.shape
             # Each feature's pairs as (L, b), joined along L and then flattened: the TPU
             # compiler lays narrow (b, L) ids out column-major, and joining the features'
@@ -242,7 +242,7 @@ def plan_call(plan: _plan.TablePlan, inputs: list, n: int) -> _plan.CallPlan:
     Cd. On the host: the step, `id_counts` and `plan` all read the call this makes."""
     kernel = plan.backend
     k = kernel.lane_rows(plan)
-    pairs = sum(ids.size for _, ids, _ in inputs)
+    pairs = sum(i.ids.size for i in inputs)
     why = None
     if k:
         cd = capacity(plan, pairs, n, k, most=kernel.most_rows(plan))

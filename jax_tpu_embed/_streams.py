@@ -24,9 +24,11 @@ from ._plan import CallPlan, FeaturePlan, TablePlan
 from ._rowindex import NOT_MINE
 
 
-def gathered(ids, weights, axis):
-    """Global-batch ids and weights (weights derived from ids when the feature has none)."""
-    ids_all = lax.all_gather(ids, axis, tiled=True)
+def gathered(ids, weights, axis, ids_all=None):
+    """Global-batch ids and weights (weights derived from ids when the feature has none);
+    the ids gathered here unless given (`Input.ids_all`)."""
+    if ids_all is None:
+        ids_all = lax.all_gather(ids, axis, tiled=True)
     if weights is None:
         return ids_all, (ids_all >= 0).astype(jnp.float32)
     return ids_all, lax.all_gather(weights, axis, tiled=True)
@@ -164,7 +166,7 @@ class Stream:
         return lax.while_loop(lambda state: state[0] < self.count, step, (jnp.int32(0), carry))[1]
 
 
-def _flat_pairs(f: FeaturePlan, ids, weights, axis, columns: bool):
+def _flat_pairs(f: FeaturePlan, ids, weights, axis, columns: bool, ids_all=None):
     """The global batch's (ids, scales), each (B·L,) in position order (`_position`).
 
     Flattened on the local shard before the all-gather: a (B, L) array with L < 128 is
@@ -173,9 +175,17 @@ def _flat_pairs(f: FeaturePlan, ids, weights, axis, columns: bool):
     column-major, so that order is a free reshape where row by row is a transposing copy;
     elsewhere row by row. The
     combiner's per-example sums use the local rows; a plain sum needs no weights at all:
-    its scales are None, 1 for every id (padding is never owned)."""
+    its scales are None, 1 for every id (padding is never owned). `ids_all`: the global
+    (N·b, L) ids when the caller has them (`Input.ids_all`), laid out here as the gather
+    would lay them out."""
     flat = (lambda x: x.T.reshape(-1)) if columns else (lambda x: x.reshape(-1))
-    ids_all = lax.all_gather(flat(ids), axis, tiled=True)
+    if ids_all is None:
+        ids_all = lax.all_gather(flat(ids), axis, tiled=True)
+    elif columns:  # Each device's block column by column.
+        b, length = ids.shape
+        ids_all = ids_all.reshape(-1, b, length).transpose(0, 2, 1).reshape(-1)
+    else:
+        ids_all = ids_all.reshape(-1)
     if weights is None and (f.config.is_sequence or f.table_config.combiner == "sum"):
         return ids_all, None
     w = (ids >= 0).astype(jnp.float32) if weights is None else weights
@@ -204,8 +214,8 @@ def build(
     plan = call.plan
     n = lax.axis_size(axis)
     items = []
-    for f, ids, weights in inputs:
-        ids_all, scale = _flat_pairs(f, ids, weights, axis, columns=plan.on_tpu)
+    for f, ids, weights, every in inputs:
+        ids_all, scale = _flat_pairs(f, ids, weights, axis, plan.on_tpu, every)
         mine, local = owned(plan, f, ids_all, axis)
         b, l = ids.shape[0] * n, ids.shape[1]
         example, position = _position(
@@ -282,7 +292,7 @@ def output_rows(inputs: list, k: int) -> int:
     b per pooled feature, b·L per sequence feature (see `build`)."""
     return sum(
         round_up(ids.shape[0] * (ids.shape[1] if f.config.is_sequence else 1), k)
-        for f, ids, _ in inputs
+        for f, ids, *_ in inputs
     )
 
 
