@@ -12,10 +12,11 @@ outputs bit for bit:
   the results (`input_output_aliases`), so the kernel writes the slots it changes where
   they are: with the state donated to the jitted step a step costs O(ids), not O(capacity).
 - `find_owned` and `resolve_update`: what `_dynamic.lookup_rows` and `update_rows` do on a
-  shard with a table's gathered ids, in one call each: locate them (`_hashindex.locate`),
-  keep the ones the shard owns (distinct ones, for the update, by a hash table), and `find`
-  or `update` them. The same index and rows as `locate`, a sort for the distinct ids and
-  `update` in XLA ops; the update's resets come back compacted.
+  shard with a table's gathered ids: locate them (`_hashindex.locate`) and keep the
+  distinct ones the shard owns (by a hash table, in a call of its own that a step's lookup
+  and update of the same ids share), then `find` or `update` them. The same index and rows
+  as `locate`, a sort for the distinct ids and `update` in XLA ops; the update's resets
+  come back compacted.
 
 The source (csrc/hashindex.cc) is compiled on first use by `_cpu_kernels`' builder, into the
 same cache. Without g++ `available()` is False after one warning, and callers keep the XLA
@@ -38,7 +39,8 @@ _SOURCE = pathlib.Path(__file__).parent / "csrc" / "hashindex.cc"
 _TARGETS = {
     "jte_hashindex_find": "JteHashindexFind",
     "jte_hashindex_update": "JteHashindexUpdate",
-    "jte_hashindex_find_owned": "JteHashindexFindOwned",
+    "jte_hashindex_owned_distinct": "JteHashindexOwnedDistinct",
+    "jte_hashindex_find_distinct": "JteHashindexFindDistinct",
     "jte_hashindex_resolve_update": "JteHashindexResolveUpdate",
 }
 _EVICTION = {"lru": 0, "lfu": 1, "none": 2}  # Must match `Eviction` in the C++ source.
@@ -154,21 +156,45 @@ def _locator(config: hx.IndexConfig, num_shards: int) -> dict:
     }
 
 
-def find_owned(config: hx.IndexConfig, state: hx.IndexState, hi, lo, me, num_shards: int, now):
-    """Inside shard_map, on shard `me` of `num_shards`: the local rows (int32, -1: none) of
-    the gathered ids ((n,) uint32 words) that this shard owns and holds; -1 for the others
-    and for padding. `_hashindex.locate`, then `find` of the owned ids. Read-only."""
-    _require()
+def _owned_distinct(config: hx.IndexConfig, hi, lo, me, num_shards: int) -> tuple:
+    """(where, hi, lo, local bucket, count (1,)): the distinct ids among the gathered ones
+    ((n,) uint32 words) that shard `me` owns, in order of first appearance (the first
+    `count` of the (n,) hi, lo and buckets), and each position's index among them (-1: not
+    this shard's, or padding). A pure function of its operands: a step's lookup and update
+    of the same ids share one (XLA merges the two equal calls)."""
     n = hi.shape[0]
-    return jax.ffi.ffi_call("jte_hashindex_find_owned", jax.ShapeDtypeStruct((n,), jnp.int32))(
+    vec = lambda dtype: jax.ShapeDtypeStruct((n,), dtype)
+    call = jax.ffi.ffi_call(
+        "jte_hashindex_owned_distinct",
+        (
+            vec(jnp.int32),
+            vec(jnp.uint32),
+            vec(jnp.uint32),
+            vec(jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+        ),
+    )(
         jnp.asarray(hi, jnp.uint32),
         jnp.asarray(lo, jnp.uint32),
         jnp.asarray(me, jnp.int32).reshape(1),
+        **_locator(config, num_shards),
+    )
+    return tuple(call)
+
+
+def find_owned(config: hx.IndexConfig, state: hx.IndexState, hi, lo, me, num_shards: int, now):
+    """Inside shard_map, on shard `me` of `num_shards`: the local rows (int32, -1: none) of
+    the gathered ids ((n,) uint32 words) that this shard owns and holds; -1 for the others
+    and for padding. `_hashindex.locate`, then `find` of the distinct owned ids (each
+    bucket read once). Read-only."""
+    _require()
+    n = hi.shape[0]
+    return jax.ffi.ffi_call("jte_hashindex_find_distinct", jax.ShapeDtypeStruct((n,), jnp.int32))(
+        *_owned_distinct(config, hi, lo, me, num_shards),
         _now(now),
         *(jnp.asarray(getattr(state, f), d) for f, d in zip(_FIELDS[:2], _DTYPES)),
         ttl_steps=_ttl(config),
         bucket_size=np.int64(config.bucket_size),
-        **_locator(config, num_shards),
     )
 
 
@@ -191,7 +217,8 @@ def resolve_update(
     """Inside shard_map, on shard `me`: one update step of the gathered ids ((n,) uint32
     words) that this shard owns (none when `keep` is False), as `_hashindex.locate`, a
     deduplication and `update` would make it, bit for bit in the index. The state's arrays
-    are updated in place where the caller donates them."""
+    are updated in place where the caller donates them. The deduplication is
+    `_owned_distinct`, which the step's lookup of the same ids shares."""
     _require()
     n = hi.shape[0]
     arrays = [jnp.asarray(getattr(state, f), d) for f, d in zip(_FIELDS, _DTYPES)]
@@ -206,16 +233,13 @@ def resolve_update(
             vec(jnp.uint32),
             vec(jnp.uint32),
         ),
-        input_output_aliases={5 + i: i for i in range(len(arrays))},
+        input_output_aliases={7 + i: i for i in range(len(arrays))},
     )(
-        jnp.asarray(hi, jnp.uint32),
-        jnp.asarray(lo, jnp.uint32),
+        *_owned_distinct(config, hi, lo, me, num_shards),
         jnp.asarray(keep, bool).reshape(1),
-        jnp.asarray(me, jnp.int32).reshape(1),
         _now(now),
         *arrays,
         **_update_attrs(config),
-        **_locator(config, num_shards),
     )
     k = len(arrays)
     rows, count, f_rows, f_hi, f_lo = out[k:]

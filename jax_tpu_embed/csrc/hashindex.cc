@@ -2,10 +2,10 @@
 // ../_hashindex_cpu.py).
 //
 // `Find` and `Update` give the same outputs as `_hashindex.find` and `_hashindex.update`, bit
-// for bit. `FindOwned` and `ResolveUpdate` are what a shard does with a table's gathered ids
-// (`_dynamic.lookup_rows`, `update_rows`): locate them, keep the ones it owns (distinct, for
-// the update), and run `Find` or `Update` on those, in one call. The XLA update decides every
-// bucket at once with sorts; here one pass over the ids decides the same, sequentially:
+// for bit. `OwnedDistinct`, then `FindDistinct` or `ResolveUpdate`, are what a shard does
+// with a table's gathered ids (`_dynamic.lookup_rows`, `update_rows`): locate them and keep
+// the distinct ones it owns, then run `Find` or `Update` on those. The XLA update decides
+// every bucket at once with sorts; here one pass over the ids decides the same, sequentially:
 //
 //   A. Each id's hit lane, its own expired ("stale") lane, miss, admission (probability
 //      hash, filter sightings), from the old index.
@@ -294,12 +294,13 @@ struct Locator {
         per(uint32_t(buckets_ / num_shards)) {}
 };
 
-// The distinct ids that shard `me` owns among n gathered ones (padding skipped; none when
-// `keep` is false), in order of first appearance, with their local buckets, and each
-// position's index among them (-1: not owned).
+// The distinct ids that shard `me` owns among n gathered ones (padding skipped), in order
+// of first appearance, with their local buckets (u_hi, u_lo, u_lb: the first `count`
+// entries of n), and each position's index among them (where: -1, not owned).
 struct Owned {
-  std::vector<uint32_t> hi, lo;
-  std::vector<int32_t> lb, where;
+  int32_t* where;
+  uint32_t *u_hi, *u_lo;
+  int32_t* u_lb;
 };
 
 // Three passes rather than one, each simpler for the CPU: the keyed hashes of all ids (a
@@ -309,11 +310,10 @@ struct Owned {
 // loop the hash did not vectorize and the owner test mispredicted half the time
 // (docs/design.md). Scratch kept in a thread_local to save the allocations cost more than
 // them: GCC looked the thread's address up through `__tls_get_addr` at each use.
-Owned OwnedDistinct(const Locator& at, int32_t me, int64_t n, const uint32_t* __restrict hi,
-                    const uint32_t* __restrict lo, bool keep) {
-  Owned o;
-  o.where.assign(size_t(n), -1);
-  if (!keep || n == 0) return o;
+int64_t OwnedDistinct(const Locator& at, int32_t me, int64_t n, const uint32_t* __restrict hi,
+                      const uint32_t* __restrict lo, const Owned& o) {
+  std::fill(o.where, o.where + n, -1);
+  if (n == 0) return 0;
   const size_t len = size_t(n);
   std::vector<uint32_t> hash(len);
   std::vector<int32_t> pos(len), pos_lb(len);
@@ -329,9 +329,6 @@ Owned OwnedDistinct(const Locator& at, int32_t me, int64_t n, const uint32_t* __
     pos_lb[size_t(c)] = int32_t(g - owner * per.d);
     c += int64_t((owner == uint32_t(me)) & !IsPad(hi[i], lo[i]));
   }
-  o.hi.reserve(size_t(c));
-  o.lo.reserve(size_t(c));
-  o.lb.reserve(size_t(c));
   // Entries of 8 bytes (the keyed hash, and the index into o.hi, o.lo; all ones: empty),
   // so that the table clears by memset and takes half the cache; a probe compares the
   // hash, and the whole id only where the hashes are equal.
@@ -344,6 +341,7 @@ Owned OwnedDistinct(const Locator& at, int32_t me, int64_t n, const uint32_t* __
   const size_t mask = (size_t(1) << bits) - 1;
   std::unique_ptr<Entry[]> table(new Entry[mask + 1]);  // Not value-initialized: memset.
   std::memset(table.get(), 0xFF, (mask + 1) * sizeof(Entry));
+  int32_t u = 0;
   for (int64_t j = 0; j < c; ++j) {
     const int64_t i = pos[size_t(j)];
     const uint32_t h = hi[i], l = lo[i], xi = x[i];
@@ -352,46 +350,62 @@ Owned OwnedDistinct(const Locator& at, int32_t me, int64_t n, const uint32_t* __
     for (size_t s = size_t(uint32_t(xi * 0x9E3779B1u) >> (32 - bits));; s = (s + 1) & mask) {
       Entry& e = table[s];
       if (e.k < 0) {
-        e = {xi, int32_t(o.hi.size())};
-        o.where[size_t(i)] = e.k;
-        o.hi.push_back(h);
-        o.lo.push_back(l);
-        o.lb.push_back(pos_lb[size_t(j)]);
+        e = {xi, u};
+        o.where[i] = u;
+        o.u_hi[u] = h;
+        o.u_lo[u] = l;
+        o.u_lb[u] = pos_lb[size_t(j)];
+        ++u;
         break;
       }
-      if (e.hash == xi && o.hi[size_t(e.k)] == h && o.lo[size_t(e.k)] == l) {
-        o.where[size_t(i)] = e.k;
+      if (e.hash == xi && o.u_hi[e.k] == h && o.u_lo[e.k] == l) {
+        o.where[i] = e.k;
         break;
       }
     }
   }
-  return o;
+  return u;
 }
 
-// `find` of the gathered ids that shard `me` owns, located here: each id's local row, -1
-// where another shard owns it, it is padding, or it is not held. Each distinct id's bucket
-// is read once. (What `_dynamic.lookup_rows` did with XLA ops around `Find`.)
-ffi::Error FindOwnedImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo,
-                         ffi::Buffer<ffi::S32> me_buf, ffi::Buffer<ffi::S32> now_buf,
-                         ffi::Buffer<ffi::U32> keys, ffi::Buffer<ffi::S32> last,
-                         ffi::ResultBuffer<ffi::S32> row, int64_t ttl_steps, int64_t bucket_size,
-                         int64_t bucket_key, int64_t buckets, int64_t num_shards) {
-  const int64_t n = hi.element_count();
+// `OwnedDistinct` as a call of its own: a pure function of the gathered ids, so that when a
+// step's lookup and update resolve the same ids, XLA computes it once for both (CSE merges
+// equal calls without side effects). The entries past `count` are left as they are.
+ffi::Error OwnedDistinctImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo,
+                             ffi::Buffer<ffi::S32> me_buf, ffi::ResultBuffer<ffi::S32> where,
+                             ffi::ResultBuffer<ffi::U32> u_hi, ffi::ResultBuffer<ffi::U32> u_lo,
+                             ffi::ResultBuffer<ffi::S32> u_lb, ffi::ResultBuffer<ffi::S32> count,
+                             int64_t bucket_key, int64_t buckets, int64_t num_shards) {
+  const Locator at(bucket_key, buckets, num_shards);
+  const Owned o{where->typed_data(), u_hi->typed_data(), u_lo->typed_data(),
+                u_lb->typed_data()};
+  count->typed_data()[0] = int32_t(OwnedDistinct(at, me_buf.typed_data()[0],
+                                                 hi.element_count(), hi.typed_data(),
+                                                 lo.typed_data(), o));
+  return ffi::Error::Success();
+}
+
+// `find` of the distinct owned ids `OwnedDistinctImpl` gives: each gathered position's local
+// row, -1 where another shard owns it, it is padding, or it is not held. Each distinct id's
+// bucket is read once. (What `_dynamic.lookup_rows` does with XLA ops around `Find`.)
+ffi::Error FindDistinctImpl(ffi::Buffer<ffi::S32> where_buf, ffi::Buffer<ffi::U32> u_hi,
+                            ffi::Buffer<ffi::U32> u_lo, ffi::Buffer<ffi::S32> u_lb,
+                            ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::S32> now_buf,
+                            ffi::Buffer<ffi::U32> keys, ffi::Buffer<ffi::S32> last,
+                            ffi::ResultBuffer<ffi::S32> row, int64_t ttl_steps,
+                            int64_t bucket_size) {
+  const int64_t n = where_buf.element_count();
   const int64_t b = bucket_size, nbl = last.element_count() / b;
   if (nbl == 0) return ffi::Error::InvalidArgument("jte hashindex find_owned: empty index");
-  const Locator at(bucket_key, buckets, num_shards);
-  const Owned o =
-      OwnedDistinct(at, me_buf.typed_data()[0], n, hi.typed_data(), lo.typed_data(), true);
-  const int64_t u = int64_t(o.hi.size());
+  const int64_t u = count.typed_data()[0];
   // u_row[0] = -1 and each distinct id's row after it, so that positions map to rows by
   // where + 1 without a branch (whether a position is owned is a coin toss).
   std::vector<int32_t> u_row(size_t(u + 1), -1);
   std::unique_ptr<bool[]> found(new bool[size_t(std::max<int64_t>(u, 1))]);
-  FindCore(u, o.hi.data(), o.lo.data(), o.lb.data(), now_buf.typed_data()[0],
+  FindCore(u, u_hi.typed_data(), u_lo.typed_data(), u_lb.typed_data(), now_buf.typed_data()[0],
            keys.typed_data(), last.typed_data(), nbl, b, Ttl{ttl_steps}, u_row.data() + 1,
            found.get());
   int32_t* out = row->typed_data();
-  const int32_t* where = o.where.data();
+  const int32_t* where = where_buf.typed_data();
   for (int64_t i = 0; i < n; ++i) out[i] = u_row[size_t(where[i] + 1)];
   return ffi::Error::Success();
 }
@@ -787,16 +801,16 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo,
 
 // ------------------------------------------------------------------------- resolve_update
 
-// The gathered ids' whole update on shard `me` (what `_dynamic.update_rows` did with
-// `locate`, a sort for the distinct ids and `Update`): the ids this shard owns (and are not
-// padding; none when `keep` is false) are located, deduplicated by a hash table in order of
-// first appearance, and updated by `UpdateCore`, whose results do not depend on the order of
-// its ids. Returns each position's local row (-1: not owned, or no row), and the rows given
-// to new ids with those ids, compacted: the first `fresh_count` entries of fresh_row,
-// fresh_hi, fresh_lo (the rest -1 and padding).
+// The gathered ids' whole update on a shard (what `_dynamic.update_rows` does with `locate`,
+// a sort for the distinct ids and `Update`): the distinct ids it owns (`OwnedDistinctImpl`'s;
+// none when `keep` is false), in order of first appearance, updated by `UpdateCore`, whose
+// results do not depend on the order of its ids. Returns each position's local row (-1: not
+// owned, or no row), and the rows given to new ids with those ids, compacted: the first
+// `fresh_count` entries of fresh_row, fresh_hi, fresh_lo (the rest -1 and padding).
 ffi::Error ResolveUpdateImpl(
-    ffi::Buffer<ffi::U32> hi_buf, ffi::Buffer<ffi::U32> lo_buf, ffi::Buffer<ffi::PRED> keep_buf,
-    ffi::Buffer<ffi::S32> me_buf, ffi::Buffer<ffi::S32> now_buf, ffi::Buffer<ffi::U32> in_keys,
+    ffi::Buffer<ffi::S32> where_buf, ffi::Buffer<ffi::U32> u_hi_buf,
+    ffi::Buffer<ffi::U32> u_lo_buf, ffi::Buffer<ffi::S32> u_lb_buf, ffi::Buffer<ffi::S32> u_count,
+    ffi::Buffer<ffi::PRED> keep_buf, ffi::Buffer<ffi::S32> now_buf, ffi::Buffer<ffi::U32> in_keys,
     ffi::Buffer<ffi::S32> in_last, ffi::Buffer<ffi::S32> in_count,
     ffi::Buffer<ffi::U32> in_fkeys, ffi::Buffer<ffi::S32> in_fcount,
     ffi::Buffer<ffi::S32> in_stats, ffi::ResultBuffer<ffi::U32> out_keys,
@@ -806,23 +820,19 @@ ffi::Error ResolveUpdateImpl(
     ffi::ResultBuffer<ffi::S32> fresh_count, ffi::ResultBuffer<ffi::S32> fresh_row,
     ffi::ResultBuffer<ffi::U32> fresh_hi, ffi::ResultBuffer<ffi::U32> fresh_lo,
     int64_t ttl_steps, int32_t eviction, int32_t min_count, int64_t threshold, int64_t prio_key,
-    int64_t admit_key, int64_t bucket_size, int64_t filter_bucket_size, int64_t bucket_key,
-    int64_t buckets, int64_t num_shards) {
+    int64_t admit_key, int64_t bucket_size, int64_t filter_bucket_size) {
   const Config c{ttl_steps, eviction, min_count, threshold, uint32_t(prio_key),
                  uint32_t(admit_key)};
-  const Locator at(bucket_key, buckets, num_shards);
-  const int64_t n = hi_buf.element_count();
-  const uint32_t* hi = hi_buf.typed_data();
-  const uint32_t* lo = lo_buf.typed_data();
+  const int64_t n = where_buf.element_count();
   const bool keep = keep_buf.typed_data()[0];
-  const int32_t me = me_buf.typed_data()[0];
+  const int32_t* where = where_buf.typed_data();
+  const uint32_t* u_hi = u_hi_buf.typed_data();
+  const uint32_t* u_lo = u_lo_buf.typed_data();
   int32_t* row = row_buf->typed_data();
 
-  const Owned o = OwnedDistinct(at, me, n, hi, lo, keep);
-  const std::vector<uint32_t>&u_hi = o.hi, &u_lo = o.lo;
-  const std::vector<int32_t>& where = o.where;
-  const int64_t u = int64_t(u_hi.size());
-  std::vector<int32_t> u_row_at(size_t(u + 1), -1);  // As in FindOwnedImpl: -1 first.
+  // Without `keep`, no id: every position's row -1, and the index as it was.
+  const int64_t owned = u_count.typed_data()[0], u = keep ? owned : 0;
+  std::vector<int32_t> u_row_at(size_t(owned + 1), -1);  // As in FindDistinctImpl: -1 first.
   int32_t* u_row = u_row_at.data() + 1;
   std::unique_ptr<bool[]> u_valid(new bool[size_t(std::max<int64_t>(u, 1))]);
   std::unique_ptr<bool[]> u_fresh(new bool[size_t(std::max<int64_t>(u, 1))]);
@@ -832,7 +842,7 @@ ffi::Error ResolveUpdateImpl(
   IndexOut out{out_keys, out_last, out_count, out_fkeys, out_fcount, out_stats};
   ffi::Error err = OnIndex("resolve_update", c, in, out, bucket_size, filter_bucket_size,
                            [&](const IndexArrays& x, int64_t* tally) {
-                             UpdateCore(c, x, u, u_hi.data(), u_lo.data(), o.lb.data(),
+                             UpdateCore(c, x, u, u_hi, u_lo, u_lb_buf.typed_data(),
                                         u_valid.get(), now_buf.typed_data()[0], u_row,
                                         u_fresh.get(), tally);
                            });
@@ -845,8 +855,8 @@ ffi::Error ResolveUpdateImpl(
   for (int64_t k = 0; k < u; ++k) {
     if (!u_fresh[size_t(k)] || u_row[k] < 0) continue;
     f_row[m] = u_row[k];
-    f_hi[m] = u_hi[size_t(k)];
-    f_lo[m] = u_lo[size_t(k)];
+    f_hi[m] = u_hi[k];
+    f_lo[m] = u_lo[k];
     ++m;
   }
   fresh_count->typed_data()[0] = int32_t(m);
@@ -903,27 +913,42 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexUpdate, UpdateImpl,
                                   .Attr<int64_t>("bucket_size")
                                   .Attr<int64_t>("filter_bucket_size"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexFindOwned, FindOwnedImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexOwnedDistinct, OwnedDistinctImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U32>>()  // hi, gathered
                                   .Arg<ffi::Buffer<ffi::U32>>()  // lo
                                   .Arg<ffi::Buffer<ffi::S32>>()  // me, (1,)
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // where
+                                  .Ret<ffi::Buffer<ffi::U32>>()  // distinct hi
+                                  .Ret<ffi::Buffer<ffi::U32>>()  // distinct lo
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // their local buckets
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // count, (1,)
+                                  .Attr<int64_t>("bucket_key")
+                                  .Attr<int64_t>("buckets")
+                                  .Attr<int64_t>("num_shards"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexFindDistinct, FindDistinctImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // where
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // distinct hi
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // distinct lo
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // their local buckets
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // count, (1,)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // now, (1,)
                                   .Arg<ffi::Buffer<ffi::U32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::S32>>()  // last
                                   .Ret<ffi::Buffer<ffi::S32>>()  // local row
                                   .Attr<int64_t>("ttl_steps")
-                                  .Attr<int64_t>("bucket_size")
-                                  .Attr<int64_t>("bucket_key")
-                                  .Attr<int64_t>("buckets")
-                                  .Attr<int64_t>("num_shards"));
+                                  .Attr<int64_t>("bucket_size"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexResolveUpdate, ResolveUpdateImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // hi, gathered
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // lo
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // where
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // distinct hi
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // distinct lo
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // their local buckets
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // count, (1,)
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // keep, (1,)
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // me, (1,)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // now, (1,)
                                   .Arg<ffi::Buffer<ffi::U32>>()   // the IndexState, donated
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -949,7 +974,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexResolveUpdate, ResolveUpdateImpl,
                                   .Attr<int64_t>("prio_key")
                                   .Attr<int64_t>("admit_key")
                                   .Attr<int64_t>("bucket_size")
-                                  .Attr<int64_t>("filter_bucket_size")
-                                  .Attr<int64_t>("bucket_key")
-                                  .Attr<int64_t>("buckets")
-                                  .Attr<int64_t>("num_shards"));
+                                  .Attr<int64_t>("filter_bucket_size"));
