@@ -322,28 +322,42 @@ def gather_ids(tables: list, axis) -> list:
     return out
 
 
-def scatter_rows(tables: list, shapes: list, axis) -> list:
-    """Inside shard_map: every dynamic table's rows to every device in one all-reduce.
+def scatter_rows(tables: list, shapes: list, everywhere: list, axis) -> list:
+    """Inside shard_map: every dynamic table's rows back to the examples' devices, and to
+    every device for the tables whose slot-table exchange gathers the global batch's ids.
     `tables`: per table, (P,) int32, its row + 1 at the positions this shard owns and 0
     elsewhere (each position has one owner, so the sum over devices is its row + 1);
-    `shapes`: per table, its features' (b, L). Returns per table the list of its features'
-    (rows of this device's examples (b, L), rows of the global batch (N·b, L)), -1 where
-    an id has none. The global rows are what the slot table's exchange would all-gather
-    (`_plan.Input.ids_all`): one all-reduce here replaces a reduce-scatter and then an
-    all-gather per feature."""
-    n = lax.axis_size(axis)
-    every = lax.psum(jnp.concatenate([v.reshape(n, -1) for v in tables], axis=1), axis) - 1
-    me = lax.axis_index(axis)
-    out, start = [], 0
-    for table_shapes in shapes:
-        rows = []
-        for shape in table_shapes:
-            m = int(np.prod(shape))
-            block = every[:, start : start + m].reshape((n,) + tuple(shape))
-            global_rows = block.reshape((n * shape[0],) + tuple(shape[1:]))
-            rows.append((lax.dynamic_index_in_dim(block, me, keepdims=False), global_rows))
-            start += m
-        out.append(rows)
+    `shapes`: per table, its features' (b, L); `everywhere`: per table, whether every
+    device needs its rows. Returns per table the list of its features' (rows of this
+    device's examples (b, L), rows of the global batch (N·b, L) or None), -1 where an id
+    has none. The global rows are what the exchange would all-gather
+    (`_plan.Input.ids_all`): one all-reduce for those tables replaces a reduce-scatter and
+    then an all-gather per feature; the others share one reduce-scatter."""
+    n, me = lax.axis_size(axis), lax.axis_index(axis)
+    out: list = [None] * len(tables)
+    for wanted in (True, False):
+        which = [t for t in range(len(tables)) if everywhere[t] == wanted]
+        if not which:
+            continue
+        joined = jnp.concatenate([tables[t].reshape(n, -1) for t in which], axis=1)
+        if wanted:
+            every = lax.psum(joined, axis) - 1
+        else:
+            local = lax.psum_scatter(joined.reshape(-1), axis, scatter_dimension=0, tiled=True)
+            every = (local - 1)[None]
+        start = 0
+        for t in which:
+            rows = []
+            for shape in shapes[t]:
+                m = int(np.prod(shape))
+                block = every[:, start : start + m].reshape((-1,) + tuple(shape))
+                if wanted:
+                    mine = lax.dynamic_index_in_dim(block, me, keepdims=False)
+                    rows.append((mine, block.reshape((n * shape[0],) + tuple(shape[1:]))))
+                else:
+                    rows.append((block[0], None))
+                start += m
+            out[t] = rows
     return out
 
 

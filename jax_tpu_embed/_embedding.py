@@ -968,15 +968,19 @@ class Embedding:
 
     def _dynamic_back(self, plans, parts, values) -> tuple[dict, dict]:
         """({path: (b, L) rows}, {path: (N·b, L) rows of the global batch}) of the dynamic
-        features of `plans` from the tables' gathered rows (`_dynamic.scatter_rows`, one
-        all-reduce for them all). The second, the same on every device, is what the slot
-        tables' exchanges take as `_plan.Input.ids_all` instead of gathering them again."""
+        features of `plans` from the tables' gathered rows (`_dynamic.scatter_rows`). The
+        second, the same on every device, holds the features whose slot table's exchange
+        gathers ids ("gather"), which it takes as `_plan.Input.ids_all` instead of
+        gathering them again; the others' rows come back by one reduce-scatter."""
         if not plans:
             return {}, {}
         shapes = [[parts[p][0].shape for p in plan.features] for plan in plans]
-        rows = _dynamic.scatter_rows(values, shapes, self.axis)
+        stacks = self.plan.stacks
+        everywhere = [stacks[self.plan.stack_of[p.name]].routing == "gather" for p in plans]
+        rows = _dynamic.scatter_rows(values, shapes, everywhere, self.axis)
         pairs = {p: r for plan, rs in zip(plans, rows) for p, r in zip(plan.features, rs)}
-        return {p: r[0] for p, r in pairs.items()}, {p: r[1] for p, r in pairs.items()}
+        gathered = {p: r[1] for p, r in pairs.items() if r[1] is not None}
+        return {p: r[0] for p, r in pairs.items()}, gathered
 
     def _scale(self, plan, path: str, split):
         """(B, L) float32: each position's factor under its table's own combiner, over all

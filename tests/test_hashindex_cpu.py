@@ -353,3 +353,54 @@ def test_update_is_in_place(shards):
     assert pointers(state) == before
     assert ((np.asarray(row) >= 0).sum(0) == 1).all()  # every id has a row, on its owner
     assert np.asarray(state.stats)[:, hx.STAT_NAMES.index("hits")].sum() == u
+
+
+def _compiled_step(tables: int, dynamic: bool, mesh):
+    """The optimized HLO of a jitted lookup and update of `tables` one-feature tables,
+    dynamic (C++ index) or static, on `mesh`."""
+    import jax_tpu_embed as jte
+
+    configs = {
+        f"t{i}": jte.TableConfig(
+            None if dynamic else 1000,
+            8,
+            combiner="sum",
+            name=f"t{i}",
+            dynamic=jte.DynamicTable(capacity=1024) if dynamic else None,
+        )
+        for i in range(tables)
+    }
+    spec = jte.EmbeddingSpec(
+        {n: jte.FeatureConfig(t) for n, t in configs.items()}, jte.Adagrad(learning_rate=0.1)
+    )
+    emb = jte.Embedding(spec, mesh)
+    assert set(emb.backends.values()) == {"cpu"}
+    ids = np.random.default_rng(0).integers(0, 1000, (16, 3))
+    batch = {n: jte.split_ids(ids) if dynamic else ids for n in configs}
+
+    def step(state, batch):
+        acts = emb.lookup(state, batch)
+        return emb.apply_gradients(state, batch, jax.tree.map(lambda a: 0.5 * a + 1, acts))
+
+    return jax.jit(step).lower(emb.init(jax.random.key(0)), batch).compile().as_text()
+
+
+def test_a_step_resolves_each_tables_ids_once():
+    """In one jitted lookup and update of dynamic tables: one locate and deduplication of
+    each table's ids (`owned_distinct`, shared by the find and the update), one all-gather
+    of all tables' ids, and one all-reduce of their rows each way, which the slot tables'
+    exchange takes as its gathered ids: per table, no collective beyond the static step's
+    (which all-gathers each table's ids, once for both)."""
+    import re
+
+    mesh = make_mesh(2)
+    count = lambda hlo, pattern: len(re.findall(pattern, hlo))
+    collective = r"= \S+ (?:all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\("
+    tables = 3
+    dyn, static = (_compiled_step(tables, d, mesh) for d in (True, False))
+    assert count(dyn, r'custom_call_target="jte_hashindex_owned_distinct"') == tables
+    assert count(dyn, r'custom_call_target="jte_hashindex_find_distinct"') == tables
+    # Static: each table's ids all-gathered, activations reduce-scattered, gradients
+    # all-gathered. Dynamic: the same but the ids' all-gathers, plus 3 for all tables.
+    assert count(static, collective) >= 3 * tables
+    assert count(dyn, collective) == count(static, collective) - tables + 3
