@@ -58,7 +58,7 @@ def remapped(wl) -> list[list[np.ndarray]]:
     return out
 
 
-def make_step(wl, dynamic_capacity: int | None):
+def make_step(wl, dynamic_capacity: int | None, combiner: str = "sum"):
     c = wl.config
     mesh = Mesh(np.array(jax.devices()), ("shard",))
     names = [f"t{i}" for i in range(c.tables)]
@@ -66,7 +66,7 @@ def make_step(wl, dynamic_capacity: int | None):
         jte.TableConfig(
             None if dynamic_capacity else c.vocabulary_size,
             c.dim,
-            combiner="sum",
+            combiner=combiner,
             name=n,
             dynamic=jte.DynamicTable(capacity=dynamic_capacity) if dynamic_capacity else None,
         )
@@ -107,7 +107,7 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def step_times(wl, occupancy: float, steps: int) -> dict:
+def step_times(wl, occupancy: float, steps: int, combiner: str = "sum") -> dict:
     distinct = max(
         len(np.unique(np.concatenate([wl.ids[k][t].ravel() for k in range(wl.num_batches)])))
         for t in range(wl.config.tables)
@@ -115,7 +115,7 @@ def step_times(wl, occupancy: float, steps: int) -> dict:
     capacity = int(np.ceil(distinct / occupancy / 64)) * 64
     runs = {}
     for label, cap in (("static", None), ("dynamic", capacity)):
-        emb, fn, batches, R = make_step(wl, cap)
+        emb, fn, batches, R = make_step(wl, cap, combiner)
         state = emb.init(jax.random.key(0))
         for k in range(wl.num_batches):  # Compile, and fill the dynamic tables.
             state, _ = fn(state, batches[k], R)
@@ -237,6 +237,7 @@ def main(argv=None) -> int:
     p.add_argument("--workload", default="W0")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--occupancy", type=float, default=0.8)
+    p.add_argument("--combiner", default="sum", help="the tables' combiner: sum, mean, sqrtn")
     p.add_argument("--eviction-occupancy", type=float, default=0.85)
     p.add_argument("--eviction-steps", type=int, default=200)
     p.add_argument("--tpu", default=None, help="a topology, e.g. v5p:2x2x1")
@@ -245,9 +246,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     wl = workloads.generate(workloads.load_config(args.workload))
     result = {"workload": args.workload, "devices": len(jax.devices())}
-    result["step"] = step_times(wl, args.occupancy, args.steps)
+    result["step"] = step_times(wl, args.occupancy, args.steps, args.combiner)
     s = result["step"]
-    print(f"{args.workload} train step, {len(jax.devices())} CPU devices (median ms)")
+    print(
+        f"{args.workload} train step, {args.combiner} combiner, {len(jax.devices())} CPU "
+        f"devices (median ms)"
+    )
     print(
         f"  static {s['static_ms']:9.1f}   dynamic {s['dynamic_ms']:9.1f}   ratio {s['ratio']:.2f}x"
     )

@@ -320,8 +320,9 @@ class CpuBackend(_backend.Backend):
     def lookup(self, call, table, inputs, axis):
         plan = call.plan
         out = {}
-        for f, ids, weights, every in inputs:
-            ids_all, w_all = _streams.gathered(ids, weights, axis, every)
+        for i in inputs:
+            f = i.feature
+            ids_all, w_all = _streams.gathered(i, axis)
             mine, local = _streams.owned(plan, f, ids_all, axis)
             scale = jnp.where(mine, _streams.feature_scale(f, w_all), 0.0)
             if f.config.is_sequence:
@@ -334,8 +335,9 @@ class CpuBackend(_backend.Backend):
     def update(self, call, table, slots, inputs, grads, step, axis):
         plan = call.plan
         keys, g, pooled = [], [], None
-        for f, ids, weights, every in inputs:
-            ids_all, w_all = _streams.gathered(ids, weights, axis, every)
+        for i in inputs:
+            f = i.feature
+            ids_all, w_all = _streams.gathered(i, axis)
             mine, local = _streams.owned(plan, f, ids_all, axis)
             scale = _streams.feature_scale(f, w_all)
             grad_all = lax.all_gather(grads[f.path], axis, tiled=True).astype(jnp.float32)

@@ -322,6 +322,19 @@ def gather_ids(tables: list, axis) -> list:
     return out
 
 
+def by_feature(x, shapes: list, n: int) -> list:
+    """A table's values at its gathered positions ((P,): device by device, each device's
+    features flattened and joined, as `gather_ids` lays them out) -> per feature, its
+    global (N·b, L) array from its (b, L) shape in `shapes`."""
+    x = x.reshape(n, -1)
+    out, start = [], 0
+    for shape in shapes:
+        m = int(np.prod(shape))
+        out.append(x[:, start : start + m].reshape((n * shape[0],) + tuple(shape[1:])))
+        start += m
+    return out
+
+
 def scatter_rows(tables: list, shapes: list, everywhere: list, axis) -> list:
     """Inside shard_map: every dynamic table's rows back to the examples' devices, and to
     every device for the tables whose slot-table exchange gathers the global batch's ids.

@@ -924,9 +924,10 @@ class Embedding:
 
     def _dynamic_rows(self, index, step, split) -> tuple[dict, dict]:
         """({path: (B, L) int32 slot-table rows of the ids, -1 where an id has none}, the
-        same rows on every device for the features whose tables resolve by all-gather
-        (`_dynamic_back`))."""
+        global batch's rows and factors on every device for the features whose tables
+        resolve by all-gather (`_dynamic_back`))."""
         row = P(self.axis)
+        scaled = self._scaled_by_ids(split)
 
         def local(index, parts, step):
             plans = [p for p in self.dynamic.values() if p.route == "gather"]
@@ -945,7 +946,7 @@ class Embedding:
                 )
                 for plan, (hi, lo) in zip(plans, ids)
             ]
-            out, gathered = self._dynamic_back(plans, parts, values)
+            out, gathered = self._dynamic_back(plans, parts, values, ids, scaled)
             for plan in self.dynamic.values():
                 if plan.route == "owner":
                     mine = [parts[p] for p in plan.features]
@@ -966,21 +967,52 @@ class Embedding:
         specs = (self._dynamic_specs(), row, P())
         return self._shard_map(local, specs, (row, P()))(index, parts, step)
 
-    def _dynamic_back(self, plans, parts, values) -> tuple[dict, dict]:
-        """({path: (b, L) rows}, {path: (N·b, L) rows of the global batch}) of the dynamic
-        features of `plans` from the tables' gathered rows (`_dynamic.scatter_rows`). The
-        second, the same on every device, holds the features whose slot table's exchange
-        gathers ids ("gather"), which it takes as `_plan.Input.ids_all` instead of
-        gathering them again; the others' rows come back by one reduce-scatter."""
+    def _dynamic_back(self, plans, parts, values, ids, scaled) -> tuple[dict, dict]:
+        """({path: (b, L) rows}, {path: (rows, factors or None) of the global batch}) of
+        the dynamic features of `plans` from the tables' gathered rows (`values`,
+        `_dynamic.scatter_rows`) and ids (`ids`, `_dynamic.gather_ids`'s). The second, the
+        same on every device, holds the features whose slot table's exchange gathers ids
+        ("gather"), which it takes as `_plan.Input.ids_all` and `weights_all` instead of
+        gathering them again: their rows, and for the features in `scaled` their factors,
+        computed here from the gathered ids. The other tables' rows come back by one
+        reduce-scatter."""
         if not plans:
             return {}, {}
         shapes = [[parts[p][0].shape for p in plan.features] for plan in plans]
         stacks = self.plan.stacks
         everywhere = [stacks[self.plan.stack_of[p.name]].routing == "gather" for p in plans]
         rows = _dynamic.scatter_rows(values, shapes, everywhere, self.axis)
-        pairs = {p: r for plan, rs in zip(plans, rows) for p, r in zip(plan.features, rs)}
-        gathered = {p: r[1] for p, r in pairs.items() if r[1] is not None}
-        return {p: r[0] for p, r in pairs.items()}, gathered
+        local, gathered = {}, {}
+        n = lax.axis_size(self.axis)
+        for plan, table_rows, (hi, lo), table_shapes in zip(plans, rows, ids, shapes):
+            his, los = (_dynamic.by_feature(x, table_shapes, n) for x in (hi, lo))
+            combiner = self._spec_tables[plan.name].combiner
+            for (path, f), (mine, every), h, lo_f in zip(
+                plan.features.items(), table_rows, his, los
+            ):
+                local[path] = mine
+                if every is not None:
+                    scale = None
+                    if path in scaled:
+                        scale = _dynamic.scaled_weights(f, combiner, h, lo_f, None)
+                    gathered[path] = (every, scale)
+        return local, gathered
+
+    def _scaled_by_ids(self, split) -> set:
+        """The dynamic features whose engine leaf is Weighted (`_dynamic_leaves`) with
+        factors that depend on their ids alone (no weights given)."""
+        return {
+            path
+            for plan in self.dynamic.values()
+            for path, f in plan.features.items()
+            if split[path][2] is None and self._weighted(plan, f, split[path][2])
+        }
+
+    def _weighted(self, plan, feature, weights) -> bool:
+        """Whether a dynamic feature's engine leaf carries factors (`_dynamic_leaves`):
+        unless they are all 1 (no weights, and a sum or a sequence)."""
+        plain = self._spec_tables[plan.name].combiner == "sum"
+        return not (weights is None and (plain or feature.is_sequence))
 
     def _scale(self, plan, path: str, split):
         """(B, L) float32: each position's factor under its table's own combiner, over all
@@ -995,12 +1027,11 @@ class Embedding:
         Weighted(rows, each position's factor, `_scale`)."""
         out = {}
         for plan in self.dynamic.values():
-            plain = self._spec_tables[plan.name].combiner == "sum"
             for path, f in plan.features.items():
-                if split[path][2] is None and (plain or f.is_sequence):
-                    out[path] = rows[path]
-                else:
+                if self._weighted(plan, f, split[path][2]):
                     out[path] = _inputs.Weighted(rows[path], self._scale(plan, path, split))
+                else:
+                    out[path] = rows[path]
         return out
 
     def _initial_rows(self, index, split, rows) -> dict:
@@ -1029,12 +1060,13 @@ class Embedding:
     def _admit(self, state, split, ok):
         """One step of the dynamic tables' indexes (admission, eviction, the reset of the
         rows they give to new ids) -> (index, tables, slots, {path: rows}, fresh, gathered):
-        `gathered` as `_dynamic_rows`'s; `fresh`
-        {table name: (rows, hi, lo)} holds the resets of tables in host memory, which the
-        update makes (`_dynamic.update_rows`, `_dynamic.Fresh`). Tables whose updates route
-        (`_dynamic_owner.routes_updates`) are resolved at their owners."""
+        `gathered` as `_dynamic_rows`'s; `fresh` {table name: (rows, hi, lo)} holds the
+        resets of tables in host memory, which the update makes (`_dynamic.update_rows`,
+        `_dynamic.Fresh`). Tables whose updates route (`_dynamic_owner.routes_updates`) are
+        resolved at their owners."""
         row = P(self.axis)
         names = list(self.dynamic)
+        scaled = self._scaled_by_ids(split)
         routed = [
             name
             for name in names
@@ -1082,7 +1114,7 @@ class Embedding:
                 values.append(rows)
                 if resets is not None:
                     fresh[name] = resets
-            back, gathered = self._dynamic_back(plans, parts, values)
+            back, gathered = self._dynamic_back(plans, parts, values, ids, scaled)
             out.update(back)
             return new_index, new_tables, new_slots, out, fresh, gathered
 

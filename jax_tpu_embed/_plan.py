@@ -90,14 +90,16 @@ class FeaturePlan:
 class Input(NamedTuple):
     """One feature's shard of the batch: ids (b, L) int32, -1 where none; weights (b, L)
     float32, or None when the feature has none (derived from the ids where needed).
-    `ids_all`: the global batch's ids (N·b, L), device by device, when the caller has
-    them already (a dynamic table's rows, which its resolution sums over the devices), so
-    that an exchange needs no all-gather of its own; None: the exchange gathers them."""
+    `ids_all`, `weights_all`: the global batch's ids and weights (N·b, L), device by
+    device, when the caller has them already (a dynamic table's rows, which its resolution
+    sums over the devices, and their factors, which every device computes from the
+    gathered ids), so that an exchange gathers neither; None: the exchange gathers them."""
 
     feature: FeaturePlan
     ids: jax.Array
     weights: jax.Array | None
     ids_all: jax.Array | None = None
+    weights_all: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,17 +186,20 @@ class EmbeddingPlan:
         )
 
     def inputs(
-        self, feats: Mapping[str, tuple], ids_all: Mapping[str, jax.Array] | None = None
+        self, feats: Mapping[str, tuple], gathered: Mapping[str, tuple] | None = None
     ) -> dict[str, list[Input]]:
         """{state key: the Inputs of its tables' features, in member order} from {feature
-        path: (ids, weights)} and the global ids of those that have them ({feature path:
-        `Input.ids_all`}); keys without features are left out."""
-        ids_all = ids_all or {}
+        path: (ids, weights)} and the global batch of those that have it ({feature path:
+        (`Input.ids_all`, `Input.weights_all`)}); keys without features are left out."""
+        gathered = gathered or {}
         by_table: dict[str, list[Input]] = {}
         for f in self.features:
             if f.path in feats:
                 ids, weights = feats[f.path]
-                by_table.setdefault(f.table, []).append(Input(f, ids, weights, ids_all.get(f.path)))
+                ids_all, weights_all = gathered.get(f.path, (None, None))
+                by_table.setdefault(f.table, []).append(
+                    Input(f, ids, weights, ids_all, weights_all)
+                )
         return {
             name: [i for t in plan.tables for i in by_table.get(t, [])]
             for name, plan in self.stacks.items()

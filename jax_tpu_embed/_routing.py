@@ -88,7 +88,7 @@ class _Local:
         self.n = lax.axis_size(axis)
         self.s = s
         keys, outs, scales, parts, first = [], [], [], [], 0
-        for f, ids, weights, _ in inputs:  # Owner routing sends local ids only.
+        for f, ids, weights, *_ in inputs:  # Owner routing sends local ids only.
             b, l = ids.shape
             # Each feature's pairs as (L, b), joined along L and then flattened: the TPU
             # compiler lays narrow (b, L) ids out column-major, and joining the features'

@@ -20,18 +20,21 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _inputs, _layout
-from ._plan import CallPlan, FeaturePlan, TablePlan
+from ._plan import CallPlan, FeaturePlan, Input, TablePlan
 from ._rowindex import NOT_MINE
 
 
-def gathered(ids, weights, axis, ids_all=None):
-    """Global-batch ids and weights (weights derived from ids when the feature has none);
-    the ids gathered here unless given (`Input.ids_all`)."""
+def gathered(i: Input, axis):
+    """Global-batch ids and weights of one feature's Input (weights derived from ids when
+    the feature has none); each gathered here unless the Input holds it already."""
+    ids_all = i.ids_all
     if ids_all is None:
-        ids_all = lax.all_gather(ids, axis, tiled=True)
-    if weights is None:
+        ids_all = lax.all_gather(i.ids, axis, tiled=True)
+    if i.weights is None:
         return ids_all, (ids_all >= 0).astype(jnp.float32)
-    return ids_all, lax.all_gather(weights, axis, tiled=True)
+    if i.weights_all is not None:
+        return ids_all, i.weights_all
+    return ids_all, lax.all_gather(i.weights, axis, tiled=True)
 
 
 def owned(plan: TablePlan, feature: FeaturePlan, ids_all, axis):
@@ -166,7 +169,7 @@ class Stream:
         return lax.while_loop(lambda state: state[0] < self.count, step, (jnp.int32(0), carry))[1]
 
 
-def _flat_pairs(f: FeaturePlan, ids, weights, axis, columns: bool, ids_all=None):
+def _flat_pairs(i: Input, axis, columns: bool):
     """The global batch's (ids, scales), each (B·L,) in position order (`_position`).
 
     Flattened on the local shard before the all-gather: a (B, L) array with L < 128 is
@@ -175,19 +178,26 @@ def _flat_pairs(f: FeaturePlan, ids, weights, axis, columns: bool, ids_all=None)
     column-major, so that order is a free reshape where row by row is a transposing copy;
     elsewhere row by row. The
     combiner's per-example sums use the local rows; a plain sum needs no weights at all:
-    its scales are None, 1 for every id (padding is never owned). `ids_all`: the global
-    (N·b, L) ids when the caller has them (`Input.ids_all`), laid out here as the gather
-    would lay them out."""
+    its scales are None, 1 for every id (padding is never owned). Where the Input holds
+    the global (N·b, L) ids or weights (`Input.ids_all`, `weights_all`), they are laid out
+    here as the gather would lay them out, and not gathered."""
+    f, ids, weights = i.feature, i.ids, i.weights
     flat = (lambda x: x.T.reshape(-1)) if columns else (lambda x: x.reshape(-1))
-    if ids_all is None:
+    b, length = ids.shape
+    # A global (N·b, L) array as the tiled all-gather of `flat` of each device's block.
+    flat_all = (
+        (lambda x: x.reshape(-1, b, length).transpose(0, 2, 1).reshape(-1))
+        if columns
+        else (lambda x: x.reshape(-1))
+    )
+    if i.ids_all is None:
         ids_all = lax.all_gather(flat(ids), axis, tiled=True)
-    elif columns:  # Each device's block column by column.
-        b, length = ids.shape
-        ids_all = ids_all.reshape(-1, b, length).transpose(0, 2, 1).reshape(-1)
     else:
-        ids_all = ids_all.reshape(-1)
+        ids_all = flat_all(i.ids_all)
     if weights is None and (f.config.is_sequence or f.table_config.combiner == "sum"):
         return ids_all, None
+    if weights is not None and i.weights_all is not None:
+        return ids_all, flat_all(feature_scale(f, i.weights_all))
     w = (ids >= 0).astype(jnp.float32) if weights is None else weights
     return ids_all, lax.all_gather(flat(feature_scale(f, w)), axis, tiled=True)
 
@@ -214,8 +224,9 @@ def build(
     plan = call.plan
     n = lax.axis_size(axis)
     items = []
-    for f, ids, weights, every in inputs:
-        ids_all, scale = _flat_pairs(f, ids, weights, axis, plan.on_tpu, every)
+    for i in inputs:
+        f, ids = i.feature, i.ids
+        ids_all, scale = _flat_pairs(i, axis, columns=plan.on_tpu)
         mine, local = owned(plan, f, ids_all, axis)
         b, l = ids.shape[0] * n, ids.shape[1]
         example, position = _position(

@@ -355,7 +355,7 @@ def test_update_is_in_place(shards):
     assert np.asarray(state.stats)[:, hx.STAT_NAMES.index("hits")].sum() == u
 
 
-def _compiled_step(tables: int, dynamic: bool, mesh):
+def _compiled_step(tables: int, dynamic: bool, mesh, combiner: str):
     """The optimized HLO of a jitted lookup and update of `tables` one-feature tables,
     dynamic (C++ index) or static, on `mesh`."""
     import jax_tpu_embed as jte
@@ -364,7 +364,7 @@ def _compiled_step(tables: int, dynamic: bool, mesh):
         f"t{i}": jte.TableConfig(
             None if dynamic else 1000,
             8,
-            combiner="sum",
+            combiner=combiner,
             name=f"t{i}",
             dynamic=jte.DynamicTable(capacity=1024) if dynamic else None,
         )
@@ -385,19 +385,21 @@ def _compiled_step(tables: int, dynamic: bool, mesh):
     return jax.jit(step).lower(emb.init(jax.random.key(0)), batch).compile().as_text()
 
 
-def test_a_step_resolves_each_tables_ids_once():
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_a_step_resolves_each_tables_ids_once(combiner):
     """In one jitted lookup and update of dynamic tables: one locate and deduplication of
     each table's ids (`owned_distinct`, shared by the find and the update), one all-gather
     of all tables' ids, and one all-reduce of their rows each way, which the slot tables'
-    exchange takes as its gathered ids: per table, no collective beyond the static step's
-    (which all-gathers each table's ids, once for both)."""
+    exchange takes as its gathered ids (and, for a mean, the factors every device computes
+    from the gathered ids): per table, no collective beyond the static step's (which
+    all-gathers each table's ids, once for both)."""
     import re
 
     mesh = make_mesh(2)
     count = lambda hlo, pattern: len(re.findall(pattern, hlo))
     collective = r"= \S+ (?:all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\("
     tables = 3
-    dyn, static = (_compiled_step(tables, d, mesh) for d in (True, False))
+    dyn, static = (_compiled_step(tables, d, mesh, combiner) for d in (True, False))
     assert count(dyn, r'custom_call_target="jte_hashindex_owned_distinct"') == tables
     assert count(dyn, r'custom_call_target="jte_hashindex_find_distinct"') == tables
     # Static: each table's ids all-gathered, activations reduce-scattered, gradients
