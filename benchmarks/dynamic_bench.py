@@ -2,6 +2,7 @@
 
     python benchmarks/dynamic_bench.py                  # W0 step times + eviction quality
     python benchmarks/dynamic_bench.py --workload W1 --steps 5 --json out.json
+    python benchmarks/dynamic_bench.py --combiner mean  # the tables combine by mean
     python benchmarks/dynamic_bench.py --tpu v5p:2x2x1  # also TPU compiler bytes (no TPU needed)
 
 1. CPU train step (lookup, backward, update; jitted, state donated) on the workload's tables
