@@ -266,7 +266,10 @@ def update_rows(
     n, me = lax.axis_size(axis), lax.axis_index(axis)
     config = plan.index
     m = hi.shape[0]
-    ids, owned = _distinct(plan, hi, lo, ~_dynamic.is_pad(hi, lo) & keep, axis)
+    # The lookup's distinct ids (one sort that a step's lookup and update share: XLA merges
+    # the two equal computations); a skipped table sends none of them.
+    ids, owned = _distinct(plan, hi, lo, ~_dynamic.is_pad(hi, lo), axis)
+    ids = ids._replace(bounds=jnp.where(keep, ids.bounds, 0))
     cd = capacity(plan, m, n)
 
     # Every id's rules 1-3 first: 0 rejected (or none), 1 admitted, row + 2 a hit.

@@ -175,6 +175,30 @@ def test_matches_the_dict_reference(n, routing, backend, combiner, kind):
     assert stats["evicted"] == stats["failed"] == stats["rejected"] == 0
 
 
+@pytest.mark.parametrize(
+    "routing, backend",
+    [("gather", "cpu"), pytest.param("gather", "xla", marks=pytest.mark.slow), ("owner", "xla")],
+)
+def test_a_skipped_step_leaves_the_table_and_its_index_alone(routing, backend):
+    """A step whose gradients for the dynamic table are not finite skips it: its index (no
+    admission, no eviction, no score), rows and slots stay bit for bit, on each resolution
+    (the lookup's distinct ids are the update's, and a skipped table's are not sent)."""
+    spec = spec_of(jte.DynamicTable(capacity=256, bucket_size=16), "mean")
+    emb = jte.Embedding(spec, make_mesh(2), routing=routing, backend=backend)
+    state = emb.init(jax.random.key(5))
+    stream = batches(4, 3, pool_size=400)
+    for feats, grads in stream[:2]:
+        state = emb.apply_gradients(state, feats, grads)
+    feats, grads = stream[2]  # New ids among them: they would be admitted.
+    grads = {**grads, "user": np.where(np.arange(DIM) == 3, np.nan, grads["user"])}
+    users_of = lambda s: jax.device_get((s.tables["users"], s.slots["users"], s.index["users"]))
+    before = users_of(state)
+    state, skipped = emb.apply_gradients(state, feats, grads, return_skipped=True)
+    assert int(skipped["users"]) == 1 and int(skipped["items"]) == 0
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(users_of(state))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def run_stream(
     n, routing, dynamic, steps, seed=2, strategy="div", dtype=jnp.float32, batch=8, **options
 ):
