@@ -927,13 +927,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexOwnedDistinct, OwnedDistinctImpl,
                                   .Attr<int64_t>("buckets")
                                   .Attr<int64_t>("num_shards"));
 
+namespace {
+// The operands that take `OwnedDistinctImpl`'s results: where, distinct hi and lo, their
+// local buckets, count (1,).
+template <typename B>
+auto DistinctArgs(B binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::U32>>()
+      .template Arg<ffi::Buffer<ffi::U32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>();
+}
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexFindDistinct, FindDistinctImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // where
-                                  .Arg<ffi::Buffer<ffi::U32>>()  // distinct hi
-                                  .Arg<ffi::Buffer<ffi::U32>>()  // distinct lo
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // their local buckets
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // count, (1,)
+                              DistinctArgs(ffi::Ffi::Bind())
                                   .Arg<ffi::Buffer<ffi::S32>>()  // now, (1,)
                                   .Arg<ffi::Buffer<ffi::U32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::S32>>()  // last
@@ -942,12 +951,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexFindDistinct, FindDistinctImpl,
                                   .Attr<int64_t>("bucket_size"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexResolveUpdate, ResolveUpdateImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // where
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // distinct hi
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // distinct lo
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // their local buckets
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // count, (1,)
+                              DistinctArgs(ffi::Ffi::Bind())
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // keep, (1,)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // now, (1,)
                                   .Arg<ffi::Buffer<ffi::U32>>()   // the IndexState, donated
