@@ -984,18 +984,17 @@ class Embedding:
         rows = _dynamic.scatter_rows(values, shapes, everywhere, self.axis)
         local, gathered = {}, {}
         n = lax.axis_size(self.axis)
-        for plan, table_rows, (hi, lo), table_shapes in zip(plans, rows, ids, shapes):
-            his, los = (_dynamic.by_feature(x, table_shapes, n) for x in (hi, lo))
+        for plan, table_rows, table_ids, table_shapes in zip(plans, rows, ids, shapes):
             combiner = self._spec_tables[plan.name].combiner
-            for (path, f), (mine, every), h, lo_f in zip(
-                plan.features.items(), table_rows, his, los
-            ):
+            for k, ((path, f), (mine, every)) in enumerate(zip(plan.features.items(), table_rows)):
                 local[path] = mine
-                if every is not None:
-                    scale = None
-                    if path in scaled:
-                        scale = _dynamic.scaled_weights(f, combiner, h, lo_f, None)
-                    gathered[path] = (every, scale)
+                if every is None:
+                    continue
+                scale = None
+                if path in scaled:
+                    hi, lo = (_dynamic.by_feature(x, table_shapes, n)[k] for x in table_ids)
+                    scale = _dynamic.scaled_weights(f, combiner, hi, lo, None)
+                gathered[path] = (every, scale)
         return local, gathered
 
     def _scaled_by_ids(self, split) -> set:
