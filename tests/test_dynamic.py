@@ -199,6 +199,64 @@ def test_a_skipped_step_leaves_the_table_and_its_index_alone(routing, backend):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+class _Unweighted(Reference):
+    """The reference of one unweighted multi-hot feature, "user"."""
+
+    def features(self, feats):
+        return [(feats["user"], self.scales(feats["user"], None, False), False)]
+
+
+def _unweighted_run(n, combiner, backend, tpu_layout, dynamic, stream):
+    users = jte.TableConfig(dim=DIM, combiner=combiner, name="users", dynamic=dynamic)
+    spec = jte.EmbeddingSpec({"user": jte.FeatureConfig(users)}, jte.Adagrad(learning_rate=LR))
+    emb = jte.Embedding(spec, make_mesh(n), backend=backend, tpu_layout=tpu_layout)
+    state = emb.init(jax.random.key(7))
+    lookups = []
+    for ids, grad in stream:
+        lookups.append(np.asarray(emb.lookup(state, {"user": ids})["user"]))
+        state = emb.apply_gradients(state, {"user": ids}, {"user": grad})
+    return emb, state, lookups
+
+
+@pytest.mark.parametrize("combiner", ["mean", pytest.param("sqrtn", marks=pytest.mark.slow)])
+def test_unweighted_factors_computed_from_the_gathered_ids(combiner):
+    """An unweighted feature under mean or sqrtn: every device computes its factors from the
+    step's gathered ids (`_plan.Input.weights_all`) instead of gathering them. Against the
+    float64 reference on 2 devices (C++ kernels, rows laid out row by row); and, with an
+    admission filter on TPU layouts (the updates resolve by all-gather, and the exchange
+    lays the global factors out column by column), against one device's plain run."""
+    rng = np.random.default_rng(11)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=300, dtype=np.int64)
+    stream = [
+        (draw_ids(rng, (8, 4), pool), rng.normal(size=(8, DIM)).astype(np.float32))
+        for _ in range(5)
+    ]
+    emb, state, lookups = _unweighted_run(
+        2, combiner, "cpu", False, jte.DynamicTable(capacity=4096, bucket_size=64), stream
+    )
+    ref = _Unweighted(key_words(state), combiner)
+    for (ids, grad), got in zip(stream, lookups):
+        want = ref.lookup({"user": ids})[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        ref.update({"user": ids}, {"user": grad, "hist": None})  # One feature: no "hist".
+    out = users(emb.export(state)["users"])
+    np.testing.assert_allclose(
+        out.rows, np.stack([ref.rows[int(i)][0] for i in out.ids]), rtol=1e-5, atol=1e-6
+    )
+    filtered = jte.DynamicTable(capacity=64, bucket_size=8, min_count=2, filter_capacity=32)
+    base = _unweighted_run(1, combiner, "xla", False, filtered, stream)
+    run = _unweighted_run(4, combiner, "xla", True, filtered, stream)
+    assert run[0].dynamic["users"].route == "owner"
+    assert jax.tree.map(int, run[0].dynamic_stats(run[1])) == jax.tree.map(
+        int, base[0].dynamic_stats(base[1])
+    )
+    a, b = users(run[0].export(run[1])["users"]), users(base[0].export(base[1])["users"])
+    np.testing.assert_array_equal(a.ids, b.ids)
+    np.testing.assert_allclose(a.rows, b.rows, rtol=1e-6, atol=1e-7)
+    for x, y in zip(run[2], base[2]):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
+
 def run_stream(
     n, routing, dynamic, steps, seed=2, strategy="div", dtype=jnp.float32, batch=8, **options
 ):
