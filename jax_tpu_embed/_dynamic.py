@@ -323,9 +323,9 @@ def gather_ids(tables: list, axis) -> list:
 
 
 def by_feature(x, shapes: list, n: int) -> list:
-    """A table's values at its gathered positions ((P,): device by device, each device's
-    features flattened and joined, as `gather_ids` lays them out) -> per feature, its
-    global (N·b, L) array from its (b, L) shape in `shapes`."""
+    """A table's values at the positions of `n` devices ((P,) or (n, P / n): device by
+    device, each device's features flattened and joined, as `gather_ids` lays them out)
+    -> per feature, its (n·b, L) array from its (b, L) shape in `shapes`."""
     x = x.reshape(n, -1)
     out, start = [], 0
     for shape in shapes:
@@ -353,24 +353,23 @@ def scatter_rows(tables: list, shapes: list, everywhere: list, axis) -> list:
         if not which:
             continue
         joined = jnp.concatenate([tables[t].reshape(n, -1) for t in which], axis=1)
-        if wanted:
+        if wanted:  # (N, Σ): every device's positions.
             every = lax.psum(joined, axis) - 1
-        else:
-            local = lax.psum_scatter(joined.reshape(-1), axis, scatter_dimension=0, tiled=True)
-            every = (local - 1)[None]
+        else:  # (1, Σ): this device's positions (row `me` of `joined`).
+            every = lax.psum_scatter(joined.reshape(-1), axis, scatter_dimension=0, tiled=True)
+            every = every[None] - 1
         start = 0
         for t in which:
-            rows = []
-            for shape in shapes[t]:
-                m = int(np.prod(shape))
-                block = every[:, start : start + m].reshape((-1,) + tuple(shape))
-                if wanted:
-                    mine = lax.dynamic_index_in_dim(block, me, keepdims=False)
-                    rows.append((mine, block.reshape((n * shape[0],) + tuple(shape[1:]))))
-                else:
-                    rows.append((block[0], None))
-                start += m
-            out[t] = rows
+            width = tables[t].size // n
+            rows = by_feature(every[:, start : start + width], shapes[t], every.shape[0])
+            if wanted:
+                mine = [
+                    lax.dynamic_slice_in_dim(r, me * s[0], s[0]) for r, s in zip(rows, shapes[t])
+                ]
+                out[t] = list(zip(mine, rows))
+            else:
+                out[t] = [(r, None) for r in rows]
+            start += width
     return out
 
 
