@@ -87,6 +87,12 @@ class DynamicPlan:
     route: str = "gather"
 
     @property
+    def compaction(self) -> str:
+        """How a few entries of a mask are moved to the front (`_first`): "sort" on TPU
+        layouts, "cpu" (a C++ kernel) beside the C++ index, else "nonzero"."""
+        return "sort" if self.compact else "cpu" if self.kernel == "cpu" else "nonzero"
+
+    @property
     def rows(self) -> int:
         """Rows of the slot table (the capacity rounded up to whole buckets per shard)."""
         return self.index.buckets * self.index.bucket_size
@@ -235,7 +241,7 @@ def id_words(hi, lo):
     return _storage.mix32(hi ^ _storage.mix32(lo + jnp.uint32(0x9E3779B9)))
 
 
-def initial_rows_where(key, hi, lo, mask, dim: int, by_sort: bool = False):
+def initial_rows_where(key, hi, lo, mask, dim: int, how: str = "nonzero"):
     """`initial_rows` where `mask`, zeros elsewhere, drawing only the masked ones while they
     are at most an eighth of all (a trained table's lookups and updates mostly find their
     ids), every row otherwise: the same values either way."""
@@ -243,7 +249,7 @@ def initial_rows_where(key, hi, lo, mask, dim: int, by_sort: bool = False):
     flat = mask.reshape(-1)
 
     def few(k):
-        at, (p_hi, p_lo) = _first(flat, k, hi.reshape(-1), lo.reshape(-1), by_sort=by_sort)
+        at, (p_hi, p_lo) = _first(flat, k, hi.reshape(-1), lo.reshape(-1), how=how)
         rows = initial_rows(key, p_hi, p_lo, dim)
         out = jnp.zeros((n, dim), jnp.float32).at[at].set(rows, mode="drop")
         return out.reshape(shape + (dim,))
@@ -254,7 +260,7 @@ def initial_rows_where(key, hi, lo, mask, dim: int, by_sort: bool = False):
     return _by_count(jnp.sum(flat, dtype=jnp.int32), n, few, every, shape + (dim,))
 
 
-def missing_rows(key, hi, lo, scale, missing, dim: int, by_sort: bool = False):
+def missing_rows(key, hi, lo, scale, missing, dim: int, how: str = "nonzero"):
     """Σ_l scale·(initial row) over the positions `missing` of (b, L) ids: (b, dim) float32,
     a combined feature's part from its ids without a row. Draws only those while they are
     at most `_few` of all, adding them into their examples; every row otherwise."""
@@ -264,7 +270,7 @@ def missing_rows(key, hi, lo, scale, missing, dim: int, by_sort: bool = False):
     def few(k):
         flat = lambda x: x.reshape(-1)
         at, (p_hi, p_lo, p_scale) = _first(
-            flat(missing), k, flat(hi), flat(lo), flat(scale), by_sort=by_sort
+            flat(missing), k, flat(hi), flat(lo), flat(scale), how=how
         )
         rows = initial_rows(key, p_hi, p_lo, dim)
         part = jnp.where((at < n)[:, None], p_scale[:, None] * rows, 0.0)
@@ -278,10 +284,10 @@ def missing_rows(key, hi, lo, scale, missing, dim: int, by_sort: bool = False):
 
 
 def _by_count(count, n: int, few, every, shape):
-    """Zeros of `shape` when `count` (of n ids) is 0, `few(k)` for the smallest of k = n/64
-    and n/8 that holds them, else `every()`: a trained table's steps mostly need no initial
-    row at all, and then draw none, or a few."""
-    sizes = sorted({_few(n, ROUND), _few(n)} - {n})
+    """Zeros of `shape` when `count` (of n ids) is 0, `few(k)` for the smallest of k = n/512,
+    n/64 and n/8 that holds them, else `every()`: a trained table's steps need few initial
+    rows or none, and then draw few or none."""
+    sizes = sorted({_few(n, 8 * ROUND), _few(n, ROUND), _few(n)} - {n})
     branches = [lambda: jnp.zeros(shape, jnp.float32)]
     branches += [functools.partial(few, k) for k in sizes] + [every]
     index = (count > 0).astype(jnp.int32)
@@ -600,7 +606,7 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
     n = owned.hi.shape[0]
     k = _few(window, ROUND)
     admitted = jnp.sum(seen.admit, dtype=jnp.int32)
-    _, picked = _first(seen.admit, n, *ids, lax.iota(jnp.int32, n), by_sort=plan.compact)
+    _, picked = _first(seen.admit, n, *ids, lax.iota(jnp.int32, n), how=plan.compaction)
     picked = [jnp.pad(x, (0, k)) for x in picked]
 
     def place(hi, lo, bucket, _, valid, carry):
@@ -632,14 +638,18 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
     return index, table, slots, to_positions(owned, rows), resets
 
 
-def _first(mask, k: int, *payloads, by_sort: bool):
+def _first(mask, k: int, *payloads, how: str):
     """(positions, [payloads at them]) of the first k entries of the 1-D `mask` (position
-    n where fewer). `by_sort` (TPU layouts): one sort, which moves the payloads along (the
-    TPU compiler charges a 1-D gather, or `nonzero`, a whole tile per element); else
-    `nonzero` and gathers, several times faster on XLA:CPU."""
+    n where fewer), as `DynamicPlan.compaction` says: "sort" (TPU layouts) by one sort,
+    which moves the payloads along (the TPU compiler charges a 1-D gather, or `nonzero`, a
+    whole tile per element); else the positions by `nonzero` ("nonzero") or the C++ kernel
+    ("cpu") and the payloads by gathers, several times faster on XLA:CPU."""
     n = mask.shape[0]
-    if not by_sort:
-        at = jnp.nonzero(mask, size=k, fill_value=n)[0]
+    if how != "sort":
+        if how == "cpu":
+            at = _hashindex_cpu.first_set(mask, k)
+        else:
+            at = jnp.nonzero(mask, size=k, fill_value=n)[0]
         picked = jnp.minimum(at, n - 1)
         return at, [x[picked] for x in payloads]
     iota = lax.iota(jnp.int32, n)
@@ -649,9 +659,10 @@ def _first(mask, k: int, *payloads, by_sort: bool):
 
 def _few(n: int, share: int = 8) -> int:
     """How many of n ids a compact path serves at once (`initial_rows_where`,
-    `missing_rows`: an eighth, then all; the rounds of placements and resets: a 64th a
-    round): a trained table's steps find most of their ids and give few rows away, so few
-    need an initial row."""
+    `missing_rows`: a 512th, a 64th, an eighth, then all; the rounds of placements and
+    resets: a 64th a round, after rounds of a 512th for the C++ index's first resets): a
+    trained table's steps find most of their ids and give few rows away, so few need an
+    initial row."""
     return min(n, max(8, n // share))
 
 
@@ -660,9 +671,10 @@ ROUND = 64  # Rounds of placements and resets take n / ROUND ids each (`_few`).
 
 def _reset_fresh(storage, table, slots: dict, resolved, key, dim: int):
     """`reset_rows` of the rows the C++ index gave to new ids (`resolved`: its compacted fresh
-    rows and ids), `_few` at a time in rounds: none when the step gave none away (a trained
-    table's usual step), and the arrays updated in place by the loop. (The XLA index resets
-    its placements in its own rounds, `update_rows`.)"""
+    rows and ids), in rounds: none when the step gave none away (a trained table's usual
+    step), rounds of `_few(n, 8 * ROUND)` up to `_few(n, ROUND)` rows (a trained table's
+    steps give a few away), then rounds of that; the arrays are updated in place by the
+    loops. (The XLA index resets its placements in its own rounds, `update_rows`.)"""
     rows, hi, lo = resolved.fresh_rows, resolved.fresh_hi, resolved.fresh_lo
     count, n = resolved.fresh_count, rows.shape[0]
     k = _few(n, ROUND)
@@ -670,20 +682,22 @@ def _reset_fresh(storage, table, slots: dict, resolved, key, dim: int):
         fresh = lax.iota(jnp.int32, n) < count
         return reset_rows(storage, table, slots, rows, fresh, initial_rows(key, hi, lo, dim))
 
-    def body(state):
-        start, table, slots = state
-        # The last round starts earlier where it would run past the end: it resets some
-        # rows again, to the same values.
-        at = jnp.minimum(start, n - k)
-        take = lambda x: lax.dynamic_slice_in_dim(x, at, k)
-        fresh = at + lax.iota(jnp.int32, k) < count
-        init = initial_rows(key, take(hi), take(lo), dim)
-        table, slots = reset_rows(storage, table, slots, take(rows), fresh, init)
-        return start + k, table, slots
+    def rounds(k, stop, state):
+        def body(state):
+            start, table, slots = state
+            # The last round starts earlier where it would run past the end: it resets some
+            # rows again, to the same values.
+            at = jnp.minimum(start, n - k)
+            take = lambda x: lax.dynamic_slice_in_dim(x, at, k)
+            fresh = at + lax.iota(jnp.int32, k) < count
+            init = initial_rows(key, take(hi), take(lo), dim)
+            table, slots = reset_rows(storage, table, slots, take(rows), fresh, init)
+            return start + k, table, slots
 
-    _, table, slots = lax.while_loop(
-        lambda state: state[0] < count, body, (jnp.int32(0), table, slots)
-    )
+        return lax.while_loop(lambda state: state[0] < stop, body, state)
+
+    state = rounds(_few(n, 8 * ROUND), jnp.minimum(count, k), (jnp.int32(0), table, slots))
+    _, table, slots = rounds(k, count, state)
     return table, slots
 
 
@@ -720,7 +734,7 @@ class Fresh:
     rows: Any  # (m,) int32 local rows given away this step, ascending; -1 for none.
     hi: Any  # (m,) uint32 each: the ids given those rows.
     lo: Any
-    by_sort: bool  # As `DynamicPlan.compact`.
+    how: str  # `DynamicPlan.compaction`.
 
     def __call__(self, values: list, rows) -> list:
         """`values` (the logical rows `rows` of the table and its stored slots, as read)
@@ -729,7 +743,7 @@ class Fresh:
         at = jnp.minimum(jnp.searchsorted(self.rows, rows), m - 1)
         hit = self.rows[at] == rows
         s = self.storage
-        init = initial_rows_where(self.key, self.hi[at], self.lo[at], hit, s.dim, self.by_sort)
+        init = initial_rows_where(self.key, self.hi[at], self.lo[at], hit, s.dim, self.how)
         out = []
         for v, new in zip(values, _initial_values(s, init)):
             mask = hit.reshape(hit.shape + (1,) * (v.ndim - 1))

@@ -1042,11 +1042,11 @@ class Embedding:
                 hi, lo, _ = split[path]
                 rows_of, scale = rows[path], self._scale(plan, path, split)
 
-                def local(key, hi, lo, rows, scale, f=f, dim=plan.dim, by_sort=plan.compact):
+                def local(key, hi, lo, rows, scale, f=f, dim=plan.dim, how=plan.compaction):
                     missing = (rows < 0) & (scale != 0)
                     if not f.is_sequence:
-                        return _dynamic.missing_rows(key, hi, lo, scale, missing, dim, by_sort)
-                    init = _dynamic.initial_rows_where(key, hi, lo, missing, dim, by_sort)
+                        return _dynamic.missing_rows(key, hi, lo, scale, missing, dim, how)
+                    init = _dynamic.initial_rows_where(key, hi, lo, missing, dim, how)
                     return scale[..., None] * init
 
                 row = P(self.axis)
@@ -1321,7 +1321,12 @@ class Embedding:
         tables, slots = dict(tables), dict(slots)
         fresh = {
             name: _dynamic.Fresh(
-                self.table_plans[name].storage, keys[name], rows, hi, lo, self.dynamic[name].compact
+                self.table_plans[name].storage,
+                keys[name],
+                rows,
+                hi,
+                lo,
+                self.dynamic[name].compaction,
             )
             for name, (rows, hi, lo) in resets.items()
         }

@@ -11,6 +11,7 @@ outputs bit for bit:
   says how it reproduces the XLA order). The index arrays are donated operands aliased to
   the results (`input_output_aliases`), so the kernel writes the slots it changes where
   they are: with the state donated to the jitted step a step costs O(ids), not O(capacity).
+- `first_set`: the positions of a mask's first k set entries (`_dynamic._first`).
 - `find_owned` and `resolve_update`: what `_dynamic.lookup_rows` and `update_rows` do on a
   shard with a table's gathered ids: locate them (`_hashindex.locate`) and keep the
   distinct ones the shard owns (by a hash table, in a call of its own that a step's lookup
@@ -42,6 +43,7 @@ _TARGETS = {
     "jte_hashindex_owned_distinct": "JteHashindexOwnedDistinct",
     "jte_hashindex_find_distinct": "JteHashindexFindDistinct",
     "jte_hashindex_resolve_update": "JteHashindexResolveUpdate",
+    "jte_hashindex_first_set": "JteHashindexFirstSet",
 }
 _EVICTION = {"lru": 0, "lfu": 1, "none": 2}  # Must match `Eviction` in the C++ source.
 _FIELDS = ("keys", "last", "count", "filter_keys", "filter_count", "stats")
@@ -102,6 +104,16 @@ def find(config: hx.IndexConfig, state: hx.IndexState, hi, lo, local_bucket, now
         bucket_size=np.int64(config.bucket_size),
     )
     return row.reshape(shape), found.reshape(shape)
+
+
+def first_set(mask, k: int):
+    """(k,) int32: the positions of the first k set entries of the 1-D bool `mask`, in
+    order, its size past them (`jnp.nonzero(mask, size=k, fill_value=n)`, which XLA:CPU
+    runs as a running sum over the whole mask)."""
+    _require()
+    return jax.ffi.ffi_call("jte_hashindex_first_set", jax.ShapeDtypeStruct((k,), jnp.int32))(
+        jnp.asarray(mask, jnp.bool_)
+    )
 
 
 def _update_attrs(config: hx.IndexConfig) -> dict:

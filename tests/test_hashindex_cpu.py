@@ -406,3 +406,101 @@ def test_a_step_resolves_each_tables_ids_once(combiner):
     # all-gathered. Dynamic: the same but the ids' all-gathers, plus 3 for all tables.
     assert count(static, collective) >= 3 * tables
     assert count(dyn, collective) == count(static, collective) - tables + 3
+
+
+@pytest.mark.parametrize("k", [1, 8, 64, 300])
+def test_first_set_equals_nonzero(k):
+    """`first_set` (the C++ compaction `_dynamic._first` takes beside the C++ index): the
+    positions of a mask's first k set entries, its size past them, as `jnp.nonzero`."""
+    rng = np.random.default_rng(k)
+    n = 257
+    for count in (0, 1, 7, k - 1, k, k + 1, 100, n):
+        mask = np.zeros(n, bool)
+        mask[rng.choice(n, min(max(count, 0), n), replace=False)] = True
+        got = np.asarray(jax.jit(_hashindex_cpu.first_set, static_argnums=1)(mask, k))
+        want = np.asarray(jnp.nonzero(mask, size=k, fill_value=n)[0])
+        np.testing.assert_array_equal(got, want, err_msg=f"{count} set")
+
+
+def _missing_reference(key, hi, lo, scale, mask, dim):
+    """float64 (b, dim): Σ_l scale·mask·(initial row), every position's row drawn."""
+    init = np.asarray(_dynamic.initial_rows(key, hi, lo, dim), np.float64)
+    w = np.where(mask, np.asarray(scale, np.float64), 0.0)
+    return np.einsum("bl,bld->bd", w, init)
+
+
+def test_a_few_initial_rows_drawn_alike_by_every_compaction():
+    """`missing_rows` and `initial_rows_where` draw only the masked positions' rows while
+    they are few (tiers of n/512, n/64 and n/8 rows, then all): equal bit for bit whether
+    the positions are compacted by a sort (TPU layouts), `nonzero` or the C++ kernel, and
+    equal to every row drawn (float64), for counts on both sides of each tier."""
+    b, length, dim = 256, 10, 8  # n = 2,560: tiers of 8 (n/512 rounds up to 8), 40, 320.
+    n = b * length
+    rng = np.random.default_rng(3)
+    hi = jnp.asarray(rng.integers(0, 2**32, (b, length), dtype=np.uint32))
+    lo = jnp.asarray(rng.integers(0, 2**32, (b, length), dtype=np.uint32))
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, (b, length)), jnp.float32)
+    key = jnp.asarray([7, 11], jnp.uint32)
+    fns = {
+        how: jax.jit(
+            lambda m, how=how: (
+                _dynamic.missing_rows(key, hi, lo, scale, m, dim, how),
+                _dynamic.initial_rows_where(key, hi, lo, m, dim, how),
+            )
+        )
+        for how in ("sort", "nonzero", "cpu")
+    }
+    for count in (0, 1, 8, 9, 40, 41, 320, 321, n):
+        mask = np.zeros(n, bool)
+        mask[rng.choice(n, count, replace=False)] = True
+        mask = mask.reshape(b, length)
+        got = {how: [np.asarray(x) for x in fn(jnp.asarray(mask))] for how, fn in fns.items()}
+        for how in ("nonzero", "cpu"):
+            for x, y in zip(got[how], got["sort"]):
+                np.testing.assert_array_equal(x, y, err_msg=f"{how}, {count} masked")
+        summed, rows = got["cpu"]
+        want = _missing_reference(key, hi, lo, scale, mask, dim)
+        np.testing.assert_allclose(summed, want, rtol=1e-5, atol=1e-6, err_msg=f"{count}")
+        init = np.asarray(_dynamic.initial_rows(key, hi, lo, dim))
+        np.testing.assert_allclose(rows, np.where(mask[..., None], init, 0.0), rtol=1e-6, atol=1e-7)
+        assert count == 0 or np.abs(summed).sum() > 0
+
+
+def test_rows_given_to_new_ids_reset_in_rounds():
+    """`_dynamic._reset_fresh`: the rows the C++ index gave to new ids are reset in rounds of
+    a 512th up to a 64th of the ids, then a 64th: the same arrays, bit for bit, as one
+    `reset_rows` of them all, for counts on both sides of each round size; every other row
+    untouched."""
+    import jax_tpu_embed as jte
+
+    table = jte.TableConfig(dim=8, name="t", dynamic=jte.DynamicTable(capacity=8192))
+    spec = jte.EmbeddingSpec({"t": jte.FeatureConfig(table)}, jte.Adagrad(learning_rate=0.1))
+    emb = jte.Embedding(spec, make_mesh(1))
+    storage = emb.table_plans["t"].storage
+    state = emb.init(jax.random.key(0))
+    rng = np.random.default_rng(5)
+    arrays = jax.tree.map(
+        lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype),
+        (state.tables["t"], state.slots["t"]),
+    )
+    n = 5120  # Rounds of 10, then of 80.
+    rows = jnp.asarray(rng.permutation(8192)[:n], jnp.int32)
+    hi = jnp.asarray(rng.integers(0, 2**32, n, dtype=np.uint32))
+    lo = jnp.asarray(rng.integers(0, 2**32, n, dtype=np.uint32))
+    key = jnp.asarray([3, 4], jnp.uint32)
+
+    @jax.jit
+    def both(arrays, count):
+        resolved = _hashindex_cpu.Resolved(None, count, rows, hi, lo)
+        table, slots = arrays
+        rounds = _dynamic._reset_fresh(storage, table, slots, resolved, key, 8)
+        fresh = jnp.arange(n) < count
+        init = _dynamic.initial_rows(key, hi, lo, 8)
+        return rounds, _dynamic.reset_rows(storage, table, slots, rows, fresh, init)
+
+    for count in (0, 1, 10, 11, 80, 81, 95, 700, n):
+        rounds, once = both(arrays, jnp.int32(count))
+        for x, y in zip(jax.tree.leaves(rounds), jax.tree.leaves(once)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{count}")
+        changed = np.any(np.asarray(rounds[0]) != np.asarray(arrays[0]), axis=-1)
+        assert changed.sum() == count

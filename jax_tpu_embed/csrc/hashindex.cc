@@ -410,6 +410,21 @@ ffi::Error FindDistinctImpl(ffi::Buffer<ffi::S32> where_buf, ffi::Buffer<ffi::U3
   return ffi::Error::Success();
 }
 
+// The positions of the first `k` set entries of `mask`, in order, `n` (the mask's size) past
+// them: `_dynamic._first` on CPU, which XLA:CPU would run as a running sum over the whole
+// mask to find a few positions.
+ffi::Error FirstSetImpl(ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::S32> at) {
+  const int64_t n = mask.element_count(), k = at->element_count();
+  const bool* m = mask.typed_data();
+  int32_t* out = at->typed_data();
+  int64_t j = 0;
+  for (int64_t i = 0; i < n && j < k; ++i) {
+    if (m[i]) out[j++] = int32_t(i);
+  }
+  for (; j < k; ++j) out[j] = int32_t(n);
+  return ffi::Error::Success();
+}
+
 // Sorts (key, index) pairs by key: LSD radix sort, 11 bits a pass, the passes whose digit is
 // the same for every key skipped; std::sort for few pairs. Stable (not needed here).
 void SortPairs(std::vector<std::pair<uint64_t, int32_t>>& pairs) {
@@ -912,6 +927,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexUpdate, UpdateImpl,
                                   .Attr<int64_t>("admit_key")
                                   .Attr<int64_t>("bucket_size")
                                   .Attr<int64_t>("filter_bucket_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexFirstSet, FirstSetImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // mask
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // positions, (k,)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexOwnedDistinct, OwnedDistinctImpl,
                               ffi::Ffi::Bind()
