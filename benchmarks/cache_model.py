@@ -18,6 +18,15 @@ With `--engine`, the same stream also runs through jte's own cache (`HostCached`
 device, the XLA backend on the CPU), whose update counts its misses (`cache_stats`): the
 model's W-way policy is the policy jte implements, so the two columns agree row for row.
 
+With `--criteo FILES`, the streams are Criteo click logs instead (`jte.data.criteo`, ids
+mapped to rows by MLPerf's rule, x mod V, with the vocabulary sizes of
+configs/criteo_1tb_dcnv2.yaml): one stream per feature whose table has at least
+`--min-rows` rows (the tables worth keeping in host memory), each step the distinct rows of
+one batch, and the cache sizes fractions of the rows the stream touches (a few files touch
+a small part of a 40M-row table).
+
+    python benchmarks/cache_model.py --criteo day_0.gz --batch 65536 --steps 400
+
 The issue's target for the cache: within 1 point of exact LRU of the same size. Prints a
 table of miss rates (after a warm-up of a quarter of the steps) and writes JSON.
 """
@@ -48,6 +57,66 @@ def stream(vocab: int, batch: int, length: int, steps: int, seed: int = 0) -> li
     return [
         np.unique(perm[workloads_mod.sample_ranks(cdf, (batch, length), rng)]) for _ in range(steps)
     ]
+
+
+CRITEO_CONFIG = os.path.join(HERE, os.pardir, "configs", "criteo_1tb_dcnv2.yaml")
+
+
+def criteo_streams(
+    files: list[str], batch: int, steps: int, min_rows: int
+) -> dict[str, tuple[int, list[np.ndarray]]]:
+    """{feature: (its table's rows V, the distinct rows of each of up to `steps` batches)}
+    of the Criteo features whose table in configs/criteo_1tb_dcnv2.yaml has >= min_rows
+    rows, read from `files` with x mod V (MLPerf's rule)."""
+    import jax_tpu_embed as jte
+
+    spec = jte.load_spec(CRITEO_CONFIG)
+    tables = spec.tables()
+    vocab = [
+        int(tables[f"cat_{j}"].vocabulary_size or 0) for j in range(len(jte.data.SPARSE_NAMES))
+    ]
+    kept = {name: v for name, v in zip(jte.data.SPARSE_NAMES, vocab) if v >= min_rows}
+    if not kept:
+        raise SystemExit(f"cache_model: no Criteo table has >= {min_rows:,} rows (--min-rows).")
+    out: dict[str, tuple[int, list[np.ndarray]]] = {name: (v, []) for name, v in kept.items()}
+    for k, b in enumerate(jte.data.criteo(files, batch, vocab, id_mapping="mod")):
+        if k == steps:
+            break
+        for name in kept:
+            out[name][1].append(np.unique(np.asarray(b["sparse"][name], np.int64)))
+    if not out[next(iter(kept))][1]:
+        raise SystemExit(f"cache_model: {files} hold no full batch of {batch} lines.")
+    return out
+
+
+def miss_rates(
+    steps: list[np.ndarray], capacities: list[int], ways: list[int], vocab: int | None = None
+) -> list[dict]:
+    """Per cache size: the miss rate (misses over rows touched after a warm-up of a quarter
+    of the steps) of exact LRU and of each W-way LRU, and with `vocab` of jte's own cache
+    of a table of that many rows (`engine`)."""
+    warm = len(steps) // 4
+    touched = sum(int(r.size) for r in steps[warm:])
+    rows = []
+    for capacity in capacities:
+        entry: dict = {"cache_rows": capacity}
+        entry["exact LRU"] = sum(exact_lru(steps, capacity)[warm:]) / touched
+        for w in ways:
+            entry[f"{w}-way LRU"] = sum(set_associative(steps, capacity, w)[warm:]) / touched
+            if vocab is not None:
+                entry[f"jte {w}-way"] = sum(engine(steps, vocab, capacity, w)[warm:]) / touched
+        rows.append(entry)
+    return rows
+
+
+def print_rates(rows: list[dict], ways: list[int], engine_run: bool) -> None:
+    names = ["exact LRU"] + [f"{w}-way LRU" for w in ways]
+    names += [f"jte {w}-way" for w in ways] if engine_run else []
+    print(f"{'cache':>16s} " + " ".join(f"{n:>12s}" for n in names) + "   worst gap")
+    for e in rows:
+        gap = max(e[n] - e["exact LRU"] for n in names[1:])
+        cells = " ".join(f"{100 * e[n]:>11.2f}%" for n in names)
+        print(f"{e['cache_rows']:>9,} ({e['fraction']:.0%}) {cells}   {100 * gap:+.2f} pts")
 
 
 def exact_lru(steps: list[np.ndarray], capacity: int) -> list[int]:
@@ -154,48 +223,74 @@ def main(argv=None) -> int:
     p.add_argument(
         "--engine", action="store_true", help="also run jte's HostCached cache on the stream"
     )
+    p.add_argument(
+        "--criteo",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="Criteo click-log files: streams of their large features instead of W1's law",
+    )
+    p.add_argument(
+        "--min-rows",
+        type=int,
+        default=1_000_000,
+        help="with --criteo: the features whose table has at least this many rows",
+    )
     p.add_argument("--out", default="bench_results/cache_model.json")
     args = p.parse_args(argv)
     if args.quick:
         args.vocab, args.batch, args.steps = 20_000, 256, 24
     start = time.perf_counter()
-    steps = stream(args.vocab, args.batch, args.length, args.steps)
-    warm = args.steps // 4
-    touched = sum(int(r.size) for r in steps[warm:])
     fractions = [float(f) for f in args.fractions.split(",")]
     ways = [int(w) for w in args.ways.split(",")]
-    rows = []
-    for fraction in fractions:
-        capacity = max(1, int(fraction * args.vocab))
-        entry = {"fraction": fraction, "cache_rows": capacity}
-        entry["exact LRU"] = sum(exact_lru(steps, capacity)[warm:]) / touched
-        for w in ways:
-            entry[f"{w}-way LRU"] = sum(set_associative(steps, capacity, w)[warm:]) / touched
-            if args.engine:
-                entry[f"jte {w}-way"] = sum(engine(steps, args.vocab, capacity, w)[warm:]) / touched
-        rows.append(entry)
-    distinct = np.mean([r.size for r in steps])
-    print(
-        f"W1 law over {args.vocab:,} rows, batch {args.batch} x {args.length}: "
-        f"{distinct:,.0f} distinct rows per step; miss rates after {warm} warm-up steps"
-    )
-    names = ["exact LRU"] + [f"{w}-way LRU" for w in ways]
-    names += [f"jte {w}-way" for w in ways] if args.engine else []
-    print(f"{'cache':>16s} " + " ".join(f"{n:>12s}" for n in names) + "   worst gap")
-    for e in rows:
-        gap = max(e[n] - e["exact LRU"] for n in names[1:])
-        cells = " ".join(f"{100 * e[n]:>11.2f}%" for n in names)
-        print(f"{e['cache_rows']:>9,} ({e['fraction']:.0%}) {cells}   {100 * gap:+.2f} pts")
-    result = {
-        "vocab": args.vocab,
-        "batch": args.batch,
-        "ids_per_example": args.length,
-        "steps": args.steps,
-        "warmup_steps": warm,
-        "distinct_rows_per_step": float(distinct),
-        "miss_rates": rows,
-        "seconds": time.perf_counter() - start,
-    }
+    warm = args.steps // 4
+
+    def sized(steps, of: int, vocab: int) -> list[dict]:
+        capacities = [max(1, int(f * of)) for f in fractions]
+        rows = miss_rates(steps, capacities, ways, vocab if args.engine else None)
+        for e, f in zip(rows, fractions):
+            e["fraction"] = f
+        return rows
+
+    result: dict = {"batch": args.batch, "steps": args.steps, "warmup_steps": warm}
+    if args.criteo:
+        result["files"] = args.criteo
+        result["features"] = {}
+        for name, (vocab, steps) in criteo_streams(
+            args.criteo, args.batch, args.steps, args.min_rows
+        ).items():
+            seen = len(np.unique(np.concatenate(steps)))
+            distinct = np.mean([r.size for r in steps])
+            print(
+                f"Criteo {name} (table of {vocab:,} rows), {len(steps)} batches of "
+                f"{args.batch}: {seen:,} rows touched, {distinct:,.0f} distinct a batch; "
+                f"cache sizes as fractions of the rows touched"
+            )
+            rows = sized(steps, seen, vocab)
+            print_rates(rows, ways, args.engine)
+            result["features"][name] = {
+                "vocab": vocab,
+                "rows_touched": seen,
+                "batches": len(steps),
+                "distinct_rows_per_step": float(distinct),
+                "miss_rates": rows,
+            }
+    else:
+        steps = stream(args.vocab, args.batch, args.length, args.steps)
+        rows = sized(steps, args.vocab, args.vocab)
+        distinct = np.mean([r.size for r in steps])
+        print(
+            f"W1 law over {args.vocab:,} rows, batch {args.batch} x {args.length}: "
+            f"{distinct:,.0f} distinct rows per step; miss rates after {warm} warm-up steps"
+        )
+        print_rates(rows, ways, args.engine)
+        result.update(
+            vocab=args.vocab,
+            ids_per_example=args.length,
+            distinct_rows_per_step=float(distinct),
+            miss_rates=rows,
+        )
+    result["seconds"] = time.perf_counter() - start
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -812,6 +812,33 @@ def test_cache_model_is_exact_lru_where_everything_fits(tmp_path):
     assert cache_model.set_associative(same, 16, 16) == [1, 0, 0, 0, 0]
 
 
+def test_cache_model_reads_criteo_files(tmp_path):
+    """benchmarks/cache_model.py --criteo: each large feature's stream is the distinct rows
+    (x mod V, V from configs/criteo_1tb_dcnv2.yaml) of each batch of the file's lines, in
+    order: the miss rates equal the model's on the stream built here from the TSV text."""
+    from criteo_files import write_criteo
+
+    path = tmp_path / "day.tsv"
+    lines = write_criteo(path, 24 * 256 + 100, seed=4)
+    args = ("--criteo", str(path), "--ways", "4", "--fractions", "0.25,1.0")
+    cache_model, result = _benchmark("cache_model", tmp_path, *args)
+    tables = jte.load_spec(cache_model.CRITEO_CONFIG).tables()
+    features = result["features"]
+    assert features and all(f["vocab"] >= 1_000_000 for f in features.values())
+    for name, got in features.items():
+        j = int(name[1:]) - 1
+        vocab = int(tables[f"cat_{j}"].vocabulary_size or 0)
+        values = np.array([int(line[14 + j] or "0", 16) % vocab for line in lines])
+        steps = [np.unique(values[k * 256 : (k + 1) * 256]) for k in range(24)]
+        seen = len(np.unique(np.concatenate(steps)))
+        assert got["rows_touched"] == seen and got["batches"] == 24
+        want = cache_model.miss_rates(steps, [max(1, seen // 4), seen], [4])
+        for g, w in zip(got["miss_rates"], want):
+            assert g["cache_rows"] == w["cache_rows"]
+            assert g["exact LRU"] == w["exact LRU"] and g["4-way LRU"] == w["4-way LRU"]
+        assert 0 < got["miss_rates"][0]["exact LRU"] < 1
+
+
 def _train_linen_and_nnx(spec, mesh, batches, prefetch: bool):
     """A linen model and an NNX model (an Embed layer of `spec`, a dense head on the "big"
     and "small" activations) trained with SGD on `batches`, each step given the next batch
