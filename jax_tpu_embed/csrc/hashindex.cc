@@ -540,7 +540,6 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
     const uint32_t h = hi[i], l = lo[i];
     const int64_t g = base[i] / b;
     if (!valid[i] || IsPad(h, l)) continue;
-    prio[i] = Hash(c.prio_key, h, l);
     const int32_t* bt = kt + base[i];
     const int64_t from = hit_lane[i];
     hit_lane[i] = -1;
@@ -566,6 +565,7 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
     }
     miss[i] = 1;
     ++tally[kMisses];
+    prio[i] = Hash(c.prio_key, h, l);  // Only misses are placed (C) or enter the filter (D).
     bool ok = true;
     if (c.threshold >= 0) ok = int64_t(Mix32(Hash(c.admit_key, h, l) ^ admit_now)) < c.threshold;
     if (filter) {
@@ -618,18 +618,22 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
     const int64_t s0 = int64_t(bucket) * b;
     uint32_t *bh = HiWords(keys, s0), *bl = LoWords(keys, s0, b);
     order.clear();
-    // Each slot's class, without branches: 0 free, 1 expired, 2 evictable, 3 unavailable.
-    const bool evicts = c.eviction != kNone;
-    for (int64_t j = 0; j < b; ++j) {
-      const bool pad = IsPad(bh[j], bl[j]);
-      const bool expired = ttl.Expired(kt[s0 + j], now);
-      const bool evictable = evicts & (kt[s0 + j] < now);
-      cls[j] = pad ? 0 : expired ? 1 : evictable ? 2 : 3;
+    // Free slots first, in lane order (lo words of PAD found 8 at a time, hi checked): in a
+    // table with room they suffice, and no other slot is looked at.
+    for (int64_t j = FirstLoMatch(bl, b, 0, kPad); j < b && order.size() < want;
+         j = FirstLoMatch(bl, b, j + 1, kPad)) {
+      if (bh[j] == kPad) order.push_back(int32_t(j));
     }
-    for (int64_t j = 0; j < b; ++j) {
-      if (cls[j] == 0) order.push_back(int32_t(j));
-    }
-    if (order.size() < want) {  // Free slots do not suffice: expired, then evictable ones.
+    const bool classed = order.size() < want;
+    if (classed) {  // Free slots do not suffice: expired, then evictable ones.
+      // Each slot's class, without branches: 0 free, 1 expired, 2 evictable, 3 unavailable.
+      const bool evicts = c.eviction != kNone;
+      for (int64_t j = 0; j < b; ++j) {
+        const bool pad = IsPad(bh[j], bl[j]);
+        const bool expired = ttl.Expired(kt[s0 + j], now);
+        const bool evictable = evicts & (kt[s0 + j] < now);
+        cls[j] = pad ? 0 : expired ? 1 : evictable ? 2 : 3;
+      }
       size_t n = 0;
       for (int64_t j = 0; j < b; ++j) {
         if (cls[j] != 1 && cls[j] != 2) continue;
@@ -654,8 +658,9 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
       }
       const int32_t j = order[k];
       const int64_t s = s0 + j;
-      if (cls[j] == 1) ++tally[kExpired];
-      if (cls[j] == 2) ++tally[kEvicted];
+      const uint8_t cj = classed ? cls[j] : 0;  // Unclassed: every slot taken is free.
+      if (cj == 1) ++tally[kExpired];
+      if (cj == 2) ++tally[kEvicted];
       ++tally[kAdmitted];
       bh[j] = uint32_t(admitted[start + k].id >> 32);
       bl[j] = uint32_t(admitted[start + k].id);
