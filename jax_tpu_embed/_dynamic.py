@@ -287,7 +287,7 @@ def _by_count(count, n: int, few, every, shape):
     """Zeros of `shape` when `count` (of n ids) is 0, `few(k)` for the smallest of k = n/512,
     n/64 and n/8 that holds them, else `every()`: a trained table's steps need few initial
     rows or none, and then draw few or none."""
-    sizes = sorted({_few(n, 8 * ROUND), _few(n, ROUND), _few(n)} - {n})
+    sizes = sorted({_few(n, FEW), _few(n, ROUND), _few(n)} - {n})
     branches = [lambda: jnp.zeros(shape, jnp.float32)]
     branches += [functools.partial(few, k) for k in sizes] + [every]
     index = (count > 0).astype(jnp.int32)
@@ -645,16 +645,16 @@ def _first(mask, k: int, *payloads, how: str):
     whole tile per element); else the positions by `nonzero` ("nonzero") or the C++ kernel
     ("cpu") and the payloads by gathers, several times faster on XLA:CPU."""
     n = mask.shape[0]
-    if how != "sort":
-        if how == "cpu":
-            at = _hashindex_cpu.first_set(mask, k)
-        else:
-            at = jnp.nonzero(mask, size=k, fill_value=n)[0]
-        picked = jnp.minimum(at, n - 1)
-        return at, [x[picked] for x in payloads]
-    iota = lax.iota(jnp.int32, n)
-    key, *moved = lax.sort((jnp.where(mask, iota, iota + n), *payloads), num_keys=1)
-    return jnp.where(key[:k] < n, key[:k], n), [x[:k] for x in moved]
+    if how == "sort":
+        iota = lax.iota(jnp.int32, n)
+        key, *moved = lax.sort((jnp.where(mask, iota, iota + n), *payloads), num_keys=1)
+        return jnp.where(key[:k] < n, key[:k], n), [x[:k] for x in moved]
+    if how == "cpu":
+        at = _hashindex_cpu.first_set(mask, k)
+    else:
+        at = jnp.nonzero(mask, size=k, fill_value=n)[0]
+    picked = jnp.minimum(at, n - 1)
+    return at, [x[picked] for x in payloads]
 
 
 def _few(n: int, share: int = 8) -> int:
@@ -667,12 +667,13 @@ def _few(n: int, share: int = 8) -> int:
 
 
 ROUND = 64  # Rounds of placements and resets take n / ROUND ids each (`_few`).
+FEW = 8 * ROUND  # The smallest draws of initial rows, and first resets, take n / FEW.
 
 
 def _reset_fresh(storage, table, slots: dict, resolved, key, dim: int):
     """`reset_rows` of the rows the C++ index gave to new ids (`resolved`: its compacted fresh
     rows and ids), in rounds: none when the step gave none away (a trained table's usual
-    step), rounds of `_few(n, 8 * ROUND)` up to `_few(n, ROUND)` rows (a trained table's
+    step), rounds of `_few(n, FEW)` up to `_few(n, ROUND)` rows (a trained table's
     steps give a few away), then rounds of that; the arrays are updated in place by the
     loops. (The XLA index resets its placements in its own rounds, `update_rows`.)"""
     rows, hi, lo = resolved.fresh_rows, resolved.fresh_hi, resolved.fresh_lo
@@ -696,7 +697,7 @@ def _reset_fresh(storage, table, slots: dict, resolved, key, dim: int):
 
         return lax.while_loop(lambda state: state[0] < stop, body, state)
 
-    state = rounds(_few(n, 8 * ROUND), jnp.minimum(count, k), (jnp.int32(0), table, slots))
+    state = rounds(_few(n, FEW), jnp.minimum(count, k), (jnp.int32(0), table, slots))
     _, table, slots = rounds(k, count, state)
     return table, slots
 
