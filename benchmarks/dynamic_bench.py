@@ -233,6 +233,59 @@ def tpu_bytes(topology: str, dim: int) -> dict:
     return out
 
 
+def checkpoint_times(capacity: int, dim: int = 64, occupancy: float = 0.8, repeats: int = 3):
+    """Seconds to save one dynamic table (Adagrad, `occupancy` of `capacity` held, every
+    device of this process a shard) with `jte.checkpoint` and to restore it onto the same
+    mesh (each shard reads its own block) and onto half the devices (every block read):
+    the best of `repeats`, and the item's bytes."""
+    import shutil
+    import tempfile
+
+    from jax_tpu_embed import checkpoint
+
+    devices = jax.devices()
+
+    def embedding(n):
+        table = jte.TableConfig(
+            dim=dim, name="t", dynamic=jte.DynamicTable(capacity=capacity, bucket_size=64)
+        )
+        spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(0.1))
+        return jte.Embedding(spec, Mesh(np.array(devices[:n]), ("shard",)))
+
+    rng = np.random.default_rng(0)
+    ids = np.unique(rng.integers(-(2**63), 2**63 - 1, int(capacity * occupancy), np.int64))
+    rows = rng.normal(size=(len(ids), dim)).astype(np.float32)
+    emb = embedding(len(devices))
+    # Buckets hold at most 64: drop the ids of overfull buckets (a few at 0.8).
+    hi, lo = _hashindex.split_ids(ids)
+    g = np.asarray(_hashindex.global_bucket(emb.dynamic["t"].index, hi, lo))
+    order = np.argsort(g, kind="stable")
+    lane = np.empty_like(g)
+    lane[order] = np.arange(len(g)) - np.searchsorted(g[order], g[order])
+    ids, rows = ids[lane < 64], rows[lane < 64]
+    state = emb.restore_tables({"t": jte.DynamicRows(ids, rows)})
+    out: dict[str, float] = {"capacity": capacity, "held": len(ids), "dim": dim}
+    out["devices"] = len(devices)
+    out["item_mb"] = len(ids) * (8 + 8 + 2 * 4 * dim) / 1e6
+    half = embedding(max(len(devices) // 2, 1))
+    best = collections.defaultdict(lambda: float("inf"))
+    for _ in range(repeats):
+        path = tempfile.mkdtemp(prefix="jte_ckpt_bench_")
+        try:
+            t0 = time.perf_counter()
+            checkpoint.save(path, emb, state)
+            best["save_s"] = min(best["save_s"], time.perf_counter() - t0)
+            for key, onto in (("restore_same_s", emb), ("restore_half_s", half)):
+                t0 = time.perf_counter()
+                restored, _ = checkpoint.restore(path, onto)
+                jax.block_until_ready(restored)
+                best[key] = min(best[key], time.perf_counter() - t0)
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+    out.update(best)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--workload", default="W0")
@@ -243,6 +296,13 @@ def main(argv=None) -> int:
     p.add_argument("--eviction-steps", type=int, default=200)
     p.add_argument("--tpu", default=None, help="a topology, e.g. v5p:2x2x1")
     p.add_argument("--dim", type=int, default=64, help="table width for --tpu")
+    p.add_argument(
+        "--checkpoint",
+        type=int,
+        default=0,
+        help="also time jte.checkpoint of a dynamic "
+        "table of this capacity (and restores onto the same mesh and half of it)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     wl = workloads.generate(workloads.load_config(args.workload))
@@ -276,6 +336,14 @@ def main(argv=None) -> int:
             f"TPU {args.tpu} D={args.dim}: bytes accessed per device static "
             f"{t['static']['bytes_accessed_per_device'] / 1e6:.1f} MB, dynamic "
             f"{t['dynamic']['bytes_accessed_per_device'] / 1e6:.1f} MB, ratio {t['ratio']:.1f}x"
+        )
+    if args.checkpoint:
+        c = result["checkpoint"] = checkpoint_times(args.checkpoint)
+        print(
+            f"checkpoint of {c['held']} held rows (capacity {c['capacity']}, D={c['dim']}, "
+            f"{c['item_mb']:.0f} MB), {c['devices']} devices, best seconds: save "
+            f"{c['save_s']:.2f}, restore onto the same mesh {c['restore_same_s']:.2f}, "
+            f"onto half of it {c['restore_half_s']:.2f}"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -851,7 +851,8 @@ def held(plan: DynamicPlan, index) -> dict[str, np.ndarray]:
     (TTL-expired ones too: they restore expired), "rows" their global rows in this index
     (int64), "last" and "count" their scores (int32); "filter_ids" (int64 ascending) and
     "filter_count" (int32), the admission filter's entries; "counters" (int64, one per
-    `_hashindex.STAT_NAMES`), summed over the shards."""
+    `_hashindex.STAT_NAMES`), summed over the shards. Given one shard's part of an index
+    (`_hashindex.empty_state`), the same of that shard alone, rows local to it."""
     ids, rows, last, count = _hashindex.export(plan.index, index, now=None)
     f_hi, f_lo = _hashindex.slot_words(index.filter_keys, plan.index.filter_bucket_size)
     f_count = np.asarray(index.filter_count).reshape(-1)
@@ -869,14 +870,20 @@ def held(plan: DynamicPlan, index) -> dict[str, np.ndarray]:
     }
 
 
-def rebuild(plan: DynamicPlan, num_shards: int, entries: Mapping[str, Any]):
+def rebuild(
+    plan: DynamicPlan, num_shards: int, entries: Mapping[str, Any], shard: int | None = None
+):
     """The inverse of `held` onto `plan`'s index for `num_shards` shards: (IndexState of
     NumPy arrays, each id's global row (int64, in the order of entries["ids"])). The ids
     keep their `last` and `count` (so eviction and TTL go on as before); the filter's
     entries go to their filter buckets (one with fewer entries than given keeps the highest
     (count, priority), the ones its own eviction would keep), and none when min_count is
     1; the counters ({name: total} or an array in STAT_NAMES order) go on shard 0.
-    ValueError (not naming the table) when the capacity or a bucket cannot hold the ids."""
+    ValueError (not naming the table) when the capacity or a bucket cannot hold the ids.
+
+    With `shard` given, `entries` are that shard's own (`held` of its part of an index of
+    the same configuration and shards): the result is its part (`_hashindex.empty_state`),
+    rows local to it, and the counters its own."""
     config = plan.index
     ids = np.asarray(entries["ids"], np.int64).reshape(-1)
     if len(ids) > config.capacity:
@@ -885,7 +892,9 @@ def rebuild(plan: DynamicPlan, num_shards: int, entries: Mapping[str, Any]):
             f"({config.buckets} buckets of {config.bucket_size})."
         )
     try:
-        state, rows = _hashindex.build(config, num_shards, ids, entries["last"], entries["count"])
+        state, rows = _hashindex.build(
+            config, num_shards, ids, entries["last"], entries["count"], shard
+        )
     except ValueError as e:
         raise ValueError(
             f"its {len(ids)} ids do not fit its capacity of {config.capacity} rows: "
@@ -897,6 +906,8 @@ def rebuild(plan: DynamicPlan, num_shards: int, entries: Mapping[str, Any]):
         hi, lo = _hashindex.split_ids(f_ids)
         g = np.asarray(_hashindex.global_bucket(config, hi, lo)).astype(np.int64)
         f = g // (config.buckets // config.filter_buckets)
+        if shard is not None:
+            f -= shard * (config.filter_buckets // num_shards)
         prio = np.asarray(_hashindex.priority(config, hi, lo)).astype(np.int64)
         # Per filter bucket, highest (count, priority, hi, lo) first.
         order = np.lexsort((-lo.astype(np.int64), -hi.astype(np.int64), -prio, -f_count, f))

@@ -206,6 +206,28 @@ def check_restored(items: list[Restored], where: str) -> None:
     )
 
 
+def check_restored_on_every_process(items: list[Restored], where: str) -> None:
+    """`check_restored` of NumPy items that each process holds its own part of: every
+    process raises (one that found nothing names the processes that did), or none, so
+    that no process goes on alone into a collective the others never reach."""
+    try:
+        check_restored(items, where)
+        problem = ""
+    except ValueError as e:
+        problem = str(e)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        found = np.asarray(multihost_utils.process_allgather(np.asarray([bool(problem)])))
+        if found.any() and not problem:
+            problem = (
+                f"{where}: processes {np.flatnonzero(found.reshape(-1)).tolist()} found "
+                f"restored values outside their domains (their errors name them)."
+            )
+    if problem:
+        raise ValueError(problem)
+
+
 def restored_items(
     table: str, optimizer: Any, value: Any, slots: dict, specs: tuple, rows: int | None = None
 ) -> list[Restored]:

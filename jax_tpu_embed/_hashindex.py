@@ -189,18 +189,20 @@ class IndexState:
     stats: Any
 
 
-def empty_state(config: IndexConfig, num_shards: int) -> IndexState:
-    """A fresh index for `num_shards` shards, as NumPy arrays (place them row-sharded)."""
+def empty_state(config: IndexConfig, num_shards: int, shard: int | None = None) -> IndexState:
+    """A fresh index for `num_shards` shards, as NumPy arrays (place them row-sharded); with
+    `shard` given, only that shard's part of each array (what its device holds)."""
     config.check_shards(num_shards)
-    nb, b = config.buckets, config.bucket_size
-    nf, bf = config.filter_buckets, config.filter_bucket_size
+    parts = num_shards if shard is None else 1
+    nb, b = config.buckets * parts // num_shards, config.bucket_size
+    nf, bf = config.filter_buckets * parts // num_shards, config.filter_bucket_size
     return IndexState(
         keys=np.full(nb * 2 * b, PAD, np.uint32),
         last=np.zeros(nb * b, np.int32),
         count=np.zeros(nb * b, np.int32),
         filter_keys=np.full(nf * 2 * bf, PAD, np.uint32),
         filter_count=np.zeros(nf * bf, np.int32),
-        stats=np.zeros((num_shards, len(STAT_NAMES)), np.int32),
+        stats=np.zeros((parts, len(STAT_NAMES)), np.int32),
     )
 
 
@@ -795,9 +797,11 @@ def export(config: IndexConfig, state: IndexState, now=None):
     return ids[order], rows.astype(np.int64), last[rows], count[rows]
 
 
-def build(config: IndexConfig, num_shards: int, ids, last, count):
+def build(config: IndexConfig, num_shards: int, ids, last, count, shard: int | None = None):
     """A fresh index for `num_shards` shards holding the given entries (an `export`), and
     each id's global row (int64, in the order of `ids`). Filter and stats start empty.
+    With `shard` given, that shard's part of the index (`empty_state`) and rows local to
+    it; every id must belong to it.
 
     Lanes are assigned in ascending id order inside each bucket; the rules of `update` do
     not depend on lanes, so the index behaves as the exported one."""
@@ -812,12 +816,21 @@ def build(config: IndexConfig, num_shards: int, ids, last, count):
         )
     if (ids == -1).any():
         raise ValueError("build: -1 is padding, never a key; it may not be among the ids.")
-    repeats = ids.size - np.unique(ids).size
-    if repeats:
-        raise ValueError(f"build: the ids must be distinct ({repeats} repeat).")
     hi, lo = split_ids(ids)
     g = np.asarray(global_bucket(config, hi, lo)).astype(np.int64)
+    if shard is not None:
+        per = config.buckets // num_shards
+        outside = (g // per) != shard
+        if outside.any():
+            raise ValueError(
+                f"build: id {int(ids[outside][0])} belongs to shard "
+                f"{int(g[outside][0] // per)} of {num_shards}, not to shard {shard}."
+            )
+        g = g - shard * per
     order = np.lexsort((ids, g))
+    repeats = int(np.count_nonzero(ids[order][1:] == ids[order][:-1]))  # Equal ids: adjacent.
+    if repeats:
+        raise ValueError(f"build: the ids must be distinct ({repeats} repeat).")
     sorted_g = g[order]
     first = np.searchsorted(sorted_g, sorted_g, side="left")
     lane = np.arange(ids.size) - first
@@ -828,7 +841,7 @@ def build(config: IndexConfig, num_shards: int, ids, last, count):
             f"build: bucket {worst} would hold {np.bincount(g).max()} ids, but its capacity "
             f"is bucket_size = {b}."
         )
-    state = empty_state(config, num_shards)
+    state = empty_state(config, num_shards, shard)
     rows = np.empty(ids.size, np.int64)
     rows[order] = sorted_g * b + lane
     set_slot_words(state.keys, b, rows, hi, lo)

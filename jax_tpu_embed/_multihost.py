@@ -191,6 +191,33 @@ def to_host(x, rows=None, *, chunk_bytes: int = CHUNK_BYTES) -> np.ndarray:
     return whole if rows is None else whole[np.asarray(rows)]
 
 
+def most_of(local: np.ndarray) -> np.ndarray:
+    """The elementwise maximum of `local` over the processes (every process calls it with
+    the same shape): e.g. counts that each process knows for its own shards, zeros elsewhere."""
+    if jax.process_count() == 1:
+        return np.asarray(local)
+    return np.asarray(multihost_utils.process_allgather(np.asarray(local))).max(axis=0)
+
+
+def parts(x: jax.Array, n: int) -> dict[int, jax.Array]:
+    """{k: a single-device array of this process holding part k of `x`}: dimension 0 split
+    into `n` equal parts (a table's or an index's shards); a part held by several local
+    devices is given once."""
+    at = x.sharding.addressable_devices_indices_map((n,) + x.shape[1:])  # Even if empty.
+    return {at[s.device][0].start or 0: s.data for s in x.addressable_shards}  # pyright: ignore[reportOptionalSubscript]
+
+
+def alone(x: jax.Array) -> jax.Array:
+    """A single-device array as the one block of a one-device mesh (the same buffer), so
+    that `to_host(alone(x), rows)` reads only `rows`, in pieces on that device (from host
+    memory for an array there), with no other process taking part."""
+    (device,) = x.devices()
+    mesh = jax.sharding.Mesh(np.array([device]), ("alone",))
+    spec = P("alone", *([None] * (x.ndim - 1)))
+    sharding = NamedSharding(mesh, spec, memory_kind=x.sharding.memory_kind)
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, [x])
+
+
 def _whole(x: jax.Array) -> np.ndarray:
     if x.is_fully_addressable:
         return np.asarray(jax.device_get(x))

@@ -19,7 +19,7 @@ temporary-directory-then-rename commit keeps a save killed part-way invisible. `
 the saves in flight; `restore`, `all_steps` and the next `save` to the same directory join its
 save first, and so does interpreter exit.
 
-On disk, `directory/<step>/` holds three orbax items:
+On disk, `directory/<step>/` holds these orbax items:
 
 - `embedding`: {"tables": {name: (V, D)}, "slots": {name: {slot: (V, D) or (V,)}}}: exactly
   the logical rows in natural id order, so any orbax user reads them without knowing the
@@ -28,6 +28,8 @@ On disk, `directory/<step>/` holds three orbax items:
   they restore as before (rows past V are dropped).
 - `metadata`: JSON: the step, each table's vocabulary_size, dim, dtype and slots.
 - `dense`: the `dense` pytree, when one was given.
+- `dynamic`: each dynamic table's held ids, rows, slots and scores, one block per shard of
+  the saving mesh (`_dynamic_logical`), in host memory.
 
 No host gathers a whole table: tables are brought to logical row order on the devices,
 split evenly over them (rows over the devices when N divides V, else rows over a divisor of
@@ -42,12 +44,16 @@ block of the logical rows ("div" with V a multiple of N), every host converts it
 in NumPy and orbax writes and reads the logical blocks in host memory, with any number of
 processes. Other host tables are converted whole in NumPy with one process; with several,
 their rows cross between the processes through the devices in pieces, each host keeping
-the blocks it writes or the shards it holds.
+the blocks it writes or the shards it holds. A dynamic table's blocks are each shard's own
+entries: every host reads and writes those of its shards only, and reads only those again
+when the restoring mesh has as many shards and the same capacity (`_by_shard`); otherwise
+every host reads all blocks and rebuilds the index for the new mesh.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -163,7 +169,7 @@ def save(
     }
     if dynamic:
         items["dynamic"] = ocp.args.StandardSave(
-            {n: {k: v for k, v in d.items() if k not in _COUNTS} for n, d in dynamic.items()}
+            {n: {k: v for k, v in d.items() if k != "counts"} for n, d in dynamic.items()}
         )
     if dense is not None:
         items["dense"] = ocp.args.StandardSave(dense)
@@ -829,13 +835,17 @@ def _dynamic_info(emb, name: str, saved: dict) -> dict:
     plan = emb.dynamic[name]
     table = emb.table_plans[name]
     config = emb.spec.tables()[name].dynamic
+    counts = np.asarray(saved["counts"], np.int64)
+    ids, changed, filtered = (counts[:, j].tolist() for j in range(3))
     return {
         "dim": plan.dim,
         "dtype": jnp.dtype(table.config.dtype).name,
         "slots": _slot_info(table),
-        "ids": int(saved["n_ids"]),
-        "changed": int(saved["n_changed"]),  # Ids with rows in the item (all in a full save).
-        "filter_ids": int(saved["n_filter"]),
+        # Totals, and per block of the item (the saving mesh's shards): real entries.
+        "ids": int(counts[:, 0].sum()),
+        "changed": int(counts[:, 1].sum()),  # Ids with rows in the item (all in a full save).
+        "filter_ids": int(counts[:, 2].sum()),
+        "blocks": {"ids": ids, "changed": changed, "filter_ids": filtered},
         "counters": list(_hashindex.STAT_NAMES),
         "config": {
             "capacity": config.capacity,
@@ -848,64 +858,109 @@ def _dynamic_info(emb, name: str, saved: dict) -> dict:
         },
         "buckets": plan.index.buckets,
         "filter_buckets": plan.index.filter_buckets,
+        "filter_bucket_size": plan.index.filter_bucket_size,
+        "seed": plan.index.seed,
     }
 
 
 # ------------------------------------------------------------------ dynamic tables
 
 
-def _padded(x: np.ndarray, fill) -> np.ndarray:
-    """`x` with one entry of `fill` when empty (orbax stores no empty arrays)."""
-    if len(x):
-        return x
-    return np.full((1,) + x.shape[1:], fill, x.dtype)
+def _words(ids: np.ndarray) -> np.ndarray:
+    """int64 ids -> (..., 2) uint32 (hi, lo) words (`jte.split_ids`' halves): what a
+    jax.Array holds without jax_enable_x64."""
+    return np.stack(_hashindex.split_ids(ids), axis=-1)
+
+
+def _ids(x) -> np.ndarray:
+    """The int64 ids of an item's id array: (..., 2) uint32 words, or int64 as saved before
+    blocks."""
+    x = np.asarray(x)
+    return _hashindex.join_ids(x[..., 0], x[..., 1]) if x.dtype == np.uint32 else x
 
 
 def _dynamic_logical(emb, state, name: str, physical, physical_slots, since=None) -> dict:
-    """A dynamic table's checkpoint item, NumPy: {"ids" int64 ascending (every id holding a
-    slot, TTL-expired ones too), "last", "count" int32 (the index's scores), "changed"
-    int64 (the ids whose rows follow: all of them, or with `since` those updated at a step
-    >= since), "rows" float32 (m, D), "slots" {slot: (m, D) or (m,)}, "filter_ids" int64,
-    "filter_count" int32 (the admission filter), "key" uint32 (2,) (the words its initial
-    rows are drawn from), "counters" int64 (one per _hashindex.STAT_NAMES, summed over the
-    shards)}; arrays of no entries hold one, id -1. Only the rows saved leave the devices,
-    read from the stored arrays in pieces (`multihost.to_host`): no logical copy of the
-    table is made, on a device or on the host. "n_ids", "n_changed" and "n_filter" (the
-    real counts) go to the metadata, not the item."""
+    """A dynamic table's checkpoint item, block k of each array (dimension 0) holding shard
+    k's entries, padded to the most any shard has: "ids" int64 ascending within the block
+    (every id holding a slot, TTL-expired ones too), "last", "count" int32 (the index's
+    scores), "changed" int64 (the ids whose rows follow: all of them, or with `since` those
+    updated at a step >= since), "rows" float32 (N, m, D), "slots" {slot: (N, m, D) or
+    (N, m)}, "filter_ids" int64, "filter_count" int32 (the admission filter), "counters"
+    int64 (N, one per _hashindex.STAT_NAMES); and "key" uint32 (2,) (the words its initial
+    rows are drawn from). Padding entries have id -1; every array has at least one entry
+    per block (orbax stores no empty arrays). Each process reads only the shards it holds,
+    the rows saved in pieces on their own devices (`multihost.alone`), and the blocks are
+    global arrays sharded as the index is, so every host writes only its own: no host
+    holds the table's whole index or rows. "counts" (N, 3): each block's real ids, changed
+    ids and filter entries, known to every process; it goes to the metadata."""
     plan = emb.dynamic[name]
     storage = emb.table_plans[name].storage
-    entries = _dynamic.held(plan, jax.tree.map(_multihost.to_host, state.index[name].index))
-    changed = np.ones(len(entries["ids"]), bool) if since is None else entries["last"] >= since
-    where = entries["rows"][changed]  # The index's global rows: the stored positions.
-
-    rows, riders = storage.split_row(storage.take_stored(None, where, physical))
-    slots = {}
-    for s in storage.slot_specs:
-        value = (
-            riders[s.name]
-            if s.name in riders
-            else storage.take_stored(s, where, physical_slots[s.name])
-        )
-        slots[s.name] = _padded(value.astype(np.float32), 0.0)
-    rows = rows.astype(np.float32)
-    return {
-        "ids": _padded(entries["ids"], -1),
-        "last": _padded(entries["last"], 0),
-        "count": _padded(entries["count"], 0),
-        "changed": _padded(entries["ids"][changed], -1),
-        "rows": _padded(rows, 0.0),
-        "slots": slots,
-        "filter_ids": _padded(entries["filter_ids"], -1),
-        "filter_count": _padded(entries["filter_count"], 0),
-        "key": np.asarray(_multihost.to_host(state.index[name].key), np.uint32).reshape(2),
-        "counters": entries["counters"].astype(np.int64),
-        "n_ids": len(entries["ids"]),
-        "n_changed": int(changed.sum()),
-        "n_filter": len(entries["filter_ids"]),
+    n = emb.num_shards
+    index = state.index[name].index
+    fields = [f.name for f in dataclasses.fields(index)]
+    # An empty array (the filter's, with min_count 1) may come back from jit replicated.
+    index_parts = {
+        f: _multihost.parts(x, n) if x.shape[0] else collections.defaultdict(lambda x=x: x)
+        for f in fields
+        for x in [getattr(index, f)]
     }
+    tables = _multihost.parts(physical, n)
+    alone = _multihost.alone  # Each shard's rows read on its own device.
+    own_slots = {s: _multihost.parts(a, n) for s, a in physical_slots.items()}
+    blocks, counts = {}, np.zeros((n, 3), np.int64)
+    for k in sorted(tables):
+        part = type(index)(**{f: np.asarray(index_parts[f][k]) for f in fields})
+        entries = _dynamic.held(plan, part)
+        changed = np.ones(len(entries["ids"]), bool) if since is None else entries["last"] >= since
+        where = entries["rows"][changed]  # The shard's own stored positions.
+        rows, riders = storage.split_row(storage.take_stored(None, where, alone(tables[k])))
+        slots = {
+            s.name: riders[s.name]
+            if s.name in riders
+            else storage.take_stored(s, where, alone(own_slots[s.name][k]))
+            for s in storage.slot_specs
+        }
+        blocks[k] = {
+            "ids": _words(entries["ids"]),
+            "last": entries["last"],
+            "count": entries["count"],
+            "changed": _words(entries["ids"][changed]),
+            "rows": rows.astype(np.float32, copy=False),
+            "slots": {s: v.astype(np.float32, copy=False) for s, v in slots.items()},
+            "filter_ids": _words(entries["filter_ids"]),
+            "filter_count": entries["filter_count"],
+            "counters": entries["counters"].astype(np.int32),
+        }
+        counts[k] = len(entries["ids"]), int(changed.sum()), len(entries["filter_ids"])
+    counts = _multihost.most_of(counts)
+    ids, changed, filtered = (max(int(c), 1) for c in counts.max(axis=0))
+    fill = {"ids": _hashindex.PAD, "changed": _hashindex.PAD, "filter_ids": _hashindex.PAD}
+    width = {"ids": ids, "last": ids, "count": ids, "changed": changed, "rows": changed}
+    width.update(filter_ids=filtered, filter_count=filtered, counters=0)
 
+    def global_blocks(field: str, slot: str | None = None) -> jax.Array:
+        local = {k: b[field] if slot is None else b[field][slot] for k, b in blocks.items()}
+        one = next(iter(local.values()))
+        if field == "counters":  # One row of counters per block.
+            shape = (n,) + one.shape
+        else:
+            shape = (n, width[field] if slot is None else changed) + one.shape[1:]
 
-_COUNTS = ("n_ids", "n_changed", "n_filter")
+        def block(at):
+            k = at[0].start or 0
+            out = np.full((1,) + shape[1:], fill.get(field, 0), one.dtype)
+            out[0, : len(local[k])] = local[k]
+            return out
+
+        sharding = _row_sharding(emb, False, len(shape), _placement.HOST)  # Never in HBM.
+        return jax.make_array_from_callback(shape, sharding, block)
+
+    item: dict[str, Any] = {f: global_blocks(f) for f in width if f != "counters"}
+    item["slots"] = {s.name: global_blocks("slots", s.name) for s in storage.slot_specs}
+    item["counters"] = global_blocks("counters")
+    item["key"] = np.asarray(_multihost.to_host(state.index[name].key), np.uint32).reshape(2)
+    item["counts"] = counts
+    return item
 
 
 def _placed(value, abstract: jax.ShapeDtypeStruct) -> jax.Array:
@@ -914,96 +969,207 @@ def _placed(value, abstract: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.make_array_from_callback(abstract.shape, abstract.sharding, lambda i: host[i])
 
 
-def _dynamic_target(emb, saved: dict) -> dict:
-    """Host (NumPy) targets of the dynamic item, shaped from the metadata."""
+def _by_shard(emb, name: str, infos: list[dict]) -> bool:
+    """Whether each process may read only its own shards' blocks of table `name`'s items:
+    every save in the chain (`infos`, the table's metadata in each) was written in blocks
+    by as many shards as `emb` has, from an index that puts every id in the bucket `emb`'s
+    does (same buckets, bucket sizes and seed), so that shard k's ids are block k's."""
+    index = emb.dynamic[name].index
+    same = {
+        "buckets": index.buckets,
+        "filter_buckets": index.filter_buckets,
+        "filter_bucket_size": index.filter_bucket_size,
+        "seed": index.seed,
+    }
+
+    def matches(info: dict) -> bool:
+        blocks = info.get("blocks")
+        return (
+            blocks is not None
+            and len(blocks["ids"]) == emb.num_shards
+            and info["config"]["bucket_size"] == index.bucket_size
+            and all(info.get(k) == v for k, v in same.items())
+        )
+
+    return all(matches(info) for info in infos)
+
+
+def _dynamic_target(emb, saved: dict, by_shard: set) -> dict:
+    """Targets of the dynamic item, shaped from the metadata: for the tables in `by_shard`
+    jax.ShapeDtypeStructs sharded as the index (each process reads its own blocks), for the
+    others NumPy (every process reads all). Items saved before blocks hold one block of
+    every id."""
     out = {}
     for name, info in saved.items():
         if name not in emb.dynamic:
             continue
-        n, nf, d = max(info["ids"], 1), max(info["filter_ids"], 1), info["dim"]
-        m = max(info.get("changed", info["ids"]), 1)
+        blocks = info.get("blocks")
+        if blocks is None:  # One flat block of every id.
+            lead, widths = (), (info["ids"], info.get("changed", info["ids"]), info["filter_ids"])
+        else:
+            lead = (len(blocks["ids"]),)
+            widths = tuple(max(blocks[k]) for k in ("ids", "changed", "filter_ids"))
+        n, m, nf = (max(w, 1) for w in widths)
+        d = info["dim"]
+
+        def target(shape, dtype, name=name, lead=lead):
+            shape = lead + shape
+            if name not in by_shard:
+                return np.zeros(shape, dtype)
+            sharding = _row_sharding(emb, False, len(shape), _placement.HOST)
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        # Ids as int64 before blocks, as (hi, lo) uint32 words (`_words`) in blocks.
+        ids = (lambda w: ((w,), np.int64)) if blocks is None else (lambda w: ((w, 2), np.uint32))
+        counters = np.int64 if blocks is None else np.int32
         out[name] = {
-            "ids": np.zeros((n,), np.int64),
-            "last": np.zeros((n,), np.int32),
-            "count": np.zeros((n,), np.int32),
-            "rows": np.zeros((m, d), np.float32),
+            "ids": target(*ids(n)),
+            "last": target((n,), np.int32),
+            "count": target((n,), np.int32),
+            "rows": target((m, d), np.float32),
             "slots": {
-                s: np.zeros((m, d) if v["rank"] == 2 else (m,), np.float32)
+                s: target((m, d) if v["rank"] == 2 else (m,), np.float32)
                 for s, v in info["slots"].items()
             },
-            "filter_ids": np.zeros((nf,), np.int64),
-            "filter_count": np.zeros((nf,), np.int32),
+            "filter_ids": target(*ids(nf)),
+            "filter_count": target((nf,), np.int32),
             "key": np.zeros((2,), np.uint32),
-            "counters": np.zeros((len(info["counters"]),), np.int64),
+            "counters": target((len(info["counters"]),), counters),
         }
         if "changed" in info:  # Saves before incremental ones had rows of every id.
-            out[name]["changed"] = np.zeros((m,), np.int64)
+            out[name]["changed"] = target(*ids(m))
     return out
 
 
-def _unpadded(stored: dict, info: dict) -> dict:
-    """The dynamic item of one table without its padding entries; counters by name;
-    "changed": the ids "rows" and "slots" belong to."""
-    n, nf, m = info["ids"], info["filter_ids"], info.get("changed", info["ids"])
-    out: dict[str, Any] = {k: np.asarray(stored[k])[:n] for k in ("ids", "last", "count")}
-    out["changed"] = np.asarray(stored["changed"])[:m] if "changed" in stored else out["ids"]
-    out["rows"] = np.asarray(stored["rows"])[:m]
-    out["slots"] = {s: np.asarray(v)[:m] for s, v in stored["slots"].items()}
-    out["filter_ids"] = np.asarray(stored["filter_ids"])[:nf]
-    out["filter_count"] = np.asarray(stored["filter_count"])[:nf]
-    out["key"] = np.asarray(stored["key"], np.uint32)
-    out["counters"] = dict(zip(info["counters"], np.asarray(stored["counters"]).tolist()))
+def _entries(block: dict, counts: tuple, counters: list) -> dict:
+    """One block of the dynamic item without its padding entries (NumPy; `counts` its real
+    ids, changed ids and filter entries); counters by name; "changed": the ids "rows" and
+    "slots" belong to."""
+    n, m, nf = counts
+    out: dict[str, Any] = {k: np.asarray(block[k])[:n] for k in ("last", "count")}
+    out["ids"] = _ids(block["ids"])[:n]
+    out["changed"] = _ids(block["changed"])[:m] if "changed" in block else out["ids"]
+    out["rows"] = np.asarray(block["rows"])[:m]
+    out["slots"] = {s: np.asarray(v)[:m] for s, v in block["slots"].items()}
+    out["filter_ids"] = _ids(block["filter_ids"])[:nf]
+    out["filter_count"] = np.asarray(block["filter_count"])[:nf]
+    out["key"] = np.asarray(block["key"], np.uint32)
+    out["counters"] = dict(zip(counters, np.asarray(block["counters"]).reshape(-1).tolist()))
     return out
+
+
+def _joined(parts: list[dict]) -> dict:
+    """The entries of several blocks as one (in block order), counters summed."""
+    if len(parts) == 1:
+        return parts[0]
+    cat = lambda key: np.concatenate([p[key] for p in parts])
+    out: dict[str, Any] = {k: cat(k) for k in ("ids", "last", "count", "changed", "rows")}
+    out.update(filter_ids=cat("filter_ids"), filter_count=cat("filter_count"))
+    out["slots"] = {s: np.concatenate([p["slots"][s] for p in parts]) for s in parts[0]["slots"]}
+    out["key"] = parts[0]["key"]
+    out["counters"] = {c: sum(p["counters"][c] for p in parts) for c in parts[0]["counters"]}
+    return out
+
+
+def _unpadded(stored: dict, info: dict, by_shard: bool) -> dict:
+    """{shard k: the entries of block k} for each block this process read (`by_shard`), or
+    {None: the entries of every block, joined}."""
+    blocks = info.get("blocks")
+    if blocks is None:  # Saved before blocks: one block of every id.
+        counts = (info["ids"], info.get("changed", info["ids"]), info["filter_ids"])
+        return {None: _entries(stored, counts, info["counters"])}
+    counts = list(zip(blocks["ids"], blocks["changed"], blocks["filter_ids"]))
+    stored = dict(stored)
+    key = stored.pop("key")
+    arrays, treedef = jax.tree.flatten(stored)
+    if by_shard:
+        local = [_multihost.parts(a, len(counts)) for a in arrays]
+        taken = {k: [np.asarray(p[k])[0] for p in local] for k in local[0]}
+    else:
+        taken = {k: [np.asarray(a)[k] for a in arrays] for k in range(len(counts))}
+    found = {
+        k: _entries({**treedef.unflatten(leaves), "key": key}, counts[k], info["counters"])
+        for k, leaves in taken.items()
+    }
+    return found if by_shard else {None: _joined(list(found.values()))}
 
 
 def _dynamic_entries(manager, path: str, step: int, meta: dict, emb, earlier: list) -> dict:
-    """{dynamic table name of `emb`: its entries at `step` (`_unpadded`) with the rows and
-    slots of every id}: an incremental save's other rows come from the step it was saved
-    on top of, read the same way (a chain down to a full save)."""
+    """{dynamic table name of `emb`: {shard or None: entries} (`_unpadded`) at `step`, with
+    the rows and slots of every id}: an incremental save's other rows come from the step it
+    was saved on top of, read the same way (a chain down to a full save)."""
     ocp = _orbax()
+    chain = [(step, meta, earlier)]  # From `step` down to its full save.
+    while chain[-1][1].get("dynamic") and chain[-1][1].get("since_step") is not None:
+        top, top_meta, top_earlier = chain[-1]
+        base = top_meta["since_step"]
+        if base not in top_earlier:
+            raise CheckpointCorruptError(
+                f"checkpoint.restore: step {top} of {path} was saved on top of step {base} "
+                f"(since_step), which the directory no longer holds; its steps are "
+                f"{sorted(top_earlier + [top])}."
+            )
+        older = [s for s in top_earlier if s < base]
+        with _reading(path, base, "metadata/metadata", older):
+            base_meta = manager.restore(
+                base, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
+            ).metadata
+        chain.append((base, base_meta, older))
     saved = meta.get("dynamic", {})
-    if not saved:
-        return {}
-    with _reading(path, step, "dynamic", earlier):
-        item = manager.restore(
-            step,
-            args=ocp.args.Composite(dynamic=ocp.args.StandardRestore(_dynamic_target(emb, saved))),
-        ).dynamic
-    out = {name: _unpadded(item[name], saved[name]) for name in item}
-    base = meta.get("since_step")
-    if base is None:
-        return out
-    older = [s for s in earlier if s < base]
-    if base not in earlier:
-        raise CheckpointCorruptError(
-            f"checkpoint.restore: step {step} of {path} was saved on top of step {base} "
-            f"(since_step), which the directory no longer holds; its steps are "
-            f"{sorted(earlier + [step])}."
+    by_shard = {
+        name
+        for name in saved
+        if name in emb.dynamic
+        and _by_shard(emb, name, [m.get("dynamic", {}).get(name, {}) for _, m, _ in chain])
+    }
+    out: dict[str, dict] = {}
+    for at, at_meta, at_earlier in reversed(chain):
+        at_saved = at_meta.get("dynamic", {})
+        if not at_saved:
+            return {}
+        with _reading(path, at, "dynamic", at_earlier):
+            item = manager.restore(
+                at,
+                args=ocp.args.Composite(
+                    dynamic=ocp.args.StandardRestore(_dynamic_target(emb, at_saved, by_shard))
+                ),
+            ).dynamic
+        below, out = (
+            out,
+            {name: _unpadded(item[name], at_saved[name], name in by_shard) for name in item},
         )
-    with _reading(path, base, "metadata/metadata", older):
-        base_meta = manager.restore(
-            base, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
-        ).metadata
-    below = _dynamic_entries(manager, path, base, base_meta, emb, older)
-    return {name: _on_top(e, below[name], f"{path}/{step}", name) for name, e in out.items()}
+        if below:
+            out = {
+                name: {
+                    k: _on_top(e, below[name][k], f"{path}/{at}", name) for k, e in parts.items()
+                }
+                for name, parts in out.items()
+            }
+    return out
+
+
+def _positions(keys: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(where each of `wanted` is in `keys` (distinct ids, any order), whether it is)."""
+    order = np.argsort(keys, kind="stable")
+    at = np.minimum(np.searchsorted(keys, wanted, sorter=order), max(len(keys) - 1, 0))
+    where = order[at] if len(keys) else at
+    found = (keys[where] == wanted) if len(keys) else np.zeros(len(wanted), bool)
+    return where, found
 
 
 def _on_top(entries: dict, below: dict, where: str, name: str) -> dict:
     """An incremental save's entries with every id's rows and slots: its own for the ids it
     lists as changed, those of the save below for the others."""
     ids, changed = entries["ids"], entries["changed"]
-    mine = np.isin(ids, changed)
-    at = np.searchsorted(below["ids"], ids[~mine])
-    found = (at < len(below["ids"])) & (
-        below["ids"][np.minimum(at, len(below["ids"]) - 1)] == ids[~mine]
-    )
+    own, mine = _positions(changed, ids)
+    at, found = _positions(below["ids"], ids[~mine])
     if not found.all():
         raise CheckpointCorruptError(
             f"checkpoint.restore: {where}, table {name!r}: {int((~found).sum())} ids not "
             f"updated since the step below it are not in that step (e.g. id "
             f"{int(ids[~mine][~found][0])}); the chain of incremental saves is broken."
         )
-    own = np.searchsorted(changed, ids[mine])
+    own = own[mine]
 
     def merge(mine_values, below_values):
         out = np.empty((len(ids),) + mine_values.shape[1:], mine_values.dtype)
@@ -1019,41 +1185,59 @@ def _on_top(entries: dict, below: dict, where: str, name: str) -> dict:
     }
 
 
-def _dynamic_state(emb, name: str, entries: dict, where: str) -> tuple:
+def _dynamic_state(emb, name: str, parts: dict, where: str) -> tuple:
     """(physical table, {slot: physical array}, DynamicState) of a dynamic table from its
-    logical form: the index rebuilt for emb's mesh and capacity (scores, filter, counters
-    and key as saved), the rows written to the slots the ids get: each process builds and
-    packs only its own shards, in NumPy, placed straight where they live (never a logical
-    copy on the devices, nor a host table in HBM, nor a whole table on one host)."""
+    logical form (`_dynamic_entries`' {shard or None: entries}): the index rebuilt for
+    emb's mesh and capacity (scores, filter, counters and key as saved), the rows written
+    to the slots the ids get: each process builds and packs only its own shards, in NumPy,
+    placed straight where they live (never a logical copy on the devices, nor a host table
+    in HBM). With entries by shard, each process has only its own shards' (the index
+    rebuilt shard by shard); with every id's (None), it rebuilds the whole index."""
     plan = emb.dynamic[name]
     table_plan = emb.table_plans[name]
     storage = table_plan.storage
-    ids = entries["ids"]
-    _guards.check_restored(
-        _guards.restored_items(
+    n = emb.num_shards
+    items = [
+        item
+        for entries in parts.values()
+        for item in _guards.restored_items(
             name, table_plan.optimizer, entries["rows"], entries["slots"], storage.slot_specs
-        ),
-        where,
-    )
-    try:
-        built, global_rows = _dynamic.rebuild(plan, emb.num_shards, entries)
-    except ValueError as e:
-        raise ValueError(f"{where}: table {name!r}: {e}") from None
+        )
+    ]
+    _guards.check_restored_on_every_process(items, where)
+    local_rows, built = {}, {}
+    if None in parts:
+        try:
+            whole, global_rows = _dynamic.rebuild(plan, n, parts[None])
+        except ValueError as e:
+            raise ValueError(f"{where}: table {name!r}: {e}") from None
+        shard, local = np.divmod(np.asarray(global_rows, np.int64), storage.layout.rows_per_shard)
+        entries = parts[None]
+        for k in set(_multihost.shard_of_devices(emb).values()):
+            at = shard == k
+            local_rows[k] = (
+                local[at],
+                entries["rows"][at],
+                {s: v[at] for s, v in entries["slots"].items()},
+            )
+        built = {k: _index_part(whole, n, k) for k in local_rows}
+    else:
+        for k, entries in parts.items():
+            built[k], rows = _dynamic.rebuild(plan, n, entries, shard=k)
+            local_rows[k] = rows, entries["rows"], entries["slots"]
     layout = storage.layout
     s_rows = layout.rows_per_shard
-    shard, local = np.divmod(np.asarray(global_rows, np.int64), s_rows)
     mine = _multihost.shard_of_devices(emb)
     padding = np.arange(s_rows)[None, :] >= layout.shard_sizes()[:, None]  # (N, S)
     blocks, slot_blocks = {}, {s.name: {} for s in storage.stored}
-    for k in set(mine.values()):
-        at = shard == k
+    for k, (local, rows, slot_rows) in local_rows.items():
         table = np.zeros((s_rows, plan.dim), table_plan.config.dtype)
-        table[local[at]] = entries["rows"][at].astype(table.dtype)
+        table[local] = rows.astype(table.dtype)
         values = {}
         for spec in storage.slot_specs:
-            value = entries["slots"][spec.name]
+            value = slot_rows[spec.name]
             block = np.full((s_rows,) + value.shape[1:], float(spec.initializer), np.float32)
-            block[local[at]] = value[at]
+            block[local] = value
             block[padding[k]] = 0.0
             values[spec.name] = block
         table = storage.join_row(table, {r.name: values[r.name] for r in storage.riders})
@@ -1065,11 +1249,30 @@ def _dynamic_state(emb, name: str, entries: dict, where: str) -> tuple:
         spec.name: _packed_shards(emb, storage, spec, slot_blocks[spec.name])
         for spec in storage.stored
     }
-    state = _dynamic.DynamicState(built, entries["key"])
+    key = next(iter(parts.values()))["key"]
     abstract = dataclasses.replace(emb.abstract_state().index[name], cache=None)
-    index = jax.tree.map(_placed, state, abstract)  # Caches: `Embedding.with_empty_caches`.
-    assert len(ids) == len(global_rows)
+    index = _dynamic.DynamicState(
+        jax.tree.map(
+            lambda s, *local: _from_parts(s, dict(zip(built, local)), n),
+            abstract.index,
+            *built.values(),
+        ),
+        _placed(key, abstract.key),
+    )  # Caches: `Embedding.with_empty_caches`.
     return physical, slots, index
+
+
+def _index_part(index, n: int, k: int):
+    """Shard k's part of a whole index of NumPy arrays (`_hashindex.empty_state`'s)."""
+    return jax.tree.map(lambda x: np.split(np.asarray(x), n)[k], index)
+
+
+def _from_parts(abstract: jax.ShapeDtypeStruct, parts: dict, n: int) -> jax.Array:
+    """The array `abstract` (dimension 0 split into `n` parts, one per shard) from {shard:
+    part (NumPy)} of the shards this process holds."""
+    at = abstract.sharding.addressable_devices_indices_map((n,) + abstract.shape[1:])
+    blocks = {d: parts[i[0].start or 0] for d, i in at.items()}  # pyright: ignore[reportOptionalSubscript]
+    return _host_blocks(abstract.shape, abstract.sharding, blocks)
 
 
 def _check_state(emb, state) -> None:

@@ -222,6 +222,22 @@ def dynamic_step_data(step: int):
     return features, grads
 
 
+def dynamic_embedding(mesh, routing: str = "auto", placement: str = "device"):
+    """`train_dynamic`'s Embedding on `mesh`."""
+    users = jte.TableConfig(
+        dim=8,
+        combiner="mean",
+        name="users",
+        dynamic=jte.DynamicTable(capacity=64, bucket_size=8),
+        placement=placement,
+    )
+    spec = jte.EmbeddingSpec(
+        {"user": jte.FeatureConfig(users), "hist": jte.FeatureConfig(users)},
+        jte.Adagrad(learning_rate=0.1),
+    )
+    return jte.Embedding(spec, mesh, routing=routing)
+
+
 def train_dynamic(
     mesh_kind: str,
     inputs: str = "local",
@@ -235,18 +251,7 @@ def train_dynamic(
     "host": its rows and slots in the processes' host memory, its index on the devices.
     With a `directory`, the state is saved there by `jte.checkpoint` and restored:
     "restored/ids", "restored/rows", "restored/acc" are the restored table's."""
-    users = jte.TableConfig(
-        dim=8,
-        combiner="mean",
-        name="users",
-        dynamic=jte.DynamicTable(capacity=64, bucket_size=8),
-        placement=placement,
-    )
-    spec = jte.EmbeddingSpec(
-        {"user": jte.FeatureConfig(users), "hist": jte.FeatureConfig(users)},
-        jte.Adagrad(learning_rate=0.1),
-    )
-    emb = jte.Embedding(spec, make_mesh(mesh_kind), routing=routing)
+    emb = dynamic_embedding(make_mesh(mesh_kind), routing, placement)
     state = emb.init(jax.random.key(0))
     if placement == "host":
         assert state.tables["users"].sharding.memory_kind == "pinned_host"

@@ -2,6 +2,7 @@
 (ids, rows, slots, scores, filter, key, counters) and restored onto any mesh and capacity
 that holds them; a flax model trains one; a Server answers what Embedding.lookup does."""
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -14,7 +15,7 @@ import pytest
 
 import jax_tpu_embed as jte
 from conftest import make_mesh
-from jax_tpu_embed import _dynamic, checkpoint
+from jax_tpu_embed import _dynamic, _hashindex, checkpoint
 
 DIM = 4
 
@@ -124,39 +125,64 @@ def test_checkpoint_restores_onto_another_mesh_and_continues_the_same(saved):
     the table's rows): the restored state shows what the saved one did, and 4 more steps give
     what the uninterrupted run gave (the same ids resident, the same counters: scores, the
     admission filter, the key and the counters came back)."""
-    path, steps, then, after, _ = saved
+    path, steps, then, after, (saving, _) = saved
     emb = jte.Embedding(spec_of(DYNAMIC, strategy="mod"), make_mesh(2), lane_width=128)
     assert len(emb.storage("users").riders) == 1
-    state, _ = checkpoint.restore(path, emb)
-    Snapshot(emb, state).assert_equals(then, exact=True)
-    state = train(emb, state, steps[SAVED_AT:])
-    Snapshot(emb, state).assert_equals(after)
+    for onto in (emb, saving):  # Every block read, then each shard's own only.
+        state, _ = checkpoint.restore(path, onto)
+        Snapshot(onto, state).assert_equals(then, exact=True)
+        state = train(onto, state, steps[SAVED_AT:])
+        Snapshot(onto, state).assert_equals(after)
 
 
 def test_checkpoint_item_is_the_logical_form(saved):
-    """The dynamic item, read by plain orbax: every held id ascending (int64), its row and
-    slots, scores, key and counters; the metadata records the config and the counts."""
-    path, _, then, _, _ = saved
+    """The dynamic item, read by plain orbax: block k of each array holds shard k's entries
+    (the 8 saving shards): its held ids ascending ((hi, lo) uint32 words, -1 padding),
+    their rows and slots, scores, filter and counters; the key; the metadata records the
+    config and each block's counts. Together the blocks hold every held id once."""
+    path, _, then, _, (emb, _) = saved
     item = ocp.StandardCheckpointer().restore(path / str(SAVED_AT) / "dynamic")["users"]
+    item = jax.tree.map(np.asarray, item)
     meta = ocp.JsonCheckpointHandler().restore(path / str(SAVED_AT) / "metadata")
     info = meta["dynamic"]["users"]
     assert "users" not in meta["tables"] and "items" in meta["tables"]
     assert info["config"]["capacity"] == 32 and info["config"]["min_count"] == 2
-    assert info["ids"] == then.stats["users"]["held"] == len(item["ids"])
-    assert item["ids"].dtype == np.int64 and np.all(np.diff(item["ids"]) > 0)
+    blocks = info["blocks"]
+    assert info["ids"] == then.stats["users"]["held"] == sum(blocks["ids"])
+    assert len(blocks["ids"]) == 8 == item["ids"].shape[0] and item["ids"].dtype == np.uint32
+
+    def ids(words):
+        return jte.join_ids(jte.SplitIds(words[..., 0], words[..., 1]))
+
+    config = emb.dynamic["users"].index
+    every = []
+    for k, n in enumerate(blocks["ids"]):
+        mine = ids(item["ids"][k])
+        assert np.all(mine[n:] == -1) and np.all(np.diff(mine[:n]) > 0)
+        bucket = np.asarray(_hashindex.global_bucket(config, *_hashindex.split_ids(mine[:n])))
+        assert np.all(bucket // (config.buckets // 8) == k)  # Shard k's own ids.
+        assert blocks["changed"][k] == n  # A full save: rows of every id.
+        np.testing.assert_array_equal(ids(item["changed"][k])[:n], mine[:n])
+        every.append((mine[:n], item["rows"][k][:n], item["slots"]["accumulators"][k][:n]))
+        assert np.all(item["last"][k][:n] <= SAVED_AT) and np.all(item["count"][k][:n] >= 1)
+        filtered = ids(item["filter_ids"][k])[: blocks["filter_ids"][k]]
+        bucket = np.asarray(_hashindex.global_bucket(config, *_hashindex.split_ids(filtered)))
+        assert np.all(bucket // (config.buckets // 8) == k)  # The filter's too.
+    held, rows, acc = (np.concatenate(x) for x in zip(*every))
+    order = np.argsort(held)
+    held, rows, acc = held[order], rows[order], acc[order]
     live = then.tables["users"]
-    where = np.searchsorted(item["ids"], live.ids)
-    np.testing.assert_array_equal(item["ids"][where], live.ids)
-    np.testing.assert_array_equal(item["rows"][where], live.rows)
-    np.testing.assert_array_equal(
-        item["slots"]["accumulators"][where], then.slots["users"]["accumulators"].rows
-    )
-    assert np.all(item["last"] <= SAVED_AT) and np.all(item["count"] >= 1)
-    assert np.all(item["last"][where] > SAVED_AT - TTL)  # Live: not expired.
+    where = np.searchsorted(held, live.ids)
+    np.testing.assert_array_equal(held[where], live.ids)
+    np.testing.assert_array_equal(rows[where], live.rows)
+    np.testing.assert_array_equal(acc[where], then.slots["users"]["accumulators"].rows)
+    last = np.concatenate([item["last"][k][:n] for k, n in enumerate(blocks["ids"])])[order]
+    assert np.all(last[where] > SAVED_AT - TTL)  # Live: not expired.
     np.testing.assert_array_equal(item["key"], then.key)
-    counters = dict(zip(info["counters"], item["counters"].tolist()))
+    counters = dict(zip(info["counters"], item["counters"].sum(0).tolist()))
     assert all(counters[k] == v for k, v in then.stats["users"].items() if k in counters)
-    assert info["filter_ids"] > 0 and np.all(item["filter_count"] >= 1)
+    filtered = [item["filter_count"][k][:n] for k, n in enumerate(blocks["filter_ids"])]
+    assert info["filter_ids"] > 0 and np.all(np.concatenate(filtered) >= 1)
 
 
 def test_incremental_saves_restore_through_the_chain(tmp_path):
@@ -178,14 +204,22 @@ def test_incremental_saves_restore_through_the_chain(tmp_path):
         snapshots[until] = Snapshot(emb, state)
     s = stats(emb, state)["users"]
     assert s["evicted"] > 0 and s["expired"] > 0
-    for step in (7, 10):
+    small = jte.Embedding(spec_of(DYNAMIC, strategy="mod"), make_mesh(2))
+    infos = []
+    for step in (4, 7, 10):
         info = ocp.JsonCheckpointHandler().restore(tmp_path / str(step) / "metadata")
+        infos.append(info["dynamic"]["users"])
+        if step == 4:
+            continue
         assert info["since_step"] == step - 3
         users = info["dynamic"]["users"]
         assert 0 < users["changed"] < users["ids"], users
-        small = jte.Embedding(spec_of(DYNAMIC, strategy="mod"), make_mesh(2))
-        restored, _ = checkpoint.restore(tmp_path, small, step=step)
-        Snapshot(small, restored).assert_equals(snapshots[step], exact=True)
+        # On 2 shards every process reads every block; on the saving mesh only its own.
+        for onto in (small, emb):
+            restored, _ = checkpoint.restore(tmp_path, onto, step=step)
+            Snapshot(onto, restored).assert_equals(snapshots[step], exact=True)
+    assert checkpoint._by_shard(emb, "users", infos)
+    assert not checkpoint._by_shard(small, "users", infos)
 
     state = train(emb, state, steps[:1])  # Step 11.
     with pytest.raises(ValueError, match=r"since_step=5 must be an earlier step of .*\[4, 7, 10\]"):
@@ -199,6 +233,20 @@ def test_incremental_saves_restore_through_the_chain(tmp_path):
         checkpoint.CheckpointCorruptError, match=r"saved on top of step 7 \(since_step\)"
     ):
         checkpoint.restore(tmp_path, emb, step=10)
+
+
+def test_checkpoint_with_a_nan_row_is_refused_on_every_mesh(saved, tmp_path):
+    """A saved row that is NaN (written by other code) is refused whether each shard reads
+    its own block (the saving mesh) or every block is read (2 devices)."""
+    _, steps, _, _, (emb, state) = saved
+    table = state.tables["users"]
+    state = dataclasses.replace(
+        state, tables={**state.tables, "users": jnp.full_like(table, np.nan, device=table.sharding)}
+    )
+    checkpoint.save(tmp_path, emb, state)
+    for onto in (emb, jte.Embedding(spec_of(DYNAMIC), make_mesh(2))):
+        with pytest.raises(ValueError, match=r"checkpoint.restore: .*table 'users' has nan"):
+            checkpoint.restore(tmp_path, onto)
 
 
 @pytest.mark.slow

@@ -491,6 +491,17 @@ def test_export_build_round_trip(onto):
     np.testing.assert_array_equal(built_rows // config.bucket_size, rows // config.bucket_size)
     np.testing.assert_array_equal(hx.slot_ids(config, built)[built_rows], ids)
     assert built.stats.shape == (onto, len(hx.STAT_NAMES))
+    # Shard by shard, from each shard's own entries: its part of the whole build, its rows.
+    shard_of = built_rows // (config.capacity // onto)
+    for k in range(onto):
+        mine = shard_of == k
+        part, local = hx.build(config, onto, ids[mine], last[mine], count[mine], shard=k)
+        for got, whole in zip(jax.tree.leaves(part), jax.tree.leaves(built)):
+            np.testing.assert_array_equal(got, np.split(np.asarray(whole), onto)[k])
+        np.testing.assert_array_equal(local, built_rows[mine] - k * (config.capacity // onto))
+        if onto > 1:
+            with pytest.raises(ValueError, match=rf"belongs to shard \d of {onto}, not to shard"):
+                hx.build(config, onto, ids[~mine][:1], last[:1], count[:1], shard=k)
 
     # The rebuilt index (other lanes, other mesh) goes on exactly as the original.
     rebuilt = Reference(config)

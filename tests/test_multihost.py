@@ -197,6 +197,28 @@ def test_dynamic_tables_two_processes_match_one(dynamic_job, case, tmp_path):
     (`multihost.to_host`) are the same."""
     want = worker.train(*case.split(":"), directory=str(tmp_path / "one"))
     got = dynamic_job.result(case)
+    # The 2-process save, written by each process for its own 4 shards, in one process: on
+    # 8 devices each block is read as its shard's, on 2 they are joined.
+    import orbax.checkpoint as ocp
+
+    from conftest import make_mesh
+    from jax_tpu_embed import checkpoint
+
+    saved = dynamic_job.out / case.replace(":", "_")
+    parts = case.split(":")
+    routing, placement = (parts + ["local", "init", "auto", "device"][len(parts) - 2 :])[4:]
+    (step,) = checkpoint.all_steps(saved)
+    info = ocp.JsonCheckpointHandler().restore(saved / str(step) / "metadata")
+    info = info["dynamic"]["users"]
+    assert len(info["blocks"]["ids"]) == 8 and sum(info["blocks"]["ids"]) == len(got["ids"])
+    for n in (8, 2):
+        emb = worker.dynamic_embedding(make_mesh(n), routing, placement)
+        assert checkpoint._by_shard(emb, "users", [info]) == (n == 8)
+        restored, _ = checkpoint.restore(saved, emb)
+        np.testing.assert_array_equal(emb.export(restored)["users"].ids, got["ids"])
+        np.testing.assert_array_equal(emb.export(restored)["users"].rows, got["rows"])
+        acc = emb.export_slots(restored)["users"]["accumulators"].rows
+        np.testing.assert_array_equal(acc, got["acc"])
     assert sorted(got) == sorted(want)
     assert int(want["stats/evicted"]) > 0
     np.testing.assert_array_equal(got["ids"], want["ids"])

@@ -50,6 +50,25 @@ def test_rows_in_pieces_equal_numpy(kind, memory, shape, dtype):
     assert jte.multihost.to_host(x, np.zeros((0,), np.int64)).shape == (0,) + shape[1:]
 
 
+@pytest.mark.parametrize("memory", ["device", "pinned_host"])
+def test_each_part_read_alone_on_its_device(memory):
+    """`parts` gives this process's part k of each array (an empty one too), and a part
+    read `alone` in pieces on its device gives its own rows, as NumPy does."""
+    rng = np.random.default_rng(1)
+    host = rng.normal(size=(800, 3)).astype(np.float32)
+    x = jax.device_put(host, NamedSharding(make_mesh(8), P("shard"), memory_kind=memory))
+    parts = _multihost.parts(x, 8)
+    assert sorted(parts) == list(range(8))
+    rows = rng.integers(0, 100, 77)
+    for k, part in parts.items():
+        alone = _multihost.alone(part)
+        assert alone.sharding.memory_kind == memory and alone.devices() == part.devices()
+        want = host[100 * k : 100 * (k + 1)][rows]
+        _same_bits(_multihost.to_host(alone, rows, chunk_bytes=5 * 12), want)
+    empty = jax.device_put(np.zeros((0,), np.int32), NamedSharding(make_mesh(8), P("shard")))
+    assert sorted(_multihost.parts(empty, 8)) == list(range(8))
+
+
 def test_a_piece_costs_its_rows_on_a_device_not_the_table():
     """What one piece compiles to on 8 devices: temporaries of a few times its (4096, 64)
     float32 rows per device, whatever the table's rows, and no all-gather."""
