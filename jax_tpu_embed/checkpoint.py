@@ -45,9 +45,10 @@ in NumPy and orbax writes and reads the logical blocks in host memory, with any 
 processes. Other host tables are converted whole in NumPy with one process; with several,
 their rows cross between the processes through the devices in pieces, each host keeping
 the blocks it writes or the shards it holds. A dynamic table's blocks are each shard's own
-entries: every host reads and writes those of its shards only, and reads only those again
-when the restoring mesh has as many shards and the same capacity (`_by_shard`); otherwise
-every host reads all blocks and rebuilds the index for the new mesh.
+entries: every host reads and writes those of its shards only, and on restore reads only
+the blocks holding its shards' ids when the capacity is the same and one shard count
+divides the other (`_by_shard`); otherwise every host reads all blocks and rebuilds the
+index for the new mesh.
 """
 
 from __future__ import annotations
@@ -970,10 +971,12 @@ def _placed(value, abstract: jax.ShapeDtypeStruct) -> jax.Array:
 
 
 def _by_shard(emb, name: str, infos: list[dict]) -> bool:
-    """Whether each process may read only its own shards' blocks of table `name`'s items:
-    every save in the chain (`infos`, the table's metadata in each) was written in blocks
-    by as many shards as `emb` has, from an index that puts every id in the bucket `emb`'s
-    does (same buckets, bucket sizes and seed), so that shard k's ids are block k's."""
+    """Whether each process may read only the blocks of table `name`'s items that hold its
+    own shards' ids: every save in the chain (`infos`, the table's metadata in each) was
+    written in blocks, by S shards where S is a multiple or a divisor of emb's N, from an
+    index that puts every id in the bucket `emb`'s does (same buckets, bucket sizes and
+    seed). A shard's buckets are then a whole run of S/N blocks, or lie in one block (with
+    the buckets of N/S - 1 other shards)."""
     index = emb.dynamic[name].index
     same = {
         "buckets": index.buckets,
@@ -984,14 +987,30 @@ def _by_shard(emb, name: str, infos: list[dict]) -> bool:
 
     def matches(info: dict) -> bool:
         blocks = info.get("blocks")
+        n, saved = emb.num_shards, len(blocks["ids"]) if blocks is not None else 0
         return (
             blocks is not None
-            and len(blocks["ids"]) == emb.num_shards
+            and (saved % n == 0 or n % saved == 0)
             and info["config"]["bucket_size"] == index.bucket_size
             and all(info.get(k) == v for k, v in same.items())
         )
 
     return all(matches(info) for info in infos)
+
+
+def _block_sharding(emb, blocks: int, ndim: int) -> NamedSharding:
+    """The sharding of a dynamic item's (blocks, ...) arrays in host memory that gives each
+    device the blocks its shard's ids are in (`_by_shard`): with blocks = r·N, shard k's r
+    blocks from k·r on; with N = r·blocks, block k // r (each block on r shards)."""
+    mesh, n = emb.mesh, emb.num_shards
+    at = mesh.axis_names.index(emb.axis)
+    devices = np.moveaxis(mesh.devices, at, 0)  # Shard by shard.
+    groups = min(blocks, n)
+    devices = devices.reshape((groups, n // groups) + devices.shape[1:])
+    others = tuple(a for a in mesh.axis_names if a != emb.axis)
+    grouped = jax.sharding.Mesh(devices, ("blocks", "within") + others)
+    spec = P("blocks", *([None] * (ndim - 1)))
+    return NamedSharding(grouped, spec, memory_kind=_placement.HOST)
 
 
 def _dynamic_target(emb, saved: dict, by_shard: set) -> dict:
@@ -1016,7 +1035,7 @@ def _dynamic_target(emb, saved: dict, by_shard: set) -> dict:
             shape = lead + shape
             if name not in by_shard:
                 return np.zeros(shape, dtype)
-            sharding = _row_sharding(emb, False, len(shape), _placement.HOST)
+            sharding = _block_sharding(emb, shape[0], len(shape))
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
         # Ids as int64 before blocks, as (hi, lo) uint32 words (`_words`) in blocks.
@@ -1071,9 +1090,9 @@ def _joined(parts: list[dict]) -> dict:
     return out
 
 
-def _unpadded(stored: dict, info: dict, by_shard: bool) -> dict:
-    """{shard k: the entries of block k} for each block this process read (`by_shard`), or
-    {None: the entries of every block, joined}."""
+def _unpadded(emb, name: str, stored: dict, info: dict, by_shard: bool) -> dict:
+    """{shard k of emb: the entries of its ids} for each shard this process holds, from the
+    blocks it read (`by_shard`), or {None: the entries of every block, joined}."""
     blocks = info.get("blocks")
     if blocks is None:  # Saved before blocks: one block of every id.
         counts = (info["ids"], info.get("changed", info["ids"]), info["filter_ids"])
@@ -1082,16 +1101,54 @@ def _unpadded(stored: dict, info: dict, by_shard: bool) -> dict:
     stored = dict(stored)
     key = stored.pop("key")
     arrays, treedef = jax.tree.flatten(stored)
-    if by_shard:
-        local = [_multihost.parts(a, len(counts)) for a in arrays]
-        taken = {k: [np.asarray(p[k])[0] for p in local] for k in local[0]}
-    else:
-        taken = {k: [np.asarray(a)[k] for a in arrays] for k in range(len(counts))}
-    found = {
-        k: _entries({**treedef.unflatten(leaves), "key": key}, counts[k], info["counters"])
-        for k, leaves in taken.items()
-    }
-    return found if by_shard else {None: _joined(list(found.values()))}
+
+    def entries(block: int, leaves: list) -> dict:
+        tree = {**treedef.unflatten(leaves), "key": key}
+        return _entries(tree, counts[block], info["counters"])
+
+    if not by_shard:
+        every = [entries(b, [np.asarray(a)[b] for a in arrays]) for b in range(len(counts))]
+        return {None: _joined(every)}
+    n, saved = emb.num_shards, len(counts)
+    mine = _multihost.shard_of_devices(emb)
+    out = {}
+    for k in sorted(set(mine.values())):
+        device = next(d for d, j in mine.items() if j == k)
+        parts = []
+        for a in arrays:  # Each device holds its shard's blocks (`_block_sharding`).
+            (held,) = [s for s in a.addressable_shards if s.device == device]
+            parts.append((held.index[0].start or 0, np.asarray(held.data)))
+        first = parts[0][0]
+        found = [
+            entries(first + i, [part[i] for _, part in parts]) for i in range(len(parts[0][1]))
+        ]
+        out[k] = _joined(found) if saved >= n else _of_shard(emb, name, found[0], k, n // saved)
+    return out
+
+
+def _of_shard(emb, name: str, entries: dict, k: int, sharing: int) -> dict:
+    """The entries of one block (saved by fewer shards than emb has: `sharing` of emb's
+    shards' buckets in it) that belong to emb's shard k; the block's counters go to the
+    first of those shards, so that the totals stay what they were."""
+    config = emb.dynamic[name].index
+    per = config.buckets // emb.num_shards
+
+    def ours(ids):
+        g = _hashindex.global_bucket(config, *_hashindex.split_ids(ids))
+        return np.asarray(g) // per == k
+
+    held, changed, filtered = (ours(entries[f]) for f in ("ids", "changed", "filter_ids"))
+    out = {f: entries[f][held] for f in ("ids", "last", "count")}
+    out.update(changed=entries["changed"][changed], rows=entries["rows"][changed])
+    out["slots"] = {s: v[changed] for s, v in entries["slots"].items()}
+    out.update(
+        filter_ids=entries["filter_ids"][filtered],
+        filter_count=entries["filter_count"][filtered],
+        key=entries["key"],
+    )
+    first = k % sharing == 0
+    out["counters"] = {c: v if first else 0 for c, v in entries["counters"].items()}
+    return out
 
 
 def _dynamic_entries(manager, path: str, step: int, meta: dict, emb, earlier: list) -> dict:
@@ -1136,7 +1193,10 @@ def _dynamic_entries(manager, path: str, step: int, meta: dict, emb, earlier: li
             ).dynamic
         below, out = (
             out,
-            {name: _unpadded(item[name], at_saved[name], name in by_shard) for name in item},
+            {
+                name: _unpadded(emb, name, item[name], at_saved[name], name in by_shard)
+                for name in item
+            },
         )
         if below:
             out = {

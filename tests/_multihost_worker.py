@@ -222,13 +222,13 @@ def dynamic_step_data(step: int):
     return features, grads
 
 
-def dynamic_embedding(mesh, routing: str = "auto", placement: str = "device"):
+def dynamic_embedding(mesh, routing: str = "auto", placement: str = "device", capacity=64):
     """`train_dynamic`'s Embedding on `mesh`."""
     users = jte.TableConfig(
         dim=8,
         combiner="mean",
         name="users",
-        dynamic=jte.DynamicTable(capacity=64, bucket_size=8),
+        dynamic=jte.DynamicTable(capacity=capacity, bucket_size=8),
         placement=placement,
     )
     spec = jte.EmbeddingSpec(

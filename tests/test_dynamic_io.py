@@ -128,7 +128,7 @@ def test_checkpoint_restores_onto_another_mesh_and_continues_the_same(saved):
     path, steps, then, after, (saving, _) = saved
     emb = jte.Embedding(spec_of(DYNAMIC, strategy="mod"), make_mesh(2), lane_width=128)
     assert len(emb.storage("users").riders) == 1
-    for onto in (emb, saving):  # Every block read, then each shard's own only.
+    for onto in (emb, saving):  # Each shard reads 4 blocks, then its own.
         state, _ = checkpoint.restore(path, onto)
         Snapshot(onto, state).assert_equals(then, exact=True)
         state = train(onto, state, steps[SAVED_AT:])
@@ -205,6 +205,10 @@ def test_incremental_saves_restore_through_the_chain(tmp_path):
     s = stats(emb, state)["users"]
     assert s["evicted"] > 0 and s["expired"] > 0
     small = jte.Embedding(spec_of(DYNAMIC, strategy="mod"), make_mesh(2))
+    larger = jte.DynamicTable(**{**vars(DYNAMIC), "capacity": 64})
+    # Shards reading 2 blocks each, 1 block each, half a block each; every block read.
+    ontos = [small, emb, jte.Embedding(spec_of(DYNAMIC), make_mesh(8))]
+    ontos.append(jte.Embedding(spec_of(larger), make_mesh(2)))
     infos = []
     for step in (4, 7, 10):
         info = ocp.JsonCheckpointHandler().restore(tmp_path / str(step) / "metadata")
@@ -214,12 +218,10 @@ def test_incremental_saves_restore_through_the_chain(tmp_path):
         assert info["since_step"] == step - 3
         users = info["dynamic"]["users"]
         assert 0 < users["changed"] < users["ids"], users
-        # On 2 shards every process reads every block; on the saving mesh only its own.
-        for onto in (small, emb):
+        for onto in ontos:
             restored, _ = checkpoint.restore(tmp_path, onto, step=step)
             Snapshot(onto, restored).assert_equals(snapshots[step], exact=True)
-    assert checkpoint._by_shard(emb, "users", infos)
-    assert not checkpoint._by_shard(small, "users", infos)
+    assert [checkpoint._by_shard(e, "users", infos) for e in ontos] == [True] * 3 + [False]
 
     state = train(emb, state, steps[:1])  # Step 11.
     with pytest.raises(ValueError, match=r"since_step=5 must be an earlier step of .*\[4, 7, 10\]"):

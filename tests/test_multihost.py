@@ -198,7 +198,8 @@ def test_dynamic_tables_two_processes_match_one(dynamic_job, case, tmp_path):
     want = worker.train(*case.split(":"), directory=str(tmp_path / "one"))
     got = dynamic_job.result(case)
     # The 2-process save, written by each process for its own 4 shards, in one process: on
-    # 8 devices each block is read as its shard's, on 2 they are joined.
+    # 8 devices each shard reads its block, on 2 its 4 blocks; with another capacity every
+    # block is read.
     import orbax.checkpoint as ocp
 
     from conftest import make_mesh
@@ -211,9 +212,9 @@ def test_dynamic_tables_two_processes_match_one(dynamic_job, case, tmp_path):
     info = ocp.JsonCheckpointHandler().restore(saved / str(step) / "metadata")
     info = info["dynamic"]["users"]
     assert len(info["blocks"]["ids"]) == 8 and sum(info["blocks"]["ids"]) == len(got["ids"])
-    for n in (8, 2):
-        emb = worker.dynamic_embedding(make_mesh(n), routing, placement)
-        assert checkpoint._by_shard(emb, "users", [info]) == (n == 8)
+    for n, capacity in ((8, 64), (2, 64), (2, 128)):
+        emb = worker.dynamic_embedding(make_mesh(n), routing, placement, capacity)
+        assert checkpoint._by_shard(emb, "users", [info]) == (capacity == 64)
         restored, _ = checkpoint.restore(saved, emb)
         np.testing.assert_array_equal(emb.export(restored)["users"].ids, got["ids"])
         np.testing.assert_array_equal(emb.export(restored)["users"].rows, got["rows"])
