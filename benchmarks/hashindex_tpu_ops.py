@@ -4,13 +4,13 @@
     python benchmarks/hashindex_tpu_ops.py --json out.json
 
 No TPU needed (shared/TPU_AOT.md). Compiles for one device of the topology, with U ids
-against one shard of a 1M-slot index (buckets of 64 uint32 slots): `_hashindex.find` and
-`_hashindex.update` whole, then access patterns: the 2-D row gathers and point scatters
-the index was first built of, and the flat windows, scatters into fresh arrays and sorts
-it is built of now; and `find` on keys stored in two arrays (hi, lo) as they were before
-they were block-interleaved (bucket g's 64 hi words, then its 64 lo words). The
-compiler's "bytes accessed" per id. These are the numbers behind docs/design.md "Dynamic
-tables" (TPU: not yet efficient).
+against one shard of a 1M-slot index (buckets of 64 uint32 slots): `_hashindex.find`, the
+Pallas `find` (`_hashindex_tpu`) and `_hashindex.update` whole, then access patterns: the
+2-D row gathers and point scatters the index was first built of, and the flat windows,
+scatters into fresh arrays and sorts it is built of now; and `find` on keys stored in two
+arrays (hi, lo) as they were before they were block-interleaved (bucket g's 64 hi words,
+then its 64 lo words). The compiler's "bytes accessed" per id. These are the numbers
+behind docs/design.md "Dynamic tables" (TPU: not yet efficient).
 """
 
 from __future__ import annotations
@@ -26,17 +26,22 @@ import sys  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.sharding import SingleDeviceSharding  # noqa: E402
+from jax.sharding import Mesh, SingleDeviceSharding  # noqa: E402
 
-from jax_tpu_embed import _aot  # noqa: E402
+from jax_tpu_embed import (
+    _aot,  # noqa: E402
+    _hashindex_tpu,  # noqa: E402
+)
 from jax_tpu_embed import _hashindex as hx  # noqa: E402
 
 SLOTS, BUCKET = 1_000_064, 64
 
 
 def measure(topology: str, ids: int) -> list[dict]:
-    sharding = SingleDeviceSharding(_aot.topology(topology).devices[0])
+    device = _aot.topology(topology).devices[0]
+    sharding = SingleDeviceSharding(device)
     nb = SLOTS // BUCKET // 4  # One shard of four.
     u = ids
 
@@ -44,7 +49,9 @@ def measure(topology: str, ids: int) -> list[dict]:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     def cost(fn, *args, donate=()):
-        compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+        # Under a mesh of the device: Pallas' TPU lowering reads the chip from it.
+        with jax.set_mesh(Mesh(np.array([device]), ("one",))):
+            compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
         c = compiled.cost_analysis()
         c = c[0] if isinstance(c, (list, tuple)) else c
         return float((c or {}).get("bytes accessed", 0.0))
@@ -81,6 +88,12 @@ def measure(topology: str, ids: int) -> list[dict]:
         (
             "find (whole)",
             lambda s, h, lo, b: hx.find(config, s, h, lo, b, 5),
+            (state, words, words, at),
+            (),
+        ),
+        (
+            "find (Pallas, `_hashindex_tpu`)",
+            lambda s, h, lo, b: _hashindex_tpu.find(config, s, h, lo, b, 5),
             (state, words, words, at),
             (),
         ),

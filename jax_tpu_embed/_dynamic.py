@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _config, _hashindex, _hashindex_cpu, _init, _inputs, _storage
+from . import _config, _hashindex, _hashindex_cpu, _hashindex_tpu, _init, _inputs, _storage
 
 PAD = _inputs.PAD  # Both halves of the id -1: padding, and an empty slot in the index.
 SplitIds = _inputs.SplitIds
@@ -85,6 +85,9 @@ class DynamicPlan:
     # the global batch's ids, below) or "owner" (`_dynamic_owner`: each device sends its
     # own to their owners); `with_kernel` decides.
     route: str = "gather"
+    # Who runs the lookups' `find` where `kernel` is "xla": "xla", or the Pallas kernel
+    # (`_hashindex_tpu`, "pallas" or "pallas_interpret") beside the Pallas row kernels.
+    finder: str = "xla"
 
     @property
     def compaction(self) -> str:
@@ -388,13 +391,23 @@ def with_kernel(plan: DynamicPlan, table_plan) -> DynamicPlan:
     what cannot route, by all-gather, in passes (`capacity`) on TPU layouts."""
     cpu = table_plan.backend.name == "cpu" and _hashindex_cpu.available()
     owner = not cpu and (table_plan.routing == "owner" or table_plan.on_tpu)
+    pallas = table_plan.backend.name in ("pallas", "pallas_interpret")
     return dataclasses.replace(
         plan,
         kernel="cpu" if cpu else "xla",
         compact=table_plan.on_tpu,
         window=table_plan.max_ids,
         route="owner" if owner else "gather",
+        finder=table_plan.backend.name if pallas and _hashindex_tpu.serves(plan.index) else "xla",
     )
+
+
+def find(plan: DynamicPlan, index, hi, lo, bucket, now):
+    """`_hashindex.find` on this shard's index, by the plan's `finder`."""
+    if plan.finder == "xla":
+        return _hashindex.find(plan.index, index, hi, lo, bucket, now)
+    interpret = plan.finder == "pallas_interpret"
+    return _hashindex_tpu.find(plan.index, index, hi, lo, bucket, now, interpret=interpret)
 
 
 # ------------------------------------------------- resolution: sorted, owned, distinct ids
@@ -547,7 +560,7 @@ def lookup_rows(plan: DynamicPlan, storage, index, hi, lo, now, axis):
     ids, pos, count = _mine(plan, hi, lo, axis, window)
 
     def body(hi, lo, bucket, valid, carry):
-        row, found = _hashindex.find(plan.index, index, hi, lo, bucket, now)
+        row, found = find(plan, index, hi, lo, bucket, now)
         return (jnp.where(found & valid, storage.layout.global_ids(me, row), -1),), carry
 
     empty = (jnp.full(ids[0].shape, -1, jnp.int32),)

@@ -249,7 +249,7 @@ def lookup_rows(plan: _dynamic.DynamicPlan, storage, index, hi, lo, now, axis):
 
     def body(r_hi, r_lo, carry):
         _, bucket = _hashindex.locate(config, n, r_hi, r_lo)
-        row, found = _hashindex.find(config, index, r_hi, r_lo, bucket, now)
+        row, found = _dynamic.find(plan, index, r_hi, r_lo, bucket, now)
         return jnp.where(found, storage.layout.global_ids(me, row) + 1, 0), carry
 
     values, _ = _rounds(ids, capacity(plan, hi.shape[0], n), axis, False, body, None)

@@ -496,7 +496,9 @@ def test_stacked_tables_share_one_set_of_collectives():
     assert exchanges(four) == exchanges(one) > 0, (four.collectives, one.collectives)
 
 
-DYNAMIC_BYTES_LIMIT = 5.5  # 4.72x measured (about 300x before the work of docs/design.md).
+# 4.17x measured, 4.62x before `find` had its Pallas kernel (about 300x before the work of
+# docs/design.md).
+DYNAMIC_BYTES_LIMIT = 4.5
 
 
 @pytest.mark.slow  # Two compiles.
@@ -514,6 +516,8 @@ def test_dynamic_train_step_compiles_in_place():
         )
         spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(learning_rate=0.05))
         emb = jte.Embedding(spec, _aot.mesh(topo))
+        if dynamic:  # Lookups find their ids by one DMA of each bucket's keys.
+            assert emb.dynamic["t"].finder == "pallas"
         reports[label] = _aot.compile_train_step(emb, 4096, 20, topo=topo)
     r = reports["dynamic"]
     assert r.fits and r.unaliased_state == [], r.unaliased_state

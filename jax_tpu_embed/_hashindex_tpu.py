@@ -1,0 +1,102 @@
+"""The dynamic index's Pallas TPU kernels: `find` by DMA of each id's bucket.
+
+XLA gathers each id's 128-word key window (`_hashindex._key_rows`) into an HBM temporary
+and compares it in a second pass: the TPU compiler charges `find` about 1.1 KB an id and a
+temporary of the windows (33 MB and 15.8 MB for the 30,720 ids a W1 owner resolves per
+round on v5p, docs/design.md). With b = 64 slots a bucket's block-interleaved keys (64 hi
+words, then 64 lo words) are exactly one 128-lane row of the keys seen as (buckets, 128),
+so here each id's row is one DMA into VMEM, and the compare runs there: 512 bytes an id
+read, nothing written but the answers, no temporary.
+
+Per grid step of `block` ids (their words and buckets in SMEM): the block's DMAs are all
+started, then waited for, then each id's row is compared in registers (the lo words
+brought under the hi words by a lane rotation of 64) and the first matching lane taken.
+The result is `_hashindex.find`'s, bit for bit (the tests compare them in Pallas'
+interpreter); tables with TTL or other bucket sizes keep the XLA form (`serves`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import _hashindex
+
+_LANES = 128
+_BLOCK = 256  # Ids per grid step: their DMAs in flight together, 128 KiB of VMEM.
+
+
+def serves(config: _hashindex.IndexConfig) -> bool:
+    """Whether `find` takes this index: a bucket's keys fill one 128-lane row (b = 64), and
+    no slot expires (TTL would need each bucket's `last` words too)."""
+    return 2 * config.bucket_size == _LANES and config.ttl_steps is None
+
+
+def find(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, now, interpret=False):
+    """`_hashindex.find` (local row int32, -1 where not found; found bool) of ids of any
+    shape in this shard's index, by one DMA per id of its bucket's keys. `now` is unused:
+    no slot expires in the indexes this serves."""
+    del now
+    assert serves(config), config
+    b = config.bucket_size
+    shape = jnp.shape(hi)
+    hi = jnp.asarray(hi).astype(jnp.uint32).reshape(-1)
+    lo = jnp.asarray(lo).astype(jnp.uint32).reshape(-1)
+    n = hi.shape[0]
+    nbl = state.keys.shape[0] // (2 * b)
+    bucket = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
+    # SMEM blocks of a power of two >= 128 ids; the padding ids are PAD (never found).
+    total = max(-(-n // _LANES) * _LANES, _LANES)
+    block = _BLOCK if total % _BLOCK == 0 else _LANES
+    pad = lambda x, value: jnp.concatenate([x, jnp.full((total - n,), value, x.dtype)])
+    words = _hashindex.PAD
+
+    def kernel(hi_ref, lo_ref, bucket_ref, keys_hbm, out_ref, rows, sem):
+        def copy(p, at):
+            return pltpu.make_async_copy(keys_hbm.at[pl.ds(at, 1)], rows.at[pl.ds(p, 1)], sem)
+
+        def start(p, carry):
+            copy(p, bucket_ref[p]).start()
+            return carry
+
+        def wait(p, carry):
+            copy(p, 0).wait()  # Waits for one row's bytes: any row of the shape.
+            return carry
+
+        lax.fori_loop(0, block, start, 0)
+        lax.fori_loop(0, block, wait, 0)
+        lane = lax.broadcasted_iota(jnp.int32, (1, _LANES), 1)
+
+        def one(p, carry):
+            row = rows[pl.ds(p, 1), :]
+            h, l = hi_ref[p], lo_ref[p]
+            # Lane j < b: slot j's hi word, and its lo word rotated down from lane b + j.
+            same = (row == h) & (pltpu.roll(row, b, 1) == l) & (lane < b)
+            first = jnp.min(jnp.where(same, lane, _LANES))
+            padding = (h == jnp.uint32(words)) & (l == jnp.uint32(words))
+            out_ref[p] = jnp.where((first < b) & ~padding, bucket_ref[p] * b + first, -1)
+            return carry
+
+        lax.fori_loop(0, block, one, 0)
+
+    smem = lambda: pl.BlockSpec((block,), lambda i: (i,), memory_space=pltpu.SMEM)
+    keys = state.keys.reshape(nbl, 2 * b)
+    if not interpret:  # Else the compiler may copy a small shard's keys into VMEM whole.
+        keys = pltpu.with_memory_space_constraint(keys, pltpu.HBM)
+    row = pl.pallas_call(
+        kernel,
+        grid=(total // block,),
+        in_specs=[smem(), smem(), smem(), pl.BlockSpec(memory_space=pltpu.HBM)],
+        out_specs=smem(),
+        out_shape=jax.ShapeDtypeStruct((total,), jnp.int32),
+        scratch_shapes=[pltpu.VMEM((block, _LANES), jnp.uint32), pltpu.SemaphoreType.DMA(())],
+        # Per id: its bucket's row (512 bytes) by DMA, 3 words in and 1 out through SMEM.
+        cost_estimate=pl.CostEstimate(
+            flops=0, transcendentals=0, bytes_accessed=total * (_LANES * 4 + 16)
+        ),
+        interpret=interpret,
+    )(pad(hi, jnp.uint32(words)), pad(lo, jnp.uint32(words)), pad(bucket, 0), keys)[:n]
+    return row.reshape(shape), (row >= 0).reshape(shape)
