@@ -11,8 +11,10 @@ read, nothing written but the answers, no temporary.
 Per grid step of `block` ids (their words and buckets in SMEM): the block's DMAs are all
 started, then waited for, then each id's row is compared in registers (the lo words
 brought under the hi words by a lane rotation of 64) and the first matching lane taken.
-The result is `_hashindex.find`'s, bit for bit (the tests compare them in Pallas'
-interpreter); tables with TTL or other bucket sizes keep the XLA form (`serves`).
+With TTL each id's `last` words come the same way (the row holding its bucket's and its
+neighbour's) and expired slots are not found. The result is `_hashindex.find`'s, bit for
+bit (the tests compare them in Pallas' interpreter); other bucket sizes keep the XLA form
+(`serves`).
 """
 
 from __future__ import annotations
@@ -30,23 +32,25 @@ _BLOCK = 256  # Ids per grid step: their DMAs in flight together, 128 KiB of VME
 
 
 def serves(config: _hashindex.IndexConfig) -> bool:
-    """Whether `find` takes this index: a bucket's keys fill one 128-lane row (b = 64), and
-    no slot expires (TTL would need each bucket's `last` words too)."""
-    return 2 * config.bucket_size == _LANES and config.ttl_steps is None
+    """Whether `find` takes this index: a bucket's keys fill one 128-lane row (b = 64)."""
+    return 2 * config.bucket_size == _LANES
 
 
 def find(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, now, interpret=False):
     """`_hashindex.find` (local row int32, -1 where not found; found bool) of ids of any
-    shape in this shard's index, by one DMA per id of its bucket's keys. `now` is unused:
-    no slot expires in the indexes this serves."""
-    del now
+    shape in this shard's index, by one DMA per id of its bucket's keys, and with TTL one
+    of its `last` words (two buckets' to a 128-lane row; a shard of an odd number of
+    buckets takes XLA's `find`)."""
     assert serves(config), config
     b = config.bucket_size
+    nbl = state.keys.shape[0] // (2 * b)
+    ttl = config.ttl_steps
+    if ttl is not None and nbl % 2:
+        return _hashindex.find(config, state, hi, lo, local_bucket, now)
     shape = jnp.shape(hi)
     hi = jnp.asarray(hi).astype(jnp.uint32).reshape(-1)
     lo = jnp.asarray(lo).astype(jnp.uint32).reshape(-1)
     n = hi.shape[0]
-    nbl = state.keys.shape[0] // (2 * b)
     bucket = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
     # SMEM blocks of a power of two >= 128 ids; the padding ids are PAD (never found).
     total = max(-(-n // _LANES) * _LANES, _LANES)
@@ -54,16 +58,28 @@ def find(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, now, inter
     pad = lambda x, value: jnp.concatenate([x, jnp.full((total - n,), value, x.dtype)])
     words = _hashindex.PAD
 
-    def kernel(hi_ref, lo_ref, bucket_ref, keys_hbm, out_ref, rows, sem):
-        def copy(p, at):
-            return pltpu.make_async_copy(keys_hbm.at[pl.ds(at, 1)], rows.at[pl.ds(p, 1)], sem)
+    def kernel(*refs):
+        if ttl is None:
+            hi_ref, lo_ref, bucket_ref, keys_hbm, out_ref, rows, sem = refs
+        else:
+            hi_ref, lo_ref, bucket_ref, now_ref, keys_hbm, last_hbm = refs[:6]
+            out_ref, rows, lasts, sem = refs[6:]
+
+        def copies(p, at):
+            out = [pltpu.make_async_copy(keys_hbm.at[pl.ds(at, 1)], rows.at[pl.ds(p, 1)], sem)]
+            if ttl is not None:
+                half = last_hbm.at[pl.ds(at // 2, 1)]
+                out.append(pltpu.make_async_copy(half, lasts.at[pl.ds(p, 1)], sem))
+            return out
 
         def start(p, carry):
-            copy(p, bucket_ref[p]).start()
+            for c in copies(p, bucket_ref[p]):
+                c.start()
             return carry
 
         def wait(p, carry):
-            copy(p, 0).wait()  # Waits for one row's bytes: any row of the shape.
+            for c in copies(p, 0):  # Waits for one row's bytes: any row of the shape.
+                c.wait()
             return carry
 
         lax.fori_loop(0, block, start, 0)
@@ -72,31 +88,45 @@ def find(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, now, inter
 
         def one(p, carry):
             row = rows[pl.ds(p, 1), :]
-            h, l = hi_ref[p], lo_ref[p]
+            h, l, g = hi_ref[p], lo_ref[p], bucket_ref[p]
             # Lane j < b: slot j's hi word, and its lo word rotated down from lane b + j.
             same = (row == h) & (pltpu.roll(row, b, 1) == l) & (lane < b)
+            if ttl is not None:  # Slot j's last: lane j of an even bucket, b + j of an odd.
+                last = lasts[pl.ds(p, 1), :]
+                last = jnp.where(g % 2 == 1, pltpu.roll(last, b, 1), last)
+                same &= now_ref[0] - last < ttl
             first = jnp.min(jnp.where(same, lane, _LANES))
             padding = (h == jnp.uint32(words)) & (l == jnp.uint32(words))
-            out_ref[p] = jnp.where((first < b) & ~padding, bucket_ref[p] * b + first, -1)
+            out_ref[p] = jnp.where((first < b) & ~padding, g * b + first, -1)
             return carry
 
         lax.fori_loop(0, block, one, 0)
 
     smem = lambda: pl.BlockSpec((block,), lambda i: (i,), memory_space=pltpu.SMEM)
-    keys = state.keys.reshape(nbl, 2 * b)
-    if not interpret:  # Else the compiler may copy a small shard's keys into VMEM whole.
-        keys = pltpu.with_memory_space_constraint(keys, pltpu.HBM)
+    hbm = pl.BlockSpec(memory_space=pltpu.HBM)
+    arrays = [state.keys.reshape(nbl, 2 * b)]
+    if ttl is not None:
+        arrays.append(state.last.reshape(nbl // 2, 2 * b))
+    if not interpret:  # Else the compiler may copy a small shard's arrays into VMEM whole.
+        arrays = [pltpu.with_memory_space_constraint(x, pltpu.HBM) for x in arrays]
+    inputs = [pad(hi, jnp.uint32(words)), pad(lo, jnp.uint32(words)), pad(bucket, 0)]
+    in_specs = [smem(), smem(), smem()]
+    scratch = [pltpu.VMEM((block, _LANES), jnp.uint32)]
+    if ttl is not None:
+        inputs.append(jnp.asarray(now, jnp.int32).reshape(1))
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        scratch.append(pltpu.VMEM((block, _LANES), jnp.int32))
     row = pl.pallas_call(
         kernel,
         grid=(total // block,),
-        in_specs=[smem(), smem(), smem(), pl.BlockSpec(memory_space=pltpu.HBM)],
+        in_specs=in_specs + [hbm] * len(arrays),
         out_specs=smem(),
         out_shape=jax.ShapeDtypeStruct((total,), jnp.int32),
-        scratch_shapes=[pltpu.VMEM((block, _LANES), jnp.uint32), pltpu.SemaphoreType.DMA(())],
-        # Per id: its bucket's row (512 bytes) by DMA, 3 words in and 1 out through SMEM.
+        scratch_shapes=scratch + [pltpu.SemaphoreType.DMA(())],
+        # Per id: its bucket's rows (512 bytes each) by DMA, 3 words in, 1 out through SMEM.
         cost_estimate=pl.CostEstimate(
-            flops=0, transcendentals=0, bytes_accessed=total * (_LANES * 4 + 16)
+            flops=0, transcendentals=0, bytes_accessed=total * (len(arrays) * _LANES * 4 + 16)
         ),
         interpret=interpret,
-    )(pad(hi, jnp.uint32(words)), pad(lo, jnp.uint32(words)), pad(bucket, 0), keys)[:n]
+    )(*inputs, *arrays)[:n]
     return row.reshape(shape), (row >= 0).reshape(shape)
