@@ -410,6 +410,14 @@ def find(plan: DynamicPlan, index, hi, lo, bucket, now):
     return _hashindex_tpu.find(plan.index, index, hi, lo, bucket, now, interpret=interpret)
 
 
+def finder(plan: DynamicPlan, now):
+    """What `_hashindex.sighted` takes as `find` for this plan: None (its own XLA ops), or
+    the Pallas kernel as a function of (index, hi, lo, local bucket)."""
+    if plan.finder == "xla":
+        return None
+    return lambda index, hi, lo, bucket: find(plan, index, hi, lo, bucket, now)
+
+
 # ------------------------------------------------- resolution: sorted, owned, distinct ids
 
 
@@ -599,7 +607,9 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
     # Rules 1-3 (hits, admission, freed slots), then placement, each a pass at a time
     # (`_hashindex.place`: a bucket's ids may span passes); the filter sees them all.
     def sighted(hi, lo, bucket, valid, index):
-        s = _hashindex.sighted(config, index, hi, lo, bucket, valid, now, grouped=True)
+        s = _hashindex.sighted(
+            config, index, hi, lo, bucket, valid, now, grouped=True, find=finder(plan, now)
+        )
         return (s.hit, s.row, s.miss, s.admit, s.in_filter, s.f_lane, s.sightings), s.state
 
     bools = [like(bool)] * 5

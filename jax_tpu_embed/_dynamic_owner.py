@@ -275,7 +275,17 @@ def update_rows(
     # Every id's rules 1-3 first: 0 rejected (or none), 1 admitted, row + 2 a hit.
     def seen(r_hi, r_lo, index):
         s_hi, s_lo, bucket, first, slot = _merged(config, n, r_hi, r_lo)
-        s = _hashindex.sighted(config, index, s_hi, s_lo, bucket, first, now, grouped=True)
+        s = _hashindex.sighted(
+            config,
+            index,
+            s_hi,
+            s_lo,
+            bucket,
+            first,
+            now,
+            grouped=True,
+            find=_dynamic.finder(plan, now),
+        )
         hit = storage.layout.global_ids(me, s.row) + 2
         return _spread(first, jnp.where(s.hit, hit, s.admit.astype(jnp.int32)), slot), s.state
 

@@ -495,7 +495,16 @@ class Sighted:
 
 
 def sighted(
-    config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, now, *, grouped=False
+    config: IndexConfig,
+    state: IndexState,
+    hi,
+    lo,
+    local_bucket,
+    valid,
+    now,
+    *,
+    grouped=False,
+    find=None,
 ):
     """Rules 1-3 of `update` and the writes they make: hits get last = max(last, now),
     count += 1; an admitted id's own expired slot is freed (cleared). Placement (`place`)
@@ -506,7 +515,11 @@ def sighted(
     `grouped`: the caller promises that ids of one local bucket are contiguous (sorted by
     bucket, as `_dynamic` resolves them), so the writes are grouped by runs, without a
     sort. Ids of one bucket apart would make two groups write one bucket, which the
-    writes (unique windows) do not allow."""
+    writes (unique windows) do not allow.
+
+    `find`: a function of (state, hi, lo, local bucket) with `find`'s results (the Pallas
+    kernel, `_hashindex_tpu`), which then finds the hits where no slot expires; without
+    TTL the hits are all the key windows are read for."""
     b = config.bucket_size
     hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
     valid = jnp.asarray(valid, bool).reshape(-1) & ~_is_pad(hi, lo)
@@ -514,15 +527,21 @@ def sighted(
     nbl = state.last.shape[0] // b
     lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
 
-    keys_hi, keys_lo = _key_rows(state.keys, lb, b)
-    last = _rows(state.last, lb * b, b)
-    occupied = ~_is_pad(keys_hi, keys_lo)
-    expired = occupied & _expired(config, last, now)
-    same = (keys_hi == hi[:, None]) & (keys_lo == lo[:, None]) & valid[:, None]
-    hit_lanes, stale_lanes = same & ~expired, same & expired
-    hit, hit_lane = _only_lane(hit_lanes)
+    if find is not None and config.ttl_steps is None:
+        found_row, found = find(state, hi, lo, lb)
+        hit = found & valid
+        hit_lane = jnp.where(hit, found_row - lb * b, 0)
+        stale, stale_lane = jnp.zeros_like(hit), jnp.zeros_like(hit_lane)
+    else:
+        keys_hi, keys_lo = _key_rows(state.keys, lb, b)
+        last = _rows(state.last, lb * b, b)
+        occupied = ~_is_pad(keys_hi, keys_lo)
+        expired = occupied & _expired(config, last, now)
+        same = (keys_hi == hi[:, None]) & (keys_lo == lo[:, None]) & valid[:, None]
+        hit_lanes, stale_lanes = same & ~expired, same & expired
+        hit, hit_lane = _only_lane(hit_lanes)
+        stale, stale_lane = _only_lane(stale_lanes)
     miss = valid & ~hit
-    stale, stale_lane = _only_lane(stale_lanes)
 
     admit = miss
     in_filter = jnp.zeros_like(miss)

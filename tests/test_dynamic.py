@@ -137,6 +137,8 @@ def key_words(state):
         pytest.param(8, "owner", "xla", "sum", "explicit", marks=pytest.mark.slow),
         # Lane-packed arrays with riders: the reset writes a row's lanes of a packed array.
         pytest.param(2, "gather", "pallas_interpret", "mean", "auto", marks=pytest.mark.slow),
+        # Resolved at the owners, where lookups and updates find ids with the Pallas kernel.
+        pytest.param(4, "owner", "pallas_interpret", "sum", "explicit", marks=pytest.mark.slow),
     ],
 )
 def test_matches_the_dict_reference(n, routing, backend, combiner, kind):
@@ -144,6 +146,8 @@ def test_matches_the_dict_reference(n, routing, backend, combiner, kind):
     float32 rounding, lookups of unseen ids read their initial rows."""
     spec = spec_of(jte.DynamicTable(capacity=4096, bucket_size=64), combiner)
     emb = jte.Embedding(spec, make_mesh(n, kind), routing=routing, backend=backend)
+    if backend == "pallas_interpret":  # Lookups and updates find ids with the kernel.
+        assert emb.dynamic["users"].finder == backend
     state = emb.init(jax.random.key(3))
     ref = Reference(key_words(state), combiner)
     seen = set()

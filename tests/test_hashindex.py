@@ -557,6 +557,47 @@ def test_pallas_find_equals_find(n, ttl, buckets):
     assert not _hashindex_tpu.serves(dataclasses.replace(config, bucket_size=32))
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(), dict(admit_probability=0.5, eviction="lfu"), dict(min_count=2, filter_buckets=4)],
+)
+def test_sighted_with_the_pallas_find_equals_sighted(kwargs):
+    """`sighted` finding its hits with the Pallas kernel (`find=`, Pallas' interpreter)
+    writes the same state and gives the same hits, rows, misses and admissions as with its
+    own key windows, ids grouped by bucket or not, invalid ones among them."""
+    from jax_tpu_embed import _hashindex_tpu
+
+    rng = np.random.default_rng(3)
+    config = hx.IndexConfig(buckets=16, bucket_size=64, **kwargs)
+    ids = np.unique(rng.integers(-(2**63), 2**63 - 1, 900, dtype=np.int64))
+    held = ids[: ids.size // 2]
+    g = np.asarray(hx.global_bucket(config, *hx.split_ids(held)))
+    order = np.argsort(g, kind="stable")
+    lane = np.empty_like(g)
+    lane[order] = np.arange(g.size) - np.searchsorted(g[order], g[order])
+    held = held[lane < 64]
+    state, _ = hx.build(config, 1, held, rng.integers(0, 5, held.size), np.ones(held.size))
+    state = jax.tree.map(jnp.asarray, state)
+    asked = np.unique(np.concatenate([rng.choice(held, 200), rng.choice(ids, 200)]))
+    hi, lo = hx.split_ids(asked)
+    bucket = np.asarray(hx.global_bucket(config, hi, lo))
+    valid = rng.random(asked.size) < 0.9
+
+    def kernel(state, hi, lo, bucket):
+        return _hashindex_tpu.find(config, state, hi, lo, bucket, 7, interpret=True)
+
+    for grouped in (False, True):
+        at = np.argsort(bucket, kind="stable") if grouped else np.arange(asked.size)
+        args = (config, state, hi[at], lo[at], bucket[at], valid[at], 7)
+        want = hx.sighted(*args, grouped=grouped)
+        got = hx.sighted(*args, grouped=grouped, find=kernel)
+        for a, b in zip(
+            jax.tree.leaves(dataclasses.asdict(got)), jax.tree.leaves(dataclasses.asdict(want))
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert np.asarray(want.hit).any() and np.asarray(want.miss).any()
+
+
 def test_build_errors():
     config = hx.IndexConfig(buckets=2, bucket_size=2)
     with pytest.raises(ValueError, match=r"would hold \d+ ids.*capacity is bucket_size = 2"):
