@@ -344,10 +344,7 @@ def restore(
                 f"are {steps}."
             )
         earlier = [s for s in steps if s < step]
-        with _reading(path, step, "metadata/metadata", earlier):
-            meta = manager.restore(
-                step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
-            ).metadata
+        meta = _metadata_of(manager, path, step, earlier)
         _check_compatible(emb, meta, f"{path}/{step}")
         with _reading(path, step, "embedding", earlier):
             stored = manager.restore(
@@ -400,6 +397,15 @@ def restore(
     index = emb.with_empty_caches(index)
     state = _embedding.EmbeddingState(*emb.state_arrays(tables, slots), step_array, index)
     return state, dense
+
+
+def _metadata_of(manager, path: str, step: int, earlier: list[int]) -> dict:
+    """The metadata item of `step` (a corrupt one names `earlier`, the steps before it)."""
+    ocp = _orbax()
+    with _reading(path, step, "metadata/metadata", earlier):
+        return manager.restore(
+            step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
+        ).metadata
 
 
 class CheckpointCorruptError(ValueError):
@@ -1167,11 +1173,7 @@ def _dynamic_entries(manager, path: str, step: int, meta: dict, emb, earlier: li
                 f"{sorted(top_earlier + [top])}."
             )
         older = [s for s in top_earlier if s < base]
-        with _reading(path, base, "metadata/metadata", older):
-            base_meta = manager.restore(
-                base, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
-            ).metadata
-        chain.append((base, base_meta, older))
+        chain.append((base, _metadata_of(manager, path, base, older), older))
     saved = meta.get("dynamic", {})
     by_shard = {
         name
