@@ -85,8 +85,9 @@ class DynamicPlan:
     # the global batch's ids, below) or "owner" (`_dynamic_owner`: each device sends its
     # own to their owners); `with_kernel` decides.
     route: str = "gather"
-    # Who runs the lookups' `find` where `kernel` is "xla": "xla", or the Pallas kernel
-    # (`_hashindex_tpu`, "pallas" or "pallas_interpret") beside the Pallas row kernels.
+    # Who finds ids in the index (lookups, and the updates' hits) where `kernel` is "xla":
+    # "xla", or the Pallas kernel (`_hashindex_tpu`, "pallas" or "pallas_interpret")
+    # beside the Pallas row kernels.
     finder: str = "xla"
 
     @property
