@@ -252,6 +252,46 @@ def test_checkpoint_saved_in_the_background_holds_the_state_it_was_given(tmp_pat
     Snapshot(emb, restored).assert_equals(then, exact=True)
 
 
+def test_checkpoint_written_before_blocks_restores(tmp_path):
+    """A dynamic item saved as saves wrote it before blocks (flat arrays: ids int64
+    ascending, one entry per id, the counters summed; no "blocks" in the metadata)
+    restores to the state it holds."""
+    import json
+    import shutil
+
+    emb = jte.Embedding(spec_of(DYNAMIC), make_mesh(2))
+    state = train(emb, emb.init(jax.random.key(0)), stream(1, 6))
+    then = Snapshot(emb, state)
+    where = tmp_path / str(checkpoint.save(tmp_path, emb, state))
+    item = ocp.StandardCheckpointer().restore(where / "dynamic")["users"]
+    item = jax.tree.map(np.asarray, item)
+    meta = json.loads((where / "metadata" / "metadata").read_text())
+    info = meta["dynamic"]["users"]
+    blocks = info.pop("blocks")
+    del info["seed"], info["filter_bucket_size"]
+
+    def flat(value, counts):
+        if value.dtype == np.uint32:  # (hi, lo) words.
+            value = jte.join_ids(jte.SplitIds(value[..., 0], value[..., 1]))
+        return np.concatenate([value[k][:c] for k, c in enumerate(counts)])
+
+    by = {f: np.argsort(flat(item[f], blocks[f])) for f in ("ids", "changed", "filter_ids")}
+    old: dict[str, Any] = {
+        f: flat(item[f], blocks[of])[by[of]]
+        for f, of in [("ids", "ids"), ("last", "ids"), ("count", "ids"), ("changed", "changed")]
+        + [("rows", "changed"), ("filter_ids", "filter_ids"), ("filter_count", "filter_ids")]
+    }
+    old["slots"] = {s: flat(v, blocks["changed"])[by["changed"]] for s, v in item["slots"].items()}
+    old.update(key=item["key"], counters=item["counters"].sum(0).astype(np.int64))
+    assert old["filter_ids"].size and old["ids"].dtype == np.int64
+    shutil.rmtree(where / "dynamic")
+    with ocp.StandardCheckpointer() as writer:
+        writer.save(where / "dynamic", {"users": old})
+    (where / "metadata" / "metadata").write_text(json.dumps(meta))
+    restored, _ = checkpoint.restore(tmp_path, emb)
+    Snapshot(emb, restored).assert_equals(then, exact=True)
+
+
 def test_checkpoint_with_a_nan_row_is_refused_on_every_mesh(saved, tmp_path):
     """A saved row that is NaN (written by other code) is refused whether each shard reads
     its own block (the saving mesh) or every block is read (2 devices)."""
