@@ -519,7 +519,14 @@ def test_export_build_round_trip(onto):
 
 
 @pytest.mark.parametrize(
-    "n, ttl, buckets", [(1, None, 16), (130, None, 16), (600, None, 16), (600, 3, 16), (130, 3, 15)]
+    "n, ttl, buckets",
+    [
+        pytest.param(1, None, 16, marks=pytest.mark.slow),
+        pytest.param(130, None, 16, marks=pytest.mark.slow),
+        (600, None, 16),
+        (600, 3, 16),
+        (130, 3, 15),
+    ],
 )
 def test_pallas_find_equals_find(n, ttl, buckets):
     """`_hashindex_tpu.find` (Pallas' interpreter) gives `find`'s rows, bit for bit: held ids
@@ -559,7 +566,11 @@ def test_pallas_find_equals_find(n, ttl, buckets):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(), dict(admit_probability=0.5, eviction="lfu"), dict(min_count=2, filter_buckets=4)],
+    [
+        dict(),
+        pytest.param(dict(admit_probability=0.5, eviction="lfu"), marks=pytest.mark.slow),
+        pytest.param(dict(min_count=2, filter_buckets=4), marks=pytest.mark.slow),
+    ],
 )
 def test_sighted_with_the_pallas_find_equals_sighted(kwargs):
     """`sighted` finding its hits with the Pallas kernel (`find=`, Pallas' interpreter)
