@@ -941,30 +941,37 @@ def _dynamic_logical(emb, state, name: str, physical, physical_slots, since=None
         counts[k] = len(entries["ids"]), int(changed.sum()), len(entries["filter_ids"])
     counts = _multihost.most_of(counts)
     ids, changed, filtered = (max(int(c), 1) for c in counts.max(axis=0))
-    fill = {"ids": _hashindex.PAD, "changed": _hashindex.PAD, "filter_ids": _hashindex.PAD}
-    width = {"ids": ids, "last": ids, "count": ids, "changed": changed, "rows": changed}
-    width.update(filter_ids=filtered, filter_count=filtered, counters=0)
 
-    def global_blocks(field: str, slot: str | None = None) -> jax.Array:
-        local = {k: b[field] if slot is None else b[field][slot] for k, b in blocks.items()}
+    def global_blocks(local: dict, width: int, fill=0) -> jax.Array:
+        """{shard k: its entries} -> the (N, width, ...) array in host memory whose block k
+        holds shard k's entries, padded with `fill`."""
         one = next(iter(local.values()))
-        if field == "counters":  # One row of counters per block.
-            shape = (n,) + one.shape
-        else:
-            shape = (n, width[field] if slot is None else changed) + one.shape[1:]
+        shape = (n, width) + one.shape[1:]
 
         def block(at):
-            k = at[0].start or 0
-            out = np.full((1,) + shape[1:], fill.get(field, 0), one.dtype)
-            out[0, : len(local[k])] = local[k]
+            value = local[at[0].start or 0]
+            out = np.full((1,) + shape[1:], fill, one.dtype)
+            out[0, : len(value)] = value
             return out
 
         sharding = _row_sharding(emb, False, len(shape), _placement.HOST)  # Never in HBM.
         return jax.make_array_from_callback(shape, sharding, block)
 
-    item: dict[str, Any] = {f: global_blocks(f) for f in width if f != "counters"}
-    item["slots"] = {s.name: global_blocks("slots", s.name) for s in storage.slot_specs}
-    item["counters"] = global_blocks("counters")
+    widths = {"ids": ids, "last": ids, "count": ids, "changed": changed, "rows": changed}
+    widths.update(filter_ids=filtered, filter_count=filtered)
+    widths["counters"] = len(_hashindex.STAT_NAMES)  # One row of counters per block.
+    item: dict[str, Any] = {
+        f: global_blocks(
+            {k: b[f] for k, b in blocks.items()},
+            width,
+            _hashindex.PAD if f in ("ids", "changed", "filter_ids") else 0,
+        )
+        for f, width in widths.items()
+    }
+    item["slots"] = {
+        s.name: global_blocks({k: b["slots"][s.name] for k, b in blocks.items()}, changed)
+        for s in storage.slot_specs
+    }
     item["key"] = np.asarray(_multihost.to_host(state.index[name].key), np.uint32).reshape(2)
     item["counts"] = counts
     return item
