@@ -261,13 +261,14 @@ def initial_rows_where(key, hi, lo, mask, dim: int, how: str = "nonzero"):
     def every():
         return jnp.where(mask[..., None], initial_rows(key, hi, lo, dim), 0.0)
 
-    return _by_count(jnp.sum(flat, dtype=jnp.int32), n, few, every, shape + (dim,))
+    return _by_count(jnp.sum(flat, dtype=jnp.int32), n, few, every, shape + (dim,), how)
 
 
 def missing_rows(key, hi, lo, scale, missing, dim: int, how: str = "nonzero"):
     """Σ_l scale·(initial row) over the positions `missing` of (b, L) ids: (b, dim) float32,
     a combined feature's part from its ids without a row. Draws only those while they are
-    at most `_few` of all, adding them into their examples; every row otherwise."""
+    at most `_few` of all, adding them into their examples; every row otherwise (on TPU
+    layouts as soon as one is missing: `_by_count`)."""
     b, length = missing.shape
     n = missing.size
 
@@ -280,18 +281,33 @@ def missing_rows(key, hi, lo, scale, missing, dim: int, how: str = "nonzero"):
         part = jnp.where((at < n)[:, None], p_scale[:, None] * rows, 0.0)
         return jnp.zeros((b, dim), jnp.float32).at[at // length].add(part, mode="drop")
 
+    def term(k, out):
+        rows = scale[:, k, None] * initial_rows(key, hi[:, k], lo[:, k], dim)
+        return out + jnp.where(missing[:, k, None], rows, 0.0)
+
     def every():
-        init = jnp.where(missing[..., None], initial_rows(key, hi, lo, dim), 0.0)
-        return jnp.sum(scale[..., None] * init, axis=1)
+        # Added in position order, as `few` adds them: an example's sum has the same bits
+        # whichever branch its device takes (a device's count depends on the mesh). On TPU
+        # layouts unrolled, which XLA fuses into one pass (a reduction over the (b, L, dim)
+        # rows, the TPU compiler writes them to HBM first: docs/design.md); else a loop.
+        out = jnp.zeros((b, dim), jnp.float32)
+        if how == "sort" and length <= UNROLLED:
+            for k in range(length):
+                out = term(k, out)
+            return out
+        return lax.fori_loop(0, length, term, out)
 
-    return _by_count(jnp.sum(missing, dtype=jnp.int32), n, few, every, (b, dim))
+    count = jnp.sum(missing, dtype=jnp.int32)
+    return _by_count(count, n, few, every, (b, dim), how)
 
 
-def _by_count(count, n: int, few, every, shape):
+def _by_count(count, n: int, few, every, shape, how: str):
     """Zeros of `shape` when `count` (of n ids) is 0, `few(k)` for the smallest of k = n/512,
     n/64 and n/8 that holds them, else `every()`: a trained table's steps need few initial
-    rows or none, and then draw few or none."""
-    sizes = sorted({_few(n, FEW), _few(n, ROUND), _few(n)} - {n})
+    rows or none, and then draw few or none. On TPU layouts (`how` "sort") `every()` as soon
+    as one is needed: drawing a row is a few vector operations a value there, and moving
+    the few to the front costs more bytes than drawing them all (docs/design.md)."""
+    sizes = [] if how == "sort" else sorted({_few(n, FEW), _few(n, ROUND), _few(n)} - {n})
     branches = [lambda: jnp.zeros(shape, jnp.float32)]
     branches += [functools.partial(few, k) for k in sizes] + [every]
     index = (count > 0).astype(jnp.int32)
@@ -690,6 +706,7 @@ def _few(n: int, share: int = 8) -> int:
     return min(n, max(8, n // share))
 
 
+UNROLLED = 32  # `missing_rows` on TPU layouts sums up to this many ids an example one by one.
 ROUND = 64  # Rounds of placements and resets take n / ROUND ids each (`_few`).
 FEW = 8 * ROUND  # The smallest draws of initial rows, and first resets, take n / FEW.
 

@@ -431,9 +431,11 @@ def _missing_reference(key, hi, lo, scale, mask, dim):
 
 def test_a_few_initial_rows_drawn_alike_by_every_compaction():
     """`missing_rows` and `initial_rows_where` draw only the masked positions' rows while
-    they are few (tiers of n/512, n/64 and n/8 rows, then all): equal bit for bit whether
-    the positions are compacted by a sort (TPU layouts), `nonzero` or the C++ kernel, and
-    equal to every row drawn (float64), for counts on both sides of each tier."""
+    they are few (tiers of n/512, n/64 and n/8 rows, then all), compacted by `nonzero` or
+    the C++ kernel; on TPU layouts ("sort") every row as soon as one is masked, summed
+    position by position. Equal bit for bit either way, and equal to every row drawn
+    (float64), for counts on both sides of each tier; an example's sum has the same bits in
+    every tier."""
     b, length, dim = 256, 10, 8  # n = 2,560: tiers of 8 (n/512 rounds up to 8), 40, 320.
     n = b * length
     rng = np.random.default_rng(3)
@@ -464,6 +466,14 @@ def test_a_few_initial_rows_drawn_alike_by_every_compaction():
         init = np.asarray(_dynamic.initial_rows(key, hi, lo, dim))
         np.testing.assert_allclose(rows, np.where(mask[..., None], init, 0.0), rtol=1e-6, atol=1e-7)
         assert count == 0 or np.abs(summed).sum() > 0
+    # An example's sum has the same bits whichever tier its device's count falls in.
+    few = np.zeros((b, length), bool)
+    few[: b // 2] = rng.random((b // 2, length)) < 0.05
+    many = few.copy()
+    many[b // 2 :] = True
+    for how, fn in fns.items():
+        a, c = (np.asarray(fn(jnp.asarray(m))[0]) for m in (few, many))
+        np.testing.assert_array_equal(a[: b // 2], c[: b // 2], err_msg=how)
 
 
 def test_rows_given_to_new_ids_reset_in_rounds():
