@@ -924,7 +924,8 @@ def rebuild(
 
     With `shard` given, `entries` are that shard's own (`held` of its part of an index of
     the same configuration and shards): the result is its part (`_hashindex.empty_state`),
-    rows local to it, and the counters its own."""
+    rows local to it, and the counters its own; a ValueError then says what is wrong with
+    them (an id of another shard, a repeat)."""
     config = plan.index
     ids = np.asarray(entries["ids"], np.int64).reshape(-1)
     if len(ids) > config.capacity:
@@ -937,10 +938,10 @@ def rebuild(
             config, num_shards, ids, entries["last"], entries["count"], shard
         )
     except ValueError as e:
-        raise ValueError(
-            f"its {len(ids)} ids do not fit its capacity of {config.capacity} rows: "
-            f"{str(e).removeprefix('build: ')}"
-        ) from None
+        why = str(e).removeprefix("build: ")
+        if shard is None:  # A shard's own entries fitted the same index when saved.
+            why = f"its {len(ids)} ids do not fit its capacity of {config.capacity} rows: {why}"
+        raise ValueError(why) from None
     f_ids = np.asarray(entries.get("filter_ids", np.zeros(0, np.int64)), np.int64).reshape(-1)
     f_count = np.asarray(entries.get("filter_count", np.zeros(0, np.int32)), np.int32)
     if config.filter_buckets and f_ids.size:

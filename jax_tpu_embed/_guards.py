@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -207,25 +208,36 @@ def check_restored(items: list[Restored], where: str) -> None:
 
 
 def check_restored_on_every_process(items: list[Restored], where: str) -> None:
-    """`check_restored` of NumPy items that each process holds its own part of: every
-    process raises (one that found nothing names the processes that did), or none, so
-    that no process goes on alone into a collective the others never reach."""
+    """`check_restored` of NumPy items that each process holds its own part of, on every
+    process (`on_every_process`)."""
+    on_every_process(lambda: check_restored(items, where), where)
+
+
+def on_every_process(fn: Callable[[], Any], where: str, errors: tuple = (ValueError,)) -> Any:
+    """fn() on this process, which may fail (a ValueError) on its own part of the data
+    alone: then every process raises, or none does, so that no process goes on alone into
+    a collective the others never reach. A process whose fn succeeded raises the most
+    specific of `errors` (ValueError subclasses, general first) that another's error is,
+    naming the processes that failed."""
     try:
-        check_restored(items, where)
-        problem = ""
+        return_value, problem = fn(), None
     except ValueError as e:
-        problem = str(e)
+        return_value, problem = None, e
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        found = np.asarray(multihost_utils.process_allgather(np.asarray([bool(problem)])))
-        if found.any() and not problem:
-            problem = (
-                f"{where}: processes {np.flatnonzero(found.reshape(-1)).tolist()} found "
-                f"restored values outside their domains (their errors name them)."
+        kind = 0  # This process: 0 fine, else 1 + the most specific of `errors` it raised.
+        if problem is not None:
+            kind = 1 + max([i for i, e in enumerate(errors) if isinstance(problem, e)] or [0])
+        kinds = np.asarray(multihost_utils.process_allgather(np.asarray([kind]))).reshape(-1)
+        if problem is None and kinds.any():
+            raise errors[max(int(kinds.max()) - 1, 0)](
+                f"{where}: processes {np.flatnonzero(kinds).tolist()} failed (their errors "
+                f"say why)."
             )
-    if problem:
-        raise ValueError(problem)
+    if problem is not None:
+        raise problem
+    return return_value
 
 
 def restored_items(

@@ -1188,11 +1188,8 @@ def _dynamic_entries(manager, path: str, step: int, meta: dict, emb, earlier: li
         if name in emb.dynamic
         and _by_shard(emb, name, [m.get("dynamic", {}).get(name, {}) for _, m, _ in chain])
     }
-    out: dict[str, dict] = {}
-    for at, at_meta, at_earlier in reversed(chain):
-        at_saved = at_meta.get("dynamic", {})
-        if not at_saved:
-            return {}
+
+    def read(at: int, at_saved: dict, at_earlier: list, below: dict) -> dict:
         with _reading(path, at, "dynamic", at_earlier):
             item = manager.restore(
                 at,
@@ -1200,13 +1197,10 @@ def _dynamic_entries(manager, path: str, step: int, meta: dict, emb, earlier: li
                     dynamic=ocp.args.StandardRestore(_dynamic_target(emb, at_saved, by_shard))
                 ),
             ).dynamic
-        below, out = (
-            out,
-            {
-                name: _unpadded(emb, name, item[name], at_saved[name], name in by_shard)
-                for name in item
-            },
-        )
+        out = {
+            name: _unpadded(emb, name, item[name], at_saved[name], name in by_shard)
+            for name in item
+        }
         if below:
             out = {
                 name: {
@@ -1214,6 +1208,19 @@ def _dynamic_entries(manager, path: str, step: int, meta: dict, emb, earlier: li
                 }
                 for name, parts in out.items()
             }
+        return out
+
+    out: dict[str, dict] = {}
+    for at, at_meta, at_earlier in reversed(chain):
+        at_saved = at_meta.get("dynamic", {})
+        if not at_saved:
+            return {}
+        # By shard, each process reads and checks only its own blocks.
+        out = _guards.on_every_process(
+            functools.partial(read, at, at_saved, at_earlier, out),
+            f"checkpoint.restore: {path}/{at}",
+            (ValueError, CheckpointCorruptError),
+        )
     return out
 
 
@@ -1274,26 +1281,7 @@ def _dynamic_state(emb, name: str, parts: dict, where: str) -> tuple:
         )
     ]
     _guards.check_restored_on_every_process(items, where)
-    local_rows, built = {}, {}
-    if None in parts:
-        try:
-            whole, global_rows = _dynamic.rebuild(plan, n, parts[None])
-        except ValueError as e:
-            raise ValueError(f"{where}: table {name!r}: {e}") from None
-        shard, local = np.divmod(np.asarray(global_rows, np.int64), storage.layout.rows_per_shard)
-        entries = parts[None]
-        for k in set(_multihost.shard_of_devices(emb).values()):
-            at = shard == k
-            local_rows[k] = (
-                local[at],
-                entries["rows"][at],
-                {s: v[at] for s, v in entries["slots"].items()},
-            )
-        built = {k: _index_part(whole, n, k) for k in local_rows}
-    else:
-        for k, entries in parts.items():
-            built[k], rows = _dynamic.rebuild(plan, n, entries, shard=k)
-            local_rows[k] = rows, entries["rows"], entries["slots"]
+    local_rows, built = _guards.on_every_process(lambda: _rebuilt(emb, name, parts, where), where)
     layout = storage.layout
     s_rows = layout.rows_per_shard
     mine = _multihost.shard_of_devices(emb)
@@ -1329,6 +1317,37 @@ def _dynamic_state(emb, name: str, parts: dict, where: str) -> tuple:
         _placed(key, abstract.key),
     )  # Caches: `Embedding.with_empty_caches`.
     return physical, slots, index
+
+
+def _rebuilt(emb, name: str, parts: dict, where: str) -> tuple[dict, dict]:
+    """({shard k of this process: (its ids' local rows, their rows, {slot: their values})},
+    {k: shard k's index}) of `_dynamic_state`'s `parts`: the index rebuilt whole (every
+    id's entries) or shard by shard."""
+    plan, n = emb.dynamic[name], emb.num_shards
+    local_rows, built = {}, {}
+    if None not in parts:
+        for k, entries in parts.items():
+            try:
+                built[k], rows = _dynamic.rebuild(plan, n, entries, shard=k)
+            except ValueError as e:
+                raise CheckpointCorruptError(f"{where}: table {name!r}, shard {k}: {e}") from None
+            local_rows[k] = rows, entries["rows"], entries["slots"]
+        return local_rows, built
+    try:
+        whole, global_rows = _dynamic.rebuild(plan, n, parts[None])
+    except ValueError as e:
+        raise ValueError(f"{where}: table {name!r}: {e}") from None
+    per = emb.table_plans[name].storage.layout.rows_per_shard
+    shard, local = np.divmod(np.asarray(global_rows, np.int64), per)
+    entries = parts[None]
+    for k in set(_multihost.shard_of_devices(emb).values()):
+        at = shard == k
+        local_rows[k] = (
+            local[at],
+            entries["rows"][at],
+            {s: v[at] for s, v in entries["slots"].items()},
+        )
+    return local_rows, {k: _index_part(whole, n, k) for k in local_rows}
 
 
 def _index_part(index, n: int, k: int):

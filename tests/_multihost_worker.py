@@ -349,6 +349,27 @@ def _exported(emb, state) -> dict:
     return out
 
 
+def agree() -> dict:
+    """`_guards.on_every_process` where only process 1's part is corrupt: what each process
+    raises, then a collective that both must still reach (none hangs)."""
+    from jax_tpu_embed import _guards
+    from jax_tpu_embed.checkpoint import CheckpointCorruptError
+
+    def part():
+        if jax.process_index() == 1:
+            raise CheckpointCorruptError("block 5 holds an id of shard 2")
+        return "fine"
+
+    out = {}
+    try:
+        _guards.on_every_process(part, "restore", (ValueError, CheckpointCorruptError))
+        out["raised"] = np.array("nothing")
+    except ValueError as e:
+        out["raised"], out["message"] = np.array(type(e).__name__), np.array(str(e))
+    out["after"] = np.asarray(multihost_utils.process_allgather(np.asarray([7])))
+    return out
+
+
 def _file(case: str) -> str:
     """The name a case's files take under --out."""
     return case.replace(":", "_")
@@ -390,6 +411,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         if case == "criteo":
             result = read_criteo(args.out)
+        elif case == "agree":
+            result = agree()
         elif case.startswith("checkpoint:"):
             _, strategy, mesh_kind, placement, *sizes = case.split(":")
             where = os.path.join(args.out, _file(case))

@@ -292,6 +292,40 @@ def test_checkpoint_written_before_blocks_restores(tmp_path):
     Snapshot(emb, restored).assert_equals(then, exact=True)
 
 
+def test_checkpoint_with_a_block_of_another_shard_is_refused(tmp_path):
+    """Two blocks swapped (their counts too) hold each other's shards' ids: a restore where
+    each shard reads its own block refuses it as corrupt, naming the table and the shard
+    (on every process: `_guards.on_every_process`); one shard reading both restores it."""
+    import json
+    import shutil
+
+    emb = jte.Embedding(spec_of(DYNAMIC), make_mesh(2))
+    state = train(emb, emb.init(jax.random.key(0)), stream(1, 6))
+    then = Snapshot(emb, state)
+    where = tmp_path / str(checkpoint.save(tmp_path, emb, state))
+    item = ocp.StandardCheckpointer().restore(where / "dynamic")["users"]
+    item = jax.tree.map(np.asarray, item)
+    key = item.pop("key")  # The table's: the only field without a block per shard.
+    item = {**jax.tree.map(lambda x: x[::-1], item), "key": key}
+    meta = json.loads((where / "metadata" / "metadata").read_text())
+    blocks = meta["dynamic"]["users"]["blocks"]
+    meta["dynamic"]["users"]["blocks"] = {f: c[::-1] for f, c in blocks.items()}
+    assert blocks["ids"][0] and blocks["ids"][1]
+    shutil.rmtree(where / "dynamic")
+    with ocp.StandardCheckpointer() as writer:
+        writer.save(where / "dynamic", {"users": item})
+    (where / "metadata" / "metadata").write_text(json.dumps(meta))
+    with pytest.raises(
+        checkpoint.CheckpointCorruptError,
+        match=r"table 'users', shard 0: id -?\d+ belongs to shard 1 of 2, not to shard 0",
+    ):
+        checkpoint.restore(tmp_path, emb)
+    one = jte.Embedding(spec_of(DYNAMIC), make_mesh(1))
+    restored, _ = checkpoint.restore(tmp_path, one)
+    assert checkpoint._by_shard(one, "users", [meta["dynamic"]["users"]])
+    Snapshot(one, restored).assert_equals(then, exact=True)
+
+
 def test_checkpoint_with_a_nan_row_is_refused_on_every_mesh(saved, tmp_path):
     """A saved row that is NaN (written by other code) is refused whether each shard reads
     its own block (the saving mesh) or every block is read (2 devices)."""

@@ -52,7 +52,7 @@ CHECKPOINT_CASES = (
     "checkpoint:div:explicit:host:uneven",
     "checkpoint:div:auto:device",
 )
-JOB_CASES = CASES + ("criteo",) + CHECKPOINT_CASES
+JOB_CASES = CASES + ("criteo", "agree") + CHECKPOINT_CASES
 NUM_PROCESSES = 2
 
 # One job (the module fixture `job`) serves every case: the module runs on one pytest-xdist
@@ -316,6 +316,16 @@ def test_each_process_reads_its_own_criteo_file(job):
         for k, key in enumerate(("labels", "dense", "ids")):
             expected = np.concatenate([w[k][rows] for w in want])
             np.testing.assert_allclose(got[f"{key}/{i}"], expected, rtol=1e-6, err_msg=key)
+
+
+def test_a_failure_on_one_process_raises_on_every_process(job):
+    """A restore's check that fails on process 1's own blocks alone (`_guards.
+    on_every_process`): process 0 raises the same kind of error, naming process 1, and
+    both then reach the next collective."""
+    got = job.result("agree")
+    assert str(got["raised"]) == "CheckpointCorruptError"
+    assert str(got["message"]) == "restore: processes [1] failed (their errors say why)."
+    assert got["after"].ravel().tolist() == [7, 7]
 
 
 @pytest.mark.slow
