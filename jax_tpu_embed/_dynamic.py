@@ -419,20 +419,22 @@ def with_kernel(plan: DynamicPlan, table_plan) -> DynamicPlan:
     )
 
 
-def find(plan: DynamicPlan, index, hi, lo, bucket, now):
-    """`_hashindex.find` on this shard's index, by the plan's `finder`."""
+def find(plan: DynamicPlan, index, hi, lo, bucket, now, sorted_parts: int | None = None):
+    """`_hashindex.find` on this shard's index, by the plan's `finder`; `sorted_parts` as
+    `_hashindex_tpu.find` takes it (how the ids are grouped by bucket, if they are)."""
     if plan.finder == "xla":
         return _hashindex.find(plan.index, index, hi, lo, bucket, now)
     interpret = plan.finder == "pallas_interpret"
-    return _hashindex_tpu.find(plan.index, index, hi, lo, bucket, now, interpret=interpret)
+    return _hashindex_tpu.find(plan.index, index, hi, lo, bucket, now, interpret, sorted_parts)
 
 
 def finder(plan: DynamicPlan, now):
-    """What `_hashindex.sighted` takes as `find` for this plan: None (its own XLA ops), or
-    the Pallas kernel as a function of (index, hi, lo, local bucket)."""
+    """What `_hashindex.sighted(grouped=True)` takes as `find` for this plan: None (its own
+    XLA ops), or the Pallas kernel as a function of (index, hi, lo, local bucket), told
+    that the ids are sorted by bucket."""
     if plan.finder == "xla":
         return None
-    return lambda index, hi, lo, bucket: find(plan, index, hi, lo, bucket, now)
+    return lambda index, hi, lo, bucket: find(plan, index, hi, lo, bucket, now, 1)
 
 
 # ------------------------------------------------- resolution: sorted, owned, distinct ids

@@ -11,6 +11,9 @@ read, nothing written but the answers, no temporary.
 Per grid step of `block` ids (their words and buckets in SMEM): the block's DMAs are all
 started, then waited for, then each id's row is compared in registers (the lo words
 brought under the hi words by a lane rotation of 64) and the first matching lane taken.
+An id of the same bucket as the one before it in the step reads that one's row: no DMA.
+Callers that group ids by bucket (an update's `sighted`, whose ids are sorted by bucket)
+say so, and the cost declared is then one row per bucket, not per id (`sorted_parts`).
 With TTL each id's `last` words come the same way (the row holding its bucket's and its
 neighbour's) and expired slots are not found. The result is `_hashindex.find`'s, bit for
 bit (the tests compare them in Pallas' interpreter); other bucket sizes keep the XLA form
@@ -36,11 +39,25 @@ def serves(config: _hashindex.IndexConfig) -> bool:
     return 2 * config.bucket_size == _LANES
 
 
-def find(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, now, interpret=False):
+def find(
+    config: _hashindex.IndexConfig,
+    state,
+    hi,
+    lo,
+    local_bucket,
+    now,
+    interpret=False,
+    sorted_parts: int | None = None,
+):
     """`_hashindex.find` (local row int32, -1 where not found; found bool) of ids of any
-    shape in this shard's index, by one DMA per id of its bucket's keys, and with TTL one
-    of its `last` words (two buckets' to a 128-lane row; a shard of an odd number of
-    buckets takes XLA's `find`)."""
+    shape in this shard's index, by one DMA of its bucket's keys per id whose bucket is not
+    the previous id's, and with TTL one of its `last` words (two buckets' to a 128-lane row;
+    a shard of an odd number of buckets takes XLA's `find`).
+
+    `sorted_parts`: the ids (flattened) are this many runs, each sorted by bucket (an
+    update's ids at their owner: one; a lookup's there: one per sending device), so they
+    read at most that many times each bucket's row (and one per grid step). It sets the
+    cost declared to the compiler, not what is read; None: every id's row."""
     assert serves(config), config
     b = config.bucket_size
     nbl = state.keys.shape[0] // (2 * b)
@@ -72,33 +89,43 @@ def find(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, now, inter
                 out.append(pltpu.make_async_copy(half, lasts.at[pl.ds(p, 1)], sem))
             return out
 
+        def read(p):  # Whether id p reads its row: the step's first, or a new bucket.
+            return (p == 0) | (bucket_ref[p] != bucket_ref[jnp.maximum(p - 1, 0)])
+
         def start(p, carry):
-            for c in copies(p, bucket_ref[p]):
-                c.start()
+            @pl.when(read(p))
+            def _():
+                for c in copies(p, bucket_ref[p]):
+                    c.start()
+
             return carry
 
         def wait(p, carry):
-            for c in copies(p, 0):  # Waits for one row's bytes: any row of the shape.
-                c.wait()
+            @pl.when(read(p))
+            def _():
+                for c in copies(p, 0):  # Waits for one row's bytes: any row of the shape.
+                    c.wait()
+
             return carry
 
         lax.fori_loop(0, block, start, 0)
         lax.fori_loop(0, block, wait, 0)
         lane = lax.broadcasted_iota(jnp.int32, (1, _LANES), 1)
 
-        def one(p, carry):
-            row = rows[pl.ds(p, 1), :]
+        def one(p, at):
+            at = jnp.where(read(p), p, at)  # The slot its bucket's row was read into.
+            row = rows[pl.ds(at, 1), :]
             h, l, g = hi_ref[p], lo_ref[p], bucket_ref[p]
             # Lane j < b: slot j's hi word, and its lo word rotated down from lane b + j.
             same = (row == h) & (pltpu.roll(row, b, 1) == l) & (lane < b)
             if ttl is not None:  # Slot j's last: lane j of an even bucket, b + j of an odd.
-                last = lasts[pl.ds(p, 1), :]
+                last = lasts[pl.ds(at, 1), :]
                 last = jnp.where(g % 2 == 1, pltpu.roll(last, b, 1), last)
                 same &= now_ref[0] - last < ttl
             first = jnp.min(jnp.where(same, lane, _LANES))
             padding = (h == jnp.uint32(words)) & (l == jnp.uint32(words))
             out_ref[p] = jnp.where((first < b) & ~padding, g * b + first, -1)
-            return carry
+            return at
 
         lax.fori_loop(0, block, one, 0)
 
@@ -116,6 +143,10 @@ def find(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, now, inter
         inputs.append(jnp.asarray(now, jnp.int32).reshape(1))
         in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
         scratch.append(pltpu.VMEM((block, _LANES), jnp.int32))
+    # Rows read: one per id, or per run of a bucket (and grid step, and the padding's).
+    reads = total
+    if sorted_parts is not None:
+        reads = min(total, sorted_parts * (nbl + 1) + 1 + total // block)
     row = pl.pallas_call(
         kernel,
         grid=(total // block,),
@@ -123,9 +154,11 @@ def find(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, now, inter
         out_specs=smem(),
         out_shape=jax.ShapeDtypeStruct((total,), jnp.int32),
         scratch_shapes=scratch + [pltpu.SemaphoreType.DMA(())],
-        # Per id: its bucket's rows (512 bytes each) by DMA, 3 words in, 1 out through SMEM.
+        # Its buckets' rows (512 bytes each) by DMA; per id 3 words in, 1 out through SMEM.
         cost_estimate=pl.CostEstimate(
-            flops=0, transcendentals=0, bytes_accessed=total * (len(arrays) * _LANES * 4 + 16)
+            flops=0,
+            transcendentals=0,
+            bytes_accessed=reads * len(arrays) * _LANES * 4 + total * 16,
         ),
         interpret=interpret,
     )(*inputs, *arrays)[:n]

@@ -519,20 +519,24 @@ def test_export_build_round_trip(onto):
 
 
 @pytest.mark.parametrize(
-    "n, ttl, buckets",
+    "n, ttl, buckets, grouped",
     [
-        pytest.param(1, None, 16, marks=pytest.mark.slow),
-        pytest.param(130, None, 16, marks=pytest.mark.slow),
-        (600, None, 16),
-        (600, 3, 16),
-        (130, 3, 15),
+        pytest.param(1, None, 16, False, marks=pytest.mark.slow),
+        pytest.param(130, None, 16, False, marks=pytest.mark.slow),
+        (600, None, 16, False),
+        (600, 3, 16, False),
+        (130, 3, 15, False),
+        (600, None, 16, True),
+        pytest.param(600, 3, 16, True, marks=pytest.mark.slow),
     ],
 )
-def test_pallas_find_equals_find(n, ttl, buckets):
+def test_pallas_find_equals_find(n, ttl, buckets, grouped):
     """`_hashindex_tpu.find` (Pallas' interpreter) gives `find`'s rows, bit for bit: held ids
     in any lane (full buckets too), ids not held, padding, in shapes of any size (blocks of
     128 and 256 ids, padded); with TTL, expired slots not found (in even and odd buckets; a
-    shard of an odd number of buckets takes XLA's find). Other bucket sizes are not served."""
+    shard of an odd number of buckets takes XLA's find). Ids grouped by bucket (runs of
+    about 37, across grid steps) read each run's row once. Other bucket sizes are not
+    served."""
     from jax_tpu_embed import _hashindex_tpu
 
     rng = np.random.default_rng(n)
@@ -553,11 +557,14 @@ def test_pallas_find_equals_find(n, ttl, buckets):
     others[::3] = rng.integers(-(2**63), 2**63 - 1, others[::3].size)
     asked = np.where(rng.random(n) < 0.6, rng.choice(ids, n), others)
     asked[rng.random(n) < 0.1] = -1
+    if grouped:
+        asked = asked[np.argsort(hx.global_bucket(config, *hx.split_ids(asked)), kind="stable")]
     shape = (n,) if n % 2 else (2, n // 2)
     hi, lo = (x.reshape(shape) for x in hx.split_ids(asked))
     bucket = hx.global_bucket(config, hi, lo)
     want = hx.find(config, state, hi, lo, bucket, 8)
-    got = _hashindex_tpu.find(config, state, hi, lo, bucket, 8, interpret=True)
+    parts = 1 if grouped else None
+    got = _hashindex_tpu.find(config, state, hi, lo, bucket, 8, True, parts)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     assert n < 100 or (np.asarray(want[1]).any() and not np.asarray(want[1]).all())
