@@ -98,6 +98,12 @@ def measure(topology: str, ids: int) -> list[dict]:
             (),
         ),
         (
+            "find (Pallas), ids sorted by bucket (an update's)",
+            lambda s, h, lo, b: _hashindex_tpu.find(config, s, h, lo, b, 5, sorted_parts=1),
+            (state, words, words, at),
+            (),
+        ),
+        (
             "update (whole)",
             lambda s, h, lo, b, v: hx.update(config, s, h, lo, b, v, 5),
             (state, words, words, at, valid),
