@@ -526,7 +526,8 @@ def test_export_build_round_trip(onto):
         (600, None, 16, False),
         (600, 3, 16, False),
         (130, 3, 15, False),
-        (600, None, 16, True),
+        # (test_sighted_with_the_pallas_find_equals_sighted runs it grouped in the fast tier.)
+        pytest.param(600, None, 16, True, marks=pytest.mark.slow),
         pytest.param(600, 3, 16, True, marks=pytest.mark.slow),
     ],
 )
