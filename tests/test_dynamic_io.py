@@ -252,20 +252,35 @@ def test_checkpoint_saved_in_the_background_holds_the_state_it_was_given(tmp_pat
     Snapshot(emb, restored).assert_equals(then, exact=True)
 
 
+def _saved_on_two_shards(tmp_path):
+    """(embedding on 2 shards, its trained state's Snapshot, the step's directory, its
+    dynamic item "users" as NumPy, its metadata) of a checkpoint saved under tmp_path."""
+    import json
+
+    emb = jte.Embedding(spec_of(DYNAMIC), make_mesh(2))
+    state = train(emb, emb.init(jax.random.key(0)), stream(1, 6))
+    where = tmp_path / str(checkpoint.save(tmp_path, emb, state))
+    item = ocp.StandardCheckpointer().restore(where / "dynamic")["users"]
+    meta = json.loads((where / "metadata" / "metadata").read_text())
+    return emb, Snapshot(emb, state), where, jax.tree.map(np.asarray, item), meta
+
+
+def _rewrite(where, item: dict, meta: dict):
+    """The step at `where` with its dynamic item "users" and its metadata replaced."""
+    import json
+    import shutil
+
+    shutil.rmtree(where / "dynamic")
+    with ocp.StandardCheckpointer() as writer:
+        writer.save(where / "dynamic", {"users": item})
+    (where / "metadata" / "metadata").write_text(json.dumps(meta))
+
+
 def test_checkpoint_written_before_blocks_restores(tmp_path):
     """A dynamic item saved as saves wrote it before blocks (flat arrays: ids int64
     ascending, one entry per id, the counters summed; no "blocks" in the metadata)
     restores to the state it holds."""
-    import json
-    import shutil
-
-    emb = jte.Embedding(spec_of(DYNAMIC), make_mesh(2))
-    state = train(emb, emb.init(jax.random.key(0)), stream(1, 6))
-    then = Snapshot(emb, state)
-    where = tmp_path / str(checkpoint.save(tmp_path, emb, state))
-    item = ocp.StandardCheckpointer().restore(where / "dynamic")["users"]
-    item = jax.tree.map(np.asarray, item)
-    meta = json.loads((where / "metadata" / "metadata").read_text())
+    emb, then, where, item, meta = _saved_on_two_shards(tmp_path)
     info = meta["dynamic"]["users"]
     blocks = info.pop("blocks")
     del info["seed"], info["filter_bucket_size"]
@@ -284,10 +299,7 @@ def test_checkpoint_written_before_blocks_restores(tmp_path):
     old["slots"] = {s: flat(v, blocks["changed"])[by["changed"]] for s, v in item["slots"].items()}
     old.update(key=item["key"], counters=item["counters"].sum(0).astype(np.int64))
     assert old["filter_ids"].size and old["ids"].dtype == np.int64
-    shutil.rmtree(where / "dynamic")
-    with ocp.StandardCheckpointer() as writer:
-        writer.save(where / "dynamic", {"users": old})
-    (where / "metadata" / "metadata").write_text(json.dumps(meta))
+    _rewrite(where, old, meta)
     restored, _ = checkpoint.restore(tmp_path, emb)
     Snapshot(emb, restored).assert_equals(then, exact=True)
 
@@ -296,25 +308,13 @@ def test_checkpoint_with_a_block_of_another_shard_is_refused(tmp_path):
     """Two blocks swapped (their counts too) hold each other's shards' ids: a restore where
     each shard reads its own block refuses it as corrupt, naming the table and the shard
     (on every process: `_guards.on_every_process`); one shard reading both restores it."""
-    import json
-    import shutil
-
-    emb = jte.Embedding(spec_of(DYNAMIC), make_mesh(2))
-    state = train(emb, emb.init(jax.random.key(0)), stream(1, 6))
-    then = Snapshot(emb, state)
-    where = tmp_path / str(checkpoint.save(tmp_path, emb, state))
-    item = ocp.StandardCheckpointer().restore(where / "dynamic")["users"]
-    item = jax.tree.map(np.asarray, item)
+    emb, then, where, item, meta = _saved_on_two_shards(tmp_path)
     key = item.pop("key")  # The table's: the only field without a block per shard.
     item = {**jax.tree.map(lambda x: x[::-1], item), "key": key}
-    meta = json.loads((where / "metadata" / "metadata").read_text())
     blocks = meta["dynamic"]["users"]["blocks"]
     meta["dynamic"]["users"]["blocks"] = {f: c[::-1] for f, c in blocks.items()}
     assert blocks["ids"][0] and blocks["ids"][1]
-    shutil.rmtree(where / "dynamic")
-    with ocp.StandardCheckpointer() as writer:
-        writer.save(where / "dynamic", {"users": item})
-    (where / "metadata" / "metadata").write_text(json.dumps(meta))
+    _rewrite(where, item, meta)
     with pytest.raises(
         checkpoint.CheckpointCorruptError,
         match=r"table 'users', shard 0: id -?\d+ belongs to shard 1 of 2, not to shard 0",
