@@ -272,7 +272,8 @@ def update_rows(
     ids = ids._replace(bounds=jnp.where(keep, ids.bounds, 0))
     cd = capacity(plan, m, n)
 
-    # Every id's rules 1-3 first: 0 rejected (or none), 1 admitted, row + 2 a hit.
+    # Every id's rules 1-3 first: 0 rejected (or none), 1 admitted, row + 2 a hit. The
+    # copies of an id sent by several devices get its outcome from `sighted` too.
     def seen(r_hi, r_lo, index):
         s_hi, s_lo, bucket, first, slot = _merged(config, n, r_hi, r_lo)
         s = _hashindex.sighted(
@@ -281,13 +282,15 @@ def update_rows(
             s_hi,
             s_lo,
             bucket,
-            first,
+            True,
             now,
             grouped=True,
             find=_dynamic.finder(plan, now),
+            distinct=first,
         )
         hit = storage.layout.global_ids(me, s.row) + 2
-        return _spread(first, jnp.where(s.hit, hit, s.admit.astype(jnp.int32)), slot), s.state
+        code = jnp.where(s.hit, hit, s.admit.astype(jnp.int32))
+        return jnp.zeros_like(code).at[slot].set(code, unique_indices=True), s.state
 
     codes, index = _rounds(ids, cd, axis, True, seen, index)
 

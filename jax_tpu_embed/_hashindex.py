@@ -505,6 +505,7 @@ def sighted(
     *,
     grouped=False,
     find=None,
+    distinct=None,
 ):
     """Rules 1-3 of `update` and the writes they make: hits get last = max(last, now),
     count += 1; an admitted id's own expired slot is freed (cleared). Placement (`place`)
@@ -519,10 +520,18 @@ def sighted(
 
     `find`: a function of (state, hi, lo, local bucket) with `find`'s results (the Pallas
     kernel, `_hashindex_tpu`), which then finds the hits where no slot expires; without
-    TTL the hits are all the key windows are read for."""
+    TTL the hits are all the key windows are read for.
+
+    `distinct`: the valid ids may come with copies, and these are the ids the counters
+    count (one of each; default: every valid one). A copy gets the outcome of its id (the
+    same find, the same admission hash) and writes what it writes again, which changes
+    nothing (a hit's lane is set, not added). Not with min_count > 1, whose filter counts
+    sightings."""
     b = config.bucket_size
     hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
     valid = jnp.asarray(valid, bool).reshape(-1) & ~_is_pad(hi, lo)
+    distinct = valid if distinct is None else jnp.asarray(distinct, bool).reshape(-1) & valid
+    assert distinct is valid or config.min_count == 1, "copies with min_count > 1"
     now = jnp.asarray(now, jnp.int32)
     nbl = state.last.shape[0] // b
     lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
@@ -583,8 +592,9 @@ def sighted(
     hit_groups = hits_at.any(1) & (group_bucket < nbl)
     last = _put_rows(state.last, first, jnp.where(hits_at, now, _INT32_MIN), hit_groups, _MAX)
     count = _put_rows(state.count, first, hits_at.astype(jnp.int32), hit_groups, _ADD)
-    tally = {"hits": hit.sum(), "misses": miss.sum(), "rejected": (miss & ~admit).sum()}
-    tally["expired"] = freed.sum()
+    count_of = lambda x: (x & distinct).sum()
+    tally = {"hits": count_of(hit), "misses": count_of(miss), "rejected": count_of(miss & ~admit)}
+    tally["expired"] = count_of(freed)
     keys = {}
     if config.ttl_steps is not None:  # Without TTL no slot expires, so none is freed.
         freed_at = _spread(groups, b, group, stale_lane, {}, freed)["set"]

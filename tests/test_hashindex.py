@@ -617,6 +617,46 @@ def test_sighted_with_the_pallas_find_equals_sighted(kwargs):
         assert np.asarray(want.hit).any() and np.asarray(want.miss).any()
 
 
+@pytest.mark.parametrize("ttl", [None, 2])
+def test_sighted_with_copies_equals_sighted_of_distinct_ids(ttl):
+    """`sighted(distinct=...)` on ids with copies beside them (several devices sent one id)
+    writes the state `sighted` of the distinct ids writes, counters included, and gives
+    each copy its id's hit, row and admission."""
+    rng = np.random.default_rng(5)
+    config = hx.IndexConfig(buckets=8, bucket_size=8, ttl_steps=ttl, admit_probability=0.5)
+    ids = np.unique(rng.integers(-(2**63), 2**63 - 1, 120, dtype=np.int64))
+    held = ids[:40]
+    g = np.asarray(hx.global_bucket(config, *hx.split_ids(held)))
+    order = np.argsort(g, kind="stable")
+    lane = np.empty_like(g)
+    lane[order] = np.arange(g.size) - np.searchsorted(g[order], g[order])
+    held = held[lane < 8]
+    # At step 7 with TTL 2, those of last 5 have expired.
+    state, _ = hx.build(config, 1, held, rng.integers(5, 7, held.size), np.ones(held.size))
+    state = jax.tree.map(jnp.asarray, state)
+    asked = np.unique(np.concatenate([rng.choice(held, 30), rng.choice(ids, 30)]))
+    copies = np.repeat(asked, rng.integers(1, 4, asked.size))  # Each id 1 to 3 times.
+    bucket = np.asarray(hx.global_bucket(config, *hx.split_ids(copies)))
+    copies = copies[np.argsort(bucket, kind="stable")]  # Grouped, copies adjacent.
+    first = np.concatenate([[True], copies[1:] != copies[:-1]])
+    once = copies[first]
+
+    def run(x, **kw):
+        hi, lo = hx.split_ids(x)
+        b = hx.global_bucket(config, hi, lo)
+        return hx.sighted(config, state, hi, lo, b, True, 7, grouped=True, **kw)
+
+    want, got = run(once), run(copies, distinct=first)
+    for a, b in zip(jax.tree.leaves(want.state), jax.tree.leaves(got.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    of_id = np.cumsum(first) - 1  # Each entry's id among `once`.
+    for field in ("hit", "row", "admit"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(got, field)), np.asarray(getattr(want, field))[of_id], field
+        )
+    assert np.asarray(want.hit).any() and np.asarray(want.admit).any() and (~first).any()
+
+
 def test_build_errors():
     config = hx.IndexConfig(buckets=2, bucket_size=2)
     with pytest.raises(ValueError, match=r"would hold \d+ ids.*capacity is bucket_size = 2"):
