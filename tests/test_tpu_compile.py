@@ -496,9 +496,9 @@ def test_stacked_tables_share_one_set_of_collectives():
     assert exchanges(four) == exchanges(one) > 0, (four.collectives, one.collectives)
 
 
-# 3.35x measured, 3.94x before `find` read a bucket's row once per run of its ids, 4.62x
+# 3.23x measured, 3.94x before `find` read a bucket's row once per run of its ids, 4.62x
 # before `find` had its Pallas kernel (about 300x before the work of docs/design.md).
-DYNAMIC_BYTES_LIMIT = 3.6
+DYNAMIC_BYTES_LIMIT = 3.5
 
 
 @pytest.mark.slow  # Two compiles.
