@@ -518,6 +518,15 @@ def test_export_build_round_trip(onto):
     ]
 
 
+def _fitting(config, ids):
+    """The ids (distinct) that fit their buckets: the first bucket_size of each bucket."""
+    g = np.asarray(hx.global_bucket(config, *hx.split_ids(ids)))
+    order = np.argsort(g, kind="stable")
+    lane = np.empty_like(g)
+    lane[order] = np.arange(g.size) - np.searchsorted(g[order], g[order])
+    return ids[lane < config.bucket_size]
+
+
 @pytest.mark.parametrize(
     "n, ttl, buckets, grouped",
     [
@@ -546,11 +555,7 @@ def test_pallas_find_equals_find(n, ttl, buckets, grouped):
     same_hi = (np.int64(7) << 32) + rng.integers(0, 2**31, 400)
     same_lo = (rng.integers(0, 2**31, 400) << 32) + 12345
     ids = np.unique(np.concatenate([rng.integers(-(2**63), 2**63 - 1, 800), same_hi, same_lo]))
-    g = np.asarray(hx.global_bucket(config, *hx.split_ids(ids)))
-    order = np.argsort(g, kind="stable")
-    lane = np.empty_like(g)
-    lane[order] = np.arange(g.size) - np.searchsorted(g[order], g[order])
-    ids = ids[lane < 64]  # Every bucket full or nearly.
+    ids = _fitting(config, ids)  # Every bucket full or nearly.
     last = rng.integers(0, 10, ids.size)  # With TTL 3 at step 8: those <= 5 expired.
     state, _ = hx.build(config, 1, ids, last, np.ones(ids.size))
     state = jax.tree.map(jnp.asarray, state)
@@ -590,11 +595,7 @@ def test_sighted_with_the_pallas_find_equals_sighted(kwargs):
     config = hx.IndexConfig(buckets=16, bucket_size=64, **kwargs)
     ids = np.unique(rng.integers(-(2**63), 2**63 - 1, 900, dtype=np.int64))
     held = ids[: ids.size // 2]
-    g = np.asarray(hx.global_bucket(config, *hx.split_ids(held)))
-    order = np.argsort(g, kind="stable")
-    lane = np.empty_like(g)
-    lane[order] = np.arange(g.size) - np.searchsorted(g[order], g[order])
-    held = held[lane < 64]
+    held = _fitting(config, held)
     state, _ = hx.build(config, 1, held, rng.integers(0, 5, held.size), np.ones(held.size))
     state = jax.tree.map(jnp.asarray, state)
     asked = np.unique(np.concatenate([rng.choice(held, 200), rng.choice(ids, 200)]))
@@ -626,11 +627,7 @@ def test_sighted_with_copies_equals_sighted_of_distinct_ids(ttl):
     config = hx.IndexConfig(buckets=8, bucket_size=8, ttl_steps=ttl, admit_probability=0.5)
     ids = np.unique(rng.integers(-(2**63), 2**63 - 1, 120, dtype=np.int64))
     held = ids[:40]
-    g = np.asarray(hx.global_bucket(config, *hx.split_ids(held)))
-    order = np.argsort(g, kind="stable")
-    lane = np.empty_like(g)
-    lane[order] = np.arange(g.size) - np.searchsorted(g[order], g[order])
-    held = held[lane < 8]
+    held = _fitting(config, held)
     # At step 7 with TTL 2, those of last 5 have expired.
     state, _ = hx.build(config, 1, held, rng.integers(5, 7, held.size), np.ones(held.size))
     state = jax.tree.map(jnp.asarray, state)
