@@ -618,7 +618,7 @@ def test_sighted_with_the_pallas_find_equals_sighted(kwargs):
         assert np.asarray(want.hit).any() and np.asarray(want.miss).any()
 
 
-@pytest.mark.parametrize("ttl", [None, 2])
+@pytest.mark.parametrize("ttl", [None, pytest.param(2, marks=pytest.mark.slow)])
 def test_sighted_with_copies_equals_sighted_of_distinct_ids(ttl):
     """`sighted(distinct=...)` on ids with copies beside them (several devices sent one id)
     writes the state `sighted` of the distinct ids writes, counters included, and gives
