@@ -207,12 +207,6 @@ def check_restored(items: list[Restored], where: str) -> None:
     )
 
 
-def check_restored_on_every_process(items: list[Restored], where: str) -> None:
-    """`check_restored` of NumPy items that each process holds its own part of, on every
-    process (`on_every_process`)."""
-    on_every_process(lambda: check_restored(items, where), where)
-
-
 def on_every_process(fn: Callable[[], Any], where: str, errors: tuple = (ValueError,)) -> Any:
     """fn() on this process, which may fail (a ValueError) on its own part of the data
     alone: then every process raises, or none does, so that no process goes on alone into

@@ -413,6 +413,11 @@ class CheckpointCorruptError(ValueError):
     or not what orbax wrote. Earlier steps may still restore (the message lists them)."""
 
 
+# What a process raises when another found a problem in its own part of a restore
+# (`_guards.on_every_process`): the most specific kind any of them found.
+_RESTORE_ERRORS = (ValueError, CheckpointCorruptError)
+
+
 @contextlib.contextmanager
 def _reading(path: str, step: int, item: str, earlier: list[int], hint: str = ""):
     """Turns any failure to read `item` of a step into a CheckpointCorruptError that names
@@ -1219,7 +1224,7 @@ def _dynamic_entries(manager, path: str, step: int, meta: dict, emb, earlier: li
         out = _guards.on_every_process(
             functools.partial(read, at, at_saved, at_earlier, out),
             f"checkpoint.restore: {path}/{at}",
-            (ValueError, CheckpointCorruptError),
+            _RESTORE_ERRORS,
         )
     return out
 
@@ -1280,8 +1285,12 @@ def _dynamic_state(emb, name: str, parts: dict, where: str) -> tuple:
             name, table_plan.optimizer, entries["rows"], entries["slots"], storage.slot_specs
         )
     ]
-    _guards.check_restored_on_every_process(items, where)
-    local_rows, built = _guards.on_every_process(lambda: _rebuilt(emb, name, parts, where), where)
+
+    def checked_and_rebuilt():  # Each process checks and rebuilds its own shards' parts.
+        _guards.check_restored(items, where)
+        return _rebuilt(emb, name, parts, where)
+
+    local_rows, built = _guards.on_every_process(checked_and_rebuilt, where, _RESTORE_ERRORS)
     layout = storage.layout
     s_rows = layout.rows_per_shard
     mine = _multihost.shard_of_devices(emb)
