@@ -632,64 +632,69 @@ def place(config: IndexConfig, state: IndexState, hi, lo, local_bucket, admit, n
     lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
     prio = priority(config, hi, lo)
 
-    # Each bucket's slot order is computed once, for the group of its admitted ids (at most
-    # one group per local bucket, plus the others'); their ranks pick distinct slots of it.
+    # The admitted ids grouped by bucket (at most one group per local bucket, plus the
+    # others'), each ranked in its group by priority: the ranks pick distinct slots.
     u = hi.shape[0]
     groups = min(u, nbl + 1)
     group, rank, group_bucket = _groups(jnp.where(admit, lb, nbl), prio, hi, lo, admit, groups)
-    bucket = jnp.minimum(group_bucket, nbl - 1)
-    first = bucket * b
-    g_hi, g_lo = _key_rows(state.keys, bucket, b)
-    g_last, g_count = _rows(state.last, first, b), _rows(state.count, first, b)
-    g_occupied = ~_is_pad(g_hi, g_lo)
-    g_expired = g_occupied & _expired(config, g_last, now)
-    evictable = g_occupied & ~g_expired & (g_last < now)
+    # Each id orders its own bucket's slots (a group's ids see one order): reading a
+    # group's order back per id cost the TPU compiler more than ordering it again.
+    k_hi, k_lo = _key_rows(state.keys, lb, b)
+    k_last, k_count = _rows(state.last, lb * b, b), _rows(state.count, lb * b, b)
+    occupied = ~_is_pad(k_hi, k_lo)
+    expired = occupied & _expired(config, k_last, now)
+    evictable = occupied & ~expired & (k_last < now)
     if config.eviction == "none":
         evictable = jnp.zeros_like(evictable)
-    cls = jnp.where(~g_occupied, 0, jnp.where(g_expired, 1, jnp.where(evictable, 2, 3)))
+    cls = jnp.where(~occupied, 0, jnp.where(expired, 1, jnp.where(evictable, 2, 3)))
     keyed = (cls == 1) | (cls == 2)
     z = jnp.uint32(0)
-    g_lanes = lax.broadcasted_iota(jnp.int32, (groups, b), 1).astype(jnp.uint32)
+    lanes = lax.broadcasted_iota(jnp.int32, (u, b), 1).astype(jnp.uint32)
     # Free and unavailable slots are ordered by lane (interchangeable), the others by key.
     tail = (
-        jnp.where(keyed, priority(config, g_hi, g_lo), g_lanes),
-        jnp.where(keyed, g_hi, z),
-        jnp.where(keyed, g_lo, z),
+        jnp.where(keyed, priority(config, k_hi, k_lo), lanes),
+        jnp.where(keyed, k_hi, z),
+        jnp.where(keyed, k_lo, z),
     )
     if config.eviction == "lfu":
         score = (
-            jnp.where(cls == 2, g_count, jnp.where(keyed, g_last, 0)),
-            jnp.where(cls == 2, g_last, 0),
+            jnp.where(cls == 2, k_count, jnp.where(keyed, k_last, 0)),
+            jnp.where(cls == 2, k_last, 0),
         )
     else:
-        score = (jnp.where(keyed, g_last, 0),)
+        score = (jnp.where(keyed, k_last, 0),)
     order = _lane_order((cls, *score, *tail))
-    # Each id's view of its group's slots: the rows of the group, flat.
-    order_rows = _rows(order.reshape(-1), group * b, b)
-    cls_rows = _rows(cls.reshape(-1), group * b, b)
-    placed = admit & (rank < (cls_rows < 3).sum(1))
-    lane = _at(order_rows, jnp.minimum(rank, b - 1))
-    taken = _at(cls_rows, lane)
+    placed = admit & (rank < (cls < 3).sum(1))
+    lane = _at(order, jnp.minimum(rank, b - 1))
+    taken = _at(cls, lane)
     row = jnp.where(placed, lb * b + lane, -1)
 
+    # The writes clear the placed slots (times 0), then set them (max with the new values;
+    # the others' lanes with the smallest value): two scatters of values that never read
+    # the windows they write, which the TPU compiler charges less than one scatter set
+    # from a read of them (docs/design.md).
+    bucket = jnp.minimum(group_bucket, nbl - 1)
+    first = bucket * b
     e = _spread(groups, b, group, lane, {"hi": hi, "lo": lo}, placed)
     written = e["set"].any(1) & (group_bucket < nbl)
+    keep = (~e["set"]).astype(jnp.int32)
 
-    def write(array, old, value):
-        return _put_rows(array, first, jnp.where(e["set"], value, old), written)
+    def write(array, value, op):
+        array = _put_rows(array, first, keep, written, _MUL)
+        return _put_rows(array, first, value, written, op)
 
+    keys = _put_key_rows(state.keys, bucket, keep, keep, written, _MUL)
     tally = {
         "admitted": placed.sum(),
         "failed": (admit & ~placed).sum(),
         "evicted": (placed & (taken == 2)).sum(),
         "expired": (placed & (taken == 1)).sum(),
     }
-    new_hi, new_lo = jnp.where(e["set"], e["hi"], g_hi), jnp.where(e["set"], e["lo"], g_lo)
     new = dataclasses.replace(
         state,
-        keys=_put_key_rows(state.keys, bucket, new_hi, new_lo, written),
-        last=write(state.last, g_last, now),
-        count=write(state.count, g_count, 1),
+        keys=_put_key_rows(keys, bucket, e["hi"], e["lo"], written, _MAX),
+        last=write(state.last, jnp.where(e["set"], now, _INT32_MIN), _MAX),
+        count=write(state.count, e["set"].astype(jnp.int32), _ADD),
         stats=state.stats + _tally(tally)[None, :],
     )
     return new, row.reshape(shape), placed.reshape(shape)
