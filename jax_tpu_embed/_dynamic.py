@@ -437,6 +437,19 @@ def finder(plan: DynamicPlan, now):
     return lambda index, hi, lo, bucket: find(plan, index, hi, lo, bucket, now, 1)
 
 
+def scorer(plan: DynamicPlan, num_shards: int, now):
+    """What `_hashindex.sighted(grouped=True)` takes as `scores` for this plan: the Pallas
+    kernel where the finder is one and a shard holds an even number of buckets
+    (`_hashindex_tpu.serves_scores`), else None (its own XLA scatters)."""
+    if plan.finder == "xla" or (plan.index.buckets // num_shards) % 2:
+        return None
+    interpret = plan.finder == "pallas_interpret"
+    config = plan.index
+    return lambda index, bucket, lane, hit: _hashindex_tpu.scores(
+        config, index, bucket, lane, hit, now, interpret
+    )
+
+
 # ------------------------------------------------- resolution: sorted, owned, distinct ids
 
 
@@ -627,7 +640,16 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
     # (`_hashindex.place`: a bucket's ids may span passes); the filter sees them all.
     def sighted(hi, lo, bucket, valid, index):
         s = _hashindex.sighted(
-            config, index, hi, lo, bucket, valid, now, grouped=True, find=finder(plan, now)
+            config,
+            index,
+            hi,
+            lo,
+            bucket,
+            valid,
+            now,
+            grouped=True,
+            find=finder(plan, now),
+            scores=scorer(plan, lax.axis_size(axis), now),
         )
         return (s.hit, s.row, s.miss, s.admit, s.in_filter, s.f_lane, s.sightings), s.state
 

@@ -506,6 +506,7 @@ def sighted(
     grouped=False,
     find=None,
     distinct=None,
+    scores=None,
 ):
     """Rules 1-3 of `update` and the writes they make: hits get last = max(last, now),
     count += 1; an admitted id's own expired slot is freed (cleared). Placement (`place`)
@@ -526,7 +527,11 @@ def sighted(
     count (one of each; default: every valid one). A copy gets the outcome of its id (the
     same find, the same admission hash) and writes what it writes again, which changes
     nothing (a hit's lane is set, not added). Not with min_count > 1, whose filter counts
-    sightings."""
+    sightings.
+
+    `scores`: with `grouped`, a function of (state, local bucket, lane, hit) that writes the
+    hits (last = max(last, now), count + 1) and returns (last, count): the Pallas kernel
+    (`_hashindex_tpu.scores`), in place of the windowed scatters."""
     b = config.bucket_size
     hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
     valid = jnp.asarray(valid, bool).reshape(-1) & ~_is_pad(hi, lo)
@@ -588,10 +593,14 @@ def sighted(
     # PAD), so they never read the windows they write: the TPU compiler charges a scatter
     # whose values were gathered from its own operand several times one whose values were
     # not (docs/design.md).
-    hits_at = _spread(groups, b, group, hit_lane, {}, hit)["set"]
-    hit_groups = hits_at.any(1) & (group_bucket < nbl)
-    last = _put_rows(state.last, first, jnp.where(hits_at, now, _INT32_MIN), hit_groups, _MAX)
-    count = _put_rows(state.count, first, hits_at.astype(jnp.int32), hit_groups, _ADD)
+    if scores is not None:
+        assert grouped, "the kernel takes ids sorted by bucket"
+        last, count = scores(state, lb, hit_lane, hit)
+    else:
+        hits_at = _spread(groups, b, group, hit_lane, {}, hit)["set"]
+        hit_groups = hits_at.any(1) & (group_bucket < nbl)
+        last = _put_rows(state.last, first, jnp.where(hits_at, now, _INT32_MIN), hit_groups, _MAX)
+        count = _put_rows(state.count, first, hits_at.astype(jnp.int32), hit_groups, _ADD)
     count_of = lambda x: (x & distinct).sum()
     tally = {"hits": count_of(hit), "misses": count_of(miss), "rejected": count_of(miss & ~admit)}
     tally["expired"] = count_of(freed)

@@ -163,3 +163,124 @@ def find(
         interpret=interpret,
     )(*inputs, *arrays)[:n]
     return row.reshape(shape), (row >= 0).reshape(shape)
+
+
+def serves_scores(config: _hashindex.IndexConfig, state) -> bool:
+    """Whether `scores` takes this shard: `serves`, and an even number of buckets (two to a
+    128-lane row of `last` and `count`)."""
+    return serves(config) and (state.last.shape[0] // config.bucket_size) % 2 == 0
+
+
+def scores(config: _hashindex.IndexConfig, state, local_bucket, lane, hit, now, interpret=False):
+    """`sighted`'s writes of its hits, (last, count): each hit slot (bucket `local_bucket`,
+    `lane`, where `hit`) gets last = max(last, now) and count + 1, once however many ids
+    hit it. The ids come sorted by bucket (`sighted(grouped=True)`), so a slot's hits are
+    adjacent.
+
+    Per grid step of `block` ids: one DMA of each run's 128-lane rows of `last` and
+    `count` (two buckets each), the run's hits marked in VMEM, and the rows with a mark
+    written back. The windowed scatters XLA makes of these writes cost the TPU compiler
+    about three times the rows they move (docs/design.md)."""
+    b = config.bucket_size
+    nbl = state.last.shape[0] // b
+    assert serves_scores(config, state), (config, nbl)
+    n = local_bucket.shape[0]
+    total = max(-(-n // _LANES) * _LANES, _LANES)
+    block = _BLOCK if total % _BLOCK == 0 else _LANES
+    # The padding's row is the last one: after every id's, so the ids stay sorted.
+    row = jnp.clip(jnp.asarray(local_bucket, jnp.int32), 0, nbl - 1) // 2
+    # A slot's hits are adjacent (an id and its copies): only the first counts, which also
+    # keeps a run split between grid steps from counting one twice.
+    slot = jnp.where(hit, local_bucket * b + lane, -1)
+    again = slot == jnp.concatenate([jnp.full((1,), -1, slot.dtype), slot[:-1]])
+    at = jnp.where(hit & ~again, (local_bucket % 2) * b + lane, -1)
+    pad = lambda x, value: jnp.concatenate([x, jnp.full((total - n,), value, x.dtype)])
+
+    def kernel(row_ref, at_ref, now_ref, last_in, count_in, last_out, count_out, *scratch):
+        lasts, counts, marks, sem = scratch
+        del last_in, count_in  # The outputs alias them.
+
+        def copies(p, r, out):  # Row r of last and count to slot p (back, `out`).
+            pairs = [(last_out, lasts), (count_out, counts)]
+            pairs = [(hbm.at[pl.ds(r, 1)], vmem.at[pl.ds(p, 1)]) for hbm, vmem in pairs]
+            pairs = [(dst, src) if out else (src, dst) for src, dst in pairs]
+            return [pltpu.make_async_copy(src, dst, sem) for src, dst in pairs]
+
+        def first(p):  # The step's first id, or the first of a row.
+            return (p == 0) | (row_ref[p] != row_ref[jnp.maximum(p - 1, 0)])
+
+        def each(fn):
+            lax.fori_loop(0, block, lambda p, carry: (fn(p), carry)[1], 0)
+
+        def start_read(p):
+            @pl.when(first(p))
+            def _():
+                marks[pl.ds(p, 1), :] = jnp.zeros((1, _LANES), jnp.int32)
+                for c in copies(p, row_ref[p], False):
+                    c.start()
+
+        def wait(out):
+            def fn(p):
+                @pl.when(first(p))
+                def _():
+                    for c in copies(p, 0, out):  # One row's bytes: any row of the shape.
+                        c.wait()
+
+            return fn
+
+        each(start_read)
+        each(wait(False))
+        lanes = lax.broadcasted_iota(jnp.int32, (1, _LANES), 1)
+
+        def mark(p, slot):
+            slot = jnp.where(first(p), p, slot)
+            marks[pl.ds(slot, 1), :] |= (lanes == at_ref[p]).astype(jnp.int32)
+            return slot
+
+        lax.fori_loop(0, block, mark, 0)
+
+        def written(p):
+            return first(p) & (jnp.max(marks[pl.ds(p, 1), :]) > 0)
+
+        def start_write(p):
+            @pl.when(written(p))
+            def _():
+                hits = marks[pl.ds(p, 1), :] > 0
+                last = lasts[pl.ds(p, 1), :]
+                lasts[pl.ds(p, 1), :] = jnp.where(hits, jnp.maximum(last, now_ref[0]), last)
+                counts[pl.ds(p, 1), :] += hits.astype(jnp.int32)
+                for c in copies(p, row_ref[p], True):
+                    c.start()
+
+        def wait_written(p):
+            @pl.when(written(p))
+            def _():
+                for c in copies(p, 0, True):
+                    c.wait()
+
+        each(start_write)
+        each(wait_written)
+
+    smem = lambda: pl.BlockSpec((block,), lambda i: (i,), memory_space=pltpu.SMEM)
+    hbm = pl.BlockSpec(memory_space=pltpu.HBM)
+    rows = [state.last.reshape(nbl // 2, _LANES), state.count.reshape(nbl // 2, _LANES)]
+    if not interpret:  # Else the compiler may copy a small shard's arrays into VMEM whole.
+        rows = [pltpu.with_memory_space_constraint(x, pltpu.HBM) for x in rows]
+    # Rows read and written: one per run of a row (and grid step, and the padding's).
+    moved = min(total, nbl // 2 + 1 + total // block)
+    last, count = pl.pallas_call(
+        kernel,
+        grid=(total // block,),
+        in_specs=[smem(), smem(), pl.BlockSpec(memory_space=pltpu.SMEM), hbm, hbm],
+        out_specs=[hbm, hbm],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in rows],
+        scratch_shapes=[pltpu.VMEM((block, _LANES), jnp.int32)] * 3 + [pltpu.SemaphoreType.DMA(())],
+        input_output_aliases={3: 0, 4: 1},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        # Two rows of 512 bytes read and written per run; per id 2 words through SMEM.
+        cost_estimate=pl.CostEstimate(
+            flops=0, transcendentals=0, bytes_accessed=moved * 4 * _LANES * 4 + total * 8
+        ),
+        interpret=interpret,
+    )(pad(row, row[-1] if n else 0), pad(at, -1), jnp.asarray(now, jnp.int32).reshape(1), *rows)
+    return last.reshape(-1), count.reshape(-1)

@@ -586,9 +586,10 @@ def test_pallas_find_equals_find(n, ttl, buckets, grouped):
     ],
 )
 def test_sighted_with_the_pallas_find_equals_sighted(kwargs):
-    """`sighted` finding its hits with the Pallas kernel (`find=`, Pallas' interpreter)
-    writes the same state and gives the same hits, rows, misses and admissions as with its
-    own key windows, ids grouped by bucket or not, invalid ones among them."""
+    """`sighted` finding its hits with the Pallas kernel (`find=`, Pallas' interpreter),
+    and writing them with the other (`scores=`, ids grouped by bucket), writes the same
+    state and gives the same hits, rows, misses and admissions as with its own key windows
+    and scatters, ids grouped by bucket or not, invalid ones among them."""
     from jax_tpu_embed import _hashindex_tpu
 
     rng = np.random.default_rng(3)
@@ -606,16 +607,52 @@ def test_sighted_with_the_pallas_find_equals_sighted(kwargs):
     def kernel(state, hi, lo, bucket):
         return _hashindex_tpu.find(config, state, hi, lo, bucket, 7, interpret=True)
 
+    def scores(state, bucket, lane, hit):
+        return _hashindex_tpu.scores(config, state, bucket, lane, hit, 7, interpret=True)
+
     for grouped in (False, True):
         at = np.argsort(bucket, kind="stable") if grouped else np.arange(asked.size)
         args = (config, state, hi[at], lo[at], bucket[at], valid[at], 7)
         want = hx.sighted(*args, grouped=grouped)
-        got = hx.sighted(*args, grouped=grouped, find=kernel)
+        writes = scores if grouped else None
+        got = hx.sighted(*args, grouped=grouped, find=kernel, scores=writes)
         for a, b in zip(
             jax.tree.leaves(dataclasses.asdict(got)), jax.tree.leaves(dataclasses.asdict(want))
         ):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert np.asarray(want.hit).any() and np.asarray(want.miss).any()
+
+
+def test_pallas_scores_write_each_hit_slot_once():
+    """`_hashindex_tpu.scores` (Pallas' interpreter) gives each hit slot last = max(last,
+    now) and count + 1, once however many adjacent copies of its id hit it, and leaves the
+    other slots alone: ids sorted by bucket over 5 grid steps, so runs of one 128-lane row
+    (two buckets) span steps, with copies across a step's edge."""
+    from jax_tpu_embed import _hashindex_tpu
+
+    rng = np.random.default_rng(11)
+    config = hx.IndexConfig(buckets=16, bucket_size=64)
+    state = hx.empty_state(config, 1)
+    state.last[:] = rng.integers(0, 12, state.last.size)  # Some after `now` = 7.
+    state.count[:] = rng.integers(0, 5, state.count.size)
+    slots = np.sort(rng.choice(state.last.size, 300, replace=False))
+    slots = np.repeat(slots, rng.integers(1, 4, slots.size))  # An id's copies: adjacent.
+    hit = (rng.random(slots.size) < 0.7)[np.searchsorted(slots, slots)]  # The id's outcome.
+    assert 5 * 128 - 128 < slots.size <= 5 * 128
+    bucket, lane = (slots // 64).astype(np.int32), (slots % 64).astype(np.int32)
+    last, count = _hashindex_tpu.scores(
+        config, jax.tree.map(jnp.asarray, state), bucket, lane, hit, 7, interpret=True
+    )
+    want_last, want_count = state.last.copy(), state.count.copy()
+    touched = np.unique(slots[hit])
+    want_last[touched] = np.maximum(want_last[touched], 7)
+    want_count[touched] += 1
+    np.testing.assert_array_equal(np.asarray(last), want_last)
+    np.testing.assert_array_equal(np.asarray(count), want_count)
+    edges = np.arange(128, slots.size, 128)  # Each grid step's first id.
+    assert (slots[edges] == slots[edges - 1]).any(), "no copies across a step's edge"
+    odd = hx.IndexConfig(buckets=3, bucket_size=64)
+    assert not _hashindex_tpu.serves_scores(odd, hx.empty_state(odd, 1))
 
 
 @pytest.mark.parametrize("ttl", [None, pytest.param(2, marks=pytest.mark.slow)])
