@@ -84,7 +84,8 @@ class DynamicTable:
     "Dynamic tables").
 
     Attributes:
-        capacity: Rows over all shards (rounded up to whole buckets on every shard).
+        capacity: Rows over all shards (rounded up to whole buckets on every shard; with
+            buckets of 64, to an even number of them: the TPU kernels read two at a time).
         eviction: What a new id takes when its bucket is full: "lru" (the slot updated
             least recently), "lfu" (updated in fewest steps; ties: least recently) or
             "none" (nothing: the new id is refused and counted as `failed`).

@@ -133,7 +133,8 @@ def engine_spec(spec: _config.EmbeddingSpec, num_shards: int):
         assert d is not None
         b = d.bucket_size
         buckets = -(-d.capacity // b)
-        buckets = -(-buckets // num_shards) * num_shards
+        whole = num_shards * _hashindex_tpu.shard_multiple(b)
+        buckets = -(-buckets // whole) * whole
         filter_buckets = 0
         if d.min_count > 1:  # NF divides NB and splits over the shards (_hashindex).
             target = -(-(d.filter_capacity or d.capacity) // b)

@@ -39,6 +39,12 @@ def serves(config: _hashindex.IndexConfig) -> bool:
     return 2 * config.bucket_size == _LANES
 
 
+def shard_multiple(bucket_size: int) -> int:
+    """What a shard's number of buckets is a multiple of, so that the kernels here take it:
+    2 where they serve (two buckets' `last` and `count` to a 128-lane row), else 1."""
+    return 2 if 2 * bucket_size == _LANES else 1
+
+
 def find(
     config: _hashindex.IndexConfig,
     state,
