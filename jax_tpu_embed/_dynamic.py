@@ -432,10 +432,14 @@ def find(plan: DynamicPlan, index, hi, lo, bucket, now, sorted_parts: int | None
 def finder(plan: DynamicPlan, now):
     """What `_hashindex.sighted(grouped=True)` takes as `find` for this plan: None (its own
     XLA ops), or the Pallas kernel as a function of (index, hi, lo, local bucket), told
-    that the ids are sorted by bucket."""
+    that the ids are sorted by bucket, finding expired slots too (`find_stale`)."""
     if plan.finder == "xla":
         return None
-    return lambda index, hi, lo, bucket: find(plan, index, hi, lo, bucket, now, 1)
+    interpret = plan.finder == "pallas_interpret"
+    config = plan.index
+    return lambda index, hi, lo, bucket: _hashindex_tpu.find_stale(
+        config, index, hi, lo, bucket, now, interpret
+    )
 
 
 def scorer(plan: DynamicPlan, num_shards: int, now):

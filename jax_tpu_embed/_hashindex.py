@@ -519,9 +519,10 @@ def sighted(
     sort. Ids of one bucket apart would make two groups write one bucket, which the
     writes (unique windows) do not allow.
 
-    `find`: a function of (state, hi, lo, local bucket) with `find`'s results (the Pallas
-    kernel, `_hashindex_tpu`), which then finds the hits where no slot expires; without
-    TTL the hits are all the key windows are read for.
+    `find`: a function of (state, hi, lo, local bucket) giving each id's (row of its slot,
+    -1 where none; it holds one; that slot has expired): the Pallas kernel
+    (`_hashindex_tpu.find_stale`), which then finds the hits and the expired slots
+    to free, so the key windows are not read.
 
     `distinct`: the valid ids may come with copies, and these are the ids the counters
     count (one of each; default: every valid one). A copy gets the outcome of its id (the
@@ -541,11 +542,11 @@ def sighted(
     nbl = state.last.shape[0] // b
     lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
 
-    if find is not None and config.ttl_steps is None:
-        found_row, found = find(state, hi, lo, lb)
-        hit = found & valid
-        hit_lane = jnp.where(hit, found_row - lb * b, 0)
-        stale, stale_lane = jnp.zeros_like(hit), jnp.zeros_like(hit_lane)
+    if find is not None:
+        found_row, found, expired = find(state, hi, lo, lb)
+        lane = found_row - lb * b
+        hit, stale = found & ~expired & valid, found & expired & valid
+        hit_lane, stale_lane = jnp.where(hit, lane, 0), jnp.where(stale, lane, 0)
     else:
         keys_hi, keys_lo = _key_rows(state.keys, lb, b)
         last = _rows(state.last, lb * b, b)

@@ -64,12 +64,29 @@ def find(
     update's ids at their owner: one; a lookup's there: one per sending device), so they
     read at most that many times each bucket's row (and one per grid step). It sets the
     cost declared to the compiler, not what is read; None: every id's row."""
+    if config.ttl_steps is not None and (state.keys.shape[0] // (2 * config.bucket_size)) % 2:
+        return _hashindex.find(config, state, hi, lo, local_bucket, now)
+    row = _find(config, state, hi, lo, local_bucket, now, interpret, sorted_parts, False)
+    return row, row >= 0
+
+
+def find_stale(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, now, interpret=False):
+    """`find` that also finds the ids whose slot has expired (TTL), as `sighted` must to
+    free them: (row of the id's slot, -1 where none; it holds one; that slot has expired).
+    The ids come sorted by bucket (`sorted_parts` 1); an even number of buckets."""
+    row = _find(config, state, hi, lo, local_bucket, now, interpret, 1, True)
+    expired = row <= -2  # Expired slots come back as -2 - row.
+    row = jnp.where(expired, -2 - row, row)
+    return row, row >= 0, expired
+
+
+def _find(config, state, hi, lo, local_bucket, now, interpret, sorted_parts, stale: bool):
+    """`find`'s rows, shaped as `hi`; with `stale`, an expired slot's row r as -2 - r."""
     assert serves(config), config
     b = config.bucket_size
     nbl = state.keys.shape[0] // (2 * b)
     ttl = config.ttl_steps
-    if ttl is not None and nbl % 2:
-        return _hashindex.find(config, state, hi, lo, local_bucket, now)
+    assert ttl is None or nbl % 2 == 0, "TTL's `last` rows need an even number of buckets"
     shape = jnp.shape(hi)
     hi = jnp.asarray(hi).astype(jnp.uint32).reshape(-1)
     lo = jnp.asarray(lo).astype(jnp.uint32).reshape(-1)
@@ -124,13 +141,22 @@ def find(
             h, l, g = hi_ref[p], lo_ref[p], bucket_ref[p]
             # Lane j < b: slot j's hi word, and its lo word rotated down from lane b + j.
             same = (row == h) & (pltpu.roll(row, b, 1) == l) & (lane < b)
+            old = None  # With `stale`: the lanes of expired matches.
             if ttl is not None:  # Slot j's last: lane j of an even bucket, b + j of an odd.
                 last = lasts[pl.ds(at, 1), :]
                 last = jnp.where(g % 2 == 1, pltpu.roll(last, b, 1), last)
-                same &= now_ref[0] - last < ttl
+                live = now_ref[0] - last < ttl
+                if stale:  # An id holds at most one slot: its match, expired or not.
+                    old = same & ~live
+                else:
+                    same &= live
             first = jnp.min(jnp.where(same, lane, _LANES))
             padding = (h == jnp.uint32(words)) & (l == jnp.uint32(words))
-            out_ref[p] = jnp.where((first < b) & ~padding, g * b + first, -1)
+            out = jnp.where((first < b) & ~padding, g * b + first, -1)
+            if old is not None:
+                expired = jnp.min(jnp.where(old, lane, _LANES)) < b
+                out = jnp.where(expired & (out >= 0), -2 - out, out)
+            out_ref[p] = out
             return at
 
         lax.fori_loop(0, block, one, 0)
@@ -168,7 +194,7 @@ def find(
         ),
         interpret=interpret,
     )(*inputs, *arrays)[:n]
-    return row.reshape(shape), (row >= 0).reshape(shape)
+    return row.reshape(shape)
 
 
 def serves_scores(config: _hashindex.IndexConfig, state) -> bool:

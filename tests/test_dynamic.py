@@ -262,14 +262,23 @@ def test_unweighted_factors_computed_from_the_gathered_ids(combiner):
 
 
 def run_stream(
-    n, routing, dynamic, steps, seed=2, strategy="div", dtype=jnp.float32, batch=8, **options
+    n,
+    routing,
+    dynamic,
+    steps,
+    seed=2,
+    strategy="div",
+    dtype=jnp.float32,
+    batch=8,
+    backend="xla",
+    **options,
 ):
     spec = spec_of(dynamic, dtype=dtype)
     if strategy != "div":
         spec = jte.EmbeddingSpec(
             features=spec.features, optimizer=spec.optimizer, partition_strategy=strategy
         )
-    emb = jte.Embedding(spec, make_mesh(n), routing=routing, backend="xla", **options)
+    emb = jte.Embedding(spec, make_mesh(n), routing=routing, backend=backend, **options)
     state = emb.init(jax.random.key(0))
     exports, lookups = [], []
     for feats, grads in batches(seed, steps, batch=batch, pool_size=400):
@@ -292,6 +301,21 @@ def assert_same_stream(base, run, rtol: float):
         np.testing.assert_allclose(a.rows, b.rows, rtol=rtol, atol=rtol / 10)
     for a, b in zip(lookups, base_lookups):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol / 10)
+
+
+@pytest.mark.slow
+def test_the_pallas_index_kernels_with_ttl_are_the_same():
+    """Buckets of 64 with TTL, where the Pallas kernels serve (Pallas' interpreter, the
+    owner route on 2 devices: `find` of live and expired slots, the score writes): the
+    counters and resident ids of XLA's index on one device after every step, rows and
+    lookups to float32 rounding."""
+    dynamic = jte.DynamicTable(capacity=256, bucket_size=64, ttl_steps=2)
+    base = run_stream(1, "gather", dynamic, 6)
+    run = run_stream(2, "owner", dynamic, 6, backend="pallas_interpret")
+    plan = run[0].dynamic["users"]
+    assert plan.finder == "pallas_interpret" and _dynamic.scorer(plan, 2, 0) is not None
+    assert jax.tree.map(int, base[0].dynamic_stats(base[1]))["users"]["expired"] > 0
+    assert_same_stream(base, run, 2e-5)
 
 
 @pytest.mark.slow

@@ -581,6 +581,7 @@ def test_pallas_find_equals_find(n, ttl, buckets, grouped):
     "kwargs",
     [
         dict(),
+        dict(ttl_steps=3),  # Slots of last 0 to 4 at step 7: some expired, some freed.
         pytest.param(dict(admit_probability=0.5, eviction="lfu"), marks=pytest.mark.slow),
         pytest.param(dict(min_count=2, filter_buckets=4), marks=pytest.mark.slow),
     ],
@@ -597,7 +598,7 @@ def test_sighted_with_the_pallas_find_equals_sighted(kwargs):
     ids = np.unique(rng.integers(-(2**63), 2**63 - 1, 900, dtype=np.int64))
     held = ids[: ids.size // 2]
     held = _fitting(config, held)
-    state, _ = hx.build(config, 1, held, rng.integers(0, 5, held.size), np.ones(held.size))
+    state, _ = hx.build(config, 1, held, rng.integers(2, 7, held.size), np.ones(held.size))
     state = jax.tree.map(jnp.asarray, state)
     asked = np.unique(np.concatenate([rng.choice(held, 200), rng.choice(ids, 200)]))
     hi, lo = hx.split_ids(asked)
@@ -605,7 +606,7 @@ def test_sighted_with_the_pallas_find_equals_sighted(kwargs):
     valid = rng.random(asked.size) < 0.9
 
     def kernel(state, hi, lo, bucket):
-        return _hashindex_tpu.find(config, state, hi, lo, bucket, 7, interpret=True)
+        return _hashindex_tpu.find_stale(config, state, hi, lo, bucket, 7, interpret=True)
 
     def scores(state, bucket, lane, hit):
         return _hashindex_tpu.scores(config, state, bucket, lane, hit, 7, interpret=True)
@@ -621,6 +622,8 @@ def test_sighted_with_the_pallas_find_equals_sighted(kwargs):
         ):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert np.asarray(want.hit).any() and np.asarray(want.miss).any()
+        freed = np.asarray(want.state.stats - state.stats)[0, hx.STAT_NAMES.index("expired")]
+        assert (freed > 0) == ("ttl_steps" in kwargs), freed
 
 
 def test_pallas_scores_write_each_hit_slot_once():
