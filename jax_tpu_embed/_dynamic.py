@@ -450,8 +450,8 @@ def scorer(plan: DynamicPlan, num_shards: int, now):
         return None
     interpret = plan.finder == "pallas_interpret"
     config = plan.index
-    return lambda index, bucket, lane, hit: _hashindex_tpu.scores(
-        config, index, bucket, lane, hit, now, interpret
+    return lambda index, bucket, lane, hit, freed, freed_lane: _hashindex_tpu.scores(
+        config, index, bucket, lane, hit, now, interpret, freed, freed_lane
     )
 
 

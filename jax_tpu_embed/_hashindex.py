@@ -530,8 +530,9 @@ def sighted(
     nothing (a hit's lane is set, not added). Not with min_count > 1, whose filter counts
     sightings.
 
-    `scores`: with `grouped`, a function of (state, local bucket, lane, hit) that writes the
-    hits (last = max(last, now), count + 1) and returns (last, count): the Pallas kernel
+    `scores`: with `grouped`, a function of (state, local bucket, lane, hit, freed, freed
+    lane) that writes the hits (last = max(last, now), count + 1) and the freed slots'
+    last and count (0), and returns (last, count): the Pallas kernel
     (`_hashindex_tpu.scores`), in place of the windowed scatters."""
     b = config.bucket_size
     hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
@@ -594,9 +595,10 @@ def sighted(
     # PAD), so they never read the windows they write: the TPU compiler charges a scatter
     # whose values were gathered from its own operand several times one whose values were
     # not (docs/design.md).
-    if scores is not None:
+    if scores is not None:  # The freed slots' last and count too.
         assert grouped, "the kernel takes ids sorted by bucket"
-        last, count = scores(state, lb, hit_lane, hit)
+        ttl = config.ttl_steps is not None  # Without TTL no slot expires: none is freed.
+        last, count = scores(state, lb, hit_lane, hit, freed if ttl else None, stale_lane)
     else:
         hits_at = _spread(groups, b, group, hit_lane, {}, hit)["set"]
         hit_groups = hits_at.any(1) & (group_bucket < nbl)
@@ -609,9 +611,10 @@ def sighted(
     if config.ttl_steps is not None:  # Without TTL no slot expires, so none is freed.
         freed_at = _spread(groups, b, group, stale_lane, {}, freed)["set"]
         freed_groups = freed_at.any(1) & (group_bucket < nbl)
-        kept = (~freed_at).astype(jnp.int32)
-        last = _put_rows(last, first, kept, freed_groups, _MUL)
-        count = _put_rows(count, first, kept, freed_groups, _MUL)
+        if scores is None:
+            kept = (~freed_at).astype(jnp.int32)
+            last = _put_rows(last, first, kept, freed_groups, _MUL)
+            count = _put_rows(count, first, kept, freed_groups, _MUL)
         pads = jnp.where(freed_at, jnp.uint32(PAD), jnp.uint32(0))
         keys["keys"] = _put_key_rows(state.keys, bucket, pads, pads, freed_groups, _MAX)
     new = dataclasses.replace(

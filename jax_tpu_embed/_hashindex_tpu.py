@@ -203,11 +203,22 @@ def serves_scores(config: _hashindex.IndexConfig, state) -> bool:
     return serves(config) and (state.last.shape[0] // config.bucket_size) % 2 == 0
 
 
-def scores(config: _hashindex.IndexConfig, state, local_bucket, lane, hit, now, interpret=False):
+def scores(
+    config: _hashindex.IndexConfig,
+    state,
+    local_bucket,
+    lane,
+    hit,
+    now,
+    interpret=False,
+    freed=None,
+    freed_lane=None,
+):
     """`sighted`'s writes of its hits, (last, count): each hit slot (bucket `local_bucket`,
     `lane`, where `hit`) gets last = max(last, now) and count + 1, once however many ids
     hit it. The ids come sorted by bucket (`sighted(grouped=True)`), so a slot's hits are
-    adjacent.
+    adjacent. With TTL, the slots freed (`freed_lane` of `local_bucket`, where `freed`)
+    get last = count = 0 (their keys are `sighted`'s to clear).
 
     Per grid step of `block` ids: one DMA of each run's 128-lane rows of `last` and
     `count` (two buckets each), the run's hits marked in VMEM, and the rows with a mark
@@ -226,11 +237,16 @@ def scores(config: _hashindex.IndexConfig, state, local_bucket, lane, hit, now, 
     slot = jnp.where(hit, local_bucket * b + lane, -1)
     again = slot == jnp.concatenate([jnp.full((1,), -1, slot.dtype), slot[:-1]])
     at = jnp.where(hit & ~again, (local_bucket % 2) * b + lane, -1)
+    marks_in = [at]
+    if freed is not None:  # Clearing a lane twice clears it: no first needed.
+        marks_in.append(jnp.where(freed, (local_bucket % 2) * b + freed_lane, -1))
     pad = lambda x, value: jnp.concatenate([x, jnp.full((total - n,), value, x.dtype)])
 
-    def kernel(row_ref, at_ref, now_ref, last_in, count_in, last_out, count_out, *scratch):
-        lasts, counts, marks, sem = scratch
-        del last_in, count_in  # The outputs alias them.
+    def kernel(row_ref, *refs):
+        k = len(marks_in)
+        at_ref, gone_ref = refs[0], refs[1] if freed is not None else None
+        now_ref, _, _, last_out, count_out = refs[k : k + 5]  # The outputs alias the inputs.
+        lasts, counts, marks, sem = refs[k + 5 :]
 
         def copies(p, r, out):  # Row r of last and count to slot p (back, `out`).
             pairs = [(last_out, lasts), (count_out, counts)]
@@ -266,7 +282,10 @@ def scores(config: _hashindex.IndexConfig, state, local_bucket, lane, hit, now, 
 
         def mark(p, slot):
             slot = jnp.where(first(p), p, slot)
-            marks[pl.ds(slot, 1), :] |= (lanes == at_ref[p]).astype(jnp.int32)
+            mark = (lanes == at_ref[p]).astype(jnp.int32)
+            if gone_ref is not None:
+                mark |= 2 * (lanes == gone_ref[p]).astype(jnp.int32)
+            marks[pl.ds(slot, 1), :] |= mark
             return slot
 
         lax.fori_loop(0, block, mark, 0)
@@ -277,10 +296,13 @@ def scores(config: _hashindex.IndexConfig, state, local_bucket, lane, hit, now, 
         def start_write(p):
             @pl.when(written(p))
             def _():
-                hits = marks[pl.ds(p, 1), :] > 0
+                m = marks[pl.ds(p, 1), :]
+                hits, cleared = (m & 1) > 0, (m & 2) > 0
                 last = lasts[pl.ds(p, 1), :]
-                lasts[pl.ds(p, 1), :] = jnp.where(hits, jnp.maximum(last, now_ref[0]), last)
-                counts[pl.ds(p, 1), :] += hits.astype(jnp.int32)
+                last = jnp.where(hits, jnp.maximum(last, now_ref[0]), last)
+                lasts[pl.ds(p, 1), :] = jnp.where(cleared, 0, last)
+                count = counts[pl.ds(p, 1), :] + hits.astype(jnp.int32)
+                counts[pl.ds(p, 1), :] = jnp.where(cleared, 0, count)
                 for c in copies(p, row_ref[p], True):
                     c.start()
 
@@ -303,16 +325,23 @@ def scores(config: _hashindex.IndexConfig, state, local_bucket, lane, hit, now, 
     last, count = pl.pallas_call(
         kernel,
         grid=(total // block,),
-        in_specs=[smem(), smem(), pl.BlockSpec(memory_space=pltpu.SMEM), hbm, hbm],
+        in_specs=[smem()] * (1 + len(marks_in)) + [pl.BlockSpec(memory_space=pltpu.SMEM), hbm, hbm],
         out_specs=[hbm, hbm],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in rows],
         scratch_shapes=[pltpu.VMEM((block, _LANES), jnp.int32)] * 3 + [pltpu.SemaphoreType.DMA(())],
-        input_output_aliases={3: 0, 4: 1},
+        input_output_aliases={2 + len(marks_in): 0, 3 + len(marks_in): 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
-        # Two rows of 512 bytes read and written per run; per id 2 words through SMEM.
+        # Two rows of 512 bytes read and written per run; per id its words through SMEM.
         cost_estimate=pl.CostEstimate(
-            flops=0, transcendentals=0, bytes_accessed=moved * 4 * _LANES * 4 + total * 8
+            flops=0,
+            transcendentals=0,
+            bytes_accessed=moved * 4 * _LANES * 4 + total * 4 * (1 + len(marks_in)),
         ),
         interpret=interpret,
-    )(pad(row, row[-1] if n else 0), pad(at, -1), jnp.asarray(now, jnp.int32).reshape(1), *rows)
+    )(
+        pad(row, row[-1] if n else 0),
+        *[pad(x, -1) for x in marks_in],
+        jnp.asarray(now, jnp.int32).reshape(1),
+        *rows,
+    )
     return last.reshape(-1), count.reshape(-1)

@@ -608,8 +608,8 @@ def test_sighted_with_the_pallas_find_equals_sighted(kwargs):
     def kernel(state, hi, lo, bucket):
         return _hashindex_tpu.find_stale(config, state, hi, lo, bucket, 7, interpret=True)
 
-    def scores(state, bucket, lane, hit):
-        return _hashindex_tpu.scores(config, state, bucket, lane, hit, 7, interpret=True)
+    def scores(state, bucket, lane, hit, freed, freed_lane):
+        return _hashindex_tpu.scores(config, state, bucket, lane, hit, 7, True, freed, freed_lane)
 
     for grouped in (False, True):
         at = np.argsort(bucket, kind="stable") if grouped else np.arange(asked.size)
