@@ -712,20 +712,21 @@ def test_plan_reports_a_dynamic_tables_index(tmp_path, placement):
     (users,) = res["tables"]
     assert users["placement"] == placement
     rows_and_slots = users["table_bytes_per_chip"] + users["slot_bytes_per_chip"]
-    assert rows_and_slots >= 2_000_128 // 4 * 64 * 4 * 2
+    # 31,250 buckets of 64 rounded up to an even number on each of 4 chips: 31,256.
+    assert rows_and_slots >= 2_000_384 // 4 * 64 * 4 * 2
     assert res["per_chip"]["host_bytes"] == (rows_and_slots if placement == "host" else 0)
     assert res["per_chip"]["table_bytes"] == (
         0 if placement == "host" else users["table_bytes_per_chip"]
     )
-    assert users["vocabulary_size"] is None and users["capacity"] == 2_000_128
+    assert users["vocabulary_size"] is None and users["capacity"] == 2_000_384
     # Keys (8 B), last step and count (4 B each) per slot, a quarter of them per chip, and
     # the chip's row of int32 counters.
     from jax_tpu_embed import _hashindex
 
     counters = 4 * len(_hashindex.STAT_NAMES)
-    assert users["index_bytes_per_chip"] == 2_000_128 // 4 * 16 + counters
+    assert users["index_bytes_per_chip"] == 2_000_384 // 4 * 16 + counters
     assert res["per_chip"]["index_bytes"] == users["index_bytes_per_chip"]
-    assert res["fits"] and "dyn 2,000,128" in plan.format_table(res)
+    assert res["fits"] and "dyn 2,000,384" in plan.format_table(res)
 
 
 @pytest.mark.parametrize(
