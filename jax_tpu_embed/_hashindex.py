@@ -650,10 +650,15 @@ def place(config: IndexConfig, state: IndexState, hi, lo, local_bucket, admit, n
     u = hi.shape[0]
     groups = min(u, nbl + 1)
     group, rank, group_bucket = _groups(jnp.where(admit, lb, nbl), prio, hi, lo, admit, groups)
-    # Each id orders its own bucket's slots (a group's ids see one order): reading a
-    # group's order back per id cost the TPU compiler more than ordering it again.
-    k_hi, k_lo = _key_rows(state.keys, lb, b)
-    k_last, k_count = _rows(state.last, lb * b, b), _rows(state.count, lb * b, b)
+    # The slots of each id's bucket in their order. Where the ids are no more than the
+    # groups (a round of a few ids), each orders its own bucket's (a group's ids see one
+    # order): reading a group's order back per id cost the TPU compiler more than that.
+    # Where they are more (a whole step's), each group's are ordered once and read back.
+    per_id = u <= groups
+    bucket = jnp.minimum(group_bucket, nbl - 1)
+    at = lb if per_id else bucket
+    k_hi, k_lo = _key_rows(state.keys, at, b)
+    k_last, k_count = _rows(state.last, at * b, b), _rows(state.count, at * b, b)
     occupied = ~_is_pad(k_hi, k_lo)
     expired = occupied & _expired(config, k_last, now)
     evictable = occupied & ~expired & (k_last < now)
@@ -662,7 +667,7 @@ def place(config: IndexConfig, state: IndexState, hi, lo, local_bucket, admit, n
     cls = jnp.where(~occupied, 0, jnp.where(expired, 1, jnp.where(evictable, 2, 3)))
     keyed = (cls == 1) | (cls == 2)
     z = jnp.uint32(0)
-    lanes = lax.broadcasted_iota(jnp.int32, (u, b), 1).astype(jnp.uint32)
+    lanes = lax.broadcasted_iota(jnp.int32, k_hi.shape, 1).astype(jnp.uint32)
     # Free and unavailable slots are ordered by lane (interchangeable), the others by key.
     tail = (
         jnp.where(keyed, priority(config, k_hi, k_lo), lanes),
@@ -677,6 +682,8 @@ def place(config: IndexConfig, state: IndexState, hi, lo, local_bucket, admit, n
     else:
         score = (jnp.where(keyed, k_last, 0),)
     order = _lane_order((cls, *score, *tail))
+    if not per_id:
+        order, cls = (_rows(x.reshape(-1), group * b, b) for x in (order, cls))
     placed = admit & (rank < (cls < 3).sum(1))
     lane = _at(order, jnp.minimum(rank, b - 1))
     taken = _at(cls, lane)
@@ -686,7 +693,6 @@ def place(config: IndexConfig, state: IndexState, hi, lo, local_bucket, admit, n
     # the others' lanes with the smallest value): two scatters of values that never read
     # the windows they write, which the TPU compiler charges less than one scatter set
     # from a read of them (docs/design.md).
-    bucket = jnp.minimum(group_bucket, nbl - 1)
     first = bucket * b
     e = _spread(groups, b, group, lane, {"hi": hi, "lo": lo}, placed)
     written = e["set"].any(1) & (group_bucket < nbl)
