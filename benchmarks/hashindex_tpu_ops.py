@@ -5,7 +5,8 @@
 
 No TPU needed (shared/TPU_AOT.md). Compiles for one device of the topology, with U ids
 against one shard of a 1M-slot index (buckets of 64 uint32 slots): `_hashindex.find`, the
-Pallas `find` (`_hashindex_tpu`) and `_hashindex.update` whole, then access patterns: the
+Pallas `find` (`_hashindex_tpu`), `sighted`'s score writes (windowed scatters, and the Pallas
+kernel) and `_hashindex.update` whole, then access patterns: the
 2-D row gathers and point scatters the index was first built of, and the flat windows,
 scatters into fresh arrays and sorts it is built of now; and `find` on keys stored in two
 arrays (hi, lo) as they were before they were block-interleaved (bucket g's 64 hi words,
@@ -36,7 +37,7 @@ from jax_tpu_embed import (
 )
 from jax_tpu_embed import _hashindex as hx  # noqa: E402
 
-SLOTS, BUCKET = 1_000_064, 64
+SLOTS, BUCKET = 1_000_448, 64  # 3,908 buckets a shard of four: an even number.
 
 
 def measure(topology: str, ids: int) -> list[dict]:
@@ -81,6 +82,16 @@ def measure(topology: str, ids: int) -> list[dict]:
         k_hi = hx._rows(hi_flat, lb * BUCKET, BUCKET)
         return (k_hi ^ hx._rows(lo_flat, lb * BUCKET, BUCKET)).sum(1)
 
+    def window_scores(s, lb, lane, hit):
+        # `sighted`'s writes of its hits without the kernel: one window per run of a bucket.
+        groups = min(u, nb + 1)
+        group, group_bucket = hx._runs(lb, groups, nb)
+        first = jnp.minimum(group_bucket, nb - 1) * BUCKET
+        hits = hx._spread(groups, BUCKET, group, lane, {}, hit)["set"]
+        write = hits.any(1) & (group_bucket < nb)
+        last = hx._put_rows(s.last, first, jnp.where(hits, 5, -(2**31)), write, lax.scatter_max)
+        return last, hx._put_rows(s.count, first, hits.astype(jnp.int32), write, lax.scatter_add)
+
     dn = lax.ScatterDimensionNumbers(
         update_window_dims=(1,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
     )
@@ -102,6 +113,18 @@ def measure(topology: str, ids: int) -> list[dict]:
             lambda s, h, lo, b: _hashindex_tpu.find(config, s, h, lo, b, 5, sorted_parts=1),
             (state, words, words, at),
             (),
+        ),
+        (
+            "score writes (windowed scatters)",
+            lambda s, b, lane, h: window_scores(s, b, lane, h),
+            (state, at, at, valid),
+            (0,),
+        ),
+        (
+            "score writes (Pallas, ids sorted by bucket)",
+            lambda s, b, lane, h: _hashindex_tpu.scores(config, s, b, lane, h, 5),
+            (state, at, at, valid),
+            (0,),
         ),
         (
             "update (whole)",
