@@ -91,6 +91,11 @@ class DynamicPlan:
     finder: str = "xla"
 
     @property
+    def interpret(self) -> bool:
+        """Whether the Pallas kernels run in Pallas' interpreter (tests on CPU)."""
+        return self.finder == "pallas_interpret"
+
+    @property
     def compaction(self) -> str:
         """How a few entries of a mask are moved to the front (`_first`): "sort" on TPU
         layouts, "cpu" (a C++ kernel) beside the C++ index, else "nonzero"."""
@@ -425,8 +430,7 @@ def find(plan: DynamicPlan, index, hi, lo, bucket, now, sorted_parts: int | None
     `_hashindex_tpu.find` takes it (how the ids are grouped by bucket, if they are)."""
     if plan.finder == "xla":
         return _hashindex.find(plan.index, index, hi, lo, bucket, now)
-    interpret = plan.finder == "pallas_interpret"
-    return _hashindex_tpu.find(plan.index, index, hi, lo, bucket, now, interpret, sorted_parts)
+    return _hashindex_tpu.find(plan.index, index, hi, lo, bucket, now, plan.interpret, sorted_parts)
 
 
 def finder(plan: DynamicPlan, now):
@@ -435,21 +439,19 @@ def finder(plan: DynamicPlan, now):
     that the ids are sorted by bucket, finding expired slots too (`find_stale`)."""
     if plan.finder == "xla":
         return None
-    interpret = plan.finder == "pallas_interpret"
-    config = plan.index
+    config, interpret = plan.index, plan.interpret
     return lambda index, hi, lo, bucket: _hashindex_tpu.find_stale(
         config, index, hi, lo, bucket, now, interpret
     )
 
 
-def scorer(plan: DynamicPlan, num_shards: int, now):
-    """What `_hashindex.sighted(grouped=True)` takes as `scores` for this plan: the Pallas
-    kernel where the finder is one and a shard holds an even number of buckets
-    (`_hashindex_tpu.serves_scores`), else None (its own XLA scatters)."""
-    if plan.finder == "xla" or (plan.index.buckets // num_shards) % 2:
+def scorer(plan: DynamicPlan, now):
+    """What `_hashindex.sighted(grouped=True)` takes as `scores` for this plan: None (its
+    own XLA scatters), or the Pallas kernel where the finder is one (buckets of 64, so an
+    even number of them a shard: `engine_spec` rounds them so)."""
+    if plan.finder == "xla":
         return None
-    interpret = plan.finder == "pallas_interpret"
-    config = plan.index
+    config, interpret = plan.index, plan.interpret
     return lambda index, bucket, lane, hit, freed, freed_lane: _hashindex_tpu.scores(
         config, index, bucket, lane, hit, now, interpret, freed, freed_lane
     )
@@ -654,7 +656,7 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
             now,
             grouped=True,
             find=finder(plan, now),
-            scores=scorer(plan, lax.axis_size(axis), now),
+            scores=scorer(plan, now),
         )
         return (s.hit, s.row, s.miss, s.admit, s.in_filter, s.f_lane, s.sightings), s.state
 

@@ -287,7 +287,7 @@ def update_rows(
             grouped=True,
             find=_dynamic.finder(plan, now),
             distinct=first,
-            scores=_dynamic.scorer(plan, n, now),
+            scores=_dynamic.scorer(plan, now),
         )
         hit = storage.layout.global_ids(me, s.row) + 2
         code = jnp.where(s.hit, hit, s.admit.astype(jnp.int32))

@@ -520,7 +520,7 @@ def test_dynamic_train_step_compiles_in_place():
         if dynamic:  # Lookups find their ids by one DMA of each bucket's keys; updates
             # write their hits' scores by another kernel (an even number of buckets a shard).
             assert emb.dynamic["t"].finder == "pallas"
-            assert _dynamic.scorer(emb.dynamic["t"], len(topo.devices), 0) is not None
+            assert _dynamic.scorer(emb.dynamic["t"], 0) is not None
         reports[label] = _aot.compile_train_step(emb, 4096, 20, topo=topo)
     r = reports["dynamic"]
     assert r.fits and r.unaliased_state == [], r.unaliased_state
