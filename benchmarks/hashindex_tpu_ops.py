@@ -110,7 +110,7 @@ def measure(topology: str, ids: int) -> list[dict]:
         ),
         (
             "find (Pallas), ids sorted by bucket (an update's)",
-            lambda s, h, lo, b: _hashindex_tpu.find(config, s, h, lo, b, 5, sorted_parts=1),
+            lambda s, h, lo, b: _hashindex_tpu.find(config, s, h, lo, b, 5, grouped=True),
             (state, words, words, at),
             (),
         ),

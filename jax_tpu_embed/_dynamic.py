@@ -425,12 +425,19 @@ def with_kernel(plan: DynamicPlan, table_plan) -> DynamicPlan:
     )
 
 
-def find(plan: DynamicPlan, index, hi, lo, bucket, now, sorted_parts: int | None = None):
-    """`_hashindex.find` on this shard's index, by the plan's `finder`; `sorted_parts` as
-    `_hashindex_tpu.find` takes it (how the ids are grouped by bucket, if they are)."""
+def find(plan: DynamicPlan, index, hi, lo, bucket, now):
+    """`_hashindex.find` of a lookup's (n,) ids on this shard's index, by the plan's
+    `finder`. The Pallas kernel reads a bucket's keys once for a run of ids of that bucket,
+    so the ids (in position order, or at their owner one sorted run per sender) are sorted
+    by bucket for it first, and the results put back in order by one scatter."""
     if plan.finder == "xla":
         return _hashindex.find(plan.index, index, hi, lo, bucket, now)
-    return _hashindex_tpu.find(plan.index, index, hi, lo, bucket, now, plan.interpret, sorted_parts)
+    config, interpret = plan.index, plan.interpret
+    at = lax.iota(jnp.int32, hi.shape[0])
+    bucket, hi, lo, at = lax.sort((bucket, hi, lo, at), num_keys=1)
+    row, _ = _hashindex_tpu.find(config, index, hi, lo, bucket, now, interpret, True)
+    row = jnp.zeros_like(row).at[at].set(row, unique_indices=True)
+    return row, row >= 0
 
 
 def finder(plan: DynamicPlan, now):

@@ -247,9 +247,9 @@ def lookup_rows(plan: _dynamic.DynamicPlan, storage, index, hi, lo, now, axis):
     config = plan.index
     ids, owned = _distinct(plan, hi, lo, ~_dynamic.is_pad(hi, lo), axis)
 
-    def body(r_hi, r_lo, carry):  # Each sender's ids come sorted by bucket.
+    def body(r_hi, r_lo, carry):  # Sorted by bucket per sender, not as a whole.
         _, bucket = _hashindex.locate(config, n, r_hi, r_lo)
-        row, found = _dynamic.find(plan, index, r_hi, r_lo, bucket, now, sorted_parts=n)
+        row, found = _dynamic.find(plan, index, r_hi, r_lo, bucket, now)
         return jnp.where(found, storage.layout.global_ids(me, row) + 1, 0), carry
 
     values, _ = _rounds(ids, capacity(plan, hi.shape[0], n), axis, False, body, None)

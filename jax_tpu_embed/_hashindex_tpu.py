@@ -12,8 +12,8 @@ Per grid step of `block` ids (their words and buckets in SMEM): the block's DMAs
 started, then waited for, then each id's row is compared in registers (the lo words
 brought under the hi words by a lane rotation of 64) and the first matching lane taken.
 An id of the same bucket as the one before it in the step reads that one's row: no DMA.
-Callers that group ids by bucket (an update's `sighted`, whose ids are sorted by bucket)
-say so, and the cost declared is then one row per bucket, not per id (`sorted_parts`).
+Callers that group ids by bucket (sort them by it) say so, and the cost declared is then
+one row per bucket, not per id (`grouped`).
 With TTL each id's `last` words come the same way (the row holding its bucket's and its
 neighbour's) and expired slots are not found. The result is `_hashindex.find`'s, bit for
 bit (the tests compare them in Pallas' interpreter); other bucket sizes keep the XLA form
@@ -53,34 +53,33 @@ def find(
     local_bucket,
     now,
     interpret=False,
-    sorted_parts: int | None = None,
+    grouped: bool = False,
 ):
     """`_hashindex.find` (local row int32, -1 where not found; found bool) of ids of any
     shape in this shard's index, by one DMA of its bucket's keys per id whose bucket is not
     the previous id's, and with TTL one of its `last` words (two buckets' to a 128-lane row;
     a shard of an odd number of buckets takes XLA's `find`).
 
-    `sorted_parts`: the ids (flattened) are this many runs, each sorted by bucket (an
-    update's ids at their owner: one; a lookup's there: one per sending device), so they
-    read at most that many times each bucket's row (and one per grid step). It sets the
-    cost declared to the compiler, not what is read; None: every id's row."""
+    `grouped`: the ids (flattened) are sorted by bucket, so they read each bucket's row
+    once (and one per grid step). It sets the cost declared to the compiler, not what is
+    read; False: every id's row."""
     if config.ttl_steps is not None and (state.keys.shape[0] // (2 * config.bucket_size)) % 2:
         return _hashindex.find(config, state, hi, lo, local_bucket, now)
-    row = _find(config, state, hi, lo, local_bucket, now, interpret, sorted_parts, False)
+    row = _find(config, state, hi, lo, local_bucket, now, interpret, grouped, False)
     return row, row >= 0
 
 
 def find_stale(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, now, interpret=False):
     """`find` that also finds the ids whose slot has expired (TTL), as `sighted` must to
     free them: (row of the id's slot, -1 where none; it holds one; that slot has expired).
-    The ids come sorted by bucket (`sorted_parts` 1); an even number of buckets."""
-    row = _find(config, state, hi, lo, local_bucket, now, interpret, 1, True)
+    The ids come sorted by bucket (`grouped`); an even number of buckets."""
+    row = _find(config, state, hi, lo, local_bucket, now, interpret, True, True)
     expired = row <= -2  # Expired slots come back as -2 - row.
     row = jnp.where(expired, -2 - row, row)
     return row, row >= 0, expired
 
 
-def _find(config, state, hi, lo, local_bucket, now, interpret, sorted_parts, stale: bool):
+def _find(config, state, hi, lo, local_bucket, now, interpret, grouped: bool, stale: bool):
     """`find`'s rows, shaped as `hi`; with `stale`, an expired slot's row r as -2 - r."""
     assert serves(config), config
     b = config.bucket_size
@@ -177,8 +176,8 @@ def _find(config, state, hi, lo, local_bucket, now, interpret, sorted_parts, sta
         scratch.append(pltpu.VMEM((block, _LANES), jnp.int32))
     # Rows read: one per id, or per run of a bucket (and grid step, and the padding's).
     reads = total
-    if sorted_parts is not None:
-        reads = min(total, sorted_parts * (nbl + 1) + 1 + total // block)
+    if grouped:
+        reads = min(total, nbl + 2 + total // block)
     row = pl.pallas_call(
         kernel,
         grid=(total // block,),

@@ -569,8 +569,7 @@ def test_pallas_find_equals_find(n, ttl, buckets, grouped):
     hi, lo = (x.reshape(shape) for x in hx.split_ids(asked))
     bucket = hx.global_bucket(config, hi, lo)
     want = hx.find(config, state, hi, lo, bucket, 8)
-    parts = 1 if grouped else None
-    got = _hashindex_tpu.find(config, state, hi, lo, bucket, 8, True, parts)
+    got = _hashindex_tpu.find(config, state, hi, lo, bucket, 8, True, grouped)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     assert n < 100 or (np.asarray(want[1]).any() and not np.asarray(want[1]).all())
