@@ -464,6 +464,15 @@ def scorer(plan: DynamicPlan, now):
     )
 
 
+def place(plan: DynamicPlan, index, hi, lo, bucket, admit, now):
+    """`_hashindex.place` on this shard's index, of ids sorted by (local bucket, priority)
+    (an update's admitted ids, as its resolution orders them), by the plan's `finder`:
+    XLA's, or the Pallas kernel (buckets of 64, an even number of them a shard)."""
+    if plan.finder == "xla":
+        return _hashindex.place(plan.index, index, hi, lo, bucket, admit, now)
+    return _hashindex_tpu.place(plan.index, index, hi, lo, bucket, admit, now, plan.interpret)
+
+
 # ------------------------------------------------- resolution: sorted, owned, distinct ids
 
 
@@ -687,19 +696,19 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
     _, picked = _first(seen.admit, n, *ids, lax.iota(jnp.int32, n), how=plan.compaction)
     picked = [jnp.pad(x, (0, k)) for x in picked]
 
-    def place(hi, lo, bucket, _, valid, carry):
+    def placed(hi, lo, bucket, _, valid, carry):
         index, table, slots = carry
-        index, row, placed = _hashindex.place(config, index, hi, lo, bucket, valid, now)
+        index, row, ok = place(plan, index, hi, lo, bucket, valid, now)
         if in_place:
             init = initial_rows(key, hi, lo, plan.dim)
-            table, slots = reset_rows(storage, table, slots, row, placed, init)
-        return (row, placed), (index, table, slots)
+            table, slots = reset_rows(storage, table, slots, row, ok, init)
+        return (row, ok), (index, table, slots)
 
     (a_row, a_placed), (index, table, slots) = _windows(
         admitted,
         k,
         picked,
-        place,
+        placed,
         (jnp.full(n + k, -1, jnp.int32), jnp.zeros(n + k, bool)),
         (index, table, slots),
     )

@@ -299,7 +299,7 @@ def update_rows(
     def placed(r_hi, r_lo, carry):
         index, table, slots = carry
         s_hi, s_lo, bucket, first, slot = _merged(config, n, r_hi, r_lo)
-        index, row, ok = _hashindex.place(config, index, s_hi, s_lo, bucket, first, now)
+        index, row, ok = _dynamic.place(plan, index, s_hi, s_lo, bucket, first, now)
         init = _dynamic.initial_rows(key, s_hi, s_lo, plan.dim)
         table, slots = _dynamic.reset_rows(storage, table, slots, row, ok, init)
         code = jnp.where(ok, storage.layout.global_ids(me, row) + 1, 0)

@@ -246,8 +246,22 @@ def slot_ids(config: IndexConfig, state: IndexState) -> np.ndarray:
 # ---------------------------------------------------------------------------------- hashes
 
 
+def key_word(seed: int, salt: int) -> int:
+    """The key of one of the table's keyed hashes (`_SALT_*`), as a Python int: `mix32`
+    of the seed and the salt's `mix32`. Kernels and the C++ index take it as a constant."""
+
+    def mix(x: int) -> int:  # `mix32` on a Python int.
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & PAD
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & PAD
+        return x ^ (x >> 16)
+
+    return mix(seed ^ mix(salt))
+
+
 def _key(seed: int, salt: int):
-    return mix32(jnp.uint32(seed) ^ mix32(jnp.uint32(salt)))
+    return jnp.uint32(key_word(seed, salt))
 
 
 def _hash(key, hi, lo):
@@ -265,10 +279,17 @@ def global_bucket(config: IndexConfig, hi, lo):
     return (h % jnp.uint32(config.buckets)).astype(jnp.int32)
 
 
-def priority(config: IndexConfig, hi, lo):
+def priority(config: IndexConfig, hi, lo, key=None):
     """The id's uint32 priority, independent of its bucket: orders the admitted ids of a
-    bucket and breaks ties between slots (then (hi, lo), so no two distinct ids tie)."""
-    return _hash(_key(config.seed, _SALT_PRIORITY), _u32(hi), _u32(lo))
+    bucket and breaks ties between slots (then (hi, lo), so no two distinct ids tie).
+    `key`: `priority_key(config)`, for a kernel, which takes no array constant."""
+    key = _key(config.seed, _SALT_PRIORITY) if key is None else jnp.uint32(key)
+    return _hash(key, _u32(hi), _u32(lo))
+
+
+def priority_key(config: IndexConfig) -> int:
+    """The key word of `priority`'s hash, as a Python int."""
+    return key_word(config.seed, _SALT_PRIORITY)
 
 
 def _admit_hash(config: IndexConfig, hi, lo, now):
@@ -703,20 +724,26 @@ def place(config: IndexConfig, state: IndexState, hi, lo, local_bucket, admit, n
         return _put_rows(array, first, value, written, op)
 
     keys = _put_key_rows(state.keys, bucket, keep, keep, written, _MUL)
+    new = dataclasses.replace(
+        state,
+        keys=_put_key_rows(keys, bucket, e["hi"], e["lo"], written, _MAX),
+        last=write(state.last, jnp.where(e["set"], now, _INT32_MIN), _MAX),
+        count=write(state.count, e["set"].astype(jnp.int32), _ADD),
+        stats=state.stats + placed_tally(admit, placed, taken)[None, :],
+    )
+    return new, row.reshape(shape), placed.reshape(shape)
+
+
+def placed_tally(admit, placed, taken):
+    """`place`'s counters ((len(STAT_NAMES),) int32) from its admitted ids, those placed and
+    the class of the slot each took (`place`'s `cls`: 1 expired, 2 evicted)."""
     tally = {
         "admitted": placed.sum(),
         "failed": (admit & ~placed).sum(),
         "evicted": (placed & (taken == 2)).sum(),
         "expired": (placed & (taken == 1)).sum(),
     }
-    new = dataclasses.replace(
-        state,
-        keys=_put_key_rows(keys, bucket, e["hi"], e["lo"], written, _MAX),
-        last=write(state.last, jnp.where(e["set"], now, _INT32_MIN), _MAX),
-        count=write(state.count, e["set"].astype(jnp.int32), _ADD),
-        stats=state.stats + _tally(tally)[None, :],
-    )
-    return new, row.reshape(shape), placed.reshape(shape)
+    return _tally(tally)
 
 
 def filter_step(

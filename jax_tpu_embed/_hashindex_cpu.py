@@ -63,20 +63,6 @@ def _require() -> None:
         raise RuntimeError("jax_tpu_embed: the C++ hash index is unavailable (see the warning).")
 
 
-def _mix32(x: int) -> int:
-    """`_storage.mix32` on a Python int (the hash keys are attributes, fixed at trace time)."""
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & hx.PAD
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & hx.PAD
-    return x ^ (x >> 16)
-
-
-def _key(seed: int, salt: int) -> int:
-    """`_hashindex._key(seed, salt)` as a Python int."""
-    return _mix32(seed ^ _mix32(salt))
-
-
 def _ttl(config: hx.IndexConfig) -> np.int64:
     return np.int64(-1 if config.ttl_steps is None else config.ttl_steps)
 
@@ -126,8 +112,8 @@ def _update_attrs(config: hx.IndexConfig) -> dict:
         "eviction": np.int32(_EVICTION[config.eviction]),
         "min_count": np.int32(config.min_count),
         "threshold": np.int64(threshold),
-        "prio_key": np.int64(_key(config.seed, hx._SALT_PRIORITY)),
-        "admit_key": np.int64(_key(config.seed, hx._SALT_ADMIT)),
+        "prio_key": np.int64(hx.key_word(config.seed, hx._SALT_PRIORITY)),
+        "admit_key": np.int64(hx.key_word(config.seed, hx._SALT_ADMIT)),
         "bucket_size": np.int64(config.bucket_size),
         "filter_bucket_size": np.int64(config.filter_bucket_size),
     }
@@ -162,7 +148,7 @@ def _locator(config: hx.IndexConfig, num_shards: int) -> dict:
     """The attributes that locate ids (`_hashindex.locate`) in the C++ kernels."""
     config.check_shards(num_shards)
     return {
-        "bucket_key": np.int64(_key(config.seed, hx._SALT_BUCKET)),
+        "bucket_key": np.int64(hx.key_word(config.seed, hx._SALT_BUCKET)),
         "buckets": np.int64(config.buckets),
         "num_shards": np.int64(num_shards),
     }

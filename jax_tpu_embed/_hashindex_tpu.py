@@ -1,4 +1,5 @@
-"""The dynamic index's Pallas TPU kernels: `find` by DMA of each id's bucket.
+"""The dynamic index's Pallas TPU kernels: `find`, and an update's writes (`scores` of its
+hits, `place` of its admitted ids), by DMA of the rows of each id's bucket.
 
 XLA gathers each id's 128-word key window (`_hashindex._key_rows`) into an HBM temporary
 and compares it in a second pass: the TPU compiler charges `find` about 1.1 KB an id and a
@@ -17,10 +18,13 @@ one row per bucket, not per id (`grouped`).
 With TTL each id's `last` words come the same way (the row holding its bucket's and its
 neighbour's) and expired slots are not found. The result is `_hashindex.find`'s, bit for
 bit (the tests compare them in Pallas' interpreter); other bucket sizes keep the XLA form
-(`serves`).
+(`serves`). `scores` and `place` read and write the rows of runs of ids the same way, and
+equal `_hashindex`'s writes bit for bit too.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -344,3 +348,231 @@ def scores(
         *rows,
     )
     return last.reshape(-1), count.reshape(-1)
+
+
+def place(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, admit, now, interpret=False):
+    """`_hashindex.place` ((state, local row int32 (-1 where not placed), placed), (n,) ids)
+    of ids sorted by (local bucket, priority), as an update's round brings them to their
+    owner (`_dynamic_owner._merged`); an even number of buckets (`serves_scores`).
+
+    One id at a time, each admitted id takes the first slot of its bucket's order (free,
+    then expired, then evictable, by score, then key) as its bucket stands after the ids
+    before it; that slot then holds last == now, so it is unavailable to the next, and the
+    others keep their order: the slots `place`'s ranks pick in one call. Per grid step of
+    `block` ids: one DMA of each run's key row (one bucket) and of its `last` and `count`
+    rows (two buckets each), the placements made in VMEM, and the rows changed written
+    back. XLA's `place` reads, orders and rewrites (U, 64) windows: the TPU compiler
+    charges it about 17 KiB an id (docs/design.md)."""
+    b = config.bucket_size
+    nbl = state.last.shape[0] // b
+    assert serves_scores(config, state), (config, nbl)
+    hi = jnp.asarray(hi).astype(jnp.uint32).reshape(-1)
+    lo = jnp.asarray(lo).astype(jnp.uint32).reshape(-1)
+    words = _hashindex.PAD
+    admit = jnp.asarray(admit, bool).reshape(-1) & ~(
+        (hi == jnp.uint32(words)) & (lo == jnp.uint32(words))
+    )
+    n = hi.shape[0]
+    total = max(-(-n // _LANES) * _LANES, _LANES)
+    block = _BLOCK if total % _BLOCK == 0 else _LANES
+    bucket = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
+    ttl, eviction = config.ttl_steps, config.eviction
+    prio_key = _hashindex.priority_key(config)
+
+    def signed(x):  # uint32 -> int32 of the same order.
+        return lax.bitcast_convert_type(x ^ jnp.uint32(0x80000000), jnp.int32)
+
+    def kernel(hi_ref, lo_ref, bucket_ref, admit_ref, now_ref, *refs):
+        _, _, _, keys_out, last_out, count_out, row_ref, taken_ref = refs[:8]  # Aliased.
+        keys_v, last_v, count_v, dirty, sem = refs[8:]
+
+        def copies(p, out):  # Its bucket's key row and its `last` and `count` rows.
+            g = bucket_ref[p]
+            pairs = [
+                (keys_out, keys_v, g),
+                (last_out, last_v, g // 2),
+                (count_out, count_v, g // 2),
+            ]
+            pairs = [(hbm.at[pl.ds(r, 1)], vmem.at[pl.ds(p, 1)]) for hbm, vmem, r in pairs]
+            pairs = [(dst, src) if out else (src, dst) for src, dst in pairs]
+            return [pltpu.make_async_copy(src, dst, sem) for src, dst in pairs]
+
+        def new_bucket(p):  # The step's first id, or the first of a bucket.
+            return (p == 0) | (bucket_ref[p] != bucket_ref[jnp.maximum(p - 1, 0)])
+
+        def new_row(p):  # The step's first id, or the first of a `last` row.
+            return (p == 0) | (bucket_ref[p] // 2 != bucket_ref[jnp.maximum(p - 1, 0)] // 2)
+
+        def each(fn):
+            lax.fori_loop(0, block, lambda p, carry: (fn(p), carry)[1], 0)
+
+        # Each bucket's key row goes to VMEM row p of its first id, each `last` and `count`
+        # row to that of its first id; a row's copies that are not its first are unused.
+        def start_read(p):
+            dirty[p] = 0
+
+            @pl.when(new_bucket(p))
+            def _():
+                c = copies(p, False)
+                c[0].start()
+
+                @pl.when(new_row(p))
+                def _():
+                    c[1].start()
+                    c[2].start()
+
+        def wait_read(p):
+            @pl.when(new_bucket(p))
+            def _():
+                c = copies(0, False)  # One row's bytes: any row of the shape.
+                c[0].wait()
+
+                @pl.when(new_row(p))
+                def _():
+                    c[1].wait()
+                    c[2].wait()
+
+        each(start_read)
+        each(wait_read)
+        lanes = lax.broadcasted_iota(jnp.int32, (1, _LANES), 1)
+        now = now_ref[0]
+
+        def one(p, at):
+            k_at = jnp.where(new_bucket(p), p, at[0])
+            r_at = jnp.where(new_row(p), p, at[1])
+            g = bucket_ref[p]
+            row_ref[p] = -1
+            taken_ref[p] = 0
+
+            @pl.when(admit_ref[p] != 0)
+            def _():
+                keys = keys_v[pl.ds(k_at, 1), :]
+                odd = g % 2 == 1
+                # Lane j < b: slot j's words (the lo words rotated down from lane b + j).
+                k_hi, k_lo = keys, pltpu.roll(keys, b, 1)
+                last_row, count_row = last_v[pl.ds(r_at, 1), :], count_v[pl.ds(r_at, 1), :]
+                last = jnp.where(odd, pltpu.roll(last_row, b, 1), last_row)
+                count = jnp.where(odd, pltpu.roll(count_row, b, 1), count_row)
+                occupied = (k_hi != jnp.uint32(words)) | (k_lo != jnp.uint32(words))
+                expired = occupied & ((now - last >= ttl) if ttl is not None else False)
+                evictable = occupied & ~expired & (last < now)
+                if eviction == "none":
+                    evictable = jnp.zeros_like(evictable)
+                cls = jnp.where(~occupied, 0, jnp.where(expired, 1, jnp.where(evictable, 2, 3)))
+                keyed = (cls == 1) | (cls == 2)
+                prio = _hashindex.priority(config, k_hi, k_lo, prio_key)
+                if eviction == "lfu":
+                    score = [
+                        jnp.where(cls == 2, count, jnp.where(keyed, last, 0)),
+                        jnp.where(cls == 2, last, 0),
+                    ]
+                else:
+                    score = [jnp.where(keyed, last, 0)]
+                tail = [
+                    jnp.where(keyed, signed(prio), signed(lanes.astype(jnp.uint32))),
+                    jnp.where(keyed, signed(k_hi), 0),
+                    jnp.where(keyed, signed(k_lo), 0),
+                ]
+                # The first slot of the order (cls, *score, *tail), among the available.
+                cand = (lanes < b) & (cls < 3)
+                for word in [cls, *score, *tail]:
+                    best = jnp.min(jnp.where(cand, word, jnp.int32(2**31 - 1)))
+                    cand &= word == best
+                lane = jnp.min(jnp.where(cand, lanes, _LANES))
+
+                @pl.when(lane < b)
+                def _():
+                    taken = jnp.max(jnp.where(lanes == lane, cls, 0))
+                    row_ref[p] = g * b + lane
+                    taken_ref[p] = taken
+                    keys_v[pl.ds(k_at, 1), :] = jnp.where(
+                        lanes == lane, hi_ref[p], jnp.where(lanes == lane + b, lo_ref[p], keys)
+                    )
+                    at_row = lanes == lane + jnp.where(odd, b, 0)
+                    last_v[pl.ds(r_at, 1), :] = jnp.where(at_row, now, last_row)
+                    count_v[pl.ds(r_at, 1), :] = jnp.where(at_row, 1, count_row)
+                    dirty[k_at] |= 1
+                    dirty[r_at] |= 2
+
+            return k_at, r_at
+
+        lax.fori_loop(0, block, one, (0, 0))
+
+        def start_write(p):
+            c = copies(p, True)
+
+            @pl.when((dirty[p] & 1) > 0)
+            def _():
+                c[0].start()
+
+            @pl.when((dirty[p] & 2) > 0)
+            def _():
+                c[1].start()
+                c[2].start()
+
+        def wait_write(p):
+            c = copies(0, True)
+
+            @pl.when((dirty[p] & 1) > 0)
+            def _():
+                c[0].wait()
+
+            @pl.when((dirty[p] & 2) > 0)
+            def _():
+                c[1].wait()
+                c[2].wait()
+
+        each(start_write)
+        each(wait_write)
+
+    smem = lambda: pl.BlockSpec((block,), lambda i: (i,), memory_space=pltpu.SMEM)
+    hbm = pl.BlockSpec(memory_space=pltpu.HBM)
+    arrays = [
+        state.keys.reshape(nbl, _LANES),
+        state.last.reshape(nbl // 2, _LANES),
+        state.count.reshape(nbl // 2, _LANES),
+    ]
+    if not interpret:  # Else the compiler may copy a small shard's arrays into VMEM whole.
+        arrays = [pltpu.with_memory_space_constraint(x, pltpu.HBM) for x in arrays]
+    pad = lambda x, value: jnp.concatenate([x, jnp.full((total - n,), value, x.dtype)])
+    # Rows read and written: per run of a bucket (and grid step, and the padding's), three.
+    moved = min(total, nbl + 1 + total // block)
+    keys, last, count, row, taken = pl.pallas_call(
+        kernel,
+        grid=(total // block,),
+        in_specs=[smem()] * 4 + [pl.BlockSpec(memory_space=pltpu.SMEM)] + [hbm] * 3,
+        out_specs=[hbm, hbm, hbm, smem(), smem()],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays]
+        + [jax.ShapeDtypeStruct((total,), jnp.int32)] * 2,
+        scratch_shapes=[
+            pltpu.VMEM((block, _LANES), jnp.uint32),
+            pltpu.VMEM((block, _LANES), jnp.int32),
+            pltpu.VMEM((block, _LANES), jnp.int32),
+            pltpu.SMEM((block,), jnp.int32),
+            pltpu.SemaphoreType.DMA(()),
+        ],
+        input_output_aliases={5: 0, 6: 1, 7: 2},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        # Three rows of 512 bytes read and written per run; per id 4 words in, 2 out.
+        cost_estimate=pl.CostEstimate(
+            flops=0, transcendentals=0, bytes_accessed=moved * 6 * _LANES * 4 + total * 4 * 6
+        ),
+        interpret=interpret,
+    )(
+        pad(hi, jnp.uint32(_hashindex.PAD)),
+        pad(lo, jnp.uint32(_hashindex.PAD)),
+        pad(bucket, bucket[-1] if n else 0),  # After every id's: the ids stay sorted.
+        pad(admit.astype(jnp.int32), 0),
+        jnp.asarray(now, jnp.int32).reshape(1),
+        *arrays,
+    )
+    row, taken = row[:n], taken[:n]
+    placed = row >= 0
+    new = dataclasses.replace(
+        state,
+        keys=keys.reshape(-1),
+        last=last.reshape(-1),
+        count=count.reshape(-1),
+        stats=state.stats + _hashindex.placed_tally(admit, placed, taken)[None, :],
+    )
+    return new, row, placed

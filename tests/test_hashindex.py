@@ -657,6 +657,52 @@ def test_pallas_scores_write_each_hit_slot_once():
     assert not _hashindex_tpu.serves_scores(odd, hx.empty_state(odd, 1))
 
 
+@pytest.mark.parametrize(
+    "eviction, ttl",
+    [
+        ("lru", None),
+        ("lfu", 7),
+        pytest.param("none", None, marks=pytest.mark.slow),
+        pytest.param("lru", 7, marks=pytest.mark.slow),
+    ],
+)
+def test_pallas_place_equals_place(eviction, ttl):
+    """`_hashindex_tpu.place` (Pallas' interpreter) gives `place`'s state, counters, rows and
+    placements bit for bit: admitted ids sorted by (bucket, priority) with copies and
+    padding between them, over 11 grid steps, into buckets with free, expired, evictable
+    and unavailable slots, some with more admitted ids than slots they may take."""
+    from jax_tpu_embed import _hashindex_tpu
+
+    rng = np.random.default_rng(3)
+    config = hx.IndexConfig(buckets=16, bucket_size=64, eviction=eviction, ttl_steps=ttl)
+    held = np.unique(rng.integers(-(2**63), 2**63 - 1, 900, dtype=np.int64))
+    bucket = np.asarray(hx.global_bucket(config, *hx.split_ids(held)))
+    held = held[np.concatenate([np.flatnonzero(bucket == g)[:64] for g in range(16)])]
+    # At step 8: last 8 to 13 unavailable; with TTL 7, last 0 or 1 expired.
+    state, _ = hx.build(
+        config, 1, held, rng.integers(0, 14, held.size), rng.integers(1, 6, held.size)
+    )
+    state = jax.tree.map(jnp.asarray, state)
+    new = np.setdiff1d(np.unique(rng.integers(-(2**63), 2**63 - 1, 900, dtype=np.int64)), held)
+    new = np.repeat(new, rng.integers(1, 3, new.size))  # Copies, as several senders make.
+    hi, lo = (np.asarray(x) for x in hx.split_ids(new))
+    bucket = np.asarray(hx.global_bucket(config, hi, lo))
+    order = np.lexsort((lo, hi, np.asarray(hx.priority(config, hi, lo)), bucket))
+    hi, lo, bucket, new = hi[order], lo[order], bucket[order], new[order]
+    first = np.concatenate([[True], new[1:] != new[:-1]])
+    admit = first & (rng.random(new.size) < 0.8)
+    pad = rng.random(new.size) < 0.05
+    hi, lo = (np.where(pad, np.uint32(hx.PAD), x) for x in (hi, lo))
+    want = hx.place(config, state, hi, lo, bucket, admit, 8)
+    got = _hashindex_tpu.place(config, state, hi, lo, bucket, admit, 8, interpret=True)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    stats = dict(zip(hx.STAT_NAMES, np.asarray(want[0].stats - state.stats)[0]))
+    assert stats["failed"] > 0 and stats["admitted"] > 0 and new.size > 2 * 256
+    assert stats["evicted"] > 0 or eviction == "none"
+    assert (stats["expired"] > 0) == (ttl is not None), stats
+
+
 @pytest.mark.parametrize("ttl", [None, pytest.param(2, marks=pytest.mark.slow)])
 def test_sighted_with_copies_equals_sighted_of_distinct_ids(ttl):
     """`sighted(distinct=...)` on ids with copies beside them (several devices sent one id)
