@@ -5,25 +5,28 @@
 // for bit. `OwnedDistinct`, then `FindDistinct` or `ResolveUpdate`, are what a shard does
 // with a table's gathered ids (`_dynamic.lookup_rows`, `update_rows`): locate them and keep
 // the distinct ones it owns, then run `Find` or `Update` on those. The XLA update decides
-// every bucket at once with sorts; here one pass over the ids decides the same, sequentially:
+// every bucket at once with sorts; here one sweep over the ids, grouped by bucket, decides
+// the same, bucket after bucket (A, B and C of one bucket, then the next), then D:
 //
 //   A. Each id's hit lane, its own expired ("stale") lane, miss, admission (probability
 //      hash, filter sightings), from the old index.
 //   B. Writes of hits (last = max(last, now), count + 1) and clears of the stale slots of
 //      admitted ids, done as A reaches each id: the slot is the id's own, which no other id
 //      reads.
-//   C. The admitted ids in (bucket, priority, hi, lo) order; per bucket, its slot order
-//      (free by lane; expired by (last, priority); unless "none", live slots with last < now,
-//      lru by last, lfu by (count, last), ties by priority; the rest unavailable) computed on
-//      the index after B, and the k-th admitted id takes the k-th slot.
+//   C. Per bucket, its admitted ids in (priority, hi, lo) order and its slot order (free by
+//      lane; expired by (last, priority); unless "none", live slots with last < now, lru by
+//      last, lfu by (count, last), ties by priority; the rest unavailable) computed on the
+//      index after B, and the k-th admitted id takes the k-th slot.
 //   D. The filter: sightings written (a placed id's entry freed), then first sightings in
 //      (filter bucket, priority) order take free entries, else the unsighted one of lowest
 //      (count, priority).
 //
 // Computing the slot order after B is the XLA order: a slot hit this step has last >= now, so
 // it is neither expired nor evictable (XLA marks it unavailable), and a cleared slot is empty
-// (XLA marks it free); nothing else that B writes is read by C. The index arrays are the
-// donated operands (aliased to the results), so a step reads and writes O(ids) memory.
+// (XLA marks it free); nothing else that B writes is read by C. A, B and C of an id or bucket
+// read and write only that bucket's slots (and A the filter, which only D writes), so the
+// buckets can go one after another. The index arrays are the donated operands (aliased to
+// the results), so a step reads and writes O(ids) memory.
 
 #include <algorithm>
 #include <cstdint>
@@ -128,6 +131,24 @@ inline int64_t FirstLoMatch(const uint32_t* keys_lo, int64_t b, int64_t from, ui
   return b;
 }
 
+// Calls f(lane) for the lanes of a bucket of b slots whose `lo` word is l, in lane order,
+// until f returns true. The lanes come from a bit mask of the lanes, a machine word's worth at
+// a time, all compared: a scan that stops at the first match (FirstLoMatch) mispredicts where
+// it stops, about once a call.
+template <typename F>
+inline void ForEachLoMatch(const uint32_t* keys_lo, int64_t b, uint32_t l, F f) {
+  for (int64_t j0 = 0; j0 < b; j0 += 64) {
+    const int64_t n = std::min<int64_t>(64, b - j0);
+    uint64_t m = 0;
+    for (int64_t j = 0; j < n; j += 8) {
+      m |= uint64_t(Match8(keys_lo + j0 + j, std::min<int64_t>(8, n - j), l)) << j;
+    }
+    for (; m; m &= m - 1) {
+      if (f(j0 + __builtin_ctzll(m))) return;
+    }
+  }
+}
+
 // Calls f(lane) for the lanes of a bucket of b slots holding key (h, l), in lane order from
 // `from` (a lane at or before the first match, found by FirstLoMatch on the index as it
 // was: both words are checked again), until f returns true.
@@ -139,10 +160,11 @@ inline void ForEachMatch(const uint32_t* keys_hi, const uint32_t* keys_lo, int64
   }
 }
 
-// Buckets are scanned in two passes over the ids so that the memory reads of many ids are in
+// `Find` scans buckets in two passes over the ids so that the memory reads of many ids are in
 // flight at once: the first finds each id's first lane whose lo word matches (its bucket's lo
 // words prefetched kAhead ids ahead), the second checks hi (and last) from there (that
-// lane's hi and last prefetched kAhead ids ahead).
+// lane's hi and last prefetched kAhead ids ahead). `Update` goes bucket by bucket, the
+// buckets up to kAhead on prefetched.
 constexpr int64_t kAhead = 8;
 
 // The b 4-byte words of a bucket, into the cache.
@@ -201,6 +223,58 @@ void AppendSmallest(LaneKey* first_key, LaneKey* last_key, size_t take, P prio,
   for (LaneKey* it = first_key; it != end; ++it) it->b |= prio(it->lane);
   std::partial_sort(first_key, first_key + take, end);
   for (size_t k = 0; k < take; ++k) order.push_back(first_key[k].lane);
+}
+
+// More slots than this taken from one class of a bucket go through AppendSmallest.
+constexpr size_t kFewTakes = 4;
+
+// The key of a slot outside the class, in TakeSmallest's `key`: no slot of the class has it.
+constexpr uint64_t kNotInClass = ~uint64_t(0);
+
+// Appends to `order` the lanes of the `take` smallest slots of one class of a bucket
+// (expired, or evictable) in (key, priority, id) order, and returns how many it appended
+// (fewer where the class has fewer slots). key[j] is lane j's key in the class's order, or
+// kNotInClass: by lane rather than a list of the class's slots, so that the pass that
+// computes the keys has no branch nor running count, and the scans here vectorize. `key` is
+// overwritten, and `scratch` (room for b). A bucket takes one or two slots of a class in
+// most steps: a minimum scan finds each, and only the slots that tie on it (slots updated in
+// the same step, under lru) have their priority hashed and are sorted. More takes go to
+// AppendSmallest, which selects them in one pass rather than a scan each.
+template <typename P, typename I>
+size_t TakeSmallest(uint64_t* key, int64_t b, size_t take, P prio, I id, LaneKey* scratch,
+                    std::vector<int32_t>& order) {
+  if (take > kFewTakes) {
+    size_t n = 0;
+    for (int64_t j = 0; j < b; ++j) {
+      if (key[j] != kNotInClass) scratch[n++] = {key[j], 0, id(int32_t(j)), int32_t(j)};
+    }
+    take = std::min(take, n);
+    AppendSmallest(scratch, scratch + n, take, prio, order);
+    return take;
+  }
+  size_t taken = 0;
+  while (taken < take) {
+    uint64_t m = kNotInClass;
+    for (int64_t j = 0; j < b; ++j) m = std::min(m, key[j]);
+    if (m == kNotInClass) break;  // The class has no slot left.
+    // The slots of key m (usually one: counted first), taken out of `key` into scratch.
+    size_t ties = 0;
+    for (int64_t j = 0; j < b; ++j) ties += key[j] == m;
+    size_t t = 0;
+    for (int64_t j = 0; t < ties; ++j) {
+      if (key[j] != m) continue;
+      scratch[t++].lane = int32_t(j);
+      key[j] = kNotInClass;
+    }
+    if (ties > 1) {
+      for (size_t k = 0; k < ties; ++k) {
+        scratch[k] = {prio(scratch[k].lane), id(scratch[k].lane), 0, scratch[k].lane};
+      }
+      std::sort(scratch, scratch + ties);
+    }
+    for (size_t k = 0; k < ties && taken < take; ++k, ++taken) order.push_back(scratch[k].lane);
+  }
+  return taken;
 }
 
 // A candidate of a bucket: ordered by (bucket, priority, hi, lo).
@@ -455,6 +529,38 @@ void SortPairs(std::vector<std::pair<uint64_t, int32_t>>& pairs) {
   }
 }
 
+// Sorts words (bucket << 32 | index), which come in index order, by bucket, then index: LSD
+// radix sort on the bucket's `bits` bits (the stable passes keep the index order within a
+// bucket) in as few passes as digits no wider than SortPairs' need, the bits split evenly
+// between them (narrower digits: fewer places a pass scatters to); std::sort for few words.
+void SortByBucket(std::vector<uint64_t>& words, int bits) {
+  const size_t n = words.size();
+  if (bits == 0) return;  // One bucket: in index order already.
+  if (n < 1024) {
+    std::sort(words.begin(), words.end());
+    return;
+  }
+  const int passes = (bits + 10) / 11, width = (bits + passes - 1) / passes;
+  const size_t digits = size_t(1) << width;
+  auto digit = [&](uint64_t w, int k) { return size_t(w >> (32 + k * width)) & (digits - 1); };
+  std::vector<uint32_t> count(size_t(passes) * digits, 0);
+  for (const uint64_t w : words) {
+    for (int k = 0; k < passes; ++k) ++count[size_t(k) * digits + digit(w, k)];
+  }
+  std::vector<uint64_t> other(n);
+  for (int k = 0; k < passes; ++k) {
+    uint32_t* c = count.data() + size_t(k) * digits;
+    uint32_t sum = 0;
+    for (size_t d = 0; d < digits; ++d) {
+      const uint32_t t = c[d];
+      c[d] = sum;
+      sum += t;
+    }
+    for (const uint64_t w : words) other[c[digit(w, k)]++] = w;
+    words.swap(other);
+  }
+}
+
 // Sorts candidates by (bucket, priority, id): SortPairs on (bucket, priority), then runs
 // that tie on it (a 32-bit priority collision in one bucket) by id.
 void SortCandidates(std::vector<Candidate>& cands) {
@@ -494,6 +600,11 @@ struct IndexArrays {
 // `Update` on raw arrays: u distinct ids (hi, lo; local buckets lb; valid) against the index
 // `x`, in place. Writes each id's local row (-1: none) and fresh flag, and adds the step's
 // counts to `tally`.
+//
+// A, B and C go bucket by bucket (see the top of the file), over the ids sorted by bucket: a
+// bucket's memory is then fetched once a step, in address order, and its admitted ids are
+// sorted among themselves. Id by id, a bucket was fetched again for each of its ids and once
+// more for C, and all the admitted ids sorted together.
 void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t* hi,
                 const uint32_t* lo, const int32_t* lb, const bool* valid, int32_t now,
                 int32_t* row, bool* fresh, int64_t* tally) {
@@ -502,174 +613,185 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
   uint32_t *keys = x.k, *fkeys = x.fk;
   int32_t *kt = x.kt, *kc = x.kc, *fc = x.fc;
   const int64_t b = x.b, nbl = x.nbl, bf = x.bf, nfl = x.nfl;
-  // A. Read only.
-  std::vector<int64_t> base(size_t(u), 0);       // The bucket's first slot.
-  std::vector<int32_t> hit_lane(size_t(u), -1);  // -1: not a hit.
-  std::vector<int32_t> stale_lane(size_t(u), -1);
-  std::vector<uint8_t> miss(size_t(u), 0), admit(size_t(u), 0);
+  // What D reads of each id: whether it missed, its priority, its filter lane and sightings.
+  std::vector<uint8_t> miss;
   std::vector<int32_t> f_lane, sightings;
-  std::vector<uint32_t> prio(size_t(u), 0);
+  std::vector<uint32_t> prio;
   if (filter) {
+    miss.assign(size_t(u), 0);
+    prio.assign(size_t(u), 0);
     f_lane.assign(size_t(u), -1);
     sightings.assign(size_t(u), 0);
   }
   const uint32_t admit_now = Mix32(uint32_t(now));
-  // Pass 1 of the bucket scans (see kAhead): the first lane whose lo word matches, in
-  // hit_lane for now.
+  // The ids to look up (valid, not padding) by bucket: words (bucket << 32 | index), listed
+  // without a branch (each written, kept where the count moves past it).
+  std::vector<uint64_t> by_bucket(static_cast<size_t>(u));
+  size_t m = 0;
   for (int64_t i = 0; i < u; ++i) {
-    if (i + kAhead < u) PrefetchBucket(LoWords(keys, Clamp(lb[i + kAhead], nbl) * b, b), b);
-    base[i] = Clamp(lb[i], nbl) * b;
-    const bool v = valid[i] && !IsPad(hi[i], lo[i]);
-    const int64_t j = v ? FirstLoMatch(LoWords(keys, base[i], b), b, 0, lo[i]) : b;
-    hit_lane[i] = j < b ? int32_t(j) : -1;
     row[i] = -1;
     fresh[i] = false;
+    by_bucket[m] = (uint64_t(Clamp(lb[i], nbl)) << 32) | uint64_t(i);
+    m += valid[i] && !IsPad(hi[i], lo[i]);
   }
-  std::vector<Candidate> admitted;
-  for (int64_t i = 0; i < u; ++i) {
-    if (i + kAhead < u && hit_lane[i + kAhead] >= 0) {
-      const int64_t s = base[i + kAhead] + hit_lane[i + kAhead];
-      __builtin_prefetch(HiWords(keys, base[i + kAhead]) + hit_lane[i + kAhead]);
-      __builtin_prefetch(kt + s, 1);
-      __builtin_prefetch(kc + s, 1);
-    }
-    if (filter && i + kAhead < u) {
-      const int64_t fb = base[i + kAhead] / b / (nbl / nfl);
-      PrefetchBucket(LoWords(fkeys, fb * bf, bf), bf);
-    }
-    const uint32_t h = hi[i], l = lo[i];
-    const int64_t g = base[i] / b;
-    if (!valid[i] || IsPad(h, l)) continue;
-    const int32_t* bt = kt + base[i];
-    const int64_t from = hit_lane[i];
-    hit_lane[i] = -1;
-    if (from >= 0) {
-      const uint32_t *bh = HiWords(keys, base[i]), *bl = LoWords(keys, base[i], b);
-      ForEachMatch(bh, bl, b, from, h, l, [&](int64_t j) {
-        if (ttl.Expired(bt[j], now)) {
-          if (stale_lane[i] < 0) stale_lane[i] = int32_t(j);
-        } else if (hit_lane[i] < 0) {
-          hit_lane[i] = int32_t(j);
-        }
-        return false;
-      });
-    }
-    if (hit_lane[i] >= 0) {
-      // B (for hits). No other id reads this slot, so it is written now.
-      const int64_t s = base[i] + hit_lane[i];
-      ++tally[kHits];
-      row[i] = int32_t(s);
-      kt[s] = std::max(kt[s], now);
-      kc[s] = int32_t(uint32_t(kc[s]) + 1u);
-      continue;
-    }
-    miss[i] = 1;
-    ++tally[kMisses];
-    prio[i] = Hash(c.prio_key, h, l);  // Only misses are placed (C) or enter the filter (D).
-    bool ok = true;
-    if (c.threshold >= 0) ok = int64_t(Mix32(Hash(c.admit_key, h, l) ^ admit_now)) < c.threshold;
-    if (filter) {
-      const int64_t fb = g / (nbl / nfl);
-      const uint32_t *gl = LoWords(fkeys, fb * bf, bf), *gh = HiWords(fkeys, fb * bf);
-      const int32_t* gc = fc + fb * bf;
-      uint32_t sum = 0;  // int32 sum, wrapping as XLA's does.
-      for (int64_t j = 0; j < bf; ++j) {
-        if (gl[j] == l && gh[j] == h) {
-          if (f_lane[i] < 0) f_lane[i] = int32_t(j);
-          sum += uint32_t(gc[j]);
-        }
-      }
-      sightings[i] = std::min(int32_t(sum + 1u), c.min_count);
-      ok = ok && sightings[i] >= c.min_count;
-    }
-    admit[i] = ok;
-    if (!ok) {
-      ++tally[kRejected];
-      continue;
-    }
-    // B (for admitted ids): the id's own expired slot is cleared. No other id reads it.
-    if (stale_lane[i] >= 0) {
-      const int64_t s = base[i] + stale_lane[i];
-      HiWords(keys, base[i])[stale_lane[i]] = kPad;
-      LoWords(keys, base[i], b)[stale_lane[i]] = kPad;
-      kt[s] = 0;
-      kc[s] = 0;
-      ++tally[kExpired];
-    }
-    admitted.push_back({(uint64_t(g) << 32) | prio[i], Join(h, l), int32_t(i)});
+  by_bucket.resize(m);
+  int bits = 0;
+  while ((int64_t(1) << bits) < nbl) ++bits;
+  SortByBucket(by_bucket, bits);
+  // Their ids in that order, gathered in a pass of its own: read in the sweep below, hi and
+  // lo were cache misses, evicted by the index it streams through the cache.
+  std::vector<uint64_t> ids(m);
+  for (size_t k = 0; k < m; ++k) {
+    const uint32_t i = uint32_t(by_bucket[k]);
+    ids[k] = Join(hi[i], lo[i]);
   }
 
-  // C. Placement, bucket by bucket.
-  SortCandidates(admitted);
+  // A bucket's admitted ids, by (priority, hi, lo): all of one bucket, bucket_prio holds the
+  // priority alone.
+  std::vector<Candidate> admitted;
   std::vector<int32_t> order;
   std::vector<LaneKey> keyed(static_cast<size_t>(std::max(b, bf)));  // The keyed lanes.
-  std::vector<uint8_t> cls(static_cast<size_t>(b));
-  for (size_t start = 0; start < admitted.size();) {
-    const uint64_t bucket = admitted[start].bucket_prio >> 32;
-    if (start + kAhead < admitted.size()) {  // A later group's bucket.
-      const int64_t ahead = int64_t(admitted[start + kAhead].bucket_prio >> 32) * b;
-      PrefetchBucket(HiWords(keys, ahead), 2 * b);
-      PrefetchBucket(kt + ahead, b);
-      if (c.eviction == kLfu) PrefetchBucket(kc + ahead, b);
+  const size_t nb = static_cast<size_t>(b);
+  std::vector<uint8_t> cls(nb);
+  // A bucket's slots' keys (TakeSmallest) in the expired class, (last), and in the evictable
+  // one, (last) under lru and (count, last) under lfu: the slot order within each class,
+  // before priority and id.
+  std::vector<uint64_t> expired_keys(nb), evictable_keys(nb);
+  // The buckets up to kAhead on are prefetched whole (keys, last, count; the filter bucket):
+  // `ahead` is the next id not yet looked at for that, `fetched` how many buckets were, and
+  // `done` how many the sweep has finished.
+  size_t ahead = 0, fetched = 0, done = 0;
+  for (size_t start = 0; start < m; ++done) {
+    for (; ahead < m && fetched <= done + kAhead; ++ahead) {
+      const uint64_t g = by_bucket[ahead] >> 32;
+      if (ahead > 0 && (by_bucket[ahead - 1] >> 32) == g) continue;
+      ++fetched;
+      const int64_t s = int64_t(g) * b;
+      PrefetchBucket(HiWords(keys, s), 2 * b);
+      PrefetchBucket(kt + s, b);
+      PrefetchBucket(kc + s, b);
+      if (filter) PrefetchBucket(HiWords(fkeys, int64_t(g) / (nbl / nfl) * bf), 2 * bf);
     }
+    const uint64_t bucket = by_bucket[start] >> 32;
     size_t end = start + 1;
-    while (end < admitted.size() && (admitted[end].bucket_prio >> 32) == bucket) ++end;
-    const size_t want = end - start;
-    const int64_t s0 = int64_t(bucket) * b;
+    while (end < m && (by_bucket[end] >> 32) == bucket) ++end;
+    const int64_t g = int64_t(bucket), s0 = g * b;
     uint32_t *bh = HiWords(keys, s0), *bl = LoWords(keys, s0, b);
-    order.clear();
-    // Free slots first, in lane order (lo words of PAD found 8 at a time, hi checked): in a
-    // table with room they suffice, and no other slot is looked at.
-    for (int64_t j = FirstLoMatch(bl, b, 0, kPad); j < b && order.size() < want;
-         j = FirstLoMatch(bl, b, j + 1, kPad)) {
-      if (bh[j] == kPad) order.push_back(int32_t(j));
+    int32_t *bt = kt + s0, *bc = kc + s0;
+
+    // A and B, id by id.
+    admitted.clear();
+    for (size_t k = start; k < end; ++k) {
+      const int32_t i = int32_t(uint32_t(by_bucket[k]));
+      const uint32_t h = uint32_t(ids[k] >> 32), l = uint32_t(ids[k]);
+      // The id's first lane that is not expired (a hit; the scan stops there), else its first
+      // expired one (stale), which only a miss needs.
+      int32_t hit_lane = -1, stale_lane = -1;
+      ForEachLoMatch(bl, b, l, [&](int64_t j) {
+        if (bh[j] != h) return false;
+        if (!ttl.Expired(bt[j], now)) {
+          hit_lane = int32_t(j);
+          return true;
+        }
+        if (stale_lane < 0) stale_lane = int32_t(j);
+        return false;
+      });
+      if (hit_lane >= 0) {
+        // B (for hits). No other id reads this slot.
+        ++tally[kHits];
+        row[i] = int32_t(s0 + hit_lane);
+        bt[hit_lane] = std::max(bt[hit_lane], now);
+        bc[hit_lane] = int32_t(uint32_t(bc[hit_lane]) + 1u);
+        continue;
+      }
+      ++tally[kMisses];
+      const uint32_t p = Hash(c.prio_key, h, l);  // Only misses are placed (C) or enter D.
+      bool ok = true;
+      if (c.threshold >= 0) ok = int64_t(Mix32(Hash(c.admit_key, h, l) ^ admit_now)) < c.threshold;
+      if (filter) {
+        miss[size_t(i)] = 1;
+        prio[size_t(i)] = p;
+        const int64_t fb = g / (nbl / nfl);
+        const uint32_t *gl = LoWords(fkeys, fb * bf, bf), *gh = HiWords(fkeys, fb * bf);
+        const int32_t* gc = fc + fb * bf;
+        uint32_t sum = 0;  // int32 sum, wrapping as XLA's does.
+        for (int64_t j = 0; j < bf; ++j) {
+          if (gl[j] == l && gh[j] == h) {
+            if (f_lane[size_t(i)] < 0) f_lane[size_t(i)] = int32_t(j);
+            sum += uint32_t(gc[j]);
+          }
+        }
+        sightings[size_t(i)] = std::min(int32_t(sum + 1u), c.min_count);
+        ok = ok && sightings[size_t(i)] >= c.min_count;
+      }
+      if (!ok) {
+        ++tally[kRejected];
+        continue;
+      }
+      // B (for admitted ids): the id's own expired slot is cleared. No other id reads it.
+      if (stale_lane >= 0) {
+        bh[stale_lane] = kPad;
+        bl[stale_lane] = kPad;
+        bt[stale_lane] = 0;
+        bc[stale_lane] = 0;
+        ++tally[kExpired];
+      }
+      admitted.push_back({p, Join(h, l), i});
     }
+    start = end;
+    if (admitted.empty()) continue;
+
+    // C. The bucket's admitted ids take its slots in order.
+    std::sort(admitted.begin(), admitted.end());
+    const size_t want = admitted.size();
+    order.clear();
+    // Free slots first, in lane order (lo words of PAD found by a mask, hi checked): in a
+    // table with room they suffice, and no other slot is looked at.
+    ForEachLoMatch(bl, b, kPad, [&](int64_t j) {
+      if (bh[j] == kPad) order.push_back(int32_t(j));
+      return order.size() == want;
+    });
     const bool classed = order.size() < want;
     if (classed) {  // Free slots do not suffice: expired, then evictable ones.
-      // Each slot's class, without branches: 0 free, 1 expired, 2 evictable, 3 unavailable.
-      const bool evicts = c.eviction != kNone;
+      // Each slot's class (0 free, 1 expired, 2 evictable, 3 unavailable) and its key in its
+      // class, never kNotInClass: an expired slot's key is its last alone, and an evictable
+      // slot's last is below now.
+      const bool evicts = c.eviction != kNone, lfu = c.eviction == kLfu;
       for (int64_t j = 0; j < b; ++j) {
+        const int32_t t = bt[j];
         const bool pad = IsPad(bh[j], bl[j]);
-        const bool expired = ttl.Expired(kt[s0 + j], now);
-        const bool evictable = evicts & (kt[s0 + j] < now);
+        const bool expired = !pad & ttl.Expired(t, now);
+        const bool evictable = !pad & !expired & evicts & (t < now);
         cls[j] = pad ? 0 : expired ? 1 : evictable ? 2 : 3;
+        expired_keys[j] = expired ? Ordered(t) : kNotInClass;
+        const uint64_t k2 = lfu ? Join(Ordered(bc[j]), Ordered(t)) : Ordered(t);
+        evictable_keys[j] = evictable ? k2 : kNotInClass;
       }
-      size_t n = 0;
-      for (int64_t j = 0; j < b; ++j) {
-        if (cls[j] != 1 && cls[j] != 2) continue;
-        const int64_t s = s0 + j;
-        uint32_t s1 = Ordered(kt[s]), s2 = 0;
-        if (c.eviction == kLfu && cls[j] == 2) {
-          s1 = Ordered(kc[s]);
-          s2 = Ordered(kt[s]);
-        }
-        keyed[n++] = {(uint64_t(cls[j]) << 32) | s1, uint64_t(s2) << 32, Join(bh[j], bl[j]),
-                      int32_t(j)};
-      }
-      const size_t take = std::min(n, want - order.size());
       auto prio_of = [&](int32_t j) { return Hash(c.prio_key, bh[j], bl[j]); };
-      AppendSmallest(keyed.data(), keyed.data() + n, take, prio_of, order);
+      auto id_of = [&](int32_t j) { return Join(bh[j], bl[j]); };
+      const size_t need = want - order.size();
+      const size_t got =
+          TakeSmallest(expired_keys.data(), b, need, prio_of, id_of, keyed.data(), order);
+      TakeSmallest(evictable_keys.data(), b, need - got, prio_of, id_of, keyed.data(), order);
     }
     for (size_t k = 0; k < want; ++k) {
-      const int32_t i = admitted[start + k].index;
+      const int32_t i = admitted[k].index;
       if (k >= order.size()) {
         ++tally[kFailed];
         continue;
       }
       const int32_t j = order[k];
-      const int64_t s = s0 + j;
       const uint8_t cj = classed ? cls[j] : 0;  // Unclassed: every slot taken is free.
       if (cj == 1) ++tally[kExpired];
       if (cj == 2) ++tally[kEvicted];
       ++tally[kAdmitted];
-      bh[j] = uint32_t(admitted[start + k].id >> 32);
-      bl[j] = uint32_t(admitted[start + k].id);
-      kt[s] = now;
-      kc[s] = 1;
-      row[i] = int32_t(s);
+      bh[j] = uint32_t(admitted[k].id >> 32);
+      bl[j] = uint32_t(admitted[k].id);
+      bt[j] = now;
+      bc[j] = 1;
+      row[i] = int32_t(s0 + j);
       fresh[i] = true;
     }
-    start = end;
   }
 
   // D. The admission filter.
@@ -679,7 +801,7 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
     std::vector<Candidate> firsts;
     for (int64_t i = 0; i < u; ++i) {
       if (!miss[i]) continue;
-      const int64_t fb = (base[i] / b) / per;
+      const int64_t fb = Clamp(lb[i], nbl) / per;
       if (f_lane[i] >= 0) {
         const int64_t s = fb * bf + f_lane[i];
         uint32_t* eh = HiWords(fkeys, fb * bf) + f_lane[i];
@@ -730,7 +852,6 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
         AppendSmallest(keyed.data(), keyed.data() + n, take, prio_of, order);
       }
       for (size_t k = 0; k < want; ++k) {
-        const int32_t i = firsts[start + k].index;
         if (k >= order.size()) {
           ++tally[kFilterFailed];
           continue;
