@@ -127,6 +127,18 @@ def measure(topology: str, ids: int) -> list[dict]:
             (0,),
         ),
         (
+            "place (XLA)",
+            lambda s, h, lo, b, v: hx.place(config, s, h, lo, b, v, 5),
+            (state, words, words, at, valid),
+            (0,),
+        ),
+        (
+            "place (Pallas, ids sorted by bucket and priority)",
+            lambda s, h, lo, b, v: _hashindex_tpu.place(config, s, h, lo, b, v, 5),
+            (state, words, words, at, valid),
+            (0,),
+        ),
+        (
             "update (whole)",
             lambda s, h, lo, b, v: hx.update(config, s, h, lo, b, v, 5),
             (state, words, words, at, valid),
