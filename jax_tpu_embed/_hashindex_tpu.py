@@ -406,34 +406,29 @@ def place(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, admit, no
         def each(fn):
             lax.fori_loop(0, block, lambda p, carry: (fn(p), carry)[1], 0)
 
+        def moves(op, out, keyed, rowed):  # `op` ("start", "wait") on id p's copies.
+            def fn(p):
+                c = copies(p, out)
+
+                @pl.when(keyed(p))
+                def _():
+                    getattr(c[0], op)()
+
+                @pl.when(rowed(p))
+                def _():
+                    getattr(c[1], op)()
+                    getattr(c[2], op)()
+
+            return fn
+
         # Each bucket's key row goes to VMEM row p of its first id, each `last` and `count`
         # row to that of its first id; a row's copies that are not its first are unused.
-        def start_read(p):
+        def clean(p):
             dirty[p] = 0
 
-            @pl.when(new_bucket(p))
-            def _():
-                c = copies(p, False)
-                c[0].start()
-
-                @pl.when(new_row(p))
-                def _():
-                    c[1].start()
-                    c[2].start()
-
-        def wait_read(p):
-            @pl.when(new_bucket(p))
-            def _():
-                c = copies(0, False)  # One row's bytes: any row of the shape.
-                c[0].wait()
-
-                @pl.when(new_row(p))
-                def _():
-                    c[1].wait()
-                    c[2].wait()
-
-        each(start_read)
-        each(wait_read)
+        each(clean)
+        each(moves("start", False, new_bucket, new_row))
+        each(moves("wait", False, new_bucket, new_row))
         lanes = lax.broadcasted_iota(jnp.int32, (1, _LANES), 1)
         now = now_ref[0]
 
@@ -498,32 +493,9 @@ def place(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, admit, no
 
         lax.fori_loop(0, block, one, (0, 0))
 
-        def start_write(p):
-            c = copies(p, True)
-
-            @pl.when((dirty[p] & 1) > 0)
-            def _():
-                c[0].start()
-
-            @pl.when((dirty[p] & 2) > 0)
-            def _():
-                c[1].start()
-                c[2].start()
-
-        def wait_write(p):
-            c = copies(0, True)
-
-            @pl.when((dirty[p] & 1) > 0)
-            def _():
-                c[0].wait()
-
-            @pl.when((dirty[p] & 2) > 0)
-            def _():
-                c[1].wait()
-                c[2].wait()
-
-        each(start_write)
-        each(wait_write)
+        keyed, rowed = (lambda p: (dirty[p] & 1) > 0), (lambda p: (dirty[p] & 2) > 0)
+        each(moves("start", True, keyed, rowed))
+        each(moves("wait", True, keyed, rowed))
 
     smem = lambda: pl.BlockSpec((block,), lambda i: (i,), memory_space=pltpu.SMEM)
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
