@@ -304,17 +304,20 @@ def assert_same_stream(base, run, rtol: float):
 
 
 @pytest.mark.slow
-def test_the_pallas_index_kernels_with_ttl_are_the_same():
-    """Buckets of 64 with TTL, where the Pallas kernels serve (Pallas' interpreter, the
-    owner route on 2 devices: `find` of live and expired slots, the score writes): the
-    counters and resident ids of XLA's index on one device after every step, rows and
-    lookups to float32 rounding."""
-    dynamic = jte.DynamicTable(capacity=256, bucket_size=64, ttl_steps=2)
-    base = run_stream(1, "gather", dynamic, 6)
-    run = run_stream(2, "owner", dynamic, 6, backend="pallas_interpret")
+@pytest.mark.parametrize("eviction, ttl", [("lru", 2), ("lfu", None)])
+def test_the_pallas_index_kernels_are_the_same(eviction, ttl):
+    """Buckets of 64, where the Pallas kernels serve (Pallas' interpreter, the owner route
+    on 2 devices: `find` of live and expired slots, the score writes, `place` evicting by
+    lru or lfu): the counters and resident ids of XLA's index on one device after every
+    step, rows and lookups to float32 rounding."""
+    dynamic = jte.DynamicTable(capacity=256, bucket_size=64, eviction=eviction, ttl_steps=ttl)
+    batch = 8 if ttl else 160  # Enough ids to fill the table, then evict.
+    base = run_stream(1, "gather", dynamic, 6, batch=batch)
+    run = run_stream(2, "owner", dynamic, 6, batch=batch, backend="pallas_interpret")
     plan = run[0].dynamic["users"]
     assert plan.finder == "pallas_interpret" and _dynamic.scorer(plan, 0) is not None
-    assert jax.tree.map(int, base[0].dynamic_stats(base[1]))["users"]["expired"] > 0
+    stats = jax.tree.map(int, base[0].dynamic_stats(base[1]))["users"]
+    assert stats["expired" if ttl else "evicted"] > 0, stats
     assert_same_stream(base, run, 2e-5)
 
 
