@@ -257,7 +257,7 @@ def key_word(seed: int, salt: int) -> int:
         x = (x * 0x846CA68B) & PAD
         return x ^ (x >> 16)
 
-    return mix(seed ^ mix(salt))
+    return mix(int(seed) ^ mix(int(salt)))
 
 
 def _key(seed: int, salt: int):
