@@ -552,9 +552,9 @@ def sighted(
     sightings.
 
     `scores`: with `grouped`, a function of (state, local bucket, lane, hit, freed, freed
-    lane) that writes the hits (last = max(last, now), count + 1) and the freed slots'
-    last and count (0), and returns (last, count): the Pallas kernel
-    (`_hashindex_tpu.scores`), in place of the windowed scatters."""
+    lane) that writes the hits (last = max(last, now), count + 1; `hit` holds the distinct
+    ids' hits only) and the freed slots' last and count (0), and returns (last, count):
+    the Pallas kernel (`_hashindex_tpu.scores`), in place of the windowed scatters."""
     b = config.bucket_size
     hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
     valid = jnp.asarray(valid, bool).reshape(-1) & ~_is_pad(hi, lo)
@@ -619,7 +619,8 @@ def sighted(
     if scores is not None:  # The freed slots' last and count too.
         assert grouped, "the kernel takes ids sorted by bucket"
         ttl = config.ttl_steps is not None  # Without TTL no slot expires: none is freed.
-        last, count = scores(state, lb, hit_lane, hit, freed if ttl else None, stale_lane)
+        one = hit & distinct  # A slot's hit once, not again for each copy of its id.
+        last, count = scores(state, lb, hit_lane, one, freed if ttl else None, stale_lane)
     else:
         hits_at = _spread(groups, b, group, hit_lane, {}, hit)["set"]
         hit_groups = hits_at.any(1) & (group_bucket < nbl)

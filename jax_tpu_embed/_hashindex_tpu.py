@@ -218,10 +218,12 @@ def scores(
     freed_lane=None,
 ):
     """`sighted`'s writes of its hits, (last, count): each hit slot (bucket `local_bucket`,
-    `lane`, where `hit`) gets last = max(last, now) and count + 1, once however many ids
-    hit it. The ids come sorted by bucket (`sighted(grouped=True)`), so a slot's hits are
-    adjacent. With TTL, the slots freed (`freed_lane` of `local_bucket`, where `freed`)
-    get last = count = 0 (their keys are `sighted`'s to clear).
+    `lane`, where `hit`) gets last = max(last, now) and count + 1. The ids come sorted by
+    bucket (`sighted(grouped=True)`), and `hit` holds one hit of a slot: a caller with
+    copies of an id passes the hit of one of them (`sighted`'s `distinct`). Two would
+    count twice where a grid step's edge falls between them, each step reading and writing
+    the row. With TTL, the slots freed (`freed_lane` of `local_bucket`, where `freed`) get
+    last = count = 0 (their keys are `sighted`'s to clear).
 
     Per grid step of `block` ids: one DMA of each run's 128-lane rows of `last` and
     `count` (two buckets each), the run's hits marked in VMEM, and the rows with a mark
@@ -235,12 +237,7 @@ def scores(
     block = _BLOCK if total % _BLOCK == 0 else _LANES
     # The padding's row is the last one: after every id's, so the ids stay sorted.
     row = jnp.clip(jnp.asarray(local_bucket, jnp.int32), 0, nbl - 1) // 2
-    # A slot's hits are adjacent (an id and its copies): only the first counts, which also
-    # keeps a run split between grid steps from counting one twice.
-    slot = jnp.where(hit, local_bucket * b + lane, -1)
-    again = slot == jnp.concatenate([jnp.full((1,), -1, slot.dtype), slot[:-1]])
-    at = jnp.where(hit & ~again, (local_bucket % 2) * b + lane, -1)
-    marks_in = [at]
+    marks_in = [jnp.where(hit, (local_bucket % 2) * b + lane, -1)]
     if freed is not None:  # Clearing a lane twice clears it: no first needed.
         marks_in.append(jnp.where(freed, (local_bucket % 2) * b + freed_lane, -1))
     pad = lambda x, value: jnp.concatenate([x, jnp.full((total - n,), value, x.dtype)])

@@ -589,7 +589,7 @@ def test_sighted_with_the_pallas_find_equals_sighted(kwargs):
     """`sighted` finding its hits with the Pallas kernel (`find=`, Pallas' interpreter),
     and writing them with the other (`scores=`, ids grouped by bucket), writes the same
     state and gives the same hits, rows, misses and admissions as with its own key windows
-    and scatters, ids grouped by bucket or not, invalid ones among them."""
+    and scatters, ids grouped by bucket (with copies) or not, invalid ones among them."""
     from jax_tpu_embed import _hashindex_tpu
 
     rng = np.random.default_rng(3)
@@ -612,10 +612,19 @@ def test_sighted_with_the_pallas_find_equals_sighted(kwargs):
 
     for grouped in (False, True):
         at = np.argsort(bucket, kind="stable") if grouped else np.arange(asked.size)
+        distinct = None
+        if grouped and config.min_count == 1:  # Copies beside their ids, as several
+            # senders send them to their owner (the filter counts sightings: no copies).
+            at = np.repeat(at, rng.integers(1, 4, at.size))
+            total = -(-at.size // 128) * 128
+            edge = 256 if total % 256 == 0 else 128  # The second grid step's first id.
+            at = np.insert(at, edge, at[edge - 1])[:-1]  # A copy across that edge.
+            distinct = np.concatenate([[True], at[1:] != at[:-1]])
+            assert not distinct[edge] and valid[at[edge]], "no copy across a step's edge"
         args = (config, state, hi[at], lo[at], bucket[at], valid[at], 7)
-        want = hx.sighted(*args, grouped=grouped)
+        want = hx.sighted(*args, grouped=grouped, distinct=distinct)
         writes = scores if grouped else None
-        got = hx.sighted(*args, grouped=grouped, find=kernel, scores=writes)
+        got = hx.sighted(*args, grouped=grouped, find=kernel, scores=writes, distinct=distinct)
         for a, b in zip(
             jax.tree.leaves(dataclasses.asdict(got)), jax.tree.leaves(dataclasses.asdict(want))
         ):
@@ -626,10 +635,10 @@ def test_sighted_with_the_pallas_find_equals_sighted(kwargs):
 
 
 def test_pallas_scores_write_each_hit_slot_once():
-    """`_hashindex_tpu.scores` (Pallas' interpreter) gives each hit slot last = max(last,
-    now) and count + 1, once however many adjacent copies of its id hit it, and leaves the
-    other slots alone: ids sorted by bucket over 5 grid steps, so runs of one 128-lane row
-    (two buckets) span steps, with copies across a step's edge."""
+    """`_hashindex_tpu.scores` (Pallas' interpreter) gives each slot hit by the first copy
+    of its id last = max(last, now) and count + 1, and leaves the other slots alone: ids
+    sorted by bucket over 5 grid steps, so runs of one 128-lane row (two buckets) span
+    steps, with copies (not hits) across a step's edge."""
     from jax_tpu_embed import _hashindex_tpu
 
     rng = np.random.default_rng(11)
@@ -640,10 +649,11 @@ def test_pallas_scores_write_each_hit_slot_once():
     slots = np.sort(rng.choice(state.last.size, 300, replace=False))
     slots = np.repeat(slots, rng.integers(1, 4, slots.size))  # An id's copies: adjacent.
     hit = (rng.random(slots.size) < 0.7)[np.searchsorted(slots, slots)]  # The id's outcome.
+    first = np.concatenate([[True], slots[1:] != slots[:-1]])  # As `sighted`'s `distinct`.
     assert 5 * 128 - 128 < slots.size <= 5 * 128
     bucket, lane = (slots // 64).astype(np.int32), (slots % 64).astype(np.int32)
     last, count = _hashindex_tpu.scores(
-        config, jax.tree.map(jnp.asarray, state), bucket, lane, hit, 7, interpret=True
+        config, jax.tree.map(jnp.asarray, state), bucket, lane, hit & first, 7, interpret=True
     )
     want_last, want_count = state.last.copy(), state.count.copy()
     touched = np.unique(slots[hit])
