@@ -261,7 +261,7 @@ def key_word(seed: int, salt: int) -> int:
 
 
 def _key(seed: int, salt: int):
-    return jnp.uint32(key_word(seed, salt))
+    return jnp.uint32(key_word(seed, salt))  # A constant, in kernels too.
 
 
 def _hash(key, hi, lo):
@@ -279,17 +279,10 @@ def global_bucket(config: IndexConfig, hi, lo):
     return (h % jnp.uint32(config.buckets)).astype(jnp.int32)
 
 
-def priority(config: IndexConfig, hi, lo, key=None):
+def priority(config: IndexConfig, hi, lo):
     """The id's uint32 priority, independent of its bucket: orders the admitted ids of a
-    bucket and breaks ties between slots (then (hi, lo), so no two distinct ids tie).
-    `key`: `priority_key(config)`, for a kernel, which takes no array constant."""
-    key = _key(config.seed, _SALT_PRIORITY) if key is None else jnp.uint32(key)
-    return _hash(key, _u32(hi), _u32(lo))
-
-
-def priority_key(config: IndexConfig) -> int:
-    """The key word of `priority`'s hash, as a Python int."""
-    return key_word(config.seed, _SALT_PRIORITY)
+    bucket and breaks ties between slots (then (hi, lo), so no two distinct ids tie)."""
+    return _hash(_key(config.seed, _SALT_PRIORITY), _u32(hi), _u32(lo))
 
 
 def _admit_hash(config: IndexConfig, hi, lo, now):

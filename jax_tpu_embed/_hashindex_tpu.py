@@ -25,6 +25,7 @@ equal `_hashindex`'s writes bit for bit too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,11 @@ from . import _hashindex
 
 _LANES = 128
 _BLOCK = 256  # Ids per grid step: their DMAs in flight together, 128 KiB of VMEM.
+
+
+def _each(block: int, fn) -> None:
+    """Inside a kernel: fn(p) for each id p of the grid step's `block`."""
+    lax.fori_loop(0, block, lambda p, carry: (fn(p), carry)[1], 0)
 
 
 def serves(config: _hashindex.IndexConfig) -> bool:
@@ -257,8 +263,7 @@ def scores(
         def first(p):  # The step's first id, or the first of a row.
             return (p == 0) | (row_ref[p] != row_ref[jnp.maximum(p - 1, 0)])
 
-        def each(fn):
-            lax.fori_loop(0, block, lambda p, carry: (fn(p), carry)[1], 0)
+        each = functools.partial(_each, block)
 
         def start_read(p):
             @pl.when(first(p))
@@ -374,7 +379,6 @@ def place(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, admit, no
     block = _BLOCK if total % _BLOCK == 0 else _LANES
     bucket = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
     ttl, eviction = config.ttl_steps, config.eviction
-    prio_key = _hashindex.priority_key(config)
 
     def signed(x):  # uint32 -> int32 of the same order.
         return lax.bitcast_convert_type(x ^ jnp.uint32(0x80000000), jnp.int32)
@@ -400,8 +404,7 @@ def place(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, admit, no
         def new_row(p):  # The step's first id, or the first of a `last` row.
             return (p == 0) | (bucket_ref[p] // 2 != bucket_ref[jnp.maximum(p - 1, 0)] // 2)
 
-        def each(fn):
-            lax.fori_loop(0, block, lambda p, carry: (fn(p), carry)[1], 0)
+        each = functools.partial(_each, block)
 
         def moves(op, out, keyed, rowed):  # `op` ("start", "wait") on id p's copies.
             def fn(p):
@@ -452,7 +455,7 @@ def place(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, admit, no
                     evictable = jnp.zeros_like(evictable)
                 cls = jnp.where(~occupied, 0, jnp.where(expired, 1, jnp.where(evictable, 2, 3)))
                 keyed = (cls == 1) | (cls == 2)
-                prio = _hashindex.priority(config, k_hi, k_lo, prio_key)
+                prio = _hashindex.priority(config, k_hi, k_lo)
                 if eviction == "lfu":
                     score = [
                         jnp.where(cls == 2, count, jnp.where(keyed, last, 0)),
@@ -528,8 +531,8 @@ def place(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, admit, no
         ),
         interpret=interpret,
     )(
-        pad(hi, jnp.uint32(_hashindex.PAD)),
-        pad(lo, jnp.uint32(_hashindex.PAD)),
+        pad(hi, jnp.uint32(words)),
+        pad(lo, jnp.uint32(words)),
         pad(bucket, bucket[-1] if n else 0),  # After every id's: the ids stay sorted.
         pad(admit.astype(jnp.int32), 0),
         jnp.asarray(now, jnp.int32).reshape(1),
