@@ -23,7 +23,10 @@ demo: $(STAMP)
 # one by one, except those of a file marked xdist_group (module state), kept on one worker.
 # ARGS= passes more pytest options, e.g. ARGS="-k routing --durations=20". pytest exits 5
 # when it selects no test: an error here (a tier that runs nothing checks nothing).
-PYTEST := $(PY) -m pytest -q -n 2 --dist loadgroup
+# --max-worker-restart=0: a worker that crashes (or that pytest-timeout ends) fails the run
+# at once. pytest-xdist 3.8 under --dist loadgroup hangs after it replaces a crashed worker
+# (pytest-dev/pytest-xdist#1323, #1327, #1378), which held CI until its limit twice.
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadgroup --max-worker-restart=0
 define run_tier
 	$(PYTEST) $(1) $(ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make $@: pytest selected no test (exit 5)" >&2; fi; \

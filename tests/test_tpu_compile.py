@@ -20,8 +20,7 @@ of a shard while a table-sized one is 10x over. Compile time does not depend on 
 Cases known to fail with tables stored as plain (N*S, D) arrays are marked xfail(strict=True)
 with the measured numbers while the engine uses that layout (_KNOWN_UNPACKED); with narrow
 rows packed into 128-lane rows every case must pass.
-The 68 cases take about 2 CPU-minutes of compilation. JTE_TPU_COMPILE_THREADS (default 1)
-sets how many compile at once, ahead of the tests that read them. The fast tier (`make test`)
+The 68 cases take about 2 CPU-minutes of compilation. The fast tier (`make test`)
 runs the quick subset: Adagrad at dims 64 and 128 on every topology and the bfloat16 cases at
 dim 64 (10 cases); the rest of the matrix is marked slow (`make test-slow`).
 JTE_TPU_MATRIX=quick drops the rest altogether.
@@ -29,7 +28,6 @@ JTE_TPU_MATRIX=quick drops the rest altogether.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import importlib.util
 import os
@@ -49,13 +47,11 @@ if importlib.util.find_spec("libtpu") is None:
 
 from jax_tpu_embed import _aot, _dynamic  # noqa: E402
 
-# The `compiler` fixture compiles the selected cases of this module a few ahead of its tests:
-# the module runs on one pytest-xdist worker (--dist loadgroup). libtpu's executables cannot be
-# read back from the persistent compilation cache (conftest).
-pytestmark = [
-    pytest.mark.xdist_group("tpu_compile"),
-    pytest.mark.usefixtures("no_persistent_cache"),
-]
+# Each test compiles on the test's own thread, one program at a time, with no pool compiling
+# ahead: two libtpu compiles in flight in one process crashed a CI worker twice (SIGSEGV
+# inside the compiler). libtpu's executables cannot be read back from the persistent
+# compilation cache (conftest).
+pytestmark = pytest.mark.usefixtures("no_persistent_cache")
 
 TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2", "v4:2x2x1")
 DIMS = (16, 32, 64, 128, 256)
@@ -212,50 +208,6 @@ def _compile(case: Case) -> _aot.CompileReport:
     return _aot.compile_train_step(emb, B, {"multi": L, "one": 1}, topo=topo)
 
 
-class _Compiler:
-    """Compiles each case a test asks for and the next few after it (collection order) on a
-    background thread (compilation releases the GIL), so that a test mostly finds its report
-    ready. Nothing compiles before a test asks: a worker that pytest-xdist restarts after a
-    crash resumes at the case its tests resume at, instead of compiling the matrix again
-    from the start. One thread by default: two concurrent libtpu compiles once crashed a
-    CI worker (SIGSEGV inside the compiler)."""
-
-    def __init__(self, cases: list[Case], threads: int, ahead: int = 2):
-        self._cases, self._ahead = cases, ahead
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, threads))
-        self._futures: dict[Case, concurrent.futures.Future] = {}
-
-    def _submit(self, case: Case):
-        if case not in self._futures:
-            self._futures[case] = self._pool.submit(_compile, case)
-
-    def get(self, case: Case) -> _aot.CompileReport:
-        self._submit(case)
-        if case in self._cases:
-            at = self._cases.index(case) + 1
-            for later in self._cases[at : at + self._ahead]:
-                self._submit(later)
-        return self._futures.pop(case).result()
-
-    def close(self):
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-@pytest.fixture(scope="module")
-def compiler(request):
-    selected = [
-        item.callspec.params["case"]
-        for item in request.session.items
-        if item.module is request.module
-        and hasattr(item, "callspec")
-        and "case" in item.callspec.params
-    ]
-    threads = int(os.environ.get("JTE_TPU_COMPILE_THREADS", "1"))
-    pool = _Compiler(selected, threads)
-    yield pool
-    pool.close()
-
-
 def _describe(case: Case, r: _aot.CompileReport) -> str:
     temps = "; ".join(str(t) for t in r.largest_temps[:3]) or "none"
     colls = ", ".join(str(c) for c in r.collectives) or "none"
@@ -268,8 +220,8 @@ def _describe(case: Case, r: _aot.CompileReport) -> str:
 
 
 @pytest.mark.parametrize("case", list(_cases()))
-def test_train_step_compiles_within_limits(case, compiler):
-    r = compiler.get(case)
+def test_train_step_compiles_within_limits(case):
+    r = _compile(case)
     # Logical rows of one shard, in the table's dtype.
     shard = -(-V // len(r.topology.devices)) * case.dim * {"float32": 4, "bfloat16": 2}[case.dtype]
     about = _describe(case, r)
@@ -432,8 +384,8 @@ ROUTED_CASES = [Case("v5p:2x2x1", 64, "adagrad", routing="owner")]
 
 @pytest.mark.slow  # Part of the full matrix.
 @pytest.mark.parametrize("case", ROUTED_CASES, ids=str)
-def test_routed_train_step_compiles_within_limits(case, compiler):
-    test_train_step_compiles_within_limits(case, compiler)
+def test_routed_train_step_compiles_within_limits(case):
+    test_train_step_compiles_within_limits(case)
 
 
 def _per_chip_bytes(topology: str, routing: str, per_chip: int) -> float:
