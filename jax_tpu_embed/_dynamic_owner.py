@@ -25,7 +25,9 @@ merged, and the owner's rounds run in key order. `_routing` does the same for ro
 one-word keys. An update is two such loops: every id's `sighted` (hits, admission, freed
 slots) first, then the placement of the admitted ones, as one call would.
 
-Per device and round the work is O(m + N·Cd), with Cd about 1.5·m/N: flat in N.
+Per device and round the work is O(m + N·Cd), with Cd about 1.5·m/N: flat in N. A step's
+routed tables share each loop (`_rounds`): one loop, and one set of agreements per round,
+for all of them.
 The filter of `min_count > 1` needs all of a shard's ids of a step in one call, and tables
 in host memory reset their rows inside the update's host write: both keep the all-gather
 resolution for their updates (`routes_updates`).
@@ -143,45 +145,72 @@ def _add_windows(out, starts, rows):
     return lax.scatter_add(out, starts[:, None], rows, dims, mode=lax.GatherScatterMode.CLIP)
 
 
-def _rounds(ids: _Ids, cd: int, axis, ordered: bool, body, carry):
-    """Runs `values, carry = body(hi, lo, carry)` at the owners on the ids each round brings
-    them ((N·Cd,) each, device d's in block d, PAD in empty slots), until every device has
-    sent every id; `values` (int32, 0 in empty slots) go back to the senders. Returns
-    ((m,) each id's value, in `ids`' order, 0 past the count; carry). `ordered`: rounds by
-    threshold (module docstring), so every copy of an id comes in the same round and the
-    owner's rounds run in key order."""
+def _rounds(tables: list[tuple[_Ids, int]], axis, ordered: bool, body, carry) -> tuple[list, Any]:
+    """Runs `values, carry = body(received, carry)` at the owners on the ids each round
+    brings them, until every device has sent every id of every table: `received[t]` is
+    table t's (hi, lo) ((N·Cd_t,) each, device d's in block d, PAD in empty slots), for
+    `tables[t]` = (its `_Ids`, Cd_t); `values[t]` (int32 (N·Cd_t,), 0 in empty slots) go
+    back to the senders. Returns ([(m_t,) each id's value, in `ids`' order, 0 past the
+    count], carry). `ordered`: rounds by threshold (module docstring), so every copy of an
+    id comes in the same round and the owner's rounds run in key order.
+
+    The tables share one loop: its rounds' agreements (one `pmin` per key word for every
+    table's thresholds, one `pmax` for whether to go on) are one set of collectives, while
+    each table keeps its own `all_to_all`s (one buffer for all of them cost the TPU compiler
+    more bytes than the exchanges it saved: docs/design.md). A table has what its own loop
+    would give it: the same ids in the same rounds, then rounds with nothing sent while the
+    others finish."""
+    if not tables:
+        return [], carry
     n = lax.axis_size(axis)
-    m = ids.hi.shape[0]
     pad = jnp.uint32(_dynamic.PAD)
+    cds = [cd for _, cd in tables]
     exchange = lambda x: lax.all_to_all(x, axis, 0, 0, tiled=True)
 
-    def one(sent, out, carry):
-        pending = ids.counts - sent
-        first = ids.bounds[:-1] + sent
-        win = tuple(_routing.windows(w, first, cd, _MAX) for w in ids.words)  # (N, Cd) each
-        if ordered:
-            full = pending >= cd
-            t = _lex_pmin(tuple(jnp.where(full, w[:, cd - 1], _MAX) for w in win), axis)
-            below = jnp.sum(_lex_le(win, tuple(x[:, None] for x in t)), axis=1, dtype=jnp.int32)
-            n_send = jnp.minimum(pending, below)
-        else:
-            n_send = jnp.minimum(pending, cd)
-        valid = lax.iota(jnp.int32, cd)[None, :] < n_send[:, None]
-        hi = exchange(jnp.where(valid, win[2], pad).reshape(-1))
-        lo = exchange(jnp.where(valid, win[3], pad).reshape(-1))
-        values, carry = body(hi, lo, carry)
-        back = exchange(values).reshape(n, cd)
-        out = _add_windows(out, first, jnp.where(valid, back, 0))
-        return sent + n_send, out, carry
+    def swap(parts: list) -> list:
+        """Each table's (N, Cd_t) block sent, row d to device d; the (N, Cd_t) received."""
+        return [exchange(x.reshape(-1)).reshape(n, -1) for x in parts]
 
-    sent = jnp.zeros((n,), jnp.int32)
-    out = jnp.zeros((m + cd,), jnp.int32)  # Room for the last window.
-    if cd >= m:  # Every device sends all its ids in one round.
+    def one(sent, out, carry):
+        pending = [ids.counts - s for (ids, _), s in zip(tables, sent)]
+        first = [ids.bounds[:-1] + s for (ids, _), s in zip(tables, sent)]
+        win = [  # (N, Cd_t) each word.
+            tuple(_routing.windows(w, f, cd, _MAX) for w in ids.words)
+            for (ids, cd), f in zip(tables, first)
+        ]
+        if ordered:  # Every table's thresholds in one pmin per word.
+            ends = [
+                tuple(jnp.where(p >= cd, w[:, cd - 1], _MAX) for w in ws)
+                for p, ws, cd in zip(pending, win, cds)
+            ]
+            t = _lex_pmin(tuple(jnp.concatenate(w) for w in zip(*ends)), axis)
+            n_send = []
+            for k, (p, ws) in enumerate(zip(pending, win)):
+                mine = tuple(x[k * n : (k + 1) * n, None] for x in t)
+                below = jnp.sum(_lex_le(ws, mine), axis=1, dtype=jnp.int32)
+                n_send.append(jnp.minimum(p, below))
+        else:
+            n_send = [jnp.minimum(p, cd) for p, cd in zip(pending, cds)]
+        valid = [lax.iota(jnp.int32, cd)[None, :] < k[:, None] for cd, k in zip(cds, n_send)]
+        hi = swap([jnp.where(v, w[2], pad) for v, w in zip(valid, win)])
+        lo = swap([jnp.where(v, w[3], pad) for v, w in zip(valid, win)])
+        values, carry = body([(h.reshape(-1), l.reshape(-1)) for h, l in zip(hi, lo)], carry)
+        back = swap([x.reshape(n, cd) for x, cd in zip(values, cds)])
+        out = [
+            _add_windows(o, f, jnp.where(v, b, 0)) for o, f, v, b in zip(out, first, valid, back)
+        ]
+        return [s + k for s, k in zip(sent, n_send)], out, carry
+
+    sizes = [ids.hi.shape[0] for ids, _ in tables]
+    sent = [jnp.zeros((n,), jnp.int32) for _ in tables]
+    out = [jnp.zeros((m + cd,), jnp.int32) for m, cd in zip(sizes, cds)]  # + the last window.
+    if all(cd >= m for cd, m in zip(cds, sizes)):  # Every device sends all in one round.
         _, out, carry = one(sent, out, carry)
-        return out[:m], carry
+        return [o[:m] for o, m in zip(out, sizes)], carry
 
     def more(sent):
-        return lax.pmax(jnp.any(sent < ids.counts).astype(jnp.int32), axis) > 0
+        left = [jnp.any(s < ids.counts) for (ids, _), s in zip(tables, sent)]
+        return lax.pmax(jnp.any(jnp.stack(left)).astype(jnp.int32), axis) > 0
 
     def step(state):
         sent, out, carry, _ = state
@@ -189,7 +218,7 @@ def _rounds(ids: _Ids, cd: int, axis, ordered: bool, body, carry):
         return sent, out, carry, more(sent)
 
     _, out, carry, _ = lax.while_loop(lambda s: s[3], step, (sent, out, carry, more(sent)))
-    return out[:m], carry
+    return [o[:m] for o, m in zip(out, sizes)], carry
 
 
 def _merged(config, n: int, hi, lo):
@@ -240,75 +269,112 @@ def split(rows, parts: list) -> list:
     return out
 
 
-def lookup_rows(plan: _dynamic.DynamicPlan, storage, index, hi, lo, now, axis):
-    """Inside shard_map: the global slot-table rows ((m,) int32, -1 where none) of this
-    device's m positions (`joined`), found at their owners. Read-only."""
+class Table(NamedTuple):
+    """One dynamic table's part of a step at the owners: its plan, slot-table storage and
+    index, and this device's m positions of it (`joined`: (m,) uint32 each)."""
+
+    plan: _dynamic.DynamicPlan
+    storage: Any
+    index: Any
+    hi: Any
+    lo: Any
+
+
+class Update(NamedTuple):
+    """What `update_rows` also takes of a table: its key words, slot table and slots, and
+    whether it steps (`keep` False: it is skipped, and sends none of its ids)."""
+
+    key: Any
+    table: Any
+    slots: dict
+    keep: Any
+
+
+def lookup_rows(tables: list[Table], now, axis) -> list:
+    """Inside shard_map: for each of `tables`, the global slot-table rows ((m,) int32, -1
+    where none) of this device's positions, found at their owners, the tables in shared
+    rounds. Read-only."""
     n, me = lax.axis_size(axis), lax.axis_index(axis)
-    config = plan.index
-    ids, owned = _distinct(plan, hi, lo, ~_dynamic.is_pad(hi, lo), axis)
+    resolved = [_distinct(t.plan, t.hi, t.lo, ~_dynamic.is_pad(t.hi, t.lo), axis) for t in tables]
 
-    def body(r_hi, r_lo, carry):  # Sorted by bucket per sender, not as a whole.
-        _, bucket = _hashindex.locate(config, n, r_hi, r_lo)
-        row, found = _dynamic.find(plan, index, r_hi, r_lo, bucket, now)
-        return jnp.where(found, storage.layout.global_ids(me, row) + 1, 0), carry
+    def body(received, carry):  # Sorted by bucket per sender, not as a whole.
+        values = []
+        for t, (r_hi, r_lo) in zip(tables, received):
+            _, bucket = _hashindex.locate(t.plan.index, n, r_hi, r_lo)
+            row, found = _dynamic.find(t.plan, t.index, r_hi, r_lo, bucket, now)
+            values.append(jnp.where(found, t.storage.layout.global_ids(me, row) + 1, 0))
+        return values, carry
 
-    values, _ = _rounds(ids, capacity(plan, hi.shape[0], n), axis, False, body, None)
-    return _dynamic.to_positions(owned, values - 1) - 1
+    sends = [(ids, capacity(t.plan, t.hi.shape[0], n)) for t, (ids, _) in zip(tables, resolved)]
+    values, _ = _rounds(sends, axis, False, body, None)
+    return [_dynamic.to_positions(owned, v - 1) - 1 for (_, owned), v in zip(resolved, values)]
 
 
-def update_rows(
-    plan: _dynamic.DynamicPlan, storage, index, key, table, slots, hi, lo, keep, now, axis
-):
-    """Inside shard_map: `_dynamic.update_rows` resolved at the owners (`routes_updates`):
-    one step's hits, admission and eviction for this device's m positions (`joined`), and
-    the reset of the rows given to new ids. Returns (index, table, slots, the positions'
-    global slot-table rows ((m,) int32, -1 where none))."""
+def update_rows(tables: list[Table], updates: list[Update], now, axis) -> list[tuple]:
+    """Inside shard_map: `_dynamic.update_rows` resolved at the owners (`routes_updates`),
+    the tables in shared rounds: one step's hits, admission and eviction for this device's
+    positions of each table, and the reset of the rows given to new ids. Returns, per table,
+    (index, table, slots, the positions' global slot-table rows ((m,) int32, -1 where
+    none))."""
     n, me = lax.axis_size(axis), lax.axis_index(axis)
-    config = plan.index
-    m = hi.shape[0]
     # The lookup's distinct ids (one sort that a step's lookup and update share: XLA merges
     # the two equal computations); a skipped table sends none of them.
-    ids, owned = _distinct(plan, hi, lo, ~_dynamic.is_pad(hi, lo), axis)
-    ids = ids._replace(bounds=jnp.where(keep, ids.bounds, 0))
-    cd = capacity(plan, m, n)
+    resolved = [_distinct(t.plan, t.hi, t.lo, ~_dynamic.is_pad(t.hi, t.lo), axis) for t in tables]
+    ids = [
+        d._replace(bounds=jnp.where(u.keep, d.bounds, 0)) for (d, _), u in zip(resolved, updates)
+    ]
+    cds = [capacity(t.plan, t.hi.shape[0], n) for t in tables]
 
     # Every id's rules 1-3 first: 0 rejected (or none), 1 admitted, row + 2 a hit. The
     # copies of an id sent by several devices get its outcome from `sighted` too.
-    def seen(r_hi, r_lo, index):
-        s_hi, s_lo, bucket, first, slot = _merged(config, n, r_hi, r_lo)
-        s = _hashindex.sighted(
-            config,
-            index,
-            s_hi,
-            s_lo,
-            bucket,
-            True,
-            now,
-            grouped=True,
-            find=_dynamic.finder(plan, now),
-            distinct=first,
-            scores=_dynamic.scorer(plan, now),
-        )
-        hit = storage.layout.global_ids(me, s.row) + 2
-        code = jnp.where(s.hit, hit, s.admit.astype(jnp.int32))
-        return jnp.zeros_like(code).at[slot].set(code, unique_indices=True), s.state
+    def seen(received, indexes):
+        codes, out = [], []
+        for t, (r_hi, r_lo), index in zip(tables, received, indexes):
+            s_hi, s_lo, bucket, first, slot = _merged(t.plan.index, n, r_hi, r_lo)
+            s = _hashindex.sighted(
+                t.plan.index,
+                index,
+                s_hi,
+                s_lo,
+                bucket,
+                True,
+                now,
+                grouped=True,
+                find=_dynamic.finder(t.plan, now),
+                distinct=first,
+                scores=_dynamic.scorer(t.plan, now),
+            )
+            hit = t.storage.layout.global_ids(me, s.row) + 2
+            code = jnp.where(s.hit, hit, s.admit.astype(jnp.int32))
+            codes.append(jnp.zeros_like(code).at[slot].set(code, unique_indices=True))
+            out.append(s.state)
+        return codes, out
 
-    codes, index = _rounds(ids, cd, axis, True, seen, index)
+    codes, indexes = _rounds(list(zip(ids, cds)), axis, True, seen, [t.index for t in tables])
 
     # Then the admitted ones' placement, in key order, each round resetting the rows it gives.
-    def placed(r_hi, r_lo, carry):
-        index, table, slots = carry
-        s_hi, s_lo, bucket, first, slot = _merged(config, n, r_hi, r_lo)
-        index, row, ok = _dynamic.place(plan, index, s_hi, s_lo, bucket, first, now)
-        init = _dynamic.initial_rows(key, s_hi, s_lo, plan.dim)
-        table, slots = _dynamic.reset_rows(storage, table, slots, row, ok, init)
-        code = jnp.where(ok, storage.layout.global_ids(me, row) + 1, 0)
-        return _spread(first, code, slot), (index, table, slots)
+    def placed(received, carry):
+        codes, out = [], []
+        for t, u, (r_hi, r_lo), (index, table, slots) in zip(tables, updates, received, carry):
+            s_hi, s_lo, bucket, first, slot = _merged(t.plan.index, n, r_hi, r_lo)
+            index, row, ok = _dynamic.place(t.plan, index, s_hi, s_lo, bucket, first, now)
+            init = _dynamic.initial_rows(u.key, s_hi, s_lo, t.plan.dim)
+            table, slots = _dynamic.reset_rows(t.storage, table, slots, row, ok, init)
+            code = jnp.where(ok, t.storage.layout.global_ids(me, row) + 1, 0)
+            codes.append(_spread(first, code, slot))
+            out.append((index, table, slots))
+        return codes, out
 
-    admitted, at = _compact(plan, n, ids, codes == 1)
-    a_codes, (index, table, slots) = _rounds(
-        admitted, _placements(cd), axis, True, placed, (index, table, slots)
-    )
-    given = jnp.zeros(m, jnp.int32).at[at].set(a_codes, mode="drop", unique_indices=True)
-    rows = jnp.where(codes >= 2, codes - 2, given - 1)
-    return index, table, slots, _dynamic.to_positions(owned, rows) - 1
+    admitted = [_compact(t.plan, n, d, c == 1) for t, d, c in zip(tables, ids, codes)]
+    carry = [(index, u.table, u.slots) for index, u in zip(indexes, updates)]
+    sends = [(a, _placements(cd)) for (a, _), cd in zip(admitted, cds)]
+    a_codes, carry = _rounds(sends, axis, True, placed, carry)
+    out = []
+    for t, (_, owned), c, (_, at), a_c, (index, table, slots) in zip(
+        tables, resolved, codes, admitted, a_codes, carry
+    ):
+        m = t.hi.shape[0]
+        given = jnp.zeros(m, jnp.int32).at[at].set(a_c, mode="drop", unique_indices=True)
+        rows = jnp.where(c >= 2, c - 2, given - 1)
+        out.append((index, table, slots, _dynamic.to_positions(owned, rows) - 1))
+    return out

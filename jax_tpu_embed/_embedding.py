@@ -947,18 +947,11 @@ class Embedding:
                 for plan, (hi, lo) in zip(plans, ids)
             ]
             out, gathered = self._dynamic_back(plans, parts, values, ids, scaled)
-            for plan in self.dynamic.values():
-                if plan.route == "owner":
-                    mine = [parts[p] for p in plan.features]
-                    rows = _dynamic_owner.lookup_rows(
-                        plan,
-                        self.table_plans[plan.name].storage,
-                        index[plan.name].index,
-                        *_dynamic_owner.joined(mine),
-                        step,
-                        self.axis,
-                    )
-                    out.update(zip(plan.features, _dynamic_owner.split(rows, mine)))
+            routed = [p for p in self.dynamic.values() if p.route == "owner"]
+            tables = [self._owned_table(plan, index, parts) for plan in routed]
+            for plan, rows in zip(routed, _dynamic_owner.lookup_rows(tables, step, self.axis)):
+                mine = [parts[p] for p in plan.features]
+                out.update(zip(plan.features, _dynamic_owner.split(rows, mine)))
             return out, gathered
 
         parts = {
@@ -966,6 +959,14 @@ class Embedding:
         }
         specs = (self._dynamic_specs(), row, P())
         return self._shard_map(local, specs, (row, P()))(index, parts, step)
+
+    def _owned_table(self, plan, index, parts) -> _dynamic_owner.Table:
+        """Inside shard_map: a table's part of a step resolved at the owners."""
+        mine = [parts[p] for p in plan.features]
+        storage = self.table_plans[plan.name].storage
+        return _dynamic_owner.Table(
+            plan, storage, index[plan.name].index, *_dynamic_owner.joined(mine)
+        )
 
     def _dynamic_back(self, plans, parts, values, ids, scaled) -> tuple[dict, dict]:
         """({path: (b, L) rows}, {path: (rows, factors or None) of the global batch}) of
@@ -1075,23 +1076,20 @@ class Embedding:
         def local(index, tables, slots, parts, keep, step):
             new_index, new_tables, new_slots, values, fresh, out = {}, {}, {}, [], {}, {}
 
-            def table_state(name):  # What both resolutions' updates take first.
+            def table_state(name):  # What the all-gather resolution's update takes first.
                 storage = self.table_plans[name].storage
                 return (self.dynamic[name], storage, index[name].index, index[name].key)
 
-            for name in routed:
-                plan, mine = self.dynamic[name], [parts[p] for p in self.dynamic[name].features]
-                idx, new_tables[name], new_slots[name], rows = _dynamic_owner.update_rows(
-                    *table_state(name),
-                    tables[name],
-                    slots[name],
-                    *_dynamic_owner.joined(mine),
-                    keep[name],
-                    step,
-                    self.axis,
-                )
+            owned = [self._owned_table(self.dynamic[name], index, parts) for name in routed]
+            updates = [
+                _dynamic_owner.Update(index[name].key, tables[name], slots[name], keep[name])
+                for name in routed
+            ]
+            done = _dynamic_owner.update_rows(owned, updates, step, self.axis)
+            for name, (idx, new_tables[name], new_slots[name], rows) in zip(routed, done):
+                mine = [parts[p] for p in self.dynamic[name].features]
                 new_index[name] = dataclasses.replace(index[name], index=idx)
-                out.update(zip(plan.features, _dynamic_owner.split(rows, mine)))
+                out.update(zip(self.dynamic[name].features, _dynamic_owner.split(rows, mine)))
             gathered = [name for name in names if name not in routed]
             plans = [self.dynamic[name] for name in gathered]
             ids = _dynamic.gather_ids(

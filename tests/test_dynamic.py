@@ -1,6 +1,8 @@
 """Dynamic tables: any int64 id, admission, eviction, export and restore, against a float64
 dict reference (rows and Adagrad accumulators per id), on 1-8 devices, both exchanges."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -432,6 +434,91 @@ def test_owner_resolution_in_rounds_is_the_same(n, batch, dynamic):
     assert_same_stream(
         (base_emb, base_state, base_exports, base_lookups), (emb, state, exports, lookups), 2e-5
     )
+
+
+@pytest.mark.slow  # Four Embeddings of several steps each.
+def test_tables_resolved_in_shared_rounds_are_each_as_alone():
+    """A step's routed dynamic tables share one loop of rounds (`_dynamic_owner._rounds`):
+    with Cd far below the ids (rounds) and two tables of different sizes (so one runs more
+    rounds than the other, and its loop has empty rounds), and one table in host memory (its
+    updates keep the all-gather resolution, its lookups route), every table's lookups,
+    exported rows, slots and counters are bit-identical to its own Embedding's."""
+    n, batch, steps = 4, 32, 4
+    users = jte.TableConfig(
+        dim=DIM, name="users", dynamic=jte.DynamicTable(capacity=64, bucket_size=8)
+    )
+    pages = jte.TableConfig(
+        dim=2 * DIM,
+        combiner="sum",
+        name="pages",
+        dynamic=jte.DynamicTable(capacity=32, bucket_size=4, eviction="lfu", ttl_steps=2),
+    )
+    hosted = jte.TableConfig(
+        dim=DIM, name="hosted", dynamic=jte.DynamicTable(capacity=64), placement="host"
+    )
+    features = {
+        "user": jte.FeatureConfig(users),
+        "hist": jte.FeatureConfig(users, max_sequence_length=3),
+        "page": jte.FeatureConfig(pages),
+        "host": jte.FeatureConfig(hosted),
+    }
+    tables_of = {"users": ("user", "hist"), "pages": ("page",), "hosted": ("host",)}
+    dims = {"user": DIM, "page": 2 * DIM, "host": DIM}
+    rng = np.random.default_rng(5)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=300, dtype=np.int64)
+    stream = []
+    for _ in range(steps):
+        feats = {
+            "user": draw_ids(rng, (batch, 4), pool),
+            "hist": draw_ids(rng, (batch, 2), pool),
+            "page": draw_ids(rng, (batch, 8), pool[::-1]),
+            "host": draw_ids(rng, (batch, 2), pool[100:]),
+        }
+        grads = {
+            p: rng.normal(size=(batch, 3, DIM) if p == "hist" else (batch, dims[p])).astype(
+                np.float32
+            )
+            for p in feats
+        }
+        stream.append((feats, grads))
+
+    def run(paths, keys=None):
+        spec = jte.EmbeddingSpec({p: features[p] for p in paths}, jte.Adagrad(learning_rate=LR))
+        emb = jte.Embedding(spec, make_mesh(n), routing="owner", max_ids_per_shard=4 * n)
+        state = emb.init(jax.random.key(0))
+        if keys:  # The initial rows of the full run's tables (init keys a table by position).
+            index = {t: dataclasses.replace(x, key=keys[t]) for t, x in state.index.items()}
+            state = dataclasses.replace(state, index=index)
+        seen = []
+        for feats, grads in stream:
+            acts = emb.lookup(state, {p: feats[p] for p in paths})
+            state = emb.apply_gradients(
+                state, {p: feats[p] for p in paths}, {p: grads[p] for p in paths}
+            )
+            seen.append(jax.tree.map(np.asarray, acts))
+        return emb, state, seen
+
+    emb, state, acts = run(list(features))
+    routed = [name for name, plan in emb.dynamic.items() if plan.route == "owner"]
+    assert sorted(routed) == ["hosted", "pages", "users"]
+    storages = {name: emb.table_plans[name].storage for name in emb.dynamic}
+    assert [_dynamic_owner.routes_updates(emb.dynamic[t], storages[t]) for t in routed] == [
+        t != "hosted" for t in routed
+    ]
+    stats = jax.tree.map(int, emb.dynamic_stats(state))
+    assert stats["pages"]["evicted"] + stats["pages"]["expired"] > 0, stats
+    export, slots = emb.export(state), emb.export_slots(state)
+    for name, paths in tables_of.items():
+        alone, alone_state, alone_acts = run(list(paths), keys={name: state.index[name].key})
+        assert jax.tree.map(int, alone.dynamic_stats(alone_state))[name] == stats[name]
+        want = alone.export(alone_state)[name]
+        np.testing.assert_array_equal(export[name].ids, want.ids)
+        np.testing.assert_array_equal(export[name].rows, want.rows)
+        want_acc = alone.export_slots(alone_state)[name]["accumulators"]
+        np.testing.assert_array_equal(slots[name]["accumulators"].rows, want_acc.rows)
+        for step, got in zip(alone_acts, acts):
+            for p in paths:
+                np.testing.assert_array_equal(got[p], step[p])
 
 
 @pytest.mark.slow  # Four streams of several steps each.

@@ -28,6 +28,7 @@ JTE_TPU_MATRIX=quick drops the rest altogether.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib.util
 import os
@@ -482,6 +483,34 @@ def test_dynamic_train_step_compiles_in_place():
     assert not [t for t in r.largest_temps if t.bytes >= table_bytes], r.largest_temps[:3]
     ratio = r.bytes_accessed / reports["static"].bytes_accessed
     assert ratio <= DYNAMIC_BYTES_LIMIT, f"dynamic/static bytes {ratio:.0f}x"
+
+
+def test_dynamic_tables_share_their_rounds_agreements():
+    """A step's dynamic tables resolved at their owners share each loop of rounds
+    (`_dynamic_owner._rounds`): three tables' step has one table's all-reduces (the
+    thresholds' `pmin`s and the loops' `pmax`es), and three times its all-to-alls (each
+    table keeps its own exchanges: docs/design.md)."""
+    topo = _aot.topology("v5p:2x2x1")
+
+    def counts(k: int) -> collections.Counter:
+        tables = [
+            jte.TableConfig(
+                None, 64, combiner="sum", name=f"t{i}", dynamic=jte.DynamicTable(capacity=1 << 16)
+            )
+            for i in range(k)
+        ]
+        spec = jte.EmbeddingSpec(
+            {f"f{i}": jte.FeatureConfig(t) for i, t in enumerate(tables)},
+            jte.Adagrad(learning_rate=0.05),
+        )
+        emb = jte.Embedding(spec, _aot.mesh(topo))
+        assert {p.route for p in emb.dynamic.values()} == {"owner"}
+        report = _aot.compile_train_step(emb, 256, 8, topo=topo)
+        return collections.Counter(c.op for c in report.collectives)
+
+    one, three = counts(1), counts(3)
+    assert one["all-reduce"] > 0 and three["all-reduce"] == one["all-reduce"], (one, three)
+    assert three["all-to-all"] == 3 * one["all-to-all"], (one, three)
 
 
 @pytest.mark.slow  # Three compiles, about three minutes.
