@@ -59,7 +59,7 @@ def remapped(wl) -> list[list[np.ndarray]]:
     return out
 
 
-def make_step(wl, dynamic_capacity: int | None, combiner: str = "sum"):
+def make_step(wl, dynamic_capacity: int | None, combiner: str = "sum", min_count: int = 1):
     c = wl.config
     mesh = Mesh(np.array(jax.devices()), ("shard",))
     names = [f"t{i}" for i in range(c.tables)]
@@ -69,7 +69,11 @@ def make_step(wl, dynamic_capacity: int | None, combiner: str = "sum"):
             c.dim,
             combiner=combiner,
             name=n,
-            dynamic=jte.DynamicTable(capacity=dynamic_capacity) if dynamic_capacity else None,
+            dynamic=(
+                jte.DynamicTable(capacity=dynamic_capacity, min_count=min_count)
+                if dynamic_capacity
+                else None
+            ),
         )
         for n in names
     ]
@@ -108,7 +112,7 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def step_times(wl, occupancy: float, steps: int, combiner: str = "sum") -> dict:
+def step_times(wl, occupancy: float, steps: int, combiner: str = "sum", min_count: int = 1) -> dict:
     distinct = max(
         len(np.unique(np.concatenate([wl.ids[k][t].ravel() for k in range(wl.num_batches)])))
         for t in range(wl.config.tables)
@@ -116,7 +120,7 @@ def step_times(wl, occupancy: float, steps: int, combiner: str = "sum") -> dict:
     capacity = int(np.ceil(distinct / occupancy / 64)) * 64
     runs = {}
     for label, cap in (("static", None), ("dynamic", capacity)):
-        emb, fn, batches, R = make_step(wl, cap, combiner)
+        emb, fn, batches, R = make_step(wl, cap, combiner, min_count)
         state = emb.init(jax.random.key(0))
         for k in range(wl.num_batches):  # Compile, and fill the dynamic tables.
             state, _ = fn(state, batches[k], R)
@@ -294,6 +298,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--occupancy", type=float, default=0.8)
     p.add_argument("--combiner", default="sum", help="the tables' combiner: sum, mean, sqrtn")
+    p.add_argument(
+        "--min-count",
+        type=int,
+        default=1,
+        help="the dynamic tables' min_count (admission after that many sightings)",
+    )
     p.add_argument("--eviction-occupancy", type=float, default=0.85)
     p.add_argument("--eviction-steps", type=int, default=200)
     p.add_argument("--tpu", default=None, help="a topology, e.g. v5p:2x2x1")
@@ -309,11 +319,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     wl = workloads.generate(workloads.load_config(args.workload))
     result = {"workload": args.workload, "devices": len(jax.devices())}
-    result["step"] = step_times(wl, args.occupancy, args.steps, args.combiner)
+    result["step"] = step_times(wl, args.occupancy, args.steps, args.combiner, args.min_count)
     s = result["step"]
     print(
-        f"{args.workload} train step, {args.combiner} combiner, {len(jax.devices())} CPU "
-        f"devices (median ms)"
+        f"{args.workload} train step, {args.combiner} combiner, min_count {args.min_count}, "
+        f"{len(jax.devices())} CPU devices (median ms)"
     )
     print(
         f"  static {s['static_ms']:9.1f}   dynamic {s['dynamic_ms']:9.1f}   ratio {s['ratio']:.2f}x"
