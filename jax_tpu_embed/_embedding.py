@@ -1076,10 +1076,6 @@ class Embedding:
         def local(index, tables, slots, parts, keep, step):
             new_index, new_tables, new_slots, values, fresh, out = {}, {}, {}, [], {}, {}
 
-            def table_state(name):  # What the all-gather resolution's update takes first.
-                storage = self.table_plans[name].storage
-                return (self.dynamic[name], storage, index[name].index, index[name].key)
-
             owned = [self._owned_table(self.dynamic[name], index, parts) for name in routed]
             updates = [
                 _dynamic_owner.Update(index[name].key, tables[name], slots[name], keep[name])
@@ -1097,7 +1093,10 @@ class Embedding:
             )
             for name, (hi, lo) in zip(gathered, ids):
                 idx, table, table_slots, rows, resets = _dynamic.update_rows(
-                    *table_state(name),
+                    self.dynamic[name],
+                    self.table_plans[name].storage,
+                    index[name].index,
+                    index[name].key,
                     tables[name],
                     slots[name],
                     hi,
