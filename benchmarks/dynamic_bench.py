@@ -347,7 +347,9 @@ def main(argv=None) -> int:
         print(
             f"TPU {args.tpu} D={args.dim}: bytes accessed per device static "
             f"{t['static']['bytes_accessed_per_device'] / 1e6:.1f} MB, dynamic "
-            f"{t['dynamic']['bytes_accessed_per_device'] / 1e6:.1f} MB, ratio {t['ratio']:.1f}x"
+            f"{t['dynamic']['bytes_accessed_per_device'] / 1e6:.1f} MB, ratio {t['ratio']:.2f}x; "
+            f"collectives in the step static {t['static']['collectives']}, dynamic "
+            f"{t['dynamic']['collectives']}"
         )
     if args.checkpoint:
         c = result["checkpoint"] = checkpoint_times(args.checkpoint)
