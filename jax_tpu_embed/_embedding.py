@@ -950,8 +950,7 @@ class Embedding:
             routed = [p for p in self.dynamic.values() if p.route == "owner"]
             tables = [self._owned_table(plan, index, parts) for plan in routed]
             for plan, rows in zip(routed, _dynamic_owner.lookup_rows(tables, step, self.axis)):
-                mine = [parts[p] for p in plan.features]
-                out.update(zip(plan.features, _dynamic_owner.split(rows, mine)))
+                out.update(self._owned_rows(plan, parts, rows))
             return out, gathered
 
         parts = {
@@ -967,6 +966,12 @@ class Embedding:
         return _dynamic_owner.Table(
             plan, storage, index[plan.name].index, *_dynamic_owner.joined(mine)
         )
+
+    @staticmethod
+    def _owned_rows(plan, parts, rows) -> dict:
+        """{path: (b, L) rows} of a table's features from its joined positions' `rows`."""
+        mine = [parts[p] for p in plan.features]
+        return dict(zip(plan.features, _dynamic_owner.split(rows, mine)))
 
     def _dynamic_back(self, plans, parts, values, ids, scaled) -> tuple[dict, dict]:
         """({path: (b, L) rows}, {path: (rows, factors or None) of the global batch}) of
@@ -1083,9 +1088,8 @@ class Embedding:
             ]
             done = _dynamic_owner.update_rows(owned, updates, step, self.axis)
             for name, (idx, new_tables[name], new_slots[name], rows) in zip(routed, done):
-                mine = [parts[p] for p in self.dynamic[name].features]
                 new_index[name] = dataclasses.replace(index[name], index=idx)
-                out.update(zip(self.dynamic[name].features, _dynamic_owner.split(rows, mine)))
+                out.update(self._owned_rows(self.dynamic[name], parts, rows))
             gathered = [name for name in names if name not in routed]
             plans = [self.dynamic[name] for name in gathered]
             ids = _dynamic.gather_ids(

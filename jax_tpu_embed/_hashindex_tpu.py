@@ -105,7 +105,7 @@ def _find(config, state, hi, lo, local_bucket, now, interpret, grouped: bool, st
     total = max(-(-n // _LANES) * _LANES, _LANES)
     block = _BLOCK if total % _BLOCK == 0 else _LANES
     pad = lambda x, value: jnp.concatenate([x, jnp.full((total - n,), value, x.dtype)])
-    words = _hashindex.PAD
+    pad_word = _hashindex.PAD  # A Python int: a constant inside the kernels.
 
     def kernel(*refs):
         if ttl is None:
@@ -160,7 +160,7 @@ def _find(config, state, hi, lo, local_bucket, now, interpret, grouped: bool, st
                 else:
                     same &= live
             first = jnp.min(jnp.where(same, lane, _LANES))
-            padding = (h == jnp.uint32(words)) & (l == jnp.uint32(words))
+            padding = (h == jnp.uint32(pad_word)) & (l == jnp.uint32(pad_word))
             out = jnp.where((first < b) & ~padding, g * b + first, -1)
             if old is not None:
                 expired = jnp.min(jnp.where(old, lane, _LANES)) < b
@@ -177,7 +177,7 @@ def _find(config, state, hi, lo, local_bucket, now, interpret, grouped: bool, st
         arrays.append(state.last.reshape(nbl // 2, 2 * b))
     if not interpret:  # Else the compiler may copy a small shard's arrays into VMEM whole.
         arrays = [pltpu.with_memory_space_constraint(x, pltpu.HBM) for x in arrays]
-    inputs = [pad(hi, jnp.uint32(words)), pad(lo, jnp.uint32(words)), pad(bucket, 0)]
+    inputs = [pad(hi, jnp.uint32(pad_word)), pad(lo, jnp.uint32(pad_word)), pad(bucket, 0)]
     in_specs = [smem(), smem(), smem()]
     scratch = [pltpu.VMEM((block, _LANES), jnp.uint32)]
     if ttl is not None:
@@ -370,9 +370,9 @@ def place(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, admit, no
     assert serves_scores(config, state), (config, nbl)
     hi = jnp.asarray(hi).astype(jnp.uint32).reshape(-1)
     lo = jnp.asarray(lo).astype(jnp.uint32).reshape(-1)
-    words = _hashindex.PAD
+    pad_word = _hashindex.PAD
     admit = jnp.asarray(admit, bool).reshape(-1) & ~(
-        (hi == jnp.uint32(words)) & (lo == jnp.uint32(words))
+        (hi == jnp.uint32(pad_word)) & (lo == jnp.uint32(pad_word))
     )
     n = hi.shape[0]
     total = max(-(-n // _LANES) * _LANES, _LANES)
@@ -448,7 +448,7 @@ def place(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, admit, no
                 last_row, count_row = last_v[pl.ds(r_at, 1), :], count_v[pl.ds(r_at, 1), :]
                 last = jnp.where(odd, pltpu.roll(last_row, b, 1), last_row)
                 count = jnp.where(odd, pltpu.roll(count_row, b, 1), count_row)
-                occupied = (k_hi != jnp.uint32(words)) | (k_lo != jnp.uint32(words))
+                occupied = (k_hi != jnp.uint32(pad_word)) | (k_lo != jnp.uint32(pad_word))
                 expired = occupied & ((now - last >= ttl) if ttl is not None else False)
                 evictable = occupied & ~expired & (last < now)
                 if eviction == "none":
@@ -531,8 +531,8 @@ def place(config: _hashindex.IndexConfig, state, hi, lo, local_bucket, admit, no
         ),
         interpret=interpret,
     )(
-        pad(hi, jnp.uint32(words)),
-        pad(lo, jnp.uint32(words)),
+        pad(hi, jnp.uint32(pad_word)),
+        pad(lo, jnp.uint32(pad_word)),
         pad(bucket, bucket[-1] if n else 0),  # After every id's: the ids stay sorted.
         pad(admit.astype(jnp.int32), 0),
         jnp.asarray(now, jnp.int32).reshape(1),
