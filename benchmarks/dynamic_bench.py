@@ -17,7 +17,9 @@
    (`_hashindex.update`, LRU, one step = one batch of distinct ids) at `--eviction-occupancy`
    (0.85) of the stream's distinct ids, against exact global LRU of the same capacity (a
    Python OrderedDict): the hit rates and their difference in points.
-3. With --tpu: the TPU compiler's bytes accessed per device of the step, static and dynamic.
+3. With --tpu: the TPU compiler's bytes accessed per device of the W1-shaped step (8 tables,
+   1,024 examples per chip), static and dynamic; where the tables stack (owner routing, 64
+   chips and more), the dynamic step with `stacking=False` too.
 """
 
 from __future__ import annotations
@@ -207,7 +209,8 @@ def tpu_bytes(topology: str, dim: int) -> dict:
 
     topo = _aot.topology(topology)
     out = {}
-    for label, dynamic in (("static", False), ("dynamic", True)):
+    runs = (("static", False, True), ("dynamic", True, True), ("dynamic_unstacked", True, False))
+    for label, dynamic, stacking in runs:
         tables = [
             jte.TableConfig(
                 None if dynamic else 1_000_000,
@@ -222,14 +225,17 @@ def tpu_bytes(topology: str, dim: int) -> dict:
             {f"t{i}": jte.FeatureConfig(t) for i, t in enumerate(tables)},
             jte.Adagrad(learning_rate=0.05),
         )
-        emb = jte.Embedding(spec, _aot.mesh(topo))
-        r = _aot.compile_train_step(emb, 4096, 20, topo=topo)
+        emb = jte.Embedding(spec, _aot.mesh(topo), stacking=stacking)
+        if not stacking and "dynamic" in out and out["dynamic"]["stacks"] == len(tables):
+            continue  # Nothing stacks (all-gather routing): the same step.
+        r = _aot.compile_train_step(emb, 1024 * emb.num_shards, 20, topo=topo)
         out[label] = {
             "bytes_accessed_per_device": r.bytes_accessed,
             "temp_bytes": r.temp_bytes,
             "fits": r.fits,
             "unaliased_state": r.unaliased_state,
             "collectives": len(r.collectives),
+            "stacks": len(emb.stacks),
         }
     out["ratio"] = (
         out["dynamic"]["bytes_accessed_per_device"] / out["static"]["bytes_accessed_per_device"]
@@ -351,6 +357,15 @@ def main(argv=None) -> int:
             f"collectives in the step static {t['static']['collectives']}, dynamic "
             f"{t['dynamic']['collectives']}"
         )
+        if "dynamic_unstacked" in t:
+            u = t["dynamic_unstacked"]
+            bytes_u = u["bytes_accessed_per_device"]
+            ratio_u = bytes_u / t["static"]["bytes_accessed_per_device"]
+            print(
+                f"  dynamic tables stacked in {t['dynamic']['stacks']} arrays; with "
+                f"stacking=False {bytes_u / 1e6:.1f} MB ({ratio_u:.2f}x), "
+                f"{u['collectives']} collectives"
+            )
     if args.checkpoint:
         c = result["checkpoint"] = checkpoint_times(args.checkpoint)
         print(

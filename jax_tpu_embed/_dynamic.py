@@ -632,12 +632,16 @@ def lookup_rows(plan: DynamicPlan, storage, index, hi, lo, now, axis):
     return jnp.zeros(p, jnp.int32).at[pos].set(rows[:p] + 1, mode="drop", unique_indices=True)
 
 
-def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, keep, now, axis):
+def update_rows(
+    plan: DynamicPlan, storage, index, key, table, slots, hi, lo, keep, now, axis, offset=0
+):
     """Inside shard_map: one step's admission and eviction on this shard's buckets for the
     table's gathered ids (`gather_ids`'s), and the reset of the rows it gives to new ids
-    (table row to the id's initial row, slots to their initial values). Returns (index,
-    table, slots, the ids' global rows as `scatter_rows` takes them, fresh). `keep` False:
-    the table is skipped this step (its index is left as it is).
+    (table row to the id's initial row, slots to their initial values) in `table` and
+    `slots`, where the table's rows start at local row `offset` (a stack's arrays hold
+    several tables). Returns (index, table, slots, the ids' global rows as `scatter_rows`
+    takes them, fresh). `keep` False: the table is skipped this step (its index is left as
+    it is).
 
     A table in device memory is reset here, written in place; `fresh` is None. A table in
     host memory is left as it is, and `fresh` holds the resets for the update to start
@@ -647,11 +651,12 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
     in HBM: docs/design.md.)"""
     me = lax.axis_index(axis)
     in_place = not storage.on_host
+    assert in_place or offset == 0, "tables in host memory are never stacked"
     if plan.kernel == "cpu":
         assert in_place, "host tables run the XLA index"
         n = lax.axis_size(axis)
         index, r = _hashindex_cpu.resolve_update(plan.index, index, hi, lo, keep, me, n, now)
-        table, slots = _reset_fresh(storage, table, slots, r, key, plan.dim)
+        table, slots = _reset_fresh(storage, table, slots, r, key, plan.dim, offset)
         rows = jnp.where(r.rows >= 0, storage.layout.global_ids(me, r.rows) + 1, 0)
         return index, table, slots, rows, None
     window = capacity(plan, hi.shape[0], lax.axis_size(axis))
@@ -701,7 +706,7 @@ def update_rows(plan: DynamicPlan, storage, index, key, table, slots, hi, lo, ke
         index, row, ok = place(plan, index, hi, lo, bucket, valid, now)
         if in_place:
             init = initial_rows(key, hi, lo, plan.dim)
-            table, slots = reset_rows(storage, table, slots, row, ok, init)
+            table, slots = reset_rows(storage, table, slots, row + offset, ok, init)
         return (row, ok), (index, table, slots)
 
     (a_row, a_placed), (index, table, slots) = _windows(
@@ -758,13 +763,14 @@ ROUND = 64  # Rounds of placements and resets take n / ROUND ids each (`_few`).
 FEW = 8 * ROUND  # The smallest draws of initial rows, and first resets, take n / FEW.
 
 
-def _reset_fresh(storage, table, slots: dict, resolved, key, dim: int):
+def _reset_fresh(storage, table, slots: dict, resolved, key, dim: int, offset: int):
     """`reset_rows` of the rows the C++ index gave to new ids (`resolved`: its compacted fresh
-    rows and ids), in rounds: none when the step gave none away (a trained table's usual
-    step), rounds of `_few(n, FEW)` up to `_few(n, ROUND)` rows (a trained table's
-    steps give a few away), then rounds of that; the arrays are updated in place by the
-    loops. (The XLA index resets its placements in its own rounds, `update_rows`.)"""
-    rows, hi, lo = resolved.fresh_rows, resolved.fresh_hi, resolved.fresh_lo
+    rows and ids; the table's rows start at `offset` in the arrays), in rounds: none when
+    the step gave none away (a trained table's usual step), rounds of `_few(n, FEW)` up to
+    `_few(n, ROUND)` rows (a trained table's steps give a few away), then rounds of that;
+    the arrays are updated in place by the loops. (The XLA index resets its placements in
+    its own rounds, `update_rows`.)"""
+    rows, hi, lo = resolved.fresh_rows + offset, resolved.fresh_hi, resolved.fresh_lo
     count, n = resolved.fresh_count, rows.shape[0]
     k = _few(n, ROUND)
     if k == n:
@@ -884,6 +890,22 @@ def split_on_host(leaf):
 def stats(plan: DynamicPlan, index, now) -> dict:
     """{counter: int32 scalar} of one table's index (see `Embedding.dynamic_stats`)."""
     return _hashindex.stats(plan.index, index, now)
+
+
+def counted_rows(plan: DynamicPlan, storage, hi, lo) -> np.ndarray:
+    """Stand-in slot-table rows of ids (hi, lo) ((m,) uint32 each, NumPy) for
+    `Embedding.id_counts`: each id a row of the shard that owns its bucket (where its row
+    is, or would be once admitted), the distinct ids of a shard distinct rows up to the
+    rows it has; -1 at padding. The row exchange then carries what it carries when every
+    id holds a row."""
+    n = storage.layout.num_shards
+    owner = np.asarray(_hashindex.locate(plan.index, n, hi, lo)[0], np.int64)
+    keys = np.stack([owner, hi.astype(np.int64), lo.astype(np.int64)], 1)
+    distinct, which = np.unique(keys, axis=0, return_inverse=True)  # By owner first.
+    rank = np.arange(len(distinct)) - np.searchsorted(distinct[:, 0], distinct[:, 0])
+    local = np.minimum(rank, storage.layout.rows_per_shard - 1)
+    rows = np.asarray(storage.layout.global_ids(distinct[:, 0], local), np.int64)
+    return np.where(np.asarray(is_pad(hi, lo)), -1, rows[which.reshape(-1)])
 
 
 def slot_rows(storage, global_rows):

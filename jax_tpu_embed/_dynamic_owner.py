@@ -281,12 +281,14 @@ class Table(NamedTuple):
 
 
 class Update(NamedTuple):
-    """What `update_rows` also takes of a table: its key words, slot table and slots, and
-    whether it steps (`keep` False: it is skipped, and sends none of its ids)."""
+    """What `update_rows` also takes of a table: its key words, where its rows are stored
+    (the state key of its arrays, and its rows' offset in their shard: a stack's members
+    share arrays), and whether it steps (`keep` False: it is skipped, and sends none of
+    its ids)."""
 
     key: Any
-    table: Any
-    slots: dict
+    stack: str
+    offset: int
     keep: Any
 
 
@@ -310,12 +312,14 @@ def lookup_rows(tables: list[Table], now, axis) -> list:
     return [_dynamic.to_positions(owned, v - 1) - 1 for (_, owned), v in zip(resolved, values)]
 
 
-def update_rows(tables: list[Table], updates: list[Update], now, axis) -> list[tuple]:
+def update_rows(
+    tables: list[Table], updates: list[Update], arrays: dict, now, axis
+) -> tuple[list[tuple], dict]:
     """Inside shard_map: `_dynamic.update_rows` resolved at the owners (`routes_updates`),
     the tables in shared rounds: one step's hits, admission and eviction for this device's
-    positions of each table, and the reset of the rows given to new ids. Returns, per table,
-    (index, table, slots, the positions' global slot-table rows ((m,) int32, -1 where
-    none))."""
+    positions of each table, and the reset of the rows given to new ids in `arrays`
+    ({state key: (table, slots)}, the shard's). Returns ([per table (index, the positions'
+    global slot-table rows ((m,) int32, -1 where none))], the new `arrays`)."""
     n, me = lax.axis_size(axis), lax.axis_index(axis)
     # The lookup's distinct ids (one sort that a step's lookup and update share: XLA merges
     # the two equal computations); a skipped table sends none of them.
@@ -354,27 +358,28 @@ def update_rows(tables: list[Table], updates: list[Update], now, axis) -> list[t
 
     # Then the admitted ones' placement, in key order, each round resetting the rows it gives.
     def placed(received, carry):
-        codes, out = [], []
-        for t, u, (r_hi, r_lo), (index, table, slots) in zip(tables, updates, received, carry):
+        indexes, arrays = carry
+        codes, arrays, out = [], dict(arrays), []
+        for t, u, (r_hi, r_lo), index in zip(tables, updates, received, indexes):
             s_hi, s_lo, bucket, first, slot = _merged(t.plan.index, n, r_hi, r_lo)
             index, row, ok = _dynamic.place(t.plan, index, s_hi, s_lo, bucket, first, now)
             init = _dynamic.initial_rows(u.key, s_hi, s_lo, t.plan.dim)
-            table, slots = _dynamic.reset_rows(t.storage, table, slots, row, ok, init)
+            table, slots = arrays[u.stack]
+            arrays[u.stack] = _dynamic.reset_rows(t.storage, table, slots, row + u.offset, ok, init)
             code = jnp.where(ok, t.storage.layout.global_ids(me, row) + 1, 0)
             codes.append(_spread(first, code, slot))
-            out.append((index, table, slots))
-        return codes, out
+            out.append(index)
+        return codes, (out, arrays)
 
     admitted = [_compact(t.plan, n, d, c == 1) for t, d, c in zip(tables, ids, codes)]
-    carry = [(index, u.table, u.slots) for index, u in zip(indexes, updates)]
     sends = [(a, _placements(cd)) for (a, _), cd in zip(admitted, cds)]
-    a_codes, carry = _rounds(sends, axis, True, placed, carry)
+    a_codes, (indexes, arrays) = _rounds(sends, axis, True, placed, (indexes, arrays))
     out = []
-    for t, (_, owned), c, (_, at), a_c, (index, table, slots) in zip(
-        tables, resolved, codes, admitted, a_codes, carry
+    for t, (_, owned), c, (_, at), a_c, index in zip(
+        tables, resolved, codes, admitted, a_codes, indexes
     ):
         m = t.hi.shape[0]
         given = jnp.zeros(m, jnp.int32).at[at].set(a_c, mode="drop", unique_indices=True)
         rows = jnp.where(c >= 2, c - 2, given - 1)
-        out.append((index, table, slots, _dynamic.to_positions(owned, rows) - 1))
-    return out
+        out.append((index, _dynamic.to_positions(owned, rows) - 1))
+    return out, arrays

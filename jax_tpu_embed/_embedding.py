@@ -193,7 +193,6 @@ class Embedding:
             init_block_bytes=init_block_bytes,
             cpu_kernels=cpu_kernels,
             tpu_kernels=tpu_kernels,
-            alone=frozenset(self.dynamic),
         )
         # A dynamic table's index runs in C++ where its slot table's row work does.
         self.dynamic = {
@@ -733,12 +732,27 @@ class Embedding:
         part of it that one call serves (1 unless they are below the other two; always 1 on
         the Pallas and C++ kernels, which walk every pair in one call; with routing="owner",
         the exchange rounds: more than 1 when a device holds more distinct ids for one owner
-        than a round carries, max_ids_per_shard / N)}}. Host-side: features are NumPy arrays
-        or fully addressable jax.Arrays.
+        than a round carries, max_ids_per_shard / N)}}. A dynamic table's ids count at the
+        shards that own their buckets, each distinct id as the row it holds or would hold
+        once admitted (at most a shard's rows). Host-side: features are NumPy arrays or
+        fully addressable jax.Arrays.
         """
         flat = _inputs.flatten_inputs(self.spec, features)
         _inputs.check_batch(flat, self.num_shards)
-        return _counts.id_counts(self.plan, flat)
+        return _counts.id_counts(self.plan, {**flat, **self._counted_rows(flat)})
+
+    def _counted_rows(self, flat) -> dict:
+        """{path: (B, L) int64} of the dynamic features for `id_counts`: the rows their ids
+        hold, or would hold once admitted, as far as the host can tell
+        (`_dynamic.counted_rows`)."""
+        out = {}
+        for name, plan in self.dynamic.items():
+            split = {p: _dynamic.split_leaf(p, f, flat[p])[:2] for p, f in plan.features.items()}
+            hi, lo = _dynamic_owner.joined([tuple(map(np.asarray, x)) for x in split.values()])
+            storage = self.table_plans[name].storage
+            rows = _dynamic.counted_rows(plan, storage, np.asarray(hi), np.asarray(lo))
+            out.update(zip(split, _dynamic_owner.split(rows, list(split.values()))))
+        return out
 
     def _prepare(self, features, act_grads=None) -> dict:
         flat = _inputs.flatten_inputs(self.spec, features)
@@ -1077,17 +1091,26 @@ class Embedding:
             for name in names
             if _dynamic_owner.routes_updates(self.dynamic[name], self.table_plans[name].storage)
         ]
+        # Where each table's rows are stored: its arrays' state key (a stack's members share
+        # them) and the offset of its rows in every shard of them.
+        stack_of = self.plan.stack_of
+        keys = list(dict.fromkeys(stack_of[name] for name in names))
+        offset = {
+            m.name: m.offset for k in keys for m in self.plan.stacks[k].members if m.name in names
+        }
 
         def local(index, tables, slots, parts, keep, step):
-            new_index, new_tables, new_slots, values, fresh, out = {}, {}, {}, [], {}, {}
-
+            new_index, values, fresh, out = {}, [], {}, {}
+            arrays = {k: (tables[k], slots[k]) for k in keys}
             owned = [self._owned_table(self.dynamic[name], index, parts) for name in routed]
             updates = [
-                _dynamic_owner.Update(index[name].key, tables[name], slots[name], keep[name])
+                _dynamic_owner.Update(
+                    index[name].key, stack_of[name], offset.get(name, 0), keep[name]
+                )
                 for name in routed
             ]
-            done = _dynamic_owner.update_rows(owned, updates, step, self.axis)
-            for name, (idx, new_tables[name], new_slots[name], rows) in zip(routed, done):
+            done, arrays = _dynamic_owner.update_rows(owned, updates, arrays, step, self.axis)
+            for name, (idx, rows) in zip(routed, done):
                 new_index[name] = dataclasses.replace(index[name], index=idx)
                 out.update(self._owned_rows(self.dynamic[name], parts, rows))
             gathered = [name for name in names if name not in routed]
@@ -1096,26 +1119,31 @@ class Embedding:
                 [[parts[p] for p in plan.features] for plan in plans], self.axis
             )
             for name, (hi, lo) in zip(gathered, ids):
+                k = stack_of[name]
+                table, table_slots = arrays[k]
                 idx, table, table_slots, rows, resets = _dynamic.update_rows(
                     self.dynamic[name],
                     self.table_plans[name].storage,
                     index[name].index,
                     index[name].key,
-                    tables[name],
-                    slots[name],
+                    table,
+                    table_slots,
                     hi,
                     lo,
                     keep[name],
                     step,
                     self.axis,
+                    offset.get(name, 0),
                 )
+                arrays[k] = (table, table_slots)
                 new_index[name] = dataclasses.replace(index[name], index=idx)
-                new_tables[name], new_slots[name] = table, table_slots
                 values.append(rows)
                 if resets is not None:
                     fresh[name] = resets
             back, gathered = self._dynamic_back(plans, parts, values, ids, scaled)
             out.update(back)
+            new_tables = {k: table for k, (table, _) in arrays.items()}
+            new_slots = {k: table_slots for k, (_, table_slots) in arrays.items()}
             return new_index, new_tables, new_slots, out, fresh, gathered
 
         parts = {
@@ -1125,8 +1153,8 @@ class Embedding:
         outs = (specs, row, row, row, row, P())
         return self._shard_map(local, (specs, row, row, row, P(), P()), outs)(
             state.index,
-            {n: state.tables[n] for n in names},
-            {n: state.slots[n] for n in names},
+            {k: state.tables[k] for k in keys},
+            {k: state.slots[k] for k in keys},
             parts,
             {n: ok[n] for n in names},
             state.step,

@@ -51,12 +51,10 @@ def build(
     init_block_bytes: int = INIT_BLOCK_BYTES,
     cpu_kernels: bool | None = None,
     tpu_kernels: bool | str | None = None,
-    alone: frozenset = frozenset(),
 ) -> _plan.EmbeddingPlan:
     """The plan of an `Embedding(spec, mesh, axis, **options)`; see `Embedding` for the
-    options. Tables in `alone` are never stacked (dynamic tables' slot tables, whose rows
-    their index addresses). Raises ValueError naming the table and the reason for any
-    option a table cannot take."""
+    options. Raises ValueError naming the table and the reason for any option a table
+    cannot take."""
     num_shards = int(mesh.shape[axis])
     device = mesh.devices.flat[0]
     platform = device.platform
@@ -129,7 +127,7 @@ def build(
         for name, table in tables.items()
     }
     on_host = frozenset(n for n, s in storages.items() if s.on_host)
-    stacks = make_stacks(table_plans, num_shards, stacking, alone | on_host)
+    stacks = make_stacks(table_plans, num_shards, stacking, on_host)
     stack_of = {t: key for key, plan in stacks.items() for t in plan.tables}
     names = _config.table_names(spec)
     return _plan.EmbeddingPlan(

@@ -197,7 +197,9 @@ def test_a_skipped_step_leaves_the_table_and_its_index_alone(routing, backend):
         state = emb.apply_gradients(state, feats, grads)
     feats, grads = stream[2]  # New ids among them: they would be admitted.
     grads = {**grads, "user": np.where(np.arange(DIM) == 3, np.nan, grads["user"])}
-    users_of = lambda s: jax.device_get((s.tables["users"], s.slots["users"], s.index["users"]))
+    users_of = lambda s: jax.device_get(  # Its own rows: "owner" stacks it with "items".
+        (*(x["users"] for x in emb.table_arrays(s)), s.index["users"])
+    )
     before = users_of(state)
     state, skipped = emb.apply_gradients(state, feats, grads, return_skipped=True)
     assert int(skipped["users"]) == 1 and int(skipped["items"]) == 0
@@ -519,6 +521,131 @@ def test_tables_resolved_in_shared_rounds_are_each_as_alone():
         for step, got in zip(alone_acts, acts):
             for p in paths:
                 np.testing.assert_array_equal(got[p], step[p])
+
+
+@pytest.mark.slow  # Three streams of four steps: about 30 s.
+def test_stacked_dynamic_tables_are_as_alone(tmp_path):
+    """Dynamic tables stack like static ones (owner routing, one dim and optimizer): one
+    array for three dynamic tables (resolved at the owners, one with TTL and lfu, one with
+    an admission filter, whose updates keep the all-gather resolution) and a static table.
+    Each table's resets land in its own block of the stack: lookups, exported rows, slots
+    and counters are bit-identical to `stacking=False`, with evictions and expiry, and a
+    checkpoint of the stacked state restores unstacked and steps on as the unstacked one."""
+    n, batch, steps = 4, 16, 4
+    users = jte.TableConfig(
+        dim=DIM, name="users", dynamic=jte.DynamicTable(capacity=64, bucket_size=8)
+    )
+    pages = jte.TableConfig(
+        dim=DIM,
+        combiner="sum",
+        name="pages",
+        dynamic=jte.DynamicTable(capacity=32, bucket_size=4, eviction="lfu", ttl_steps=2),
+    )
+    seen = jte.TableConfig(
+        dim=DIM, name="seen", dynamic=jte.DynamicTable(capacity=32, bucket_size=4, min_count=2)
+    )
+    words = jte.TableConfig(vocabulary_size=50, dim=DIM, name="words")
+    features = {
+        "user": jte.FeatureConfig(users),
+        "hist": jte.FeatureConfig(users, max_sequence_length=3),
+        "page": jte.FeatureConfig(pages),
+        "seen": jte.FeatureConfig(seen),
+        "word": jte.FeatureConfig(words),
+    }
+    rng = np.random.default_rng(6)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=300, dtype=np.int64)
+    stream = []
+    for _ in range(steps):
+        feats = {
+            "user": draw_ids(rng, (batch, 4), pool),
+            "hist": draw_ids(rng, (batch, 2), pool),
+            "page": draw_ids(rng, (batch, 8), pool[::-1]),
+            "seen": draw_ids(rng, (batch, 3), pool[50:]),
+            "word": rng.integers(-1, 50, size=(batch, 3)),
+        }
+        shape = lambda p: (batch, 3, DIM) if p == "hist" else (batch, DIM)
+        grads = {p: rng.normal(size=shape(p)).astype(np.float32) for p in feats}
+        stream.append((feats, grads))
+
+    def run(stacking, stream):
+        spec = jte.EmbeddingSpec(features, jte.Adagrad(learning_rate=LR))
+        emb = jte.Embedding(
+            spec, make_mesh(n), routing="owner", max_ids_per_shard=4 * n, stacking=stacking
+        )
+        state, acts = emb.init(jax.random.key(0)), []
+        for feats, grads in stream:
+            acts.append(jax.tree.map(np.asarray, emb.lookup(state, feats)))
+            state = emb.apply_gradients(state, feats, grads)
+        return emb, state, acts
+
+    (emb, state, acts), (alone, alone_state, alone_acts) = (
+        run(stacking, stream[:-1]) for stacking in (True, False)
+    )
+    assert list(emb.stacks.values()) == [("users", "pages", "seen", "words")]
+    assert [emb.dynamic[t].route for t in ("users", "pages", "seen")] == ["owner"] * 3
+    storage = emb.table_plans["seen"].storage
+    assert not _dynamic_owner.routes_updates(emb.dynamic["seen"], storage)
+    stats = jax.tree.map(int, emb.dynamic_stats(state))
+    assert stats == jax.tree.map(int, alone.dynamic_stats(alone_state))
+    assert stats["pages"]["evicted"] > 0 and stats["pages"]["expired"] > 0, stats
+    assert stats["users"]["evicted"] > 0 and stats["seen"]["admitted"] > 0, stats
+    for got, want in [
+        (emb.export(state), alone.export(alone_state)),
+        (emb.export_slots(state), alone.export_slots(alone_state)),
+        *zip(acts, alone_acts),
+    ]:
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+    jte.checkpoint.save(tmp_path, emb, state)
+    restored, _ = jte.checkpoint.restore(tmp_path, alone)
+    feats, grads = stream[-1]
+    want = alone.export(alone.apply_gradients(alone_state, feats, grads))
+    for e, s in ((alone, restored), (emb, state)):
+        got = e.export(e.apply_gradients(s, feats, grads))
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_id_counts_of_dynamic_tables():
+    """`id_counts` counts a dynamic table's ids at the shards that own their buckets (a
+    NumPy reference), its distinct ids as the distinct rows they hold or would hold, capped
+    at a shard's rows, and its stack's exchange rounds from them."""
+    n, batch = 4, 16
+    small = jte.TableConfig(
+        dim=DIM, name="small", dynamic=jte.DynamicTable(capacity=32, bucket_size=8)
+    )
+    big = jte.TableConfig(dim=DIM, name="big", dynamic=jte.DynamicTable(capacity=4096))
+    words = jte.TableConfig(vocabulary_size=50, dim=DIM, name="words")
+    features = {
+        "a": jte.FeatureConfig(small),
+        "b": jte.FeatureConfig(big),
+        "c": jte.FeatureConfig(big, max_sequence_length=3),
+        "w": jte.FeatureConfig(words),
+    }
+    rng = np.random.default_rng(8)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=500, dtype=np.int64)
+    feats = {
+        "a": np.where(rng.random((batch, 4)) < 0.2, -1, rng.choice(pool, (batch, 4))),
+        "b": draw_ids(rng, (batch, 6), pool),
+        "c": draw_ids(rng, (batch, 3), pool[::-1]),
+        "w": rng.integers(-1, 50, size=(batch, 2)),
+    }
+    spec = jte.EmbeddingSpec(features, jte.Adagrad(learning_rate=LR))
+    for max_ids, rounds in ((None, 1), (n, 2)):
+        emb = jte.Embedding(spec, make_mesh(n), routing="owner", max_ids_per_shard=max_ids)
+        assert list(emb.stacks.values()) == [("small", "big", "words")]
+        counts = emb.id_counts(feats)
+        most = {}
+        for name, paths in (("small", ["a"]), ("big", ["b", "c"])):
+            ids = np.concatenate([feats[p].reshape(-1) for p in paths])
+            hi, lo = _hashindex.split_ids(ids[ids != -1])
+            owner = np.asarray(_hashindex.locate(emb.dynamic[name].index, n, hi, lo)[0])
+            per_shard = emb.table_plans[name].storage.layout.rows_per_shard
+            distinct = [len(np.unique(ids[ids != -1][owner == p])) for p in range(n)]
+            assert counts[name]["pairs"] == ids.size
+            assert counts[name]["owned_pairs"] == np.bincount(owner, minlength=n).max()
+            assert counts[name]["unique_rows"] == min(max(distinct), per_shard), distinct
+            most[name] = max(distinct)
+        assert counts["small"]["unique_rows"] == 8 < most["small"]  # Capped: 32 rows / 4.
+        assert counts["big"]["passes"] >= rounds, counts
 
 
 @pytest.mark.slow  # Four streams of several steps each.
