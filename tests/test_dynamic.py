@@ -523,14 +523,16 @@ def test_tables_resolved_in_shared_rounds_are_each_as_alone():
                 np.testing.assert_array_equal(got[p], step[p])
 
 
-@pytest.mark.slow  # Three streams of four steps: about 30 s.
-def test_stacked_dynamic_tables_are_as_alone(tmp_path):
+@pytest.mark.slow  # Three streams of four steps: about 30 s (xla).
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+def test_stacked_dynamic_tables_are_as_alone(tmp_path, backend):
     """Dynamic tables stack like static ones (owner routing, one dim and optimizer): one
     array for three dynamic tables (resolved at the owners, one with TTL and lfu, one with
     an admission filter, whose updates keep the all-gather resolution) and a static table.
     Each table's resets land in its own block of the stack: lookups, exported rows, slots
     and counters are bit-identical to `stacking=False`, with evictions and expiry, and a
-    checkpoint of the stacked state restores unstacked and steps on as the unstacked one."""
+    checkpoint of the stacked state restores unstacked and steps on as the unstacked one;
+    with XLA's row work and the Pallas kernels' (in their interpreter)."""
     n, batch, steps = 4, 16, 4
     users = jte.TableConfig(
         dim=DIM, name="users", dynamic=jte.DynamicTable(capacity=64, bucket_size=8)
@@ -570,7 +572,12 @@ def test_stacked_dynamic_tables_are_as_alone(tmp_path):
     def run(stacking, stream):
         spec = jte.EmbeddingSpec(features, jte.Adagrad(learning_rate=LR))
         emb = jte.Embedding(
-            spec, make_mesh(n), routing="owner", max_ids_per_shard=4 * n, stacking=stacking
+            spec,
+            make_mesh(n),
+            routing="owner",
+            max_ids_per_shard=4 * n,
+            stacking=stacking,
+            backend=backend,
         )
         state, acts = emb.init(jax.random.key(0)), []
         for feats, grads in stream:
