@@ -217,13 +217,15 @@ def dynamic_step_data(step: int):
     rng = np.random.default_rng([SEED, 8, step])
     user = pool[rng.integers(0, pool.size, (B,))]
     hist = np.where(rng.random((B, 3)) < 0.2, -1, pool[rng.integers(0, pool.size, (B, 3))])
-    features = {"user": user, "hist": hist}
+    item = np.where(rng.random((B, 2)) < 0.2, -1, pool[rng.integers(0, pool.size, (B, 2))])
+    features = {"user": user, "hist": hist, "item": item}
     grads = {k: rng.standard_normal((B, 8)).astype(np.float32) for k in features}
     return features, grads
 
 
 def dynamic_embedding(mesh, routing: str = "auto", placement: str = "device", capacity=64):
-    """`train_dynamic`'s Embedding on `mesh`."""
+    """`train_dynamic`'s Embedding on `mesh`: "users" and "items", stacked in one array with
+    routing="owner" (in device memory)."""
     users = jte.TableConfig(
         dim=8,
         combiner="mean",
@@ -231,11 +233,22 @@ def dynamic_embedding(mesh, routing: str = "auto", placement: str = "device", ca
         dynamic=jte.DynamicTable(capacity=capacity, bucket_size=8),
         placement=placement,
     )
+    items = jte.TableConfig(
+        dim=8,
+        combiner="sum",
+        name="items",
+        dynamic=jte.DynamicTable(capacity=64, bucket_size=8, eviction="lfu"),
+        placement=placement,
+    )
+    features = {"user": users, "hist": users, "item": items}
     spec = jte.EmbeddingSpec(
-        {"user": jte.FeatureConfig(users), "hist": jte.FeatureConfig(users)},
+        {path: jte.FeatureConfig(table) for path, table in features.items()},
         jte.Adagrad(learning_rate=0.1),
     )
-    return jte.Embedding(spec, mesh, routing=routing)
+    emb = jte.Embedding(spec, mesh, routing=routing)
+    if emb.routing["users"] == "owner" and placement == "device":
+        assert emb.stacks == {"users+items": ("users", "items")}, emb.stacks
+    return emb
 
 
 def train_dynamic(
@@ -270,17 +283,22 @@ def train_dynamic(
     table = emb.export(state)["users"]
     out["ids"], out["rows"] = table.ids, table.rows
     out["acc"] = emb.export_slots(state)["users"]["accumulators"].rows
+    items = emb.export(state)["items"]
+    out["items/ids"], out["items/rows"] = items.ids, items.rows
     # Rows of the stored table and of an index array read in pieces of 3 rows (through the
     # devices with several processes), in a shuffled order with repeats.
     for key, array in (
-        ("table", state.tables["users"]),
+        ("table", state.tables[emb.plan.stack_of["users"]]),
         ("index", jax.tree.leaves(state.index)[0]),
     ):
         at = np.random.default_rng(0).permutation(np.r_[np.arange(array.shape[0]), 0, 5, 5])
         row_bytes = array.dtype.itemsize * int(np.prod(array.shape[1:]))
         out[f"pieces/{key}"] = multihost.to_host(array, at, chunk_bytes=3 * row_bytes)
-    for name, value in emb.dynamic_stats(state)["users"].items():
+    stats = emb.dynamic_stats(state)
+    for name, value in stats["users"].items():
         out[f"stats/{name}"] = np.asarray(_gather(value))
+    for name, value in stats["items"].items():
+        out[f"stats/items/{name}"] = np.asarray(_gather(value))
     if directory is not None:
         from jax_tpu_embed import checkpoint
 
@@ -289,6 +307,8 @@ def train_dynamic(
         table = emb.export(restored)["users"]
         out["restored/ids"], out["restored/rows"] = table.ids, table.rows
         out["restored/acc"] = emb.export_slots(restored)["users"]["accumulators"].rows
+        items = emb.export(restored)["items"]
+        out["restored/items/ids"], out["restored/items/rows"] = items.ids, items.rows
     return out
 
 

@@ -191,10 +191,11 @@ def dynamic_job(tmp_path_factory):
 @pytest.mark.parametrize("case", DYNAMIC_CASES)
 def test_dynamic_tables_two_processes_match_one(dynamic_job, case, tmp_path):
     """A dynamic table (int64 ids as split halves, global jax.Arrays fed per process, LRU
-    evicting every step) on 2 processes x 4 devices: the same resident ids, counters, rows
-    and slots as one process with 8 devices, both exchanges; a checkpoint saved and
-    restored there holds them bit for bit; rows read in pieces through the devices
-    (`multihost.to_host`) are the same."""
+    evicting every step) and a second one (lfu), stacked in one array with owner routing,
+    on 2 processes x 4 devices: the same resident ids, counters, rows and slots as one
+    process with 8 devices, both exchanges; a checkpoint saved and restored there holds
+    them bit for bit; rows read in pieces through the devices (`multihost.to_host`) are
+    the same."""
     want = worker.train(*case.split(":"), directory=str(tmp_path / "one"))
     got = dynamic_job.result(case)
     # The 2-process save, written by each process for its own 4 shards, in one process: on
@@ -220,15 +221,16 @@ def test_dynamic_tables_two_processes_match_one(dynamic_job, case, tmp_path):
         np.testing.assert_array_equal(emb.export(restored)["users"].rows, got["rows"])
         acc = emb.export_slots(restored)["users"]["accumulators"].rows
         np.testing.assert_array_equal(acc, got["acc"])
+        np.testing.assert_array_equal(emb.export(restored)["items"].rows, got["items/rows"])
     assert sorted(got) == sorted(want)
-    assert int(want["stats/evicted"]) > 0
+    assert int(want["stats/evicted"]) > 0 and int(want["stats/items/evicted"]) > 0
     np.testing.assert_array_equal(got["ids"], want["ids"])
-    for key in ("ids", "rows", "acc"):  # Restored on the 2 processes: bit for bit.
+    for key in ("ids", "rows", "acc", "items/ids", "items/rows"):  # Restored: bit for bit.
         np.testing.assert_array_equal(got[f"restored/{key}"], got[key], err_msg=key)
     for key in sorted(want):
-        if key.startswith("stats/"):
+        if key.startswith("stats/") or key.endswith("ids"):
             np.testing.assert_array_equal(got[key], want[key], err_msg=key)
-        elif key != "ids":
+        else:
             np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-6, err_msg=key)
 
 
