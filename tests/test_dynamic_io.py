@@ -403,9 +403,9 @@ def flax_batches(seed, steps):
     return out
 
 
-def flax_setup(batches):
+def flax_setup(batches, routing="auto"):
     dynamic = jte.DynamicTable(capacity=512, bucket_size=8)
-    emb = jte.Embedding(spec_of(dynamic), make_mesh(4))
+    emb = jte.Embedding(spec_of(dynamic), make_mesh(4), routing=routing)
     model = Model(jte.flax.Embed.from_embedding(emb))
     step = jte.flax.make_train_step(model, mse, optax.adam(0.05))
     return emb, model, step, step.init(jax.random.key(0), batches[0])
@@ -447,11 +447,14 @@ def test_flax_model_trains_a_dynamic_table():
 
 
 @pytest.mark.slow
-def test_flax_step_with_a_dynamic_table_equals_the_generic_step():
+@pytest.mark.parametrize("routing", ["auto", "owner"])
+def test_flax_step_with_a_dynamic_table_equals_the_generic_step(routing):
     """The flax step and jte.make_train_step, started from the same state: the same losses,
-    ids and rows."""
+    ids and rows; with owner routing the dynamic table is stacked with the static one in the
+    "embedding" collection."""
     batches = flax_batches(2, 3)
-    emb, _, step, state = flax_setup(batches)
+    emb, _, step, state = flax_setup(batches, routing)
+    assert len(emb.stacks) == (1 if routing == "owner" else 2)
     head = nn.Dense(1)
 
     def loss_fn(params, acts, batch):
