@@ -438,6 +438,43 @@ def test_owner_resolution_in_rounds_is_the_same(n, batch, dynamic):
     )
 
 
+def routed_features(pages_dim: int, batch: int, pool) -> tuple[dict, dict]:
+    """({path: FeatureConfig}, {path: draw(rng) of its ids from `pool`}) of two dynamic
+    tables small enough to evict every step: "users" (lru; features "user" and the sequence
+    "hist") and "pages" (lfu, with TTL, so its ids also expire; feature "page")."""
+    users = jte.TableConfig(
+        dim=DIM, name="users", dynamic=jte.DynamicTable(capacity=64, bucket_size=8)
+    )
+    pages = jte.TableConfig(
+        dim=pages_dim,
+        combiner="sum",
+        name="pages",
+        dynamic=jte.DynamicTable(capacity=32, bucket_size=4, eviction="lfu", ttl_steps=2),
+    )
+    features = {
+        "user": jte.FeatureConfig(users),
+        "hist": jte.FeatureConfig(users, max_sequence_length=3),
+        "page": jte.FeatureConfig(pages),
+    }
+    draws = {
+        "user": lambda rng: draw_ids(rng, (batch, 4), pool),
+        "hist": lambda rng: draw_ids(rng, (batch, 2), pool),
+        "page": lambda rng: draw_ids(rng, (batch, 8), pool[::-1]),
+    }
+    return features, draws
+
+
+def feature_stream(rng, steps: int, draws: dict, grad_shapes: dict) -> list:
+    """[(features, activation gradients)] of `steps` steps: each feature's ids drawn by
+    draws[path](rng), its gradients normal of grad_shapes[path]."""
+    out = []
+    for _ in range(steps):
+        feats = {p: draw(rng) for p, draw in draws.items()}
+        grads = {p: rng.normal(size=grad_shapes[p]).astype(np.float32) for p in feats}
+        out.append((feats, grads))
+    return out
+
+
 @pytest.mark.slow  # Four Embeddings of several steps each.
 def test_tables_resolved_in_shared_rounds_are_each_as_alone():
     """A step's routed dynamic tables share one loop of rounds (`_dynamic_owner._rounds`):
@@ -446,43 +483,17 @@ def test_tables_resolved_in_shared_rounds_are_each_as_alone():
     updates keep the all-gather resolution, its lookups route), every table's lookups,
     exported rows, slots and counters are bit-identical to its own Embedding's."""
     n, batch, steps = 4, 32, 4
-    users = jte.TableConfig(
-        dim=DIM, name="users", dynamic=jte.DynamicTable(capacity=64, bucket_size=8)
-    )
-    pages = jte.TableConfig(
-        dim=2 * DIM,
-        combiner="sum",
-        name="pages",
-        dynamic=jte.DynamicTable(capacity=32, bucket_size=4, eviction="lfu", ttl_steps=2),
-    )
+    rng = np.random.default_rng(5)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=300, dtype=np.int64)
+    features, draws = routed_features(2 * DIM, batch, pool)
     hosted = jte.TableConfig(
         dim=DIM, name="hosted", dynamic=jte.DynamicTable(capacity=64), placement="host"
     )
-    features = {
-        "user": jte.FeatureConfig(users),
-        "hist": jte.FeatureConfig(users, max_sequence_length=3),
-        "page": jte.FeatureConfig(pages),
-        "host": jte.FeatureConfig(hosted),
-    }
+    features["host"] = jte.FeatureConfig(hosted)
+    draws["host"] = lambda rng: draw_ids(rng, (batch, 2), pool[100:])
     tables_of = {"users": ("user", "hist"), "pages": ("page",), "hosted": ("host",)}
-    dims = {"user": DIM, "page": 2 * DIM, "host": DIM}
-    rng = np.random.default_rng(5)
-    pool = rng.integers(-(2**63), 2**63 - 1, size=300, dtype=np.int64)
-    stream = []
-    for _ in range(steps):
-        feats = {
-            "user": draw_ids(rng, (batch, 4), pool),
-            "hist": draw_ids(rng, (batch, 2), pool),
-            "page": draw_ids(rng, (batch, 8), pool[::-1]),
-            "host": draw_ids(rng, (batch, 2), pool[100:]),
-        }
-        grads = {
-            p: rng.normal(size=(batch, 3, DIM) if p == "hist" else (batch, dims[p])).astype(
-                np.float32
-            )
-            for p in feats
-        }
-        stream.append((feats, grads))
+    shapes = {"user": (batch, DIM), "hist": (batch, 3, DIM), "page": (batch, 2 * DIM)}
+    stream = feature_stream(rng, steps, draws, {**shapes, "host": (batch, DIM)})
 
     def run(paths, keys=None):
         spec = jte.EmbeddingSpec({p: features[p] for p in paths}, jte.Adagrad(learning_rate=LR))
@@ -534,40 +545,18 @@ def test_stacked_dynamic_tables_are_as_alone(tmp_path, backend):
     checkpoint of the stacked state restores unstacked and steps on as the unstacked one;
     with XLA's row work and the Pallas kernels' (in their interpreter)."""
     n, batch, steps = 4, 16, 4
-    users = jte.TableConfig(
-        dim=DIM, name="users", dynamic=jte.DynamicTable(capacity=64, bucket_size=8)
-    )
-    pages = jte.TableConfig(
-        dim=DIM,
-        combiner="sum",
-        name="pages",
-        dynamic=jte.DynamicTable(capacity=32, bucket_size=4, eviction="lfu", ttl_steps=2),
-    )
+    rng = np.random.default_rng(6)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=300, dtype=np.int64)
+    features, draws = routed_features(DIM, batch, pool)
     seen = jte.TableConfig(
         dim=DIM, name="seen", dynamic=jte.DynamicTable(capacity=32, bucket_size=4, min_count=2)
     )
-    words = jte.TableConfig(vocabulary_size=50, dim=DIM, name="words")
-    features = {
-        "user": jte.FeatureConfig(users),
-        "hist": jte.FeatureConfig(users, max_sequence_length=3),
-        "page": jte.FeatureConfig(pages),
-        "seen": jte.FeatureConfig(seen),
-        "word": jte.FeatureConfig(words),
-    }
-    rng = np.random.default_rng(6)
-    pool = rng.integers(-(2**63), 2**63 - 1, size=300, dtype=np.int64)
-    stream = []
-    for _ in range(steps):
-        feats = {
-            "user": draw_ids(rng, (batch, 4), pool),
-            "hist": draw_ids(rng, (batch, 2), pool),
-            "page": draw_ids(rng, (batch, 8), pool[::-1]),
-            "seen": draw_ids(rng, (batch, 3), pool[50:]),
-            "word": rng.integers(-1, 50, size=(batch, 3)),
-        }
-        shape = lambda p: (batch, 3, DIM) if p == "hist" else (batch, DIM)
-        grads = {p: rng.normal(size=shape(p)).astype(np.float32) for p in feats}
-        stream.append((feats, grads))
+    features["seen"] = jte.FeatureConfig(seen)
+    features["word"] = jte.FeatureConfig(jte.TableConfig(vocabulary_size=50, dim=DIM, name="words"))
+    draws["seen"] = lambda rng: draw_ids(rng, (batch, 3), pool[50:])
+    draws["word"] = lambda rng: rng.integers(-1, 50, size=(batch, 3))
+    shapes = {p: (batch, 3, DIM) if p == "hist" else (batch, DIM) for p in draws}
+    stream = feature_stream(rng, steps, draws, shapes)
 
     def run(stacking, stream):
         spec = jte.EmbeddingSpec(features, jte.Adagrad(learning_rate=LR))
