@@ -112,7 +112,8 @@ class Embedding:
             on dim, float32 dtype, optimizer (the same object) and backend share one array
             per stored array, each shard holding its members' rows one block after
             another, so that one sort, one exchange per round and one kernel serve them all
-            where the kernels' memory allows. Tables on the all-gather path, with
+            where the kernels' memory allows; a dynamic table's slot table stacks too (its
+            index stays its own). Tables on the all-gather path, in host memory, with
             stochastic rounding or with an optimizer that updates every row stay alone.
             Invisible but in `EmbeddingState`'s keys (`stacks`): export, checkpoints,
             serving and `shard_rows` speak per-table logical rows. False: one array per
