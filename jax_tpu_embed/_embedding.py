@@ -1080,10 +1080,11 @@ class Embedding:
     def _admit(self, state, split, ok):
         """One step of the dynamic tables' indexes (admission, eviction, the reset of the
         rows they give to new ids) -> (index, tables, slots, {path: rows}, fresh, gathered):
-        `gathered` as `_dynamic_rows`'s; `fresh` {table name: (rows, hi, lo)} holds the
-        resets of tables in host memory, which the update makes (`_dynamic.update_rows`,
-        `_dynamic.Fresh`). Tables whose updates route (`_dynamic_owner.routes_updates`) are
-        resolved at their owners."""
+        `tables` and `slots` the new arrays of the state keys that hold dynamic tables (a
+        stack's too); `gathered` as `_dynamic_rows`'s; `fresh` {table name: (rows, hi, lo)}
+        holds the resets of tables in host memory, which the update makes
+        (`_dynamic.update_rows`, `_dynamic.Fresh`). Tables whose updates route
+        (`_dynamic_owner.routes_updates`) are resolved at their owners."""
         row = P(self.axis)
         names = list(self.dynamic)
         scaled = self._scaled_by_ids(split)
