@@ -541,8 +541,8 @@ def test_stacked_dynamic_tables_are_as_alone(tmp_path, backend):
     array for three dynamic tables (resolved at the owners, one with TTL and lfu, one with
     an admission filter, whose updates keep the all-gather resolution) and a static table.
     Each table's resets land in its own block of the stack: lookups, exported rows, slots
-    and counters are bit-identical to `stacking=False`, with evictions and expiry, and a
-    checkpoint of the stacked state restores unstacked and steps on as the unstacked one;
+    and counters are bit-identical to `stacking=False`, with evictions and expiry; either
+    state's checkpoint restores into the other layout and steps on as the unstacked state;
     with XLA's row work and the Pallas kernels' (in their interpreter)."""
     n, batch, steps = 4, 16, 4
     rng = np.random.default_rng(6)
@@ -591,11 +591,15 @@ def test_stacked_dynamic_tables_are_as_alone(tmp_path, backend):
         *zip(acts, alone_acts),
     ]:
         jax.tree.map(np.testing.assert_array_equal, got, want)
-    jte.checkpoint.save(tmp_path, emb, state)
-    restored, _ = jte.checkpoint.restore(tmp_path, alone)
+    jte.checkpoint.save(tmp_path / "stacked", emb, state)
+    jte.checkpoint.save(tmp_path / "alone", alone, alone_state)
+    crossed = [  # Each checkpoint restored into the other layout.
+        (alone, jte.checkpoint.restore(tmp_path / "stacked", alone)[0]),
+        (emb, jte.checkpoint.restore(tmp_path / "alone", emb)[0]),
+    ]
     feats, grads = stream[-1]
     want = alone.export(alone.apply_gradients(alone_state, feats, grads))
-    for e, s in ((alone, restored), (emb, state)):
+    for e, s in [*crossed, (emb, state)]:
         got = e.export(e.apply_gradients(s, feats, grads))
         jax.tree.map(np.testing.assert_array_equal, got, want)
 
