@@ -633,7 +633,7 @@ def lookup_rows(plan: DynamicPlan, storage, index, hi, lo, now, axis):
 
 
 def update_rows(
-    plan: DynamicPlan, storage, index, key, table, slots, hi, lo, keep, now, axis, offset=0
+    plan: DynamicPlan, storage, index, key, table, slots, hi, lo, keep, now, axis, offset: int
 ):
     """Inside shard_map: one step's admission and eviction on this shard's buckets for the
     table's gathered ids (`gather_ids`'s), and the reset of the rows it gives to new ids

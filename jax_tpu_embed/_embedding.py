@@ -1097,18 +1097,14 @@ class Embedding:
         # them) and the offset of its rows in every shard of them.
         stack_of = self.plan.stack_of
         keys = list(dict.fromkeys(stack_of[name] for name in names))
-        offset = {
-            m.name: m.offset for k in keys for m in self.plan.stacks[k].members if m.name in names
-        }
+        offset = {t: o for k in keys for t, o in self.plan.stacks[k].offsets.items()}
 
         def local(index, tables, slots, parts, keep, step):
             new_index, values, fresh, out = {}, [], {}, {}
             arrays = {k: (tables[k], slots[k]) for k in keys}
             owned = [self._owned_table(self.dynamic[name], index, parts) for name in routed]
             updates = [
-                _dynamic_owner.Update(
-                    index[name].key, stack_of[name], offset.get(name, 0), keep[name]
-                )
+                _dynamic_owner.Update(index[name].key, stack_of[name], offset[name], keep[name])
                 for name in routed
             ]
             done, arrays = _dynamic_owner.update_rows(owned, updates, arrays, step, self.axis)
@@ -1135,7 +1131,7 @@ class Embedding:
                     keep[name],
                     step,
                     self.axis,
-                    offset.get(name, 0),
+                    offset[name],
                 )
                 arrays[k] = (table, table_slots)
                 new_index[name] = dataclasses.replace(index[name], index=idx)

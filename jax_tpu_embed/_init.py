@@ -300,8 +300,7 @@ class Initializer:
         out = []
         for stack in stacks:
             plan = self.plan.stacks[stack]
-            offsets = {m.name: m.offset for m in plan.members} or {stack: 0}
-            out.append((stack, plan, [(names.index(t), o) for t, o in offsets.items()]))
+            out.append((stack, plan, [(names.index(t), o) for t, o in plan.offsets.items()]))
         return out
 
     def _draw_tables(

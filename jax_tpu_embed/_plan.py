@@ -70,6 +70,11 @@ class TablePlan:
         """The tables stored in this plan's arrays."""
         return tuple(m.name for m in self.members) or (self.name,)
 
+    @property
+    def offsets(self) -> dict[str, int]:
+        """{table: the first local row of its block in every shard of these arrays}."""
+        return {m.name: m.offset for m in self.members} or {self.name: 0}
+
 
 @dataclasses.dataclass(frozen=True)
 class FeaturePlan:
