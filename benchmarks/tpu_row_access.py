@@ -19,9 +19,15 @@ compiles, for one device of the topology:
   the shard stored flat, (S·D,), and from the usual (S, D) array; an Adagrad update of the
   rows of a flat table and accumulator in place (gather, math, scatter); whether `sqrt`
   lowers on a vector subcore (the update computes 1/sqrt by Newton steps from a bit-level
-  first guess instead); and whether Pallas' interpreter runs an indirect DMA on the CPU.
+  first guess instead); whether Pallas' interpreter runs an indirect DMA on the CPU; and
+  whether the gather takes a shard in host memory (`pinned_host`).
   For each: compiles, temporaries, table-sized ops in the optimized HLO (a relayout copy of
   the table), the compiler's bytes accessed against the bytes the kernel declares.
+- writes into, and reads from, a donated `pinned_host` array by a Pallas kernel (`pl.HOST`
+  refs): one DMA per (8, W) unit at rows read from SMEM, as many as a count read from SMEM
+  (a size known only at run time), on every device of the topology under `shard_map`, for
+  minor widths W of 128, 256 and 512 f32 lanes: does it compile, is the host array written
+  in place (aliased, no host temporary, no table-sized copy).
 
 These are the facts behind README's "what stands between W1 and 3x essential".
 """
@@ -45,6 +51,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.compute_on import compute_on  # noqa: E402
 from jax.experimental.layout import Format, Layout  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.experimental.pallas import tpu_sc as plsc  # noqa: E402
@@ -64,12 +71,13 @@ def _first_line(e: Exception) -> str:
     return (inner[-1] if inner else lines[0])[:300]
 
 
-def _compiled(fn, args, in_shardings=None, donate=()):
+def _compiled(fn, args, in_shardings=None, donate=(), out_shardings=None):
     """(compiled, None) or (None, error line)."""
     try:
-        return jax.jit(fn, in_shardings=in_shardings, donate_argnums=donate).lower(
-            *args
-        ).compile(), None
+        jitted = jax.jit(
+            fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate
+        )
+        return jitted.lower(*args).compile(), None
     except Exception as e:  # The compiler's errors are the result here.
         return None, _first_line(e)
 
@@ -339,6 +347,12 @@ def measure_sparse_core(topology: str, dims) -> dict | None:
         _, sqrt_error = _compiled(
             functools.partial(_sc_sqrt, sc=sc), (spec((sc.num_lanes,), jnp.float32),)
         )
+        # The rows of a table in host memory (`placement="host"`), read by the SparseCores.
+        on_host = NamedSharding(mesh, P(), memory_kind="pinned_host")
+        host_flat = jax.ShapeDtypeStruct((SHARD_ROWS * 128,), jnp.float32, sharding=on_host)
+        gather = functools.partial(_sc_gather, sc=sc, dim=128)
+        _, host_error = _compiled(gather, (host_flat, ids))
+    out["gather_from_host"] = host_error or "compiles"
     out["sqrt_on_vector_subcore"] = sqrt_error or "compiles"
     out["interpret_indirect_dma"] = _interpret_sc_gather(chip, sc)
     return out
@@ -410,6 +424,123 @@ def measure(topology: str, dims=(32, 64, 128)) -> dict:
         "row_dma_32_lanes": narrow_error or "compiles",
     }
     out["sparse_core"] = measure_sparse_core(topology, dims)
+    out["host_dma"] = measure_host_dma(topology)
+    return out
+
+
+# ---------------------------------------------------------------- host memory by DMA
+
+HOST_UNITS, HOST_MOVED = 1 << 16, 4_096  # (8, W) units per device's host shard, units moved.
+
+
+def _host_dma(table, units, rows, count, *, write: bool):
+    """One device's part: `write` copies units[i] into table[rows[i]] for i < count[0] (the
+    table aliased, returned), else reads table[rows[i]] into a fresh HBM array; one DMA per
+    unit, all started, then all waited for. `count` is data: the size is known only when the
+    kernel runs."""
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+
+    def each(count_ref, fn):
+        jax.lax.fori_loop(0, count_ref[0], lambda i, c: (fn(i), c)[1], 0)
+
+    if write:
+
+        def put(rows_ref, count_ref, units_ref, _, table_ref, sem):
+            copy = lambda i, row: pltpu.make_async_copy(units_ref.at[i], table_ref.at[row], sem)
+            each(count_ref, lambda i: copy(i, rows_ref[i]).start())
+            each(count_ref, lambda i: copy(0, 0).wait())
+
+        return pl.pallas_call(
+            put,
+            out_shape=jax.ShapeDtypeStruct(table.shape, table.dtype),
+            in_specs=[smem, smem, pl.BlockSpec(memory_space=pl.ANY)]
+            + [pl.BlockSpec(memory_space=pl.HOST)],
+            out_specs=pl.BlockSpec(memory_space=pl.HOST),
+            scratch_shapes=[pltpu.SemaphoreType.DMA],
+            input_output_aliases={3: 0},
+        )(rows, count, units, table)
+
+    def get(rows_ref, count_ref, table_ref, out_ref, sem):
+        copy = lambda i, row: pltpu.make_async_copy(table_ref.at[row], out_ref.at[i], sem)
+        each(count_ref, lambda i: copy(i, rows_ref[i]).start())
+        each(count_ref, lambda i: copy(0, 0).wait())
+
+    return pl.pallas_call(
+        get,
+        out_shape=jax.ShapeDtypeStruct(units.shape, units.dtype),
+        in_specs=[smem, smem, pl.BlockSpec(memory_space=pl.HOST)],
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        scratch_shapes=[pltpu.SemaphoreType.DMA],
+    )(rows, count, table)
+
+
+def _host_read_then_dma_write(table, units, rows, count):
+    """The update's pattern: the units read by a host computation (as `_placement.gather`
+    reads host tables), changed on the device, written back by the kernel."""
+
+    @compute_on("device_host")
+    @jax.jit
+    def read(table, at):
+        return table.at[at].get(mode="promise_in_bounds")
+
+    at = jax.device_put(jnp.clip(rows, 0, table.shape[0] - 1), jax.memory.Space.Host)
+    read_units = jax.device_put(read(table, at), jax.memory.Space.Device)
+    return _host_dma(table, read_units * 0.5 + units, rows, count, write=True)
+
+
+def measure_host_dma(topology: str, widths=(128, 256, 512)) -> list[dict]:
+    """Per width W and direction: whether the kernel compiles for every device of the
+    topology, and for a write whether the host array stays in place (the donated parameter
+    aliased to the output, the compiler's host alias bytes its shard's, no host temporary,
+    no copy of the table's shape)."""
+    topo = _aot.topology(topology)
+    mesh = Mesh(np.array(topo.devices), ("d",))
+    n = mesh.devices.size
+    host = NamedSharding(mesh, P("d"), memory_kind="pinned_host")
+    dev = NamedSharding(mesh, P("d"))
+    out = []
+    for width in widths:
+        table = jax.ShapeDtypeStruct((n * HOST_UNITS, 8, width), jnp.float32, sharding=host)
+        units = jax.ShapeDtypeStruct((n * HOST_MOVED, 8, width), jnp.float32, sharding=dev)
+        rows = jax.ShapeDtypeStruct((n * HOST_MOVED,), jnp.int32, sharding=dev)
+        count = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=dev)
+        for write in (True, False, "after a host read"):
+            local = (
+                _host_read_then_dma_write
+                if write == "after a host read"
+                else functools.partial(_host_dma, write=write)
+            )
+            spec = P("d")
+            fn = jax.shard_map(
+                lambda t, u, r, c, local=local: local(t, u, r, c),
+                mesh=mesh,
+                in_specs=(spec,) * 4,
+                out_specs=spec,
+                check_vma=False,
+            )
+            compiled, error = _compiled(
+                fn,
+                (table, units, rows, count),
+                donate=(0,) if write else (),
+                out_shardings=host if write else dev,
+            )
+            r = {"width": width, "unit_bytes": 8 * width * 4, "write": write}
+            r["compiles"] = error or "compiles"
+            if compiled is not None:
+                mem = compiled.memory_analysis()
+                hlo = compiled.as_text() or ""
+                shape = f"f32[{HOST_UNITS},8,{width}]"
+                copies = [
+                    x.strip()[:120]
+                    for x in hlo.splitlines()
+                    if shape in x and re.search(r"= \S+ copy(-start)?\(", x)
+                ]
+                r["host_temp_bytes"] = int(getattr(mem, "host_temp_size_in_bytes", 0) or 0)
+                r["host_alias_bytes"] = int(getattr(mem, "host_alias_size_in_bytes", 0) or 0)
+                r["host_shard_bytes"] = HOST_UNITS * 8 * width * 4
+                r["table_copies"] = copies
+                r["aliased"] = bool(re.search(r"input_output_alias=\{ \{\}: \(0,", hlo))
+            out.append(r)
     return out
 
 
@@ -434,6 +565,7 @@ def report(res: dict) -> str:
         f"  interpret mode on CPU equals table[ids]: {p['interpret_matches_take']}",
         f"  DMA of a 32-lane slice (a packed D=32 row): {p['row_dma_32_lanes']}",
     ]
+    lines += ["", _host_report(res["host_dma"])]
     sc = res.get("sparse_core")
     if sc is None:
         return "\n".join(lines + ["", "No SparseCore on this chip."])
@@ -463,8 +595,33 @@ def report(res: dict) -> str:
             )
     lines += [
         f"  sqrt on a vector subcore: {sc['sqrt_on_vector_subcore'][:110]}",
+        f"  gather from a pinned_host shard (D=128): {sc['gather_from_host'][:110]}",
         f"  interpret mode, indirect DMA on CPU: {sc['interpret_indirect_dma'][:110]}",
     ]
+    return "\n".join(lines)
+
+
+def _host_report(rows: list[dict]) -> str:
+    lines = [
+        f"Pallas DMAs to and from a pinned_host array ({HOST_UNITS:,} (8, W) f32 units a "
+        f"device, {HOST_MOVED:,} moved, the count read at run time):",
+    ]
+    for r in rows:
+        what = {True: "write", False: "read"}.get(r["write"], "write after a host read")
+        head = f"  W={r['width']:<4d} ({r['unit_bytes']:>6,d} B units) {what:23s}"
+        if r["compiles"] != "compiles":
+            lines.append(f"{head} {r['compiles'][:100]}")
+            continue
+        place = ""
+        if r["write"]:
+            in_place = (
+                r["aliased"]
+                and r["host_alias_bytes"] == r["host_shard_bytes"]
+                and not r["table_copies"]
+                and not r["host_temp_bytes"]
+            )
+            place = "; in place" if in_place else f"; NOT in place: {r}"
+        lines.append(f"{head} compiles{place}")
     return "\n".join(lines)
 
 
