@@ -379,6 +379,31 @@ def test_sparse_core_moves_narrow_rows_without_table_copies():
     assert probe.measure_sparse_core("v5e:2x2", dims=(32,)) is None
 
 
+@pytest.mark.slow
+def test_pallas_host_writes_compile_in_place_only_in_wide_units():
+    """What benchmarks/tpu_row_access.py shows for write-back of host-cached tables (docs/
+    design.md, "Pallas DMAs into host memory"), held here so that a libtpu that changes it
+    is noticed: a Pallas kernel's DMAs at run-time offsets of a donated pinned_host array,
+    as many as a run-time count, compile and keep the array in place (also after a host
+    read of it in the same program) in (8, 256) f32 units, but not in (8, 128) ones, the
+    engine's lane-packed rows. The day 128 lanes compile, row-granular write-back can be
+    built on such a kernel."""
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "tpu_row_access.py")
+    spec = importlib.util.spec_from_file_location("tpu_row_access", path)
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    rows = probe.measure_host_dma("v5p:2x2x1", widths=(128, 256))
+    by = {(r["width"], r["write"]): r for r in rows}
+    for write in (True, False, "after a host read"):
+        assert "multiplier_in_bytes" in by[128, write]["compiles"], by[128, write]
+        assert by[256, write]["compiles"] == "compiles", by[256, write]
+    for write in (True, "after a host read"):
+        r = by[256, write]
+        assert r["aliased"] and r["host_alias_bytes"] == r["host_shard_bytes"], r
+        assert not r["table_copies"] and not r["host_temp_bytes"], r
+
+
 # Owner routing (the Pallas kernels doing the owners' row work) under the same limits.
 ROUTED_CASES = [Case("v5p:2x2x1", 64, "adagrad", routing="owner")]
 
