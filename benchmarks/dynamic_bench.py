@@ -4,6 +4,7 @@
     python benchmarks/dynamic_bench.py --workload W1 --steps 5 --json out.json
     python benchmarks/dynamic_bench.py --combiner mean  # the tables combine by mean
     python benchmarks/dynamic_bench.py --tpu v5p:2x2x1  # also TPU compiler bytes (no TPU needed)
+    python benchmarks/dynamic_bench.py --serving 4194304 --dim 16   # serving lookups too
 
 1. CPU train step (lookup, backward, update; jitted, state donated) on the workload's tables
    as static tables, and as dynamic tables fed the same batches with every id remapped to a
@@ -20,6 +21,9 @@
 3. With --tpu: the TPU compiler's bytes accessed per device of the W1-shaped step (8 tables,
    1,024 examples per chip), static and dynamic; where the tables stack (owner routing, 64
    chips and more), the dynamic step with `stacking=False` too.
+4. With --serving N: `jte.serving.Server` lookups from a dynamic table serving N ids against
+   a static table of N rows (alternating, median ms); with --tpu too, the TPU compiler's
+   bytes accessed of both lookups on one chip.
 """
 
 from __future__ import annotations
@@ -298,6 +302,53 @@ def checkpoint_times(capacity: int, dim: int = 64, occupancy: float = 0.8, repea
     return out
 
 
+def serving_times(
+    n: int, dim: int = 64, batch: int = 4096, ids: int = 20, repeats: int = 9, tpu: str = ""
+) -> dict:
+    """`jte.serving.Server` lookups of a (batch, ids) batch (Zipf(1.05) positions, so with
+    repeats) from a dynamic table serving n ids against a static table of n rows, the same
+    rows: median ms, alternating. With `tpu`, also the TPU compiler's bytes accessed of the
+    two lookups on one chip of that topology."""
+    from jax_tpu_embed import _aot, serving
+
+    rng = np.random.default_rng(0)
+    keys = np.unique(rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64))
+    rows = rng.standard_normal((len(keys), dim)).astype(np.float32)
+    at = (rng.zipf(1.05, (batch, ids)) - 1) % len(keys)
+    dynamic = jte.TableConfig(dim=dim, name="t", dynamic=jte.DynamicTable(capacity=2 * n))
+    cases = {
+        "static": (jte.TableConfig(len(keys), dim, name="t"), rows, at.astype(np.int32)),
+        "dynamic": (dynamic, jte.DynamicRows(keys, rows), jte.split_ids(keys[at])),
+    }
+    servers, feats, times = {}, {}, {}
+    for name, (table, served, f) in cases.items():
+        spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.SGD(0.1))
+        servers[name], feats[name], times[name] = serving.Server(spec, {"t": served}), f, []
+        jax.block_until_ready(servers[name]({"f": f}))
+    for _ in range(repeats):
+        for name in cases:
+            t0 = time.perf_counter()
+            jax.block_until_ready(servers[name]({"f": feats[name]}))
+            times[name].append(time.perf_counter() - t0)
+    out: dict = {"ids": len(keys), "dim": dim, "batch": batch, "ids_per_example": ids}
+    for name in cases:
+        out[f"{name}_ms"] = float(np.median(times[name]) * 1e3)
+    out["ratio"] = out["dynamic_ms"] / out["static_ms"]
+    if tpu:
+        topo = _aot.topology(tpu)
+        one = NamedSharding(Mesh(np.array(topo.devices[:1]), ("d",)), P())
+        abstract = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=one)
+        for name in cases:
+            spec, tables = servers[name].spec, jax.tree.map(abstract, servers[name].tables)
+            f = jax.tree.map(abstract, {"f": feats[name]})
+            lookup = jax.jit(lambda t, f, spec=spec: serving.lookup(spec, t, f))
+            cost = lookup.lower(tables, f).compile().cost_analysis()
+            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+            out[f"{name}_tpu_bytes"] = float((cost or {})["bytes accessed"])
+        out["tpu_ratio"] = out["dynamic_tpu_bytes"] / out["static_tpu_bytes"]
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--workload", default="W0")
@@ -320,6 +371,13 @@ def main(argv=None) -> int:
         default=0,
         help="also time jte.checkpoint of a dynamic "
         "table of this capacity (and restores onto the same mesh and half of it)",
+    )
+    p.add_argument(
+        "--serving",
+        type=int,
+        default=0,
+        help="also time jte.serving lookups of a dynamic table serving this many ids "
+        "against a static table of as many rows (with --tpu, their TPU compiler bytes too)",
     )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -375,6 +433,18 @@ def main(argv=None) -> int:
             f"onto half of it {c['restore_half_s']:.2f}, onto twice the capacity "
             f"{c['restore_capacity_s']:.2f}"
         )
+    if args.serving:
+        v = result["serving"] = serving_times(args.serving, args.dim, tpu=args.tpu or "")
+        print(
+            f"serving {v['ids']:,} ids of D={v['dim']}, {v['batch']} x {v['ids_per_example']} "
+            f"ids a lookup (median ms): static {v['static_ms']:.1f}, dynamic "
+            f"{v['dynamic_ms']:.1f}, ratio {v['ratio']:.2f}x"
+        )
+        if args.tpu:
+            print(
+                f"  TPU compiler, one {args.tpu} chip: static {v['static_tpu_bytes'] / 1e6:,.1f} "
+                f"MB, dynamic {v['dynamic_tpu_bytes'] / 1e6:,.1f} MB, ratio {v['tpu_ratio']:.2f}x"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

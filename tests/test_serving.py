@@ -226,3 +226,54 @@ def test_export_with_polymorphic_batch_serves_any_batch_size():
         small = jax.tree.map(lambda x, size=size: x[:size], features)
         _assert_close(call(tables, small), _reference(spec, tables, small))
         _assert_close(call(tables, small), serving.Server(spec, tables)(small))
+
+
+def test_dynamic_ids_are_found_in_their_hashed_buckets():
+    """`served_rows` lays ids out by bucket and `find` reads one window of them: against a
+    Python dict, every served id is found at its own row and no other id is found, for ids
+    of every kind (small consecutive ones, negative ones, the int64 extremes, random ones
+    with unsigned halves of all sizes); -1 (padding) never is; the window is the fullest
+    bucket's ids rounded up to 8; no ids serve an empty table; the older served form (for
+    a binary search) is a clear error."""
+    rng = np.random.default_rng(3)
+    ids = np.concatenate(
+        [
+            np.arange(1_000, dtype=np.int64),  # Consecutive: one unsigned-order run.
+            -np.arange(2, 500, dtype=np.int64),
+            np.array([np.iinfo(np.int64).min, np.iinfo(np.int64).max, 2**32, 2**32 - 1]),
+            rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, 3_000, dtype=np.int64),
+        ]
+    )
+    ids = np.unique(ids)
+    rows = rng.standard_normal((len(ids), 3)).astype(np.float32)
+    order = rng.permutation(len(ids))  # DynamicRows need not be sorted here.
+    table = serving.served_rows(jte.DynamicRows(ids[order], rows[order]))
+    n = len(ids)
+    width = table["keys"].shape[0] // 2 - n
+    start = table["start"]
+    assert start.shape[0] & (start.shape[0] - 1) == 0 and start.shape[0] >= n / serving.PER_BUCKET
+    fullest = int(np.max(np.diff(np.append(start, n))))
+    assert width == -(-fullest // 8) * 8 and width < 32
+    where = {int(i): k for k, i in enumerate(ids)}
+    unknown = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, 2_000, dtype=np.int64)
+    unknown = unknown[~np.isin(unknown, ids)]
+    query = np.concatenate([ids, unknown, [-1]]).reshape(1, -1)
+    split = jte.split_ids(query)
+    position, found = jax.jit(serving.find)(table, split.hi, split.lo)
+    position, found = np.asarray(position)[0], np.asarray(found)[0]
+    np.testing.assert_array_equal(found, np.arange(query.shape[1]) < n)
+    served = table["rows"][position[:n]]
+    want = np.stack([rows[where[int(i)]] for i in query[0, :n]])
+    np.testing.assert_array_equal(served, want)
+
+    empty = serving.served_rows(jte.DynamicRows(np.zeros(0, np.int64), np.zeros((0, 3))))
+    hi, lo = jte.split_ids(np.array([[-1, 0, 7]]))
+    assert not np.any(np.asarray(serving.find(empty, hi, lo)[1]))
+
+    spec = jte.EmbeddingSpec(
+        {"f": jte.FeatureConfig(jte.TableConfig(dim=3, name="d", dynamic=jte.DynamicTable(64)))},
+        jte.SGD(0.1),
+    )
+    old = {"hi": table["keys"][0::2], "lo": table["keys"][1::2], "rows": table["rows"]}
+    with pytest.raises(ValueError, match=r"table 'd' is in an older served form.*served_rows"):
+        jte.serving.Server(spec, {"d": old})
