@@ -208,11 +208,23 @@ def _embed_dynamic(path: str, feature: _config.FeatureConfig, name: str, table, 
     scale = _dynamic.scaled_weights(feature, feature.table.combiner, hi, lo, weights)
     position, found = find(table, hi, lo)
     rows = jnp.take(jnp.asarray(table["rows"]), position, axis=0).astype(jnp.float32)
-    if unknown == "init":
-        other = _dynamic.initial_rows(jnp.asarray(table["key"]), hi, lo, feature.table.dim)
+    rows = jnp.where(found[..., None], rows, 0.0)
+    if unknown == "zeros":
+        if feature.is_sequence:
+            return _shaped(path, feature, rows * scale[..., None])
+        return _shaped(path, feature, _combined(scale, rows))
+    # The ids not served read their initial rows, drawn for those ids only while they are
+    # few, as the training lookup draws them (`_dynamic.missing_rows`); with a symbolic
+    # batch (polymorphic export) the counts that choose are unknown, so every id's is drawn.
+    key, dim = jnp.asarray(table["key"]), feature.table.dim
+    missing = ~found & (scale != 0)
+    if not all(isinstance(d, int) for d in missing.shape):
+        rows = jnp.where(missing[..., None], _dynamic.initial_rows(key, hi, lo, dim), rows)
+    elif feature.is_sequence:
+        rows = rows + _dynamic.initial_rows_where(key, hi, lo, missing, dim)
     else:
-        other = jnp.zeros_like(rows)
-    rows = jnp.where(found[..., None], rows, other)
+        extra = _dynamic.missing_rows(key, hi, lo, scale, missing, dim)
+        return _shaped(path, feature, _combined(scale, rows) + extra)
     if feature.is_sequence:
         return _shaped(path, feature, rows * scale[..., None])
     return _shaped(path, feature, _combined(scale, rows))
