@@ -97,11 +97,10 @@ def served_rows(rows: _dynamic.DynamicRows, key: Any = None) -> dict[str, np.nda
     cpu = jax.devices("cpu")[0]  # The hash as the lookup computes it, bit for bit.
     with jax.default_device(cpu):
         bucket = np.asarray(_buckets(_bucket_hash(split.hi, split.lo), num_buckets))
-    order = np.lexsort((split.lo, split.hi, bucket))
-    bucket = bucket[order]
-    start = np.searchsorted(bucket, np.arange(num_buckets)).astype(np.int32)
-    width = int(np.max(np.diff(np.append(start, len(ids)))))
-    width = -(-max(width, 1) // 8) * 8
+    order = np.argsort(bucket, kind="stable")  # The ids come ascending: (bucket, id) order.
+    sizes = np.bincount(bucket, minlength=num_buckets)
+    start = (np.cumsum(sizes) - sizes).astype(np.int32)
+    width = -(-max(int(sizes.max()), 1) // 8) * 8
     keys = np.full((len(ids) + width, 2), np.uint32(_dynamic.PAD))
     keys[: len(ids), 0], keys[: len(ids), 1] = split.hi[order], split.lo[order]
     out = {"keys": keys.reshape(-1), "rows": values[order], "start": start}
