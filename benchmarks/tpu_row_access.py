@@ -440,18 +440,21 @@ def _host_dma(table, units, rows, count, *, write: bool):
     kernel runs."""
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
 
-    def each(count_ref, fn):
-        jax.lax.fori_loop(0, count_ref[0], lambda i, c: (fn(i), c)[1], 0)
+    def kernel(copy_of):
+        """The kernel: `copy_of(refs, i, row, sem)` is the DMA of unit i at `row`; all of
+        the first count[0] started, then all waited for."""
 
-    if write:
+        def body(rows_ref, count_ref, *refs):
+            *refs, sem = refs
+            each = lambda fn: jax.lax.fori_loop(0, count_ref[0], lambda i, c: (fn(i), c)[1], 0)
+            each(lambda i: copy_of(refs, i, rows_ref[i], sem).start())
+            each(lambda i: copy_of(refs, 0, 0, sem).wait())
 
-        def put(rows_ref, count_ref, units_ref, _, table_ref, sem):
-            copy = lambda i, row: pltpu.make_async_copy(units_ref.at[i], table_ref.at[row], sem)
-            each(count_ref, lambda i: copy(i, rows_ref[i]).start())
-            each(count_ref, lambda i: copy(0, 0).wait())
+        return body
 
+    if write:  # refs: the units, the table given (aliased), the table written.
         return pl.pallas_call(
-            put,
+            kernel(lambda r, i, row, sem: pltpu.make_async_copy(r[0].at[i], r[2].at[row], sem)),
             out_shape=jax.ShapeDtypeStruct(table.shape, table.dtype),
             in_specs=[smem, smem, pl.BlockSpec(memory_space=pl.ANY)]
             + [pl.BlockSpec(memory_space=pl.HOST)],
@@ -459,14 +462,8 @@ def _host_dma(table, units, rows, count, *, write: bool):
             scratch_shapes=[pltpu.SemaphoreType.DMA],
             input_output_aliases={3: 0},
         )(rows, count, units, table)
-
-    def get(rows_ref, count_ref, table_ref, out_ref, sem):
-        copy = lambda i, row: pltpu.make_async_copy(table_ref.at[row], out_ref.at[i], sem)
-        each(count_ref, lambda i: copy(i, rows_ref[i]).start())
-        each(count_ref, lambda i: copy(0, 0).wait())
-
-    return pl.pallas_call(
-        get,
+    return pl.pallas_call(  # refs: the table, the units read.
+        kernel(lambda r, i, row, sem: pltpu.make_async_copy(r[0].at[row], r[1].at[i], sem)),
         out_shape=jax.ShapeDtypeStruct(units.shape, units.dtype),
         in_specs=[smem, smem, pl.BlockSpec(memory_space=pl.HOST)],
         out_specs=pl.BlockSpec(memory_space=pl.ANY),
