@@ -243,7 +243,9 @@ def scaled_weights(feature: _config.FeatureConfig, combiner: str, hi, lo, weight
     valid = ~is_pad(hi, lo)
     w = valid.astype(jnp.float32) if weights is None else jnp.where(valid, weights, 0.0)
     w = w.astype(jnp.float32)
-    return w if feature.is_sequence else _inputs.combiner_scale(w, combiner)
+    if feature.is_sequence:
+        return w
+    return _inputs.combiner_scale(w, combiner, unit=weights is None)
 
 
 def id_words(hi, lo):

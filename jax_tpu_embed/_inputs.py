@@ -373,11 +373,19 @@ def check_batch(features_flat: dict[str, Any], num_shards: int, allow_empty: boo
     return next(iter(sizes.values()))
 
 
-def combiner_scale(weights: jax.Array, combiner: str) -> jax.Array:
-    """Per-position factor (B, L) so that output = Σ_l scale·row; 0 where a divisor is 0."""
+def combiner_scale(weights: jax.Array, combiner: str, *, unit: bool = False) -> jax.Array:
+    """Per-position factor (B, L) so that output = Σ_l scale·row; 0 where a divisor is 0.
+
+    `unit`: every weight is 0 or 1, so the divisor comes from a count of the ids, summed as
+    integers: the same value as the float sums. Around a dynamic table's serving lookup,
+    XLA:CPU's fusion of the float sum made the whole lookup twice as slow (docs/design.md)."""
     if combiner == "sum":
         return weights
-    if combiner == "mean":
+    if unit:
+        count = jnp.sum(weights != 0, axis=1, keepdims=True, dtype=jnp.int32)
+        count = count.astype(weights.dtype)
+        denom = count if combiner == "mean" else jnp.sqrt(count)
+    elif combiner == "mean":
         denom = jnp.sum(weights, axis=1, keepdims=True)
     else:  # sqrtn
         denom = jnp.sqrt(jnp.sum(weights * weights, axis=1, keepdims=True))
