@@ -314,8 +314,10 @@ def _by_count(count, n: int, few, every, shape, how: str):
     n/64 and n/8 that holds them, else `every()`: a trained table's steps need few initial
     rows or none, and then draw few or none. On TPU layouts (`how` "sort") `every()` as soon
     as one is needed: drawing a row is a few vector operations a value there, and moving
-    the few to the front costs more bytes than drawing them all (docs/design.md)."""
-    sizes = [] if how == "sort" else sorted({_few(n, FEW), _few(n, ROUND), _few(n)} - {n})
+    the few to the front costs more bytes than drawing them all (docs/design.md). With a
+    symbolic n (a serving lookup exported for any batch size) `every()` too."""
+    few_ok = how != "sort" and isinstance(n, int)
+    sizes = sorted({_few(n, FEW), _few(n, ROUND), _few(n)} - {n}) if few_ok else []
     branches = [lambda: jnp.zeros(shape, jnp.float32)]
     branches += [functools.partial(few, k) for k in sizes] + [every]
     index = (count > 0).astype(jnp.int32)

@@ -59,7 +59,7 @@ def _dynamic_names(spec: _config.EmbeddingSpec) -> set[str]:
 
 
 _SALT = 0x5E2F1D07  # Keeps the buckets here apart from the index's and the initial rows'.
-PER_BUCKET = 2  # Ids per bucket on average: the buckets are a power of two >= n / 2.
+PER_BUCKET = 2  # Ids per bucket on average: the buckets are a power of two >= n / 2, and >= 2.
 
 
 def _bucket_hash(hi, lo):
@@ -68,11 +68,8 @@ def _bucket_hash(hi, lo):
 
 
 def _buckets(h, num_buckets: int):
-    """The bucket of hash `h`: its top log2(num_buckets) bits."""
-    bits = num_buckets.bit_length() - 1
-    if bits == 0:
-        return jnp.zeros(jnp.shape(h), jnp.int32)
-    return (h >> jnp.uint32(32 - bits)).astype(jnp.int32)
+    """The bucket of hash `h`: its top log2(num_buckets) bits (num_buckets >= 2)."""
+    return (h >> jnp.uint32(33 - num_buckets.bit_length())).astype(jnp.int32)
 
 
 def served_rows(rows: _dynamic.DynamicRows, key: Any = None) -> dict[str, np.ndarray]:
@@ -93,7 +90,7 @@ def served_rows(rows: _dynamic.DynamicRows, key: Any = None) -> dict[str, np.nda
     if not len(ids):
         ids, values = np.full((1,), -1, np.int64), np.zeros((1, values.shape[1]), values.dtype)
     split = _inputs.split_ids(ids)
-    num_buckets = 1 << max(0, -(-len(ids) // PER_BUCKET) - 1).bit_length()
+    num_buckets = 1 << max(1, (-(-len(ids) // PER_BUCKET) - 1).bit_length())
     cpu = jax.devices("cpu")[0]  # The hash as the lookup computes it, bit for bit.
     with jax.default_device(cpu):
         bucket = np.asarray(_buckets(_bucket_hash(split.hi, split.lo), num_buckets))
@@ -208,25 +205,18 @@ def _embed_dynamic(path: str, feature: _config.FeatureConfig, name: str, table, 
     position, found = find(table, hi, lo)
     rows = jnp.take(jnp.asarray(table["rows"]), position, axis=0).astype(jnp.float32)
     rows = jnp.where(found[..., None], rows, 0.0)
-    if unknown == "zeros":
+    extra = None
+    if unknown == "init":  # Drawn for the ids not served only, as the training lookup does.
+        key, dim = jnp.asarray(table["key"]), feature.table.dim
+        missing = ~found & (scale != 0)
         if feature.is_sequence:
-            return _shaped(path, feature, rows * scale[..., None])
-        return _shaped(path, feature, _combined(scale, rows))
-    # The ids not served read their initial rows, drawn for those ids only while they are
-    # few, as the training lookup draws them (`_dynamic.missing_rows`); with a symbolic
-    # batch (polymorphic export) the counts that choose are unknown, so every id's is drawn.
-    key, dim = jnp.asarray(table["key"]), feature.table.dim
-    missing = ~found & (scale != 0)
-    if not all(isinstance(d, int) for d in missing.shape):
-        rows = jnp.where(missing[..., None], _dynamic.initial_rows(key, hi, lo, dim), rows)
-    elif feature.is_sequence:
-        rows = rows + _dynamic.initial_rows_where(key, hi, lo, missing, dim)
-    else:
-        extra = _dynamic.missing_rows(key, hi, lo, scale, missing, dim)
-        return _shaped(path, feature, _combined(scale, rows) + extra)
+            rows = rows + _dynamic.initial_rows_where(key, hi, lo, missing, dim)
+        else:
+            extra = _dynamic.missing_rows(key, hi, lo, scale, missing, dim)
     if feature.is_sequence:
         return _shaped(path, feature, rows * scale[..., None])
-    return _shaped(path, feature, _combined(scale, rows))
+    out = _combined(scale, rows)
+    return _shaped(path, feature, out if extra is None else out + extra)
 
 
 def find(table: Mapping[str, Any], hi, lo):

@@ -357,6 +357,16 @@ def test_w1_table_bytes_accessed(dim, kernels, limit):
     assert ratio <= limit, f"D={dim}: {ratio:.1f}x essential (limit {limit}x)"
 
 
+def _row_access_probe():
+    """benchmarks/tpu_row_access.py as a module."""
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "tpu_row_access.py")
+    spec = importlib.util.spec_from_file_location("tpu_row_access", path)
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    return probe
+
+
 @pytest.mark.slow
 def test_sparse_core_moves_narrow_rows_without_table_copies():
     """What benchmarks/tpu_row_access.py shows for a future SparseCore path, held here so a
@@ -364,11 +374,7 @@ def test_sparse_core_moves_narrow_rows_without_table_copies():
     TensorCore DMAs need 512) Pallas SparseCore kernels gather D=32 rows of a shard stored
     flat, (S·D,), and run Adagrad on them in place, with no table-sized op in the program;
     gathering from the (S, D) array instead costs a whole-table relayout copy."""
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "tpu_row_access.py")
-    spec = importlib.util.spec_from_file_location("tpu_row_access", path)
-    assert spec is not None and spec.loader is not None
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = _row_access_probe()
     res = probe.measure_sparse_core("v5p:2x2x1", dims=(32,))
     assert res["dma_granule_bytes"] == 32
     (row,) = res["dims"]
@@ -388,11 +394,7 @@ def test_pallas_host_writes_compile_in_place_only_in_wide_units():
     read of it in the same program) in (8, 256) f32 units, but not in (8, 128) ones, the
     engine's lane-packed rows. The day 128 lanes compile, row-granular write-back can be
     built on such a kernel."""
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "tpu_row_access.py")
-    spec = importlib.util.spec_from_file_location("tpu_row_access", path)
-    assert spec is not None and spec.loader is not None
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = _row_access_probe()
     rows = probe.measure_host_dma("v5p:2x2x1", widths=(128, 256))
     by = {(r["width"], r["write"]): r for r in rows}
     for write in (True, False, "after a host read"):
