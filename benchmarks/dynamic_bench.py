@@ -308,7 +308,8 @@ def serving_times(
     """`jte.serving.Server` lookups of a (batch, ids) batch (Zipf(1.05) positions, so with
     repeats) from a dynamic table serving n ids against a static table of n rows, the same
     rows: median ms, alternating. With `tpu`, also the TPU compiler's bytes accessed of the
-    two lookups on one chip of that topology."""
+    two lookups on one chip of that topology, with the tables as a TPU server holds them
+    (lane-packed, `served_tables(lanes=128)`) and as they are on CPU ("_unpacked")."""
     from jax_tpu_embed import _aot, serving
 
     rng = np.random.default_rng(0)
@@ -339,12 +340,15 @@ def serving_times(
         one = NamedSharding(Mesh(np.array(topo.devices[:1]), ("d",)), P())
         abstract = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=one)
         for name in cases:
-            spec, tables = servers[name].spec, jax.tree.map(abstract, servers[name].tables)
-            f = jax.tree.map(abstract, {"f": feats[name]})
-            lookup = jax.jit(lambda t, f, spec=spec: serving.lookup(spec, t, f))
-            cost = lookup.lower(tables, f).compile().cost_analysis()
-            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-            out[f"{name}_tpu_bytes"] = float((cost or {})["bytes accessed"])
+            spec = servers[name].spec
+            for lanes, label in ((serving.LANES, ""), (0, "_unpacked")):
+                tables = serving.served_tables(spec, servers[name].tables, lanes=lanes)
+                tables = jax.tree.map(abstract, tables)
+                f = jax.tree.map(abstract, {"f": feats[name]})
+                lookup = jax.jit(lambda t, f, spec=spec: serving.lookup(spec, t, f))
+                cost = lookup.lower(tables, f).compile().cost_analysis()
+                cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+                out[f"{name}_tpu_bytes{label}"] = float((cost or {})["bytes accessed"])
         out["tpu_ratio"] = out["dynamic_tpu_bytes"] / out["static_tpu_bytes"]
     return out
 
@@ -362,7 +366,9 @@ def main(argv=None) -> int:
         help="the dynamic tables' min_count (admission after that many sightings)",
     )
     p.add_argument("--eviction-occupancy", type=float, default=0.85)
-    p.add_argument("--eviction-steps", type=int, default=200)
+    p.add_argument(
+        "--eviction-steps", type=int, default=200, help="0 skips the eviction-quality run"
+    )
     p.add_argument("--tpu", default=None, help="a topology, e.g. v5p:2x2x1")
     p.add_argument("--dim", type=int, default=64, help="table width for --tpu")
     p.add_argument(
@@ -397,14 +403,15 @@ def main(argv=None) -> int:
         f"{s['dynamic_cpu_ms']:6.1f}   ratio {s['cpu_ratio']:.2f}x"
     )
     print(f"  dynamic capacity {s['capacity']} per table, occupancy {s['occupancy']:.2f}")
-    q = eviction_quality(args.eviction_occupancy, args.eviction_steps, 4096, 1_000_000)
-    result["eviction"] = q
-    print(
-        f"eviction: capacity {q['capacity']} ({args.eviction_occupancy} of "
-        f"{q['distinct_in_stream']} distinct ids), hit rate bucket LRU "
-        f"{q['bucket_lru_hit_rate']:.4f}, exact LRU {q['exact_lru_hit_rate']:.4f}, "
-        f"difference {q['difference_points']:.2f} points"
-    )
+    if args.eviction_steps > 0:
+        q = eviction_quality(args.eviction_occupancy, args.eviction_steps, 4096, 1_000_000)
+        result["eviction"] = q
+        print(
+            f"eviction: capacity {q['capacity']} ({args.eviction_occupancy} of "
+            f"{q['distinct_in_stream']} distinct ids), hit rate bucket LRU "
+            f"{q['bucket_lru_hit_rate']:.4f}, exact LRU {q['exact_lru_hit_rate']:.4f}, "
+            f"difference {q['difference_points']:.2f} points"
+        )
     if args.tpu:
         result["tpu"] = tpu_bytes(args.tpu, args.dim)
         t = result["tpu"]
@@ -442,8 +449,12 @@ def main(argv=None) -> int:
         )
         if args.tpu:
             print(
-                f"  TPU compiler, one {args.tpu} chip: static {v['static_tpu_bytes'] / 1e6:,.1f} "
-                f"MB, dynamic {v['dynamic_tpu_bytes'] / 1e6:,.1f} MB, ratio {v['tpu_ratio']:.2f}x"
+                f"  TPU compiler, one {args.tpu} chip, tables lane-packed: static "
+                f"{v['static_tpu_bytes'] / 1e6:,.1f} MB, dynamic "
+                f"{v['dynamic_tpu_bytes'] / 1e6:,.1f} MB, ratio {v['tpu_ratio']:.2f}x; "
+                f"unpacked: static "
+                f"{v['static_tpu_bytes_unpacked'] / 1e6:,.1f} MB, dynamic "
+                f"{v['dynamic_tpu_bytes_unpacked'] / 1e6:,.1f} MB"
             )
     if args.json:
         with open(args.json, "w") as f:

@@ -265,6 +265,13 @@ def test_dynamic_ids_are_found_in_their_hashed_buckets():
     served = table["rows"][position[:n]]
     want = np.stack([rows[where[int(i)]] for i in query[0, :n]])
     np.testing.assert_array_equal(served, want)
+    # Lane-packed (32 rows of D = 3 to a 128-lane row; n is not a multiple of 32): padding
+    # ids fill the last row, and every id is found where it was.
+    packed = serving._pack_served(table, 3)
+    assert n % 32 and packed["rows"].shape == (-(-n // 32), 128)
+    got = jax.jit(serving.find, static_argnums=3)(packed, split.hi, split.lo, 3)
+    np.testing.assert_array_equal(np.asarray(got[0])[0], position)
+    np.testing.assert_array_equal(np.asarray(got[1])[0], found)
 
     empty = serving.served_rows(jte.DynamicRows(np.zeros(0, np.int64), np.zeros((0, 3))))
     hi, lo = jte.split_ids(np.array([[-1, 0, 7]]))
@@ -277,3 +284,87 @@ def test_dynamic_ids_are_found_in_their_hashed_buckets():
     old = {"hi": table["keys"][0::2], "lo": table["keys"][1::2], "rows": table["rows"]}
     with pytest.raises(ValueError, match=r"table 'd' is in an older served form.*served_rows"):
         jte.serving.Server(spec, {"d": old})
+
+
+def _wide_spec():
+    """Widths that pack 128 / w rows of w lanes to a row (1 -> 128 rows, 48 -> 2 rows of 64
+    lanes), that pad one row (100 -> 128) or two (200 -> 256), and 128 (as it is); 37 rows,
+    a multiple of none of them."""
+    tables = {d: jte.TableConfig(37, d, combiner="mean", name=f"w{d}") for d in (1, 48, 100, 200)}
+    tables[128] = jte.TableConfig(37, 128, combiner="sum", name="w128")
+    features = {f"f{d}": jte.FeatureConfig(t) for d, t in tables.items()}
+    features["seq"] = jte.FeatureConfig(tables[48], max_sequence_length=3)
+    return jte.EmbeddingSpec(features, jte.Adagrad(0.1))
+
+
+@pytest.mark.parametrize("which", ["a", "b", "wide"])
+def test_lane_packed_tables_serve_the_same_numbers(which):
+    """`served_tables(lanes=128)` packs each table as training packs it on a TPU, the form
+    a TPU server holds and TPU artifacts take. The lookup reads it: against the tables as
+    they are and the float64 reference (to float32 rounding; a contraction over 128 lanes
+    may round differently), through `Server`, `lookup` under jit and an artifact exported
+    for CPU and TPU, whose tables must be packed. Shapes: the packing's, also for
+    `check_tables`."""
+    if which == "wide":
+        spec = _wide_spec()
+        rng = np.random.default_rng(5)
+        tables = _tables(spec, rng)
+        features = {p: rng.integers(-1, 37, (B, 4)) for p, _ in spec.flat_features}
+    else:
+        spec, tables, features = _case(which, "div")
+    packed = serving.served_tables(spec, tables, lanes=128)
+    for name, t in spec.tables().items():
+        p, v = serving._packing(t.dim), t.vocabulary_size
+        assert v is not None
+        shape = (-(-v // p.per_row), p.per_row * p.padded_width)
+        assert packed[name].shape == (shape if p.packed else (v, t.dim)), name
+        assert packed[name].dtype == tables[name].dtype
+    plain = serving.Server(spec, tables)(features)
+    want = _reference(spec, tables, features)
+    _assert_close(plain, want)
+    for got in (
+        serving.Server(spec, packed)(features),
+        jax.jit(functools.partial(serving.lookup, spec))(packed, features),
+    ):
+        _assert_close(got, jax.tree.map(lambda x: np.asarray(x, np.float64), plain), 1e-6, 1e-6)
+        _assert_close(got, want)
+    exp = serving.export(spec, tables, features, platforms=("cpu", "tpu"))
+    assert [a.shape for a in exp.in_avals[: len(packed)]] == [
+        packed[n].shape for n in sorted(packed)
+    ]
+    _assert_close(jax.export.deserialize(exp.serialize()).call(packed, features), want)
+    with pytest.raises(ValueError, match="lanes must be 0"):
+        serving.served_tables(spec, tables, lanes=64)
+
+
+def test_lane_packed_dynamic_tables_serve_the_same_numbers():
+    """A dynamic table's served rows packed (16 rows of D = 5 to a row; 1,000 ids, not a
+    multiple of 16): the lookup finds every id and gives what the unpacked form gives, for
+    unknown ids as zeros or their initial rows, combined (mean) and as a sequence; an
+    artifact for TPU takes the packed form."""
+    rng = np.random.default_rng(4)
+    ids = np.unique(rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, 1_000))
+    rows = rng.standard_normal((len(ids), 5)).astype(np.float32)
+    t = jte.TableConfig(dim=5, name="d", combiner="mean", dynamic=jte.DynamicTable(4096))
+    spec = jte.EmbeddingSpec(
+        {"f": jte.FeatureConfig(t), "s": jte.FeatureConfig(t, max_sequence_length=4)},
+        jte.SGD(0.1),
+    )
+    query = ids[rng.integers(0, len(ids), (B, 4))]
+    query[rng.random((B, 4)) < 0.2] = rng.integers(0, 2**40, 1)  # Unknown to the table.
+    query[rng.random((B, 4)) < 0.2] = -1
+    features = {"f": query, "s": query[:, ::-1].copy()}
+    tables = {"d": jte.DynamicRows(ids, rows)}
+    keys = {"d": np.array([3, 11], np.uint32)}
+    packed = serving.served_tables(spec, tables, keys, lanes=128)
+    assert packed["d"]["rows"].shape == (63, 128)  # 1,008 rows of 8 lanes.
+    for unknown in ("zeros", "init"):
+        want = serving.Server(spec, tables, unknown=unknown, keys=keys)(features)
+        got = serving.Server(spec, packed, unknown=unknown)(features)
+        _assert_close(got, jax.tree.map(lambda x: np.asarray(x, np.float64), want), 1e-6, 1e-6)
+    exp = serving.export(
+        spec, tables, features, platforms=("cpu", "tpu"), unknown="init", keys=keys
+    )
+    split = {p: jte.split_ids(x) for p, x in features.items()}
+    got = jax.export.deserialize(exp.serialize()).call(packed, split)
+    _assert_close(got, jax.tree.map(lambda x: np.asarray(x, np.float64), want), 1e-6, 1e-6)
