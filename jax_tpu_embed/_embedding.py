@@ -937,6 +937,11 @@ class Embedding:
             for name in self.dynamic
         }
 
+    def _dynamic_index(self, index: dict) -> dict:
+        """The dynamic tables' entries of a state's index (`_dynamic_specs`' tree): the index
+        also holds the caches of HostCached static tables, under their names."""
+        return {name: index[name] for name in self.dynamic}
+
     def _dynamic_rows(self, index, step, split) -> tuple[dict, dict]:
         """({path: (B, L) int32 slot-table rows of the ids, -1 where an id has none}, the
         global batch's rows and factors on every device for the features whose tables
@@ -972,7 +977,7 @@ class Embedding:
             p: (self._batch_sharded(h), self._batch_sharded(lo)) for p, (h, lo, _) in split.items()
         }
         specs = (self._dynamic_specs(), row, P())
-        return self._shard_map(local, specs, (row, P()))(index, parts, step)
+        return self._shard_map(local, specs, (row, P()))(self._dynamic_index(index), parts, step)
 
     def _owned_table(self, plan, index, parts) -> _dynamic_owner.Table:
         """Inside shard_map: a table's part of a step resolved at the owners."""
@@ -1150,7 +1155,7 @@ class Embedding:
         specs = self._dynamic_specs()
         outs = (specs, row, row, row, row, P())
         return self._shard_map(local, (specs, row, row, row, P(), P()), outs)(
-            state.index,
+            self._dynamic_index(state.index),
             {k: state.tables[k] for k in keys},
             {k: state.slots[k] for k in keys},
             parts,
@@ -1189,8 +1194,11 @@ class Embedding:
             # Laid out as `init` lays it out, so that the next call's input matches the last
             # call's output and the step compiles once.
             index = {
-                name: jax.tree.map(_sharding.constrain, x, self._index_shardings(name))
-                for name, x in index.items()
+                **state.index,
+                **{
+                    name: jax.tree.map(_sharding.constrain, x, self._index_shardings(name))
+                    for name, x in index.items()
+                },
             }
             tables, slots = {**tables, **new_tables}, {**slots, **new_slots}
             flat = {**flat, **self._dynamic_leaves(split, rows)}

@@ -11,6 +11,7 @@ kernels sum in another order).
 """
 
 import sys
+from typing import Any
 
 import chex
 import jax
@@ -418,7 +419,7 @@ def test_checkpoint_and_restore_tables_keep_host_tables_on_host(tmp_path, placem
         chex.assert_trees_all_close(emb2.export(again), device.export(dev), rtol=1e-6, atol=1e-7)
 
 
-def _dynamic_spec(placement, optimizer: str, dynamic, dtype):
+def _dynamic_spec(placement, optimizer: str, dynamic, dtype, items: Any = "device"):
     users = jte.TableConfig(
         dim=test_dynamic.DIM,
         combiner="mean",
@@ -428,7 +429,7 @@ def _dynamic_spec(placement, optimizer: str, dynamic, dtype):
         dtype=dtype,
         optimizer=OPTIMIZERS[optimizer][0],
     )
-    items = jte.TableConfig(vocabulary_size=64, dim=test_dynamic.DIM, name="items")
+    items = jte.TableConfig(vocabulary_size=64, dim=test_dynamic.DIM, name="items", placement=items)
     features = {
         "user": jte.FeatureConfig(users),  # Multi-hot, weighted.
         "hist": jte.FeatureConfig(users, max_sequence_length=3),  # Same table, sequence.
@@ -551,6 +552,41 @@ def test_dynamic_tables_in_host_memory(
     assert jax.tree.map(int, first.dynamic_stats(restored)) == jax.tree.map(
         int, embs["host"].dynamic_stats(states["host"])
     )
+
+
+@pytest.mark.parametrize("placement", ["device", "host", _DYNAMIC_CACHED])
+def test_dynamic_tables_beside_a_cached_static_table(tmp_path, placement):
+    """A dynamic table (in HBM, in host memory, or HostCached) beside a HostCached static
+    table, whose caches the state's index holds under its name next to the dynamic
+    tables' indexes: lookups, prefetches and updates run (they once handed the whole index
+    to the dynamic tables' shard_map, which refused the extra entry) and give what the
+    same tables all in HBM give; a checkpoint restores it."""
+    mesh = make_mesh(2)
+    cached = jte.HostCached(cache_rows=16, ways=4, max_misses=8)
+    embs = {
+        "device": jte.Embedding(_dynamic_spec("device", "adagrad", _LRU, jnp.float32), mesh),
+        "cached": jte.Embedding(
+            _dynamic_spec(placement, "adagrad", _LRU, jnp.float32, items=cached), mesh
+        ),
+    }
+    close = lambda a, b: chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-7)
+    states = {p: e.init(jax.random.key(0)) for p, e in embs.items()}
+    assert set(states["cached"].index) == {"users", "items"}
+    stream = test_dynamic.batches(2, 5, pool_size=400)
+    for i, (feats, grads) in enumerate(stream[:4]):
+        acts = {p: e.lookup(states[p], feats) for p, e in embs.items()}
+        close(acts["cached"], acts["device"])
+        states["cached"] = embs["cached"].prefetch(states["cached"], stream[i + 1][0])
+        states = {p: e.apply_gradients(states[p], feats, grads) for p, e in embs.items()}
+    exports = {p: e.export(states[p]) for p, e in embs.items()}
+    np.testing.assert_array_equal(exports["cached"]["users"].ids, exports["device"]["users"].ids)
+    close(exports["cached"]["users"].rows, exports["device"]["users"].rows)
+    close(exports["cached"]["items"], exports["device"]["items"])
+    cache = jax.tree.map(int, embs["cached"].cache_stats(states["cached"]))["items"]
+    assert cache["hits"] > 0 and cache["prefetched"] > 0, cache
+    jte.checkpoint.save(tmp_path / "ckpt", embs["cached"], states["cached"])
+    restored, _ = jte.checkpoint.restore(tmp_path / "ckpt", embs["cached"])
+    chex.assert_trees_all_equal(embs["cached"].export(restored), exports["cached"])
 
 
 @pytest.mark.parametrize("strategy", ["div", "mod"])
