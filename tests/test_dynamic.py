@@ -10,7 +10,7 @@ import pytest
 
 import jax_tpu_embed as jte
 from conftest import make_mesh
-from jax_tpu_embed import _dynamic, _dynamic_owner, _hashindex
+from jax_tpu_embed import _dynamic, _dynamic_owner, _hashindex, _layout
 
 DIM = 8
 LR = 0.2
@@ -1060,3 +1060,40 @@ def test_pad_ragged_keeps_64_bit_ids():
     np.testing.assert_array_equal(ids, [[2**40 + 3, -(2**50)], [-1, -1], [7, 2**62]])
     small = np.asarray(jte.pad_ragged(np.array([1, 2], np.int64), row_lengths=[1, 1]))
     assert small.dtype == np.int32
+
+
+@pytest.mark.parametrize(
+    "width, rank, dtype",
+    [
+        (8, 2, np.float32),  # 16 rows to a 128-lane row.
+        (24, 2, np.float32),  # Padded to 32 lanes: 4 to a row.
+        (48, 2, jnp.bfloat16),  # 2 to a row, 16-bit.
+        (1, 1, np.float32),  # A rank-1 slot: 128 to a row.
+        (200, 2, np.float32),  # Wider than a row: padded to 256 lanes.
+        (128, 2, np.float32),  # As it is.
+    ],
+)
+def test_reset_rows_write_their_own_lanes_of_packed_rows(width, rank, dtype):
+    """`_dynamic._write_rows` (the reset of rows given to new ids) on a shard's physical
+    array equals setting the rows of its logical view and packing it again, bit for bit:
+    rows sharing a physical row (written in one call) keep each other's lanes, the padding
+    lanes are zeros, rows out of range are dropped, and the rows around them, inf and nan
+    included, are untouched."""
+    packing = _layout.Packing(width, rank, 128)
+    rows_per_shard = 1000
+    rng = np.random.default_rng(width)
+    shape = (rows_per_shard, width) if rank == 2 else (rows_per_shard,)
+    logical = rng.standard_normal(shape).astype(dtype)
+    logical[rng.integers(0, rows_per_shard, 50)] = np.inf
+    logical[rng.integers(0, rows_per_shard, 50)] = np.nan
+    physical = packing.pack(logical, 1)
+    rows = rng.permutation(rows_per_shard)[:300].astype(np.int32)
+    rows[::7] = 1 << 30  # Past the shard: dropped.
+    values = rng.standard_normal((300,) + shape[1:]).astype(np.float32)
+    got = jax.jit(_dynamic._write_rows, static_argnums=0)(packing, physical, rows, values)
+    want = logical.copy()
+    keep = rows < rows_per_shard
+    want[rows[keep]] = values[keep].astype(dtype)
+    want = packing.pack(want, 1)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))

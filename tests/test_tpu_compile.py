@@ -532,17 +532,23 @@ DYNAMIC_BYTES_LIMIT = 2.5
 
 
 @pytest.mark.slow  # Two compiles.
-def test_dynamic_train_step_compiles_in_place():
-    """A W1-shaped dynamic table (capacity 1M, B = 4,096, L = 20, D = 64, Adagrad) on
-    v5p:2x2x1: the train step compiles, fits, aliases every state array (the index
-    included) and copies nothing table-sized; its bytes accessed stay within the measured
-    multiple of the static table's (docs/design.md "Dynamic tables": not yet the 1.6x
-    target, which needs the index's own kernels)."""
+@pytest.mark.parametrize(
+    "dim,limit", [(64, DYNAMIC_BYTES_LIMIT), pytest.param(16, 2.7, marks=pytest.mark.slow)]
+)
+def test_dynamic_train_step_compiles_in_place(dim, limit):
+    """A W1-shaped dynamic table (capacity 1M, B = 4,096, L = 20, Adagrad) on v5p:2x2x1:
+    the train step compiles, fits, aliases every state array (the index included) and
+    copies nothing table-sized; its bytes accessed stay within the measured multiple of the
+    static table's (docs/design.md "Dynamic tables": not yet the 1.6x target, which needs
+    the index's own kernels). At D = 16 the slot table's rows are lane-packed (8 rows with
+    their accumulators to a 128-lane row), and the resets write each row's lanes in place;
+    seen as (k·rows, 32) instead, the array was relaid out around them (11x the static step,
+    a table-sized temporary)."""
     topo = _aot.topology("v5p:2x2x1")
     reports = {}
     for label, dynamic in (("static", None), ("dynamic", jte.DynamicTable(capacity=1_000_000))):
         table = jte.TableConfig(
-            None if dynamic else 1_000_000, 64, combiner="sum", name="t", dynamic=dynamic
+            None if dynamic else 1_000_000, dim, combiner="sum", name="t", dynamic=dynamic
         )
         spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(learning_rate=0.05))
         emb = jte.Embedding(spec, _aot.mesh(topo))
@@ -557,7 +563,7 @@ def test_dynamic_train_step_compiles_in_place():
     table_bytes = max(r.table_bytes.values())
     assert not [t for t in r.largest_temps if t.bytes >= table_bytes], r.largest_temps[:3]
     ratio = r.bytes_accessed / reports["static"].bytes_accessed
-    assert ratio <= DYNAMIC_BYTES_LIMIT, f"dynamic/static bytes {ratio:.0f}x"
+    assert ratio <= limit, f"dynamic/static bytes {ratio:.2f}x"
 
 
 def test_dynamic_tables_share_their_rounds_agreements():
