@@ -448,6 +448,17 @@ _LFU_TTL = jte.DynamicTable(
 _DYNAMIC_CACHED = jte.HostCached(cache_rows=24, ways=4, max_misses=4)
 
 
+def _side_by_side(embs: dict, states: dict, stream, steps: int, other: str) -> dict:
+    """`steps` of `stream` through `embs["device"]` and `embs[other]` (which prefetches
+    each next batch), their lookups equal to float32 rounding; the states after them."""
+    for i, (feats, grads) in enumerate(stream[:steps]):
+        acts = {p: e.lookup(states[p], feats) for p, e in embs.items()}
+        chex.assert_trees_all_close(acts[other], acts["device"], rtol=1e-6, atol=1e-7)
+        states[other] = embs[other].prefetch(states[other], stream[i + 1][0])
+        states = {p: e.apply_gradients(states[p], feats, grads) for p, e in embs.items()}
+    return states
+
+
 @pytest.mark.parametrize(
     "shards, routing, tpu_layout, optimizer, dynamic, dtype, placement",
     [
@@ -514,11 +525,7 @@ def test_dynamic_tables_in_host_memory(
 
     states = {p: e.init(jax.random.key(0)) for p, e in embs.items()}
     stream = test_dynamic.batches(2, 10, pool_size=400)
-    for i, (feats, grads) in enumerate(stream[:7]):
-        acts = {p: e.lookup(states[p], feats) for p, e in embs.items()}
-        close(acts["host"], acts["device"])
-        states["host"] = embs["host"].prefetch(states["host"], stream[i + 1][0])
-        states = {p: e.apply_gradients(states[p], feats, grads) for p, e in embs.items()}
+    states = _side_by_side(embs, states, stream, 7, "host")
     stats = same(states)
     assert stats["evicted"] + stats["expired"] > 0, stats
     if not isinstance(placement, str):
@@ -572,12 +579,7 @@ def test_dynamic_tables_beside_a_cached_static_table(tmp_path, placement):
     close = lambda a, b: chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-7)
     states = {p: e.init(jax.random.key(0)) for p, e in embs.items()}
     assert set(states["cached"].index) == {"users", "items"}
-    stream = test_dynamic.batches(2, 5, pool_size=400)
-    for i, (feats, grads) in enumerate(stream[:4]):
-        acts = {p: e.lookup(states[p], feats) for p, e in embs.items()}
-        close(acts["cached"], acts["device"])
-        states["cached"] = embs["cached"].prefetch(states["cached"], stream[i + 1][0])
-        states = {p: e.apply_gradients(states[p], feats, grads) for p, e in embs.items()}
+    states = _side_by_side(embs, states, test_dynamic.batches(2, 5, pool_size=400), 4, "cached")
     exports = {p: e.export(states[p]) for p, e in embs.items()}
     np.testing.assert_array_equal(exports["cached"]["users"].ids, exports["device"]["users"].ids)
     close(exports["cached"]["users"].rows, exports["device"]["users"].rows)
