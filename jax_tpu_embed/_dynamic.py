@@ -861,7 +861,7 @@ def _write_rows(packing, array, rows, values):
     group in its physical row (k rows a physical row, `padded_width` lanes each): the
     windows of distinct rows never overlap. Seen as (k·rows, w) instead, the array was
     relaid out around the write by the TPU compiler wherever w < 128: a table-sized
-    temporary, and the step's bytes 10x at D = 16 (docs/design.md)."""
+    temporary each round (docs/design.md, "Narrow slot tables")."""
     if not packing.packed:
         return array.at[rows].set(values, mode="drop")
     k, w = packing.per_row, packing.padded_width

@@ -171,8 +171,8 @@ def _rows_at(rows, positions, dim: int):
     """float32 served rows at `positions`: (..., D); lane-packed rows, each position's
     physical row with every other row's lanes zeroed, (..., k·w), which `_fold` makes
     (..., D). Combined first and folded after, they cost the TPU compiler half as much at
-    D = 16 (551 against 1,130 MB for 81,920 ids), and XLA:CPU's contraction over k·w lanes
-    can round differently from one over D (float32 rounding)."""
+    D = 16 as folded first (docs/design.md), and XLA:CPU's contraction over k·w lanes can
+    round differently from one over D (float32 rounding)."""
     rows = jnp.asarray(rows)
     # Gathered at flat indices: the TPU compiler pads a (B, L) index array's L to 128 lanes
     # and charges the gather accordingly.
@@ -342,8 +342,7 @@ def find(table: Mapping[str, Any], hi, lo, dim: int | None = None):
     window = jax.vmap(lambda at: lax.dynamic_slice(keys, (2 * at,), (2 * width,)))(first)
     # Compared as it lies, (hi, lo) word pairs, against the id's words alternating: a pair
     # matches where its hi lane and the next lane both do. (Split into hi and lo columns,
-    # the window cost XLA:CPU half as long again and the TPU compiler 67 MB more a lookup
-    # of 81,920 ids.)
+    # the window cost more on XLA:CPU and on the TPU compiler's count.)
     lanes = lax.iota(jnp.int32, 2 * width)
     same = window == jnp.where(lanes % 2 == 0, hi[:, None], lo[:, None])
     pair = same & jnp.roll(same, -1, axis=1) & (lanes % 2 == 0)
@@ -357,9 +356,8 @@ def find(table: Mapping[str, Any], hi, lo, dim: int | None = None):
 def _point(x, at, size: int = 8):
     """x[at] of a 1-D x at flat indices `at`. On a TPU each is read as a window of `size`
     that holds it (clamped into x) and one lane of that: the TPU compiler charges a point
-    gather from a large 1-D array about 45 times as much (the start offsets of 4M ids: 377
-    MB against 8 MB for 81,920 of them). Elsewhere a plain gather, which XLA:CPU runs
-    faster."""
+    gather from a large 1-D array several times as much (docs/design.md). Elsewhere a
+    plain gather, which XLA:CPU runs faster."""
 
     def windows(x, at):
         n = min(size, x.shape[0])
