@@ -201,6 +201,18 @@ class Packing:
             return (n, self.width) if self.rank == 2 else (n,)
         return (n, self.per_row * self.padded_width)
 
+    def own_lanes(self, rows):
+        """(..., k·w) bool: in the physical row of each logical row of `rows` (jnp), the
+        lanes of its own group, the other k - 1 rows' lanes False."""
+        group = jnp.arange(self.per_row * self.padded_width, dtype=jnp.int32) // self.padded_width
+        return group == (rows % self.per_row)[..., None]
+
+    def fold(self, x):
+        """(..., k·w) physical rows whose lanes outside one group per row are zero (see
+        `own_lanes`), or sums of such rows -> (..., w): the sum over the k lane groups."""
+        k, w = self.per_row, self.padded_width
+        return x.reshape(x.shape[:-1] + (k, w)).sum(axis=-2) if k > 1 else x
+
     def pack(self, x, num_shards: int):
         """(N * S, width) or (N * S,) shard-ordered rows -> the physical array. np or jnp."""
         s = x.shape[0] // num_shards

@@ -53,7 +53,6 @@ class XlaBackend(_backend.Backend):
         # One pass needs no order; several take the owned pairs first.
         single = stream.capacity >= stream.pairs
         stream = stream if single else stream.sorted()
-        group = lax.iota(jnp.int32, k * w) // w
 
         def one_pass(start, acc):
             keys, out, scale = stream.window(start)
@@ -61,12 +60,11 @@ class XlaBackend(_backend.Backend):
             contrib = phys.astype(jnp.float32) * scale[:, None]
             if k > 1:
                 # where() after the product: a neighbour's inf or nan never leaks in.
-                contrib = jnp.where(group == (keys % k)[:, None], contrib, 0.0)
+                contrib = jnp.where(packing.own_lanes(keys), contrib, 0.0)
             return stream.capacity, acc.at[out].add(contrib)
 
         acc = stream.passes(one_pass, jnp.zeros((rows, k * w), jnp.float32), single=single)
-        if packing.packed:  # Fold the k lane groups: each position filled only its own.
-            acc = acc.reshape(rows, k, w).sum(axis=1)
+        acc = packing.fold(acc)  # Each position filled only its own lane group.
         acc = acc[:, : plan.config.dim]  # The row's lanes, not its riders'.
         return _streams.scatter_parts(acc, stream, axis)
 
@@ -268,13 +266,11 @@ def stochastic_rows(plan: _plan.TablePlan, rows, local, step: _backend.RowStep, 
 def read_rows(plan: _plan.TablePlan, table, rows):
     """(n, D) float32: the logical rows `rows` of this shard (>= NOT_MINE: zeros)."""
     packing = plan.storage.packing
-    k, w = packing.per_row, packing.padded_width
+    k = packing.per_row
     (phys,) = _placement.gather(plan.storage.on_host, [table], [rows // k])
     phys = phys.astype(jnp.float32)
     if k > 1:
-        group = lax.iota(jnp.int32, k * w) // w
-        phys = jnp.where(group[None, :] == (rows % k)[:, None], phys, 0.0)
-        phys = phys.reshape(-1, k, w).sum(axis=1)
+        phys = packing.fold(jnp.where(packing.own_lanes(rows), phys, 0.0))
     return phys[:, : plan.config.dim]
 
 

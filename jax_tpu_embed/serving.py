@@ -180,21 +180,14 @@ def _rows_at(rows, positions, dim: int):
     if not _is_packed(rows, dim):
         return flat(positions).reshape(positions.shape + (dim,))
     p = _packing(dim)
-    k, w = p.per_row, p.padded_width
-    physical = flat(positions // k).reshape(positions.shape + (k * w,))
-    lane = lax.iota(jnp.int32, k * w)
-    mine = ((lane // w) == (positions % k)[..., None]) & ((lane % w) < dim)
-    return jnp.where(mine, physical, 0.0)
+    physical = flat(positions // p.per_row).reshape(positions.shape + (-1,))
+    return jnp.where(p.own_lanes(positions), physical, 0.0)
 
 
 def _fold(x, dim: int):
     """(..., k·w) lane-packed rows (`_rows_at`), or sums of them over positions -> (..., D):
     the sum over the k lane groups, each lane holding one position's value or 0."""
-    if x.shape[-1] == dim:
-        return x
-    p = _packing(dim)
-    groups = x.reshape(x.shape[:-1] + (p.per_row, p.padded_width))
-    return groups.sum(axis=-2)[..., :dim]
+    return x if x.shape[-1] == dim else _packing(dim).fold(x)[..., :dim]
 
 
 def served_tables(
