@@ -208,7 +208,7 @@ def eviction_quality(
     }
 
 
-def tpu_bytes(topology: str, dim: int) -> dict:
+def tpu_bytes(topology: str, dim: int, min_count: int = 1) -> dict:
     from jax_tpu_embed import _aot
 
     topo = _aot.topology(topology)
@@ -221,7 +221,9 @@ def tpu_bytes(topology: str, dim: int) -> dict:
                 dim,
                 combiner="sum",
                 name=f"t{i}",
-                dynamic=jte.DynamicTable(capacity=1_000_000) if dynamic else None,
+                dynamic=jte.DynamicTable(capacity=1_000_000, min_count=min_count)
+                if dynamic
+                else None,
             )
             for i in range(8)
         ]
@@ -413,10 +415,11 @@ def main(argv=None) -> int:
             f"difference {q['difference_points']:.2f} points"
         )
     if args.tpu:
-        result["tpu"] = tpu_bytes(args.tpu, args.dim)
+        result["tpu"] = tpu_bytes(args.tpu, args.dim, args.min_count)
         t = result["tpu"]
         print(
-            f"TPU {args.tpu} D={args.dim}: bytes accessed per device static "
+            f"TPU {args.tpu} D={args.dim}, min_count {args.min_count}: bytes accessed per "
+            f"device static "
             f"{t['static']['bytes_accessed_per_device'] / 1e6:.1f} MB, dynamic "
             f"{t['dynamic']['bytes_accessed_per_device'] / 1e6:.1f} MB, ratio {t['ratio']:.2f}x; "
             f"collectives in the step static {t['static']['collectives']}, dynamic "

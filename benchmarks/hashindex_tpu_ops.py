@@ -65,6 +65,7 @@ def measure(topology: str, ids: int) -> list[dict]:
         count=spec((nb * BUCKET,), jnp.int32),
         filter_keys=spec((0,)),
         filter_count=spec((0,), jnp.int32),
+        filter_last=spec((0,), jnp.int32),
         stats=spec((1, len(hx.STAT_NAMES)), jnp.int32),
     )
     at, valid = spec((u,), jnp.int32), spec((u,), jnp.bool_)

@@ -28,9 +28,15 @@ slots) first, then the placement of the admitted ones, as one call would.
 Per device and round the work is O(m + N·Cd), with Cd about 1.5·m/N: flat in N. A step's
 routed tables share each loop (`_rounds`): one loop, and one set of agreements per round,
 for all of them.
-The filter of `min_count > 1` needs all of a shard's ids of a step in one call, and tables
-in host memory reset their rows inside the update's host write: both keep the all-gather
-resolution for their updates (`routes_updates`).
+With an admission filter (`min_count > 1`) the first loop finds the hits only, and two
+more loops run the filter's rules on the misses alone, in rounds of a 64th of Cd as the
+placements: `_hashindex.admission` (sightings counted, each in its own entry, which
+`filter_last` marks as sighted this step) before the placements, `_hashindex.record` (the
+first sightings take entries, in filter-bucket order) after them. In one call those rules
+read a window of the filter for every id of the step (docs/design.md).
+
+Tables in host memory reset their rows inside the update's host write: they keep the
+all-gather resolution for their updates (`routes_updates`).
 """
 
 from __future__ import annotations
@@ -48,8 +54,8 @@ _MAX = np.uint32(0xFFFFFFFF)
 
 def routes_updates(plan: _dynamic.DynamicPlan, storage) -> bool:
     """Whether a routed table's updates are resolved at the owners too (else by all-gather):
-    not with an admission filter, nor for a table in host memory (module docstring)."""
-    return plan.route == "owner" and plan.index.min_count == 1 and not storage.on_host
+    not for a table in host memory (module docstring)."""
+    return plan.route == "owner" and not storage.on_host
 
 
 def capacity(plan: _dynamic.DynamicPlan, m: int, num_shards: int) -> int:
@@ -80,12 +86,13 @@ class _Ids(NamedTuple):
         return self.bounds[1:] - self.bounds[:-1]
 
 
-def _ids(config: _hashindex.IndexConfig, n: int, hi, lo, count) -> _Ids:
-    """`_Ids` of ids (hi, lo) already in that order, the first `count` of them live."""
-    nbl = config.buckets // n
+def _ids(config: _hashindex.IndexConfig, n: int, hi, lo, count, per: int = 1) -> _Ids:
+    """`_Ids` of ids (hi, lo) already in that order, the first `count` of them live. `per`:
+    keyed by groups of `per` local buckets (the filter's buckets) in place of buckets."""
+    nbl = config.buckets // n // per
     live = lax.iota(jnp.int32, hi.shape[0]) < count
     owner, bucket = _hashindex.locate(config, n, hi, lo)
-    k0 = jnp.where(live, owner * nbl + bucket, config.buckets).astype(jnp.uint32)
+    k0 = jnp.where(live, owner * nbl + bucket // per, config.buckets).astype(jnp.uint32)
     words = (k0, _hashindex.priority(config, hi, lo), hi, lo)
     limits = (lax.iota(jnp.int32, n + 1) * nbl).astype(jnp.uint32)
     bounds = jnp.sum(k0[None, :] < limits[:, None], axis=1, dtype=jnp.int32)
@@ -115,6 +122,20 @@ def _compact(plan: _dynamic.DynamicPlan, n: int, ids: _Ids, mask) -> tuple[_Ids,
     count = jnp.sum(mask, dtype=jnp.int32)
     at, (hi, lo, _) = _dynamic.to_front(plan, n, mask, count, ids.hi.shape[0], ids.hi, ids.lo)
     return _ids(plan.index, n, hi, lo, count), at
+
+
+def _by_filter_bucket(plan: _dynamic.DynamicPlan, n: int, ids: _Ids, mask) -> _Ids:
+    """The ids of `mask` as `_Ids` in (owner, filter bucket, priority, hi, lo) order, the
+    order in which `_hashindex.record` may take them in rounds: `ids`' own where a filter
+    bucket is one bucket (the default), else sorted again."""
+    config = plan.index
+    per = config.buckets // config.filter_buckets
+    count = jnp.sum(mask, dtype=jnp.int32)
+    _, (hi, lo, _) = _dynamic.to_front(plan, n, mask, count, ids.hi.shape[0], ids.hi, ids.lo)
+    if per > 1:
+        words = _ids(config, n, hi, lo, count, per).words
+        _, _, hi, lo = lax.sort(words, num_keys=4)
+    return _ids(config, n, hi, lo, count, per)
 
 
 def _lex_le(a: tuple, t: tuple):
@@ -292,6 +313,57 @@ class Update(NamedTuple):
     keep: Any
 
 
+def _admission(tables, filtered: list, ids: list, cds: list, codes: list, indexes: list, now, axis):
+    """The filter's admission for the misses (code 1) of the `filtered` tables, in rounds
+    of `_placements` ids an owner (`_hashindex.admission`: sightings counted, admitted
+    ids' own expired slots freed). Returns (codes with 1 only for the admitted ids,
+    {table: the first sightings' `_Ids` in filter order}, indexes)."""
+    n = lax.axis_size(axis)
+
+    def decided(received, indexes):
+        out, indexes = [], list(indexes)
+        for k, (r_hi, r_lo) in zip(filtered, received):
+            config = tables[k].plan.index
+            s_hi, s_lo, bucket, first, slot = _merged(config, n, r_hi, r_lo)
+            miss = ~_dynamic.is_pad(s_hi, s_lo)
+            index, admit, new = _hashindex.admission(
+                config, indexes[k], s_hi, s_lo, bucket, miss, now, distinct=first
+            )
+            code = jnp.where(admit, 1, jnp.where(new, 2, 0))
+            out.append(jnp.zeros_like(code).at[slot].set(code, unique_indices=True))
+            indexes[k] = index
+        return out, indexes
+
+    misses = {k: _compact(tables[k].plan, n, ids[k], codes[k] == 1) for k in filtered}
+    sends = [(misses[k][0], _placements(cds[k])) for k in filtered]
+    decisions, indexes = _rounds(sends, axis, True, decided, indexes)
+    codes, firsts = list(codes), {}
+    for k, d in zip(filtered, decisions):
+        m = codes[k].shape[0]
+        d = jnp.zeros(m, jnp.int32).at[misses[k][1]].set(d, mode="drop", unique_indices=True)
+        codes[k] = jnp.where(codes[k] == 1, (d == 1).astype(jnp.int32), codes[k])
+        firsts[k] = _by_filter_bucket(tables[k].plan, n, ids[k], d == 2)
+    return codes, firsts, indexes
+
+
+def _record(tables, filtered: list, firsts: dict, cds: list, indexes: list, now, axis):
+    """The first sightings of the `filtered` tables recorded (`_hashindex.record`), in
+    rounds of `_placements` ids an owner in filter order. Returns the indexes."""
+    n = lax.axis_size(axis)
+
+    def recorded(received, indexes):
+        out, indexes = [], list(indexes)
+        for k, (r_hi, r_lo) in zip(filtered, received):
+            config = tables[k].plan.index
+            s_hi, s_lo, bucket, first, _ = _merged(config, n, r_hi, r_lo)
+            indexes[k] = _hashindex.record(config, indexes[k], s_hi, s_lo, bucket, first, now)
+            out.append(jnp.zeros(r_hi.shape, jnp.int32))
+        return out, indexes
+
+    sends = [(firsts[k], _placements(cds[k])) for k in filtered]
+    return _rounds(sends, axis, True, recorded, indexes)[1]
+
+
 def lookup_rows(tables: list[Table], now, axis) -> list:
     """Inside shard_map: for each of `tables`, the global slot-table rows ((m,) int32, -1
     where none) of this device's positions, found at their owners, the tables in shared
@@ -330,10 +402,13 @@ def update_rows(
     cds = [capacity(t.plan, t.hi.shape[0], n) for t in tables]
 
     # Every id's rules 1-3 first: 0 rejected (or none), 1 admitted, row + 2 a hit. The
-    # copies of an id sent by several devices get its outcome from `sighted` too.
+    # copies of an id sent by several devices get its outcome from `sighted` too. With an
+    # admission filter 1 is a miss, which the filter's rounds below decide.
+    filtered = [k for k, t in enumerate(tables) if t.plan.index.min_count > 1]
+
     def seen(received, indexes):
         codes, out = [], []
-        for t, (r_hi, r_lo), index in zip(tables, received, indexes):
+        for k, (t, (r_hi, r_lo), index) in enumerate(zip(tables, received, indexes)):
             s_hi, s_lo, bucket, first, slot = _merged(t.plan.index, n, r_hi, r_lo)
             s = _hashindex.sighted(
                 t.plan.index,
@@ -347,6 +422,7 @@ def update_rows(
                 find=_dynamic.finder(t.plan, now),
                 distinct=first,
                 scores=_dynamic.scorer(t.plan, now),
+                admission=k not in filtered,
             )
             hit = t.storage.layout.global_ids(me, s.row) + 2
             code = jnp.where(s.hit, hit, s.admit.astype(jnp.int32))
@@ -355,6 +431,9 @@ def update_rows(
         return codes, out
 
     codes, indexes = _rounds(list(zip(ids, cds)), axis, True, seen, [t.index for t in tables])
+    firsts = {}
+    if filtered:  # The filter's rules for the misses only (`_hashindex.admission`).
+        codes, firsts, indexes = _admission(tables, filtered, ids, cds, codes, indexes, now, axis)
 
     # Then the admitted ones' placement, in key order, each round resetting the rows it gives.
     def placed(received, carry):
@@ -363,6 +442,7 @@ def update_rows(
         for t, u, (r_hi, r_lo), index in zip(tables, updates, received, indexes):
             s_hi, s_lo, bucket, first, slot = _merged(t.plan.index, n, r_hi, r_lo)
             index, row, ok = _dynamic.place(t.plan, index, s_hi, s_lo, bucket, first, now)
+            index = _hashindex.unfilter(t.plan.index, index, s_hi, s_lo, bucket, ok)
             init = _dynamic.initial_rows(u.key, s_hi, s_lo, t.plan.dim)
             table, slots = arrays[u.stack]
             arrays[u.stack] = _dynamic.reset_rows(t.storage, table, slots, row + u.offset, ok, init)
@@ -374,6 +454,8 @@ def update_rows(
     admitted = [_compact(t.plan, n, d, c == 1) for t, d, c in zip(tables, ids, codes)]
     sends = [(a, _placements(cd)) for (a, _), cd in zip(admitted, cds)]
     a_codes, (indexes, arrays) = _rounds(sends, axis, True, placed, (indexes, arrays))
+    if filtered:  # Then the first sightings, once every sighting and placement is written.
+        indexes = _record(tables, filtered, firsts, cds, indexes, now, axis)
     out = []
     for t, (_, owned), c, (_, at), a_c, index in zip(
         tables, resolved, codes, admitted, a_codes, indexes

@@ -66,6 +66,7 @@ _SALT_BUCKET, _SALT_PRIORITY, _SALT_ADMIT = 1, 2, 3
 # The scatters that combine a window with values (`_put_rows`), and max's identity.
 _ADD, _MAX, _MUL = lax.scatter_add, lax.scatter_max, lax.scatter_mul
 _INT32_MIN = np.iinfo(np.int32).min
+NEVER = _INT32_MIN  # `filter_last` of an entry no step has sighted.
 
 # Local rows index int32 arrays inside jit.
 _MAX_LOCAL_SLOTS = 1 << 31
@@ -161,7 +162,7 @@ class IndexConfig:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["keys", "last", "count", "filter_keys", "filter_count", "stats"],
+    data_fields=["keys", "last", "count", "filter_keys", "filter_count", "filter_last", "stats"],
     meta_fields=[],
 )
 @dataclasses.dataclass
@@ -178,6 +179,9 @@ class IndexState:
         filter_keys: (NF·2bf,) uint32, ids being counted by the admission filter, laid out
             as `keys`.
         filter_count: (NF·bf,) int32, their sightings so far.
+        filter_last: (NF·bf,) int32, the step of each entry's last sighting where the
+            filter's rules run in calls (`admission`, `record`: it keeps the entries
+            sighted this step from the step's first sightings); NEVER before.
         stats: (N, len(STAT_NAMES)) int32, each shard's counters (STAT_NAMES).
     """
 
@@ -186,6 +190,7 @@ class IndexState:
     count: Any
     filter_keys: Any
     filter_count: Any
+    filter_last: Any
     stats: Any
 
 
@@ -202,6 +207,7 @@ def empty_state(config: IndexConfig, num_shards: int, shard: int | None = None) 
         count=np.zeros(nb * b, np.int32),
         filter_keys=np.full(nf * 2 * bf, PAD, np.uint32),
         filter_count=np.zeros(nf * bf, np.int32),
+        filter_last=np.full(nf * bf, NEVER, np.int32),
         stats=np.zeros((parts, len(STAT_NAMES)), np.int32),
     )
 
@@ -521,6 +527,7 @@ def sighted(
     find=None,
     distinct=None,
     scores=None,
+    admission=True,
 ):
     """Rules 1-3 of `update` and the writes they make: hits get last = max(last, now),
     count += 1; an admitted id's own expired slot is freed (cleared). Placement (`place`)
@@ -541,18 +548,22 @@ def sighted(
     `distinct`: the valid ids may come with copies, and these are the ids the counters
     count (one of each; default: every valid one). A copy gets the outcome of its id (the
     same find, the same admission hash) and writes what it writes again, which changes
-    nothing (a hit's lane is set, not added). Not with min_count > 1, whose filter counts
-    sightings.
+    nothing (a hit's lane is set, not added). Not with min_count > 1 and `admission`: the
+    filter counts sightings (`admission` takes `distinct` of its own).
 
     `scores`: with `grouped`, a function of (state, local bucket, lane, hit, freed, freed
     lane) that writes the hits (last = max(last, now), count + 1; `hit` holds the distinct
     ids' hits only) and the freed slots' last and count (0), and returns (last, count):
-    the Pallas kernel (`_hashindex_tpu.scores`), in place of the windowed scatters."""
+    the Pallas kernel (`_hashindex_tpu.scores`), in place of the windowed scatters.
+
+    `admission` False: rule 2 only. Every miss is returned as admitted and nothing is
+    freed or counted as rejected: `admission` decides for the misses, in calls of their
+    own (the filter's work then follows the misses, not every id)."""
     b = config.bucket_size
     hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
     valid = jnp.asarray(valid, bool).reshape(-1) & ~_is_pad(hi, lo)
     distinct = valid if distinct is None else jnp.asarray(distinct, bool).reshape(-1) & valid
-    assert distinct is valid or config.min_count == 1, "copies with min_count > 1"
+    assert distinct is valid or config.min_count == 1 or not admission, "copies, a filter"
     now = jnp.asarray(now, jnp.int32)
     nbl = state.last.shape[0] // b
     lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
@@ -577,10 +588,10 @@ def sighted(
     in_filter = jnp.zeros_like(miss)
     f_lane = jnp.zeros(miss.shape, jnp.int32)
     sightings = jnp.zeros(miss.shape, jnp.int32)
-    if config.admit_probability < 1.0:
+    if admission and config.admit_probability < 1.0:
         threshold = jnp.uint32(_admit_threshold(config.admit_probability))
         admit &= _admit_hash(config, hi, lo, now) < threshold
-    if config.min_count > 1:
+    if admission and config.min_count > 1:
         bf = config.filter_bucket_size
         fb = lb // (nbl // (state.filter_count.shape[0] // bf))
         f_hi, f_lo = _key_rows(state.filter_keys, fb, bf)
@@ -590,7 +601,8 @@ def sighted(
         sightings = jnp.minimum(jnp.where(f_same, f_count, 0).sum(1) + 1, config.min_count)
         admit &= sightings >= config.min_count
 
-    freed = stale & admit
+    frees = config.ttl_steps is not None and admission  # Else no slot is freed here.
+    freed = stale & admit & frees
     row = jnp.where(hit, lb * b + hit_lane, -1)
 
     # The writes: each bucket with a hit or a freed slot rewritten whole, once.
@@ -611,9 +623,8 @@ def sighted(
     # not (docs/design.md).
     if scores is not None:  # The freed slots' last and count too.
         assert grouped, "the kernel takes ids sorted by bucket"
-        ttl = config.ttl_steps is not None  # Without TTL no slot expires: none is freed.
         one = hit & distinct  # A slot's hit once, not again for each copy of its id.
-        last, count = scores(state, lb, hit_lane, one, freed if ttl else None, stale_lane)
+        last, count = scores(state, lb, hit_lane, one, freed if frees else None, stale_lane)
     else:
         hits_at = _spread(groups, b, group, hit_lane, {}, hit)["set"]
         hit_groups = hits_at.any(1) & (group_bucket < nbl)
@@ -623,7 +634,7 @@ def sighted(
     tally = {"hits": count_of(hit), "misses": count_of(miss), "rejected": count_of(miss & ~admit)}
     tally["expired"] = count_of(freed)
     keys = {}
-    if config.ttl_steps is not None:  # Without TTL no slot expires, so none is freed.
+    if frees:
         freed_at = _spread(groups, b, group, stale_lane, {}, freed)["set"]
         freed_groups = freed_at.any(1) & (group_bucket < nbl)
         if scores is None:
@@ -738,6 +749,172 @@ def placed_tally(admit, placed, taken):
         "expired": (placed & (taken == 1)).sum(),
     }
     return _tally(tally)
+
+
+def _set_entries(
+    width: int, num_buckets: int, bucket, lane, write, arrays: dict, keys=None, grouping=None
+):
+    """Each written id's own entry (bucket, lane), distinct where `write`, set in flat int32
+    arrays of buckets of `width` ({name: (array, values)}) and, with `keys` = (array, hi, lo),
+    in block-interleaved keys. Returns {name: array} ("keys" too). The ids are grouped by
+    bucket (a sort of them) and each bucket's window is cleared, then combined with the
+    values: the TPU compiler charges an element scatter a tile per element (about 4 MB for
+    a round's 480 ids), a window what it holds (docs/design.md). `grouping`: the ids'
+    (group, group bucket) when the caller has them (`_groups` of a superset of `write`)."""
+    u = bucket.shape[0]
+    if grouping is None:
+        z = jnp.zeros_like(bucket)
+        key = jnp.where(write, bucket, num_buckets)
+        grouping = _groups(key, z, z, z, write, min(u, num_buckets + 1))[::2]
+    group, group_bucket = grouping
+    groups = group_bucket.shape[0]
+    values = {name: v for name, (_, v) in arrays.items()}
+    if keys is not None:
+        values.update(hi=keys[1], lo=keys[2])
+    values = {k: jnp.broadcast_to(v, (u,)) for k, v in values.items()}
+    e = _spread(groups, width, group, lane, values, write)
+    written = e["set"].any(1) & (group_bucket < num_buckets)
+    at = jnp.minimum(group_bucket, num_buckets - 1)
+    keep = (~e["set"]).astype(jnp.int32)
+    out = {}
+    for name, (array, _) in arrays.items():  # Cleared lanes plus the values: never read.
+        array = _put_rows(array, at * width, keep, written, _MUL)
+        out[name] = _put_rows(array, at * width, e[name], written, _ADD)
+    if keys is not None:
+        array = _put_key_rows(keys[0], at, keep, keep, written, _MUL)
+        out["keys"] = _put_key_rows(array, at, e["hi"], e["lo"], written, _MAX)
+    return out
+
+
+def _filter_entry(config: IndexConfig, state: IndexState, hi, lo, local_bucket, mask):
+    """(filter bucket, in the filter, lane there, its sightings so far) of ids (flat) where
+    `mask`: the window of their filter bucket, compared whole."""
+    b, bf = config.bucket_size, config.filter_bucket_size
+    nbl, nfl = state.last.shape[0] // b, state.filter_count.shape[0] // bf
+    fb = local_bucket // (nbl // nfl)
+    f_hi, f_lo = _key_rows(state.filter_keys, fb, bf)
+    same = (f_hi == hi[:, None]) & (f_lo == lo[:, None]) & mask[:, None]
+    found, lane = _only_lane(same)
+    count = jnp.where(same, _rows(state.filter_count, fb * bf, bf), 0).sum(1)
+    return fb, found, lane, count
+
+
+def _flat_ids(config: IndexConfig, state: IndexState, hi, lo, local_bucket, mask):
+    """(hi, lo, local bucket, mask), flat, with padding out of the mask."""
+    hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
+    mask = jnp.asarray(mask, bool).reshape(-1) & ~_is_pad(hi, lo)
+    nbl = state.last.shape[0] // config.bucket_size
+    lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
+    return hi, lo, lb, mask
+
+
+def admission(
+    config: IndexConfig, state: IndexState, hi, lo, local_bucket, miss, now, distinct=None
+):
+    """Rule 3 of `update`, and rule 4's freeing of an admitted id's own expired slot, for
+    the misses (`miss`) of `sighted(..., admission=False)`, in any split into calls (the
+    caller's rounds): each miss writes only its own slot and filter entry. A miss in the
+    filter gets its sightings (count) and `filter_last` = now, which keeps its entry from
+    the step's first sightings (`record`, after placement; a placed id's entry is freed by
+    `unfilter`). `distinct`: as `sighted`'s (copies of an id get its outcome and write
+    nothing). Returns (state, admitted, first: a first sighting, to `record`)."""
+    b = config.bucket_size
+    hi, lo, lb, miss = _flat_ids(config, state, hi, lo, local_bucket, miss)
+    distinct = miss if distinct is None else jnp.asarray(distinct, bool).reshape(-1) & miss
+    now = jnp.asarray(now, jnp.int32)
+    admit, in_filter = miss, jnp.zeros_like(miss)
+    if config.admit_probability < 1.0:
+        threshold = jnp.uint32(_admit_threshold(config.admit_probability))
+        admit &= _admit_hash(config, hi, lo, now) < threshold
+    new = {}
+    if config.min_count > 1:
+        bf = config.filter_bucket_size
+        fb, in_filter, f_lane, count = _filter_entry(config, state, hi, lo, lb, miss)
+        sightings = jnp.minimum(count + 1, config.min_count)
+        admit &= sightings >= config.min_count
+        nfl = state.filter_count.shape[0] // bf
+        arrays = {"filter_count": (state.filter_count, sightings)}
+        arrays["filter_last"] = (state.filter_last, now)
+        new.update(_set_entries(bf, nfl, fb, f_lane, in_filter & distinct, arrays))
+    freed = jnp.zeros_like(miss)
+    if config.ttl_steps is not None:  # The id's own slot, expired (else it would have hit).
+        k_hi, k_lo = _key_rows(state.keys, lb, b)
+        stale, lane = _only_lane((k_hi == hi[:, None]) & (k_lo == lo[:, None]) & miss[:, None])
+        freed = stale & admit & distinct
+        pad, zero = jnp.uint32(PAD), jnp.int32(0)
+        arrays = {"last": (state.last, zero), "count": (state.count, zero)}
+        nbl = state.last.shape[0] // b
+        new.update(_set_entries(b, nbl, lb, lane, freed, arrays, (state.keys, pad, pad)))
+    tally = {"rejected": (distinct & ~admit).sum(), "expired": freed.sum()}
+    new["stats"] = state.stats + _tally(tally)[None, :]
+    return dataclasses.replace(state, **new), admit, miss & ~in_filter
+
+
+def unfilter(config: IndexConfig, state: IndexState, hi, lo, local_bucket, placed):
+    """Rule 4's last clause for ids `placed` (distinct) this step, in any split into calls:
+    each leaves the filter (its entry is emptied, free for the step's first sightings)."""
+    if config.min_count == 1:
+        return state
+    bf = config.filter_bucket_size
+    hi, lo, lb, placed = _flat_ids(config, state, hi, lo, local_bucket, placed)
+    fb, found, lane, _ = _filter_entry(config, state, hi, lo, lb, placed)
+    pad, nfl = jnp.uint32(PAD), state.filter_count.shape[0] // bf
+    arrays = {"filter_count": (state.filter_count, jnp.int32(0))}
+    new = _set_entries(bf, nfl, fb, lane, found, arrays, (state.filter_keys, pad, pad))
+    return dataclasses.replace(state, filter_keys=new.pop("keys"), **new)
+
+
+def record(config: IndexConfig, state: IndexState, hi, lo, local_bucket, first, now):
+    """Rule 5's first sightings (`first`, distinct), after `admission` and `unfilter` have
+    run for all of the step's ids: per filter bucket in priority order each takes a free
+    entry, else the entry not sighted this step (`filter_last` < now) of lowest (count,
+    priority): filter_evicted; else none: filter_failed. The calls may split a filter
+    bucket's ids if they come in (filter bucket, priority) order: an entry taken by an
+    earlier call was sighted now, and the others keep their order (as `place`'s slots)."""
+    bf = config.filter_bucket_size
+    hi, lo, lb, first = _flat_ids(config, state, hi, lo, local_bucket, first)
+    now = jnp.asarray(now, jnp.int32)
+    nbl, nfl = state.last.shape[0] // config.bucket_size, state.filter_count.shape[0] // bf
+    fb = lb // (nbl // nfl)
+    u, z = hi.shape[0], jnp.uint32(0)
+    groups = min(u, nfl + 1)
+    prio = priority(config, hi, lo)
+    group, rank, group_bucket = _groups(jnp.where(first, fb, nfl), prio, hi, lo, first, groups)
+    # Each id orders its own filter bucket's entries where the ids are no more than the
+    # groups (a round's), as `place` does; else each group's are ordered once and read back.
+    per_id = u <= groups
+    at = fb if per_id else jnp.minimum(group_bucket, nfl - 1)
+    g_hi, g_lo = _key_rows(state.filter_keys, at, bf)
+    g_count = _rows(state.filter_count, at * bf, bf)
+    g_last = _rows(state.filter_last, at * bf, bf)
+    cls = jnp.where(_is_pad(g_hi, g_lo), 0, jnp.where(g_last == now, 3, 1))
+    keyed = cls == 1
+    lanes = lax.broadcasted_iota(jnp.int32, g_hi.shape, 1).astype(jnp.uint32)
+    order = _lane_order(
+        (
+            cls,
+            jnp.where(keyed, g_count, 0),
+            jnp.where(keyed, priority(config, g_hi, g_lo), lanes),
+            jnp.where(keyed, g_hi, z),
+            jnp.where(keyed, g_lo, z),
+        )
+    )
+    if not per_id:
+        order, cls = (_rows(x.reshape(-1), group * bf, bf) for x in (order, cls))
+    recorded = first & (rank < (cls < 3).sum(1))
+    lane = _at(order, jnp.minimum(rank, bf - 1))
+    taken = _at(cls, lane)
+    tally = {
+        "filter_evicted": (recorded & (taken == 1)).sum(),
+        "filter_failed": (first & ~recorded).sum(),
+    }
+    arrays = {"filter_count": (state.filter_count, jnp.int32(1))}
+    arrays["filter_last"] = (state.filter_last, now)
+    keys = (state.filter_keys, hi, lo)
+    new = _set_entries(bf, nfl, fb, lane, recorded, arrays, keys, (group, group_bucket))
+    return dataclasses.replace(
+        state, filter_keys=new.pop("keys"), **new, stats=state.stats + _tally(tally)[None, :]
+    )
 
 
 def filter_step(

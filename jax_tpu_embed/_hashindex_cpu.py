@@ -26,6 +26,7 @@ path.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Any, NamedTuple
 
@@ -140,7 +141,7 @@ def update(config: hx.IndexConfig, state: hx.IndexState, hi, lo, local_bucket, v
         *arrays,
         **_update_attrs(config),
     )
-    new = hx.IndexState(*out[: len(arrays)])
+    new = dataclasses.replace(state, **dict(zip(_FIELDS, out[: len(arrays)])))
     return new, out[-2].reshape(shape), out[-1].reshape(shape)
 
 
@@ -241,4 +242,5 @@ def resolve_update(
     )
     k = len(arrays)
     rows, count, f_rows, f_hi, f_lo = out[k:]
-    return hx.IndexState(*out[:k]), Resolved(rows, count[0], f_rows, f_hi, f_lo)
+    new = dataclasses.replace(state, **dict(zip(_FIELDS, out[:k])))
+    return new, Resolved(rows, count[0], f_rows, f_hi, f_lo)

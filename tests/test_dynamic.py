@@ -214,8 +214,10 @@ class _Unweighted(Reference):
         return [(feats["user"], self.scales(feats["user"], None, False), False)]
 
 
-def _unweighted_run(n, combiner, backend, tpu_layout, dynamic, stream):
-    users = jte.TableConfig(dim=DIM, combiner=combiner, name="users", dynamic=dynamic)
+def _unweighted_run(n, combiner, backend, tpu_layout, dynamic, stream, placement="device"):
+    users = jte.TableConfig(
+        dim=DIM, combiner=combiner, name="users", dynamic=dynamic, placement=placement
+    )
     spec = jte.EmbeddingSpec({"user": jte.FeatureConfig(users)}, jte.Adagrad(learning_rate=LR))
     emb = jte.Embedding(spec, make_mesh(n), backend=backend, tpu_layout=tpu_layout)
     state = emb.init(jax.random.key(7))
@@ -231,8 +233,9 @@ def test_unweighted_factors_computed_from_the_gathered_ids(combiner):
     """An unweighted feature under mean or sqrtn: every device computes its factors from the
     step's gathered ids (`_plan.Input.weights_all`) instead of gathering them. Against the
     float64 reference on 2 devices (C++ kernels, rows laid out row by row); and, with an
-    admission filter on TPU layouts (the updates resolve by all-gather, and the exchange
-    lays the global factors out column by column), against one device's plain run."""
+    admission filter in host memory on TPU layouts (the updates resolve by all-gather, and
+    the exchange lays the global factors out column by column), against one device's
+    plain run."""
     rng = np.random.default_rng(11)
     pool = rng.integers(-(2**63), 2**63 - 1, size=300, dtype=np.int64)
     stream = [
@@ -253,8 +256,10 @@ def test_unweighted_factors_computed_from_the_gathered_ids(combiner):
     )
     filtered = jte.DynamicTable(capacity=64, bucket_size=8, min_count=2, filter_capacity=32)
     base = _unweighted_run(1, combiner, "xla", False, filtered, stream)
-    run = _unweighted_run(4, combiner, "xla", True, filtered, stream)
+    run = _unweighted_run(4, combiner, "xla", True, filtered, stream, placement="host")
     assert run[0].dynamic["users"].route == "owner"
+    storage = run[0].table_plans["users"].storage
+    assert not _dynamic_owner.routes_updates(run[0].dynamic["users"], storage)
     assert jax.tree.map(int, run[0].dynamic_stats(run[1])) == jax.tree.map(
         int, base[0].dynamic_stats(base[1])
     )
@@ -368,12 +373,13 @@ def test_the_same_on_every_mesh_and_exchange_with_eviction():
     ids=["lru", "filter-ttl-lfu"],
 )
 def test_resolution_in_passes_is_the_same(dynamic):
-    """On TPU layouts ids resolve at their owners (`_dynamic_owner`), except the updates of
-    a table with an admission filter, which all-gather and take each shard's distinct ids
-    `max_ids_per_shard` at a time: with windows far smaller than a step's ids (many passes
-    or rounds, buckets split between them) the resident ids and counters equal one device's
-    single pass, rows and lookups to float32 rounding (the TPU layout's row passes sum
-    gradients in another order). The fast tier takes the filter: both resolutions."""
+    """On TPU layouts ids resolve at their owners (`_dynamic_owner`), `max_ids_per_shard`
+    at a time, and an admission filter's rules in rounds of their own (filter buckets of
+    two buckets here, so its first sightings go in another order): with windows far
+    smaller than a step's ids (many rounds, buckets split between them) the resident ids
+    and counters equal one device's single pass, rows and lookups to float32 rounding (the
+    TPU layout's row passes sum gradients in another order). The fast tier takes the
+    filter."""
     base_emb, base_state, base_exports, base_lookups = run_stream(1, "gather", dynamic, 8)
     emb, state, exports, lookups = run_stream(
         4, "gather", dynamic, 8, tpu_layout=True, max_ids_per_shard=8
@@ -397,7 +403,7 @@ def test_resolution_in_passes_is_the_same(dynamic):
             ),
             marks=pytest.mark.slow,
         ),
-        # The filter's updates keep the all-gather resolution; its lookups route.
+        # The filter's rules in rounds of their own, one id a round per owner.
         pytest.param(
             4,
             64,
@@ -539,7 +545,7 @@ def test_tables_resolved_in_shared_rounds_are_each_as_alone():
 def test_stacked_dynamic_tables_are_as_alone(tmp_path, backend):
     """Dynamic tables stack like static ones (owner routing, one dim and optimizer): one
     array for three dynamic tables (resolved at the owners, one with TTL and lfu, one with
-    an admission filter, whose updates keep the all-gather resolution) and a static table.
+    an admission filter) and a static table.
     Each table's resets land in its own block of the stack: lookups, exported rows, slots
     and counters are bit-identical to `stacking=False`, with evictions and expiry; either
     state's checkpoint restores into the other layout and steps on as the unstacked state;
@@ -580,7 +586,7 @@ def test_stacked_dynamic_tables_are_as_alone(tmp_path, backend):
     assert list(emb.stacks.values()) == [("users", "pages", "seen", "words")]
     assert [emb.dynamic[t].route for t in ("users", "pages", "seen")] == ["owner"] * 3
     storage = emb.table_plans["seen"].storage
-    assert not _dynamic_owner.routes_updates(emb.dynamic["seen"], storage)
+    assert _dynamic_owner.routes_updates(emb.dynamic["seen"], storage)
     stats = jax.tree.map(int, emb.dynamic_stats(state))
     assert stats == jax.tree.map(int, alone.dynamic_stats(alone_state))
     assert stats["pages"]["evicted"] > 0 and stats["pages"]["expired"] > 0, stats

@@ -314,6 +314,70 @@ def test_update_equals_reference(case):
         assert s["filter_failed"] > 0
 
 
+def _update_in_calls(config, state, ids, now, size: int):
+    """`hx.update` of one step's distinct ids as the owners of a routed update run it, in
+    calls of `size` ids: `sighted(admission=False)` for all, `admission` for the misses
+    (in reverse order: any split does), `place` and `unfilter` for the admitted ones in
+    (bucket, priority) order, `record` for the first sightings in (filter bucket,
+    priority) order. Returns (state, row, placed) as `update`'s."""
+    hi, lo = hx.split_ids(ids)
+    _, lb = hx.locate(config, 1, hi, lo)
+    lb = np.asarray(lb)
+    seen = hx.sighted(config, state, hi, lo, lb, ids != -1, now, admission=False)
+    state, u = seen.state, ids.size
+    calls = lambda at: [at[i : i + size] for i in range(0, len(at), size)]
+    admit, first = np.zeros(u, bool), np.zeros(u, bool)
+    for c in calls(np.flatnonzero(np.asarray(seen.miss))[::-1]):
+        state, a, f = hx.admission(config, state, hi[c], lo[c], lb[c], True, now)
+        admit[c], first[c] = np.asarray(a), np.asarray(f)
+    prio = np.asarray(hx.priority(config, hi, lo))
+    row, placed = np.asarray(seen.row).copy(), np.zeros(u, bool)
+    for c in calls([i for i in np.lexsort((lo, hi, prio, lb)) if admit[i]]):
+        state, r, ok = hx.place(config, state, hi[c], lo[c], lb[c], True, now)
+        state = hx.unfilter(config, state, hi[c], lo[c], lb[c], ok)
+        row[c], placed[c] = np.where(ok, r, row[c]), np.asarray(ok)
+    if config.min_count > 1:
+        fb = lb // (config.buckets // config.filter_buckets)
+        for c in calls([i for i in np.lexsort((lo, hi, prio, fb)) if first[i]]):
+            state = hx.record(config, state, hi[c], lo[c], lb[c], True, now)
+    return state, row, placed
+
+
+@pytest.mark.parametrize(
+    "case, size",
+    [
+        ("tiny_all", 3),
+        pytest.param("min_count", 5, marks=pytest.mark.slow),
+        pytest.param("ttl", 4, marks=pytest.mark.slow),
+    ],
+)
+def test_rules_in_calls_equal_update(case, size):
+    """The filter's rules split into calls (`admission`, `unfilter`, `record`: what a
+    routed update runs in rounds, the work following the misses) leave the index, rows,
+    placements and counters of one `update` call, step after step, with calls far smaller
+    than a step's ids (a bucket's and a filter bucket's ids split between calls)."""
+    config, width, pool = CASES[case]
+    stream = _stream(np.random.default_rng(5), 60, width, pool)
+    state = want_state = jax.tree.map(jnp.asarray, hx.empty_state(config, 1))
+    for t, ids in enumerate(stream, start=1):
+        hi, lo = hx.split_ids(ids)
+        _, lb = hx.locate(config, 1, hi, lo)
+        want_state, want_row, want_placed = hx.update(config, want_state, hi, lo, lb, ids != -1, t)
+        state, row, placed = _update_in_calls(config, state, ids, t, size)
+        np.testing.assert_array_equal(row, np.asarray(want_row), err_msg=f"step {t}")
+        np.testing.assert_array_equal(placed, np.asarray(want_placed), err_msg=f"step {t}")
+        for f in dataclasses.fields(state):
+            if f.name != "filter_last":  # The calls' own mark; `update` needs none.
+                a, b = getattr(state, f.name), getattr(want_state, f.name)
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), f"{f.name}, {t}")
+    totals = dict(zip(hx.STAT_NAMES, np.asarray(state.stats)[0].tolist()))
+    assert totals["admitted"] and totals["hits"]
+    if config.min_count > 1:
+        assert totals["rejected"] and totals["filter_evicted"] and totals["filter_failed"], totals
+    if config.ttl_steps is not None:
+        assert totals["expired"], totals
+
+
 @pytest.mark.slow
 def test_find_is_read_only_and_agrees(rng):
     config, width, pool = CASES["ttl"]
