@@ -669,7 +669,8 @@ def update_rows(
     like = lambda dtype, value=0: jnp.full(owned.hi.shape, value, dtype)
 
     # Rules 1-3 (hits, admission, freed slots), then placement, each a pass at a time
-    # (`_hashindex.place`: a bucket's ids may span passes); the filter sees them all.
+    # (`_hashindex.place`: a bucket's ids may span passes). With an admission filter the
+    # misses' admission and the first sightings run in passes of their own (`update`).
     def sighted(hi, lo, bucket, valid, index):
         s = _hashindex.sighted(
             config,
@@ -683,31 +684,48 @@ def update_rows(
             find=finder(plan, now),
             scores=scorer(plan, now),
         )
-        return (s.hit, s.row, s.miss, s.admit, s.in_filter, s.f_lane, s.sightings), s.state
+        return (s.hit, s.row, s.miss, s.admit), s.state
 
-    bools = [like(bool)] * 5
-    seen, index = _windows(
-        owned.count,
-        window,
-        ids,
-        sighted,
-        (bools[0], like(jnp.int32, -1), *bools[1:4], like(jnp.int32), like(jnp.int32)),
-        index,
-    )
+    outputs = (like(bool), like(jnp.int32, -1), like(bool), like(bool))
+    seen, index = _windows(owned.count, window, ids, sighted, outputs, index)
     seen = _hashindex.Sighted(None, *seen)
 
-    # Placement sees only the admitted ids, compacted in their (bucket, priority) order and
-    # taken `_few` at a time (a trained table admits few a step), each round resetting
-    # the rows it gives away. The results go back to the distinct order by one scatter.
+    # The passes after it see only the ids they decide, compacted in their (bucket,
+    # priority) order and taken `_few` at a time (a trained table misses few ids and
+    # admits fewer a step). Their results go back to the distinct order by one scatter.
     n = owned.hi.shape[0]
     k = _few(window, ROUND)
-    admitted = jnp.sum(seen.admit, dtype=jnp.int32)
-    _, picked = _first(seen.admit, n, *ids, lax.iota(jnp.int32, n), how=plan.compaction)
-    picked = [jnp.pad(x, (0, k)) for x in picked]
+    iota = lax.iota(jnp.int32, n)
+
+    def compacted(mask):
+        """(count, [hi, lo, bucket, position] of the ids of `mask`, k past the last)."""
+        _, picked = _first(mask, n, *ids, iota, how=plan.compaction)
+        return jnp.sum(mask, dtype=jnp.int32), [jnp.pad(x, (0, k)) for x in picked]
+
+    def back(count, picked, values):
+        """Values of compacted ids at their distinct positions (zeros elsewhere)."""
+        at = jnp.where(lax.iota(jnp.int32, n + k) < count, picked[3], n)
+        return jnp.zeros(n, values.dtype).at[at].set(values, mode="drop")
+
+    admit = seen.admit
+    if config.min_count > 1:  # Each miss's sightings (`_hashindex.admission`).
+
+        def decided(hi, lo, bucket, _, valid, index):
+            index, admitted, first = _hashindex.admission(config, index, hi, lo, bucket, valid, now)
+            return (admitted, first), index
+
+        count, misses = compacted(seen.miss)
+        none = jnp.zeros(n + k, bool)
+        (admit, first), index = _windows(count, k, misses, decided, (none, none), index)
+        admit, first = back(count, misses, admit), back(count, misses, first)
+
+    # Each placement round resets the rows it gives away.
+    admitted, picked = compacted(admit)
 
     def placed(hi, lo, bucket, _, valid, carry):
         index, table, slots = carry
         index, row, ok = place(plan, index, hi, lo, bucket, valid, now)
+        index = _hashindex.unfilter(config, index, hi, lo, bucket, ok)
         if in_place:
             init = initial_rows(key, hi, lo, plan.dim)
             table, slots = reset_rows(storage, table, slots, row + offset, ok, init)
@@ -726,9 +744,20 @@ def update_rows(
         resets = lax.sort((jnp.where(a_placed, a_row, -1), picked[0], picked[1]), num_keys=1)
     at = jnp.where(lax.iota(jnp.int32, n + k) < admitted, picked[3], n)
     row = jnp.full(n, -1, jnp.int32).at[at].set(a_row, mode="drop")
-    fresh = jnp.zeros(n, bool).at[at].set(a_placed, mode="drop")
-    if config.min_count > 1:
-        index = _hashindex.filter_step(config, index, *ids, seen, fresh)
+    if config.min_count > 1:  # Then the first sightings, in filter order (`record`).
+        count, firsts = compacted(first)
+        per = config.buckets // config.filter_buckets
+        if per > 1:  # A filter bucket is several buckets: sorted again.
+            f_hi, f_lo, f_bucket, at = firsts
+            live = lax.iota(jnp.int32, n + k) < count
+            fb = jnp.where(live, f_bucket // per, config.filter_buckets)
+            prio = _hashindex.priority(config, f_hi, f_lo)
+            firsts = list(lax.sort((fb, prio, f_hi, f_lo, f_bucket, at), num_keys=4)[2:])
+
+        def recorded(hi, lo, bucket, _, valid, index):
+            return (), _hashindex.record(config, index, hi, lo, bucket, valid, now)
+
+        _, index = _windows(count, k, firsts, recorded, (), index)
     u_row = jnp.where(seen.hit, seen.row, row)
     rows = jnp.where(u_row >= 0, storage.layout.global_ids(me, u_row), -1)
     return index, table, slots, to_positions(owned, rows), resets

@@ -32,8 +32,8 @@ With an admission filter (`min_count > 1`) the first loop finds the hits only, a
 more loops run the filter's rules on the misses alone, in rounds of a 64th of Cd as the
 placements: `_hashindex.admission` (sightings counted, each in its own entry, which
 `filter_last` marks as sighted this step) before the placements, `_hashindex.record` (the
-first sightings take entries, in filter-bucket order) after them. In one call those rules
-read a window of the filter for every id of the step (docs/design.md).
+first sightings take entries, in filter-bucket order) after them (docs/design.md, "The
+admission filter at the owners").
 
 Tables in host memory reset their rows inside the update's host write: they keep the
 all-gather resolution for their updates (`routes_updates`).
@@ -408,7 +408,7 @@ def update_rows(
 
     def seen(received, indexes):
         codes, out = [], []
-        for k, (t, (r_hi, r_lo), index) in enumerate(zip(tables, received, indexes)):
+        for t, (r_hi, r_lo), index in zip(tables, received, indexes):
             s_hi, s_lo, bucket, first, slot = _merged(t.plan.index, n, r_hi, r_lo)
             s = _hashindex.sighted(
                 t.plan.index,
@@ -422,7 +422,6 @@ def update_rows(
                 find=_dynamic.finder(t.plan, now),
                 distinct=first,
                 scores=_dynamic.scorer(t.plan, now),
-                admission=k not in filtered,
             )
             hit = t.storage.layout.global_ids(me, s.row) + 2
             code = jnp.where(s.hit, hit, s.admit.astype(jnp.int32))

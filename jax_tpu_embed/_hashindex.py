@@ -483,35 +483,37 @@ def update(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, 
        else the entry not sighted this step of lowest (count, priority): filter_evicted;
        else none: filter_failed.
     """
+    # Each call may be split into calls (_dynamic and _dynamic_owner do, in passes and
+    # rounds): `sighted` and `admission` anyhow, `place` (and `unfilter`) in (bucket,
+    # priority) order, `record` in (filter bucket, priority) order.
     seen = sighted(config, state, hi, lo, local_bucket, valid, now)
-    state, row, placed = place(config, seen.state, hi, lo, local_bucket, seen.admit, now)
-    # `sighted` and `place` may each be split into calls (_dynamic does, in passes);
-    # the filter sees all of a step's ids at once.
+    state, admit = seen.state, seen.admit
+    if config.min_count > 1:
+        state, admit, first = admission(config, state, hi, lo, local_bucket, seen.miss, now)
+    state, row, placed = place(config, state, hi, lo, local_bucket, admit, now)
     row = jnp.where(seen.hit, seen.row, row.reshape(-1)).reshape(jnp.shape(hi))
     if config.min_count > 1:
-        state = filter_step(config, state, hi, lo, local_bucket, seen, placed.reshape(-1))
+        state = unfilter(config, state, hi, lo, local_bucket, placed)
+        state = record(config, state, hi, lo, local_bucket, first, now)
     return state, row, placed
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["state", "hit", "row", "miss", "admit", "in_filter", "f_lane", "sightings"],
+    data_fields=["state", "hit", "row", "miss", "admit"],
     meta_fields=[],
 )
 @dataclasses.dataclass
 class Sighted:
     """`sighted`'s result: the state with the step's hits and freed slots written, and per
-    id (flat, (U,)): hit, its row (-1 unless hit), miss, admitted (to be placed), and the
-    filter's view of it (in the filter, its lane there, its sightings with this one)."""
+    id (flat, (U,)): hit, its row (-1 unless hit), miss, and admitted (to be placed; with
+    an admission filter every miss, which `admission` decides)."""
 
     state: Any
     hit: Any
     row: Any
     miss: Any
     admit: Any
-    in_filter: Any
-    f_lane: Any
-    sightings: Any
 
 
 def sighted(
@@ -527,9 +529,9 @@ def sighted(
     find=None,
     distinct=None,
     scores=None,
-    admission=True,
 ):
-    """Rules 1-3 of `update` and the writes they make: hits get last = max(last, now),
+    """Rules 1-3 of `update` (with an admission filter, rule 2 only: see below) and the
+    writes they make: hits get last = max(last, now),
     count += 1; an admitted id's own expired slot is freed (cleared). Placement (`place`)
     reads the result: a slot hit this step then has last >= now (never evictable) and a
     freed one is empty. Ids are independent here, so any split of a step's ids into calls
@@ -548,22 +550,21 @@ def sighted(
     `distinct`: the valid ids may come with copies, and these are the ids the counters
     count (one of each; default: every valid one). A copy gets the outcome of its id (the
     same find, the same admission hash) and writes what it writes again, which changes
-    nothing (a hit's lane is set, not added). Not with min_count > 1 and `admission`: the
-    filter counts sightings (`admission` takes `distinct` of its own).
+    nothing (a hit's lane is set, not added).
 
     `scores`: with `grouped`, a function of (state, local bucket, lane, hit, freed, freed
     lane) that writes the hits (last = max(last, now), count + 1; `hit` holds the distinct
     ids' hits only) and the freed slots' last and count (0), and returns (last, count):
     the Pallas kernel (`_hashindex_tpu.scores`), in place of the windowed scatters.
 
-    `admission` False: rule 2 only. Every miss is returned as admitted and nothing is
-    freed or counted as rejected: `admission` decides for the misses, in calls of their
-    own (the filter's work then follows the misses, not every id)."""
+    With min_count > 1 every miss is returned as admitted and nothing is freed or counted
+    as rejected: `admission` decides for the misses, in calls of their own, so that the
+    filter's work follows the misses, not every id (`update`)."""
     b = config.bucket_size
     hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
     valid = jnp.asarray(valid, bool).reshape(-1) & ~_is_pad(hi, lo)
     distinct = valid if distinct is None else jnp.asarray(distinct, bool).reshape(-1) & valid
-    assert distinct is valid or config.min_count == 1 or not admission, "copies, a filter"
+    admission = config.min_count == 1  # Else `admission`'s, for the misses.
     now = jnp.asarray(now, jnp.int32)
     nbl = state.last.shape[0] // b
     lb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1)
@@ -585,22 +586,9 @@ def sighted(
     miss = valid & ~hit
 
     admit = miss
-    in_filter = jnp.zeros_like(miss)
-    f_lane = jnp.zeros(miss.shape, jnp.int32)
-    sightings = jnp.zeros(miss.shape, jnp.int32)
     if admission and config.admit_probability < 1.0:
         threshold = jnp.uint32(_admit_threshold(config.admit_probability))
         admit &= _admit_hash(config, hi, lo, now) < threshold
-    if admission and config.min_count > 1:
-        bf = config.filter_bucket_size
-        fb = lb // (nbl // (state.filter_count.shape[0] // bf))
-        f_hi, f_lo = _key_rows(state.filter_keys, fb, bf)
-        f_count = _rows(state.filter_count, fb * bf, bf)
-        f_same = (f_hi == hi[:, None]) & (f_lo == lo[:, None]) & miss[:, None]
-        in_filter, f_lane = _only_lane(f_same)
-        sightings = jnp.minimum(jnp.where(f_same, f_count, 0).sum(1) + 1, config.min_count)
-        admit &= sightings >= config.min_count
-
     frees = config.ttl_steps is not None and admission  # Else no slot is freed here.
     freed = stale & admit & frees
     row = jnp.where(hit, lb * b + hit_lane, -1)
@@ -646,7 +634,7 @@ def sighted(
     new = dataclasses.replace(
         state, **keys, last=last, count=count, stats=state.stats + _tally(tally)[None, :]
     )
-    return Sighted(new, hit, row, miss, admit, in_filter, f_lane, sightings)
+    return Sighted(new, hit, row, miss, admit)
 
 
 def _tally(counts: dict):
@@ -812,7 +800,7 @@ def admission(
     config: IndexConfig, state: IndexState, hi, lo, local_bucket, miss, now, distinct=None
 ):
     """Rule 3 of `update`, and rule 4's freeing of an admitted id's own expired slot, for
-    the misses (`miss`) of `sighted(..., admission=False)`, in any split into calls (the
+    the misses (`miss`) that `sighted` left to it, in any split into calls (the
     caller's rounds): each miss writes only its own slot and filter entry. A miss in the
     filter gets its sightings (count) and `filter_last` = now, which keeps its entry from
     the step's first sightings (`record`, after placement; a placed id's entry is freed by
@@ -914,92 +902,6 @@ def record(config: IndexConfig, state: IndexState, hi, lo, local_bucket, first, 
     new = _set_entries(bf, nfl, fb, lane, recorded, arrays, keys, (group, group_bucket))
     return dataclasses.replace(
         state, filter_keys=new.pop("keys"), **new, stats=state.stats + _tally(tally)[None, :]
-    )
-
-
-def filter_step(
-    config: IndexConfig, state: IndexState, hi, lo, local_bucket, seen: Sighted, placed
-):
-    """Rule 5 of `update`: the admission filter after placement (min_count > 1), for all of
-    a step's ids in one call (its free and unavailable entries come from the call's own
-    sightings)."""
-    b, bf = config.bucket_size, config.filter_bucket_size
-    hi, lo = _u32(hi).reshape(-1), _u32(lo).reshape(-1)
-    nbl, nfl = state.last.shape[0] // b, state.filter_count.shape[0] // bf
-    fb = jnp.clip(jnp.asarray(local_bucket, jnp.int32).reshape(-1), 0, nbl - 1) // (nbl // nfl)
-    miss, in_filter, f_lane, sightings = seen.miss, seen.in_filter, seen.f_lane, seen.sightings
-    prio = priority(config, hi, lo)
-    u, z, pad = hi.shape[0], jnp.uint32(0), jnp.uint32(PAD)
-    first = miss & ~in_filter
-    f_groups = min(u, nfl + 1)
-    f_group, f_rank, f_group_bucket = _groups(
-        jnp.where(miss, fb, nfl), prio, hi, lo, first, f_groups
-    )
-    f_bucket = jnp.minimum(f_group_bucket, nfl - 1)
-    f_first = f_bucket * bf
-    f_marks = (
-        jnp.zeros((f_groups, bf), jnp.int32)
-        .at[f_group, f_lane]
-        .add(jnp.where(in_filter, jnp.where(placed, 2, 1), 0))
-    )
-    g_hi, g_lo = _key_rows(state.filter_keys, f_bucket, bf)
-    g_count = _rows(state.filter_count, f_first, bf)
-    f_free = ((f_marks & 2) > 0) | _is_pad(g_hi, g_lo)
-    f_cls = jnp.where(f_free, 0, jnp.where((f_marks & 1) > 0, 3, 1))
-    f_keyed = f_cls == 1
-    f_lanes = lax.broadcasted_iota(jnp.int32, (f_groups, bf), 1).astype(jnp.uint32)
-    f_order = _lane_order(
-        (
-            f_cls,
-            jnp.where(f_keyed, g_count, 0),
-            jnp.where(f_keyed, priority(config, g_hi, g_lo), f_lanes),
-            jnp.where(f_keyed, g_hi, z),
-            jnp.where(f_keyed, g_lo, z),
-        )
-    )
-    cls_rows = _rows(f_cls.reshape(-1), f_group * bf, bf)
-    recorded = first & (f_rank < (cls_rows < 3).sum(1))
-    f_new_lane = _at(_rows(f_order.reshape(-1), f_group * bf, bf), jnp.minimum(f_rank, bf - 1))
-    f_taken = _at(cls_rows, f_new_lane)
-
-    # A sighting rewrites its entry (a placed id leaves), then a recorded first sighting
-    # takes its new entry (perhaps one a placed id left): one write per filter bucket.
-    s = _spread(
-        f_groups,
-        bf,
-        f_group,
-        f_lane,
-        {
-            "hi": jnp.where(placed, pad, hi),
-            "lo": jnp.where(placed, pad, lo),
-            "count": jnp.where(placed, 0, sightings),
-        },
-        in_filter,
-    )
-    r = _spread(
-        f_groups,
-        bf,
-        f_group,
-        f_new_lane,
-        {"hi": hi, "lo": lo, "count": jnp.ones_like(sightings)},
-        recorded,
-    )
-    written = (s["set"] | r["set"]).any(1) & (f_group_bucket < nfl)
-
-    def value(old, name):
-        return jnp.where(r["set"], r[name], jnp.where(s["set"], s[name], old))
-
-    tally = {
-        "filter_evicted": (recorded & (f_taken == 1)).sum(),
-        "filter_failed": (first & ~recorded).sum(),
-    }
-    return dataclasses.replace(
-        state,
-        filter_keys=_put_key_rows(
-            state.filter_keys, f_bucket, value(g_hi, "hi"), value(g_lo, "lo"), written
-        ),
-        filter_count=_put_rows(state.filter_count, f_first, value(g_count, "count"), written),
-        stats=state.stats + _tally(tally)[None, :],
     )
 
 

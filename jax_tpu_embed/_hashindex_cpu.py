@@ -26,7 +26,6 @@ path.
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 from typing import Any, NamedTuple
 
@@ -47,8 +46,8 @@ _TARGETS = {
     "jte_hashindex_first_set": "JteHashindexFirstSet",
 }
 _EVICTION = {"lru": 0, "lfu": 1, "none": 2}  # Must match `Eviction` in the C++ source.
-_FIELDS = ("keys", "last", "count", "filter_keys", "filter_count", "stats")
-_DTYPES = (jnp.uint32, jnp.int32, jnp.int32, jnp.uint32, jnp.int32, jnp.int32)
+_FIELDS = ("keys", "last", "count", "filter_keys", "filter_count", "filter_last", "stats")
+_DTYPES = (jnp.uint32, jnp.int32, jnp.int32, jnp.uint32, jnp.int32, jnp.int32, jnp.int32)
 
 _LIBRARY = _cpu_kernels.Library(_SOURCE, _TARGETS, "C++ hash index")
 
@@ -141,7 +140,7 @@ def update(config: hx.IndexConfig, state: hx.IndexState, hi, lo, local_bucket, v
         *arrays,
         **_update_attrs(config),
     )
-    new = dataclasses.replace(state, **dict(zip(_FIELDS, out[: len(arrays)])))
+    new = hx.IndexState(*out[: len(arrays)])
     return new, out[-2].reshape(shape), out[-1].reshape(shape)
 
 
@@ -242,5 +241,4 @@ def resolve_update(
     )
     k = len(arrays)
     rows, count, f_rows, f_hi, f_lo = out[k:]
-    new = dataclasses.replace(state, **dict(zip(_FIELDS, out[:k])))
-    return new, Resolved(rows, count[0], f_rows, f_hi, f_lo)
+    return hx.IndexState(*out[:k]), Resolved(rows, count[0], f_rows, f_hi, f_lo)

@@ -316,20 +316,21 @@ def test_update_equals_reference(case):
 
 def _update_in_calls(config, state, ids, now, size: int):
     """`hx.update` of one step's distinct ids as the owners of a routed update run it, in
-    calls of `size` ids: `sighted(admission=False)` for all, `admission` for the misses
-    (in reverse order: any split does), `place` and `unfilter` for the admitted ones in
+    calls of `size` ids: `sighted` for all, `admission` for the misses with a filter (in
+    reverse order: any split does), `place` and `unfilter` for the admitted ones in
     (bucket, priority) order, `record` for the first sightings in (filter bucket,
     priority) order. Returns (state, row, placed) as `update`'s."""
     hi, lo = hx.split_ids(ids)
     _, lb = hx.locate(config, 1, hi, lo)
     lb = np.asarray(lb)
-    seen = hx.sighted(config, state, hi, lo, lb, ids != -1, now, admission=False)
+    seen = hx.sighted(config, state, hi, lo, lb, ids != -1, now)
     state, u = seen.state, ids.size
     calls = lambda at: [at[i : i + size] for i in range(0, len(at), size)]
-    admit, first = np.zeros(u, bool), np.zeros(u, bool)
-    for c in calls(np.flatnonzero(np.asarray(seen.miss))[::-1]):
-        state, a, f = hx.admission(config, state, hi[c], lo[c], lb[c], True, now)
-        admit[c], first[c] = np.asarray(a), np.asarray(f)
+    admit, first = np.asarray(seen.admit).copy(), np.zeros(u, bool)
+    if config.min_count > 1:  # `sighted` left the misses to `admission`.
+        for c in calls(np.flatnonzero(np.asarray(seen.miss))[::-1]):
+            state, a, f = hx.admission(config, state, hi[c], lo[c], lb[c], True, now)
+            admit[c], first[c] = np.asarray(a), np.asarray(f)
     prio = np.asarray(hx.priority(config, hi, lo))
     row, placed = np.asarray(seen.row).copy(), np.zeros(u, bool)
     for c in calls([i for i in np.lexsort((lo, hi, prio, lb)) if admit[i]]):

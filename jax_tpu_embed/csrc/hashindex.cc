@@ -19,7 +19,8 @@
 //      index after B, and the k-th admitted id takes the k-th slot.
 //   D. The filter: sightings written (a placed id's entry freed), then first sightings in
 //      (filter bucket, priority) order take free entries, else the unsighted one of lowest
-//      (count, priority).
+//      (count, priority). Every entry sighted or taken gets filter_last = now, as the XLA
+//      update's calls mark it.
 //
 // Computing the slot order after B is the XLA order: a slot hit this step has last >= now, so
 // it is neither expired nor evictable (XLA marks it unavailable), and a cleared slot is empty
@@ -593,7 +594,7 @@ struct IndexArrays {
   uint32_t* k;
   int32_t *kt, *kc;
   uint32_t* fk;
-  int32_t* fc;
+  int32_t *fc, *fl;
   int64_t nbl, b, nfl, bf;
 };
 
@@ -611,7 +612,7 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
   const Ttl ttl{c.ttl_steps};
   const bool filter = c.min_count > 1;
   uint32_t *keys = x.k, *fkeys = x.fk;
-  int32_t *kt = x.kt, *kc = x.kc, *fc = x.fc;
+  int32_t *kt = x.kt, *kc = x.kc, *fc = x.fc, *fl = x.fl;
   const int64_t b = x.b, nbl = x.nbl, bf = x.bf, nfl = x.nfl;
   // What D reads of each id: whether it missed, its priority, its filter lane and sightings.
   std::vector<uint8_t> miss;
@@ -804,6 +805,7 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
       const int64_t fb = Clamp(lb[i], nbl) / per;
       if (f_lane[i] >= 0) {
         const int64_t s = fb * bf + f_lane[i];
+        fl[s] = now;  // As `_hashindex.admission` marks it (read where the rules run apart).
         uint32_t* eh = HiWords(fkeys, fb * bf) + f_lane[i];
         uint32_t* el = LoWords(fkeys, fb * bf, bf) + f_lane[i];
         if (fresh[i]) {
@@ -862,6 +864,7 @@ void UpdateCore(const Config& c, const IndexArrays& x, int64_t u, const uint32_t
         gh[j] = uint32_t(firsts[start + k].id >> 32);
         gl[j] = uint32_t(firsts[start + k].id);
         fc[s] = 1;
+        fl[s] = now;
       }
       start = end;
     }
@@ -874,13 +877,13 @@ struct IndexIn {
   ffi::Buffer<ffi::U32> keys;
   ffi::Buffer<ffi::S32> last, count;
   ffi::Buffer<ffi::U32> fkeys;
-  ffi::Buffer<ffi::S32> fcount, stats;
+  ffi::Buffer<ffi::S32> fcount, flast, stats;
 };
 struct IndexOut {
   ffi::ResultBuffer<ffi::U32> keys;
   ffi::ResultBuffer<ffi::S32> last, count;
   ffi::ResultBuffer<ffi::U32> fkeys;
-  ffi::ResultBuffer<ffi::S32> fcount, stats;
+  ffi::ResultBuffer<ffi::S32> fcount, flast, stats;
 };
 
 // Runs `run(index arrays, tally)` on the index in place (copied first where XLA did not alias
@@ -895,14 +898,18 @@ ffi::Error OnIndex(const char* what, const Config& c, IndexIn& in, IndexOut& out
   if (nbl == 0 || (c.min_count > 1 && nfl == 0)) {
     return ffi::Error::InvalidArgument(std::string("jte hashindex ") + what + ": empty index");
   }
-  IndexArrays x{out.keys->typed_data(),  out.last->typed_data(),   out.count->typed_data(),
-                out.fkeys->typed_data(), out.fcount->typed_data(), nbl, b, nfl, bf};
+  IndexArrays x{out.keys->typed_data(),   out.last->typed_data(),
+                out.count->typed_data(),  out.fkeys->typed_data(),
+                out.fcount->typed_data(), out.flast->typed_data(),
+                nbl,                      b,
+                nfl,                      bf};
   int32_t* st = out.stats->typed_data();
   CopyIfNotAliased(in.keys.typed_data(), x.k, 2 * slots);
   CopyIfNotAliased(in.last.typed_data(), x.kt, slots);
   CopyIfNotAliased(in.count.typed_data(), x.kc, slots);
   CopyIfNotAliased(in.fkeys.typed_data(), x.fk, 2 * fslots);
   CopyIfNotAliased(in.fcount.typed_data(), x.fc, fslots);
+  CopyIfNotAliased(in.flast.typed_data(), x.fl, fslots);
   CopyIfNotAliased(in.stats.typed_data(), st, int64_t(in.stats.element_count()));
   int64_t tally[kStats] = {};
   run(x, tally);
@@ -920,18 +927,20 @@ ffi::Error UpdateImpl(ffi::Buffer<ffi::U32> hi, ffi::Buffer<ffi::U32> lo,
                       ffi::Buffer<ffi::S32> now, ffi::Buffer<ffi::U32> in_keys,
                       ffi::Buffer<ffi::S32> in_last, ffi::Buffer<ffi::S32> in_count,
                       ffi::Buffer<ffi::U32> in_fkeys, ffi::Buffer<ffi::S32> in_fcount,
-                      ffi::Buffer<ffi::S32> in_stats, ffi::ResultBuffer<ffi::U32> out_keys,
+                      ffi::Buffer<ffi::S32> in_flast, ffi::Buffer<ffi::S32> in_stats,
+                      ffi::ResultBuffer<ffi::U32> out_keys,
                       ffi::ResultBuffer<ffi::S32> out_last, ffi::ResultBuffer<ffi::S32> out_count,
                       ffi::ResultBuffer<ffi::U32> out_fkeys,
                       ffi::ResultBuffer<ffi::S32> out_fcount,
+                      ffi::ResultBuffer<ffi::S32> out_flast,
                       ffi::ResultBuffer<ffi::S32> out_stats, ffi::ResultBuffer<ffi::S32> row,
                       ffi::ResultBuffer<ffi::PRED> fresh, int64_t ttl_steps,
                       int32_t eviction, int32_t min_count, int64_t threshold, int64_t prio_key,
                       int64_t admit_key, int64_t bucket_size, int64_t filter_bucket_size) {
   const Config c{ttl_steps, eviction, min_count, threshold, uint32_t(prio_key),
                  uint32_t(admit_key)};
-  IndexIn in{in_keys, in_last, in_count, in_fkeys, in_fcount, in_stats};
-  IndexOut out{out_keys, out_last, out_count, out_fkeys, out_fcount, out_stats};
+  IndexIn in{in_keys, in_last, in_count, in_fkeys, in_fcount, in_flast, in_stats};
+  IndexOut out{out_keys, out_last, out_count, out_fkeys, out_fcount, out_flast, out_stats};
   return OnIndex("update", c, in, out, bucket_size, filter_bucket_size,
                  [&](const IndexArrays& x, int64_t* tally) {
                    UpdateCore(c, x, hi.element_count(), hi.typed_data(), lo.typed_data(),
@@ -954,9 +963,10 @@ ffi::Error ResolveUpdateImpl(
     ffi::Buffer<ffi::PRED> keep_buf, ffi::Buffer<ffi::S32> now_buf, ffi::Buffer<ffi::U32> in_keys,
     ffi::Buffer<ffi::S32> in_last, ffi::Buffer<ffi::S32> in_count,
     ffi::Buffer<ffi::U32> in_fkeys, ffi::Buffer<ffi::S32> in_fcount,
-    ffi::Buffer<ffi::S32> in_stats, ffi::ResultBuffer<ffi::U32> out_keys,
-    ffi::ResultBuffer<ffi::S32> out_last, ffi::ResultBuffer<ffi::S32> out_count,
-    ffi::ResultBuffer<ffi::U32> out_fkeys, ffi::ResultBuffer<ffi::S32> out_fcount,
+    ffi::Buffer<ffi::S32> in_flast, ffi::Buffer<ffi::S32> in_stats,
+    ffi::ResultBuffer<ffi::U32> out_keys, ffi::ResultBuffer<ffi::S32> out_last,
+    ffi::ResultBuffer<ffi::S32> out_count, ffi::ResultBuffer<ffi::U32> out_fkeys,
+    ffi::ResultBuffer<ffi::S32> out_fcount, ffi::ResultBuffer<ffi::S32> out_flast,
     ffi::ResultBuffer<ffi::S32> out_stats, ffi::ResultBuffer<ffi::S32> row_buf,
     ffi::ResultBuffer<ffi::S32> fresh_count, ffi::ResultBuffer<ffi::S32> fresh_row,
     ffi::ResultBuffer<ffi::U32> fresh_hi, ffi::ResultBuffer<ffi::U32> fresh_lo,
@@ -979,8 +989,8 @@ ffi::Error ResolveUpdateImpl(
   std::unique_ptr<bool[]> u_fresh(new bool[size_t(std::max<int64_t>(u, 1))]);
   std::fill(u_valid.get(), u_valid.get() + u, true);
 
-  IndexIn in{in_keys, in_last, in_count, in_fkeys, in_fcount, in_stats};
-  IndexOut out{out_keys, out_last, out_count, out_fkeys, out_fcount, out_stats};
+  IndexIn in{in_keys, in_last, in_count, in_fkeys, in_fcount, in_flast, in_stats};
+  IndexOut out{out_keys, out_last, out_count, out_fkeys, out_fcount, out_flast, out_stats};
   ffi::Error err = OnIndex("resolve_update", c, in, out, bucket_size, filter_bucket_size,
                            [&](const IndexArrays& x, int64_t* tally) {
                              UpdateCore(c, x, u, u_hi, u_lo, u_lb_buf.typed_data(),
@@ -1037,10 +1047,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexUpdate, UpdateImpl,
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()  // the new IndexState
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()   // local row
@@ -1106,10 +1118,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JteHashindexResolveUpdate, ResolveUpdateImpl,
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()  // the new IndexState
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()  // local row per position
