@@ -313,30 +313,44 @@ class Update(NamedTuple):
     keep: Any
 
 
-def _admission(tables, filtered: list, ids: list, cds: list, codes: list, indexes: list, now, axis):
-    """The filter's admission for the misses (code 1) of the `filtered` tables, in rounds
-    of `_placements` ids an owner (`_hashindex.admission`: sightings counted, admitted
-    ids' own expired slots freed). Returns (codes with 1 only for the admitted ids,
-    {table: the first sightings' `_Ids` in filter order}, indexes)."""
+def _filter_rounds(tables, filtered: list, sends: dict, cds: list, indexes: list, rule, axis):
+    """Rounds (ordered, `_placements` ids an owner) of the `filtered` tables' ids `sends`
+    ({table: `_Ids`}): each owner applies `rule(config, index, hi, lo, bucket, first)` ->
+    (index, int32 code per id) to what it receives, sorted by bucket with copies of an id
+    adjacent and `first` marking the first copy (`_merged`). Returns ([per filtered table,
+    each id's code in its `_Ids`' order], indexes)."""
     n = lax.axis_size(axis)
 
-    def decided(received, indexes):
+    def body(received, indexes):
         out, indexes = [], list(indexes)
         for k, (r_hi, r_lo) in zip(filtered, received):
             config = tables[k].plan.index
             s_hi, s_lo, bucket, first, slot = _merged(config, n, r_hi, r_lo)
-            miss = ~_dynamic.is_pad(s_hi, s_lo)
-            index, admit, new = _hashindex.admission(
-                config, indexes[k], s_hi, s_lo, bucket, miss, now, distinct=first
-            )
-            code = jnp.where(admit, 1, jnp.where(new, 2, 0))
+            indexes[k], code = rule(config, indexes[k], s_hi, s_lo, bucket, first)
             out.append(jnp.zeros_like(code).at[slot].set(code, unique_indices=True))
-            indexes[k] = index
         return out, indexes
 
+    rounds = [(sends[k], _placements(cds[k])) for k in filtered]
+    return _rounds(rounds, axis, True, body, indexes)
+
+
+def _admission(tables, filtered: list, ids: list, cds: list, codes: list, indexes: list, now, axis):
+    """The filter's admission for the misses (code 1) of the `filtered` tables
+    (`_hashindex.admission`: sightings counted, admitted ids' own expired slots freed).
+    Returns (codes with 1 only for the admitted ids, {table: the first sightings' `_Ids`
+    in filter order}, indexes)."""
+    n = lax.axis_size(axis)
+
+    def rule(config, index, hi, lo, bucket, first):
+        miss = ~_dynamic.is_pad(hi, lo)
+        index, admit, new = _hashindex.admission(
+            config, index, hi, lo, bucket, miss, now, distinct=first
+        )
+        return index, jnp.where(admit, 1, jnp.where(new, 2, 0))
+
     misses = {k: _compact(tables[k].plan, n, ids[k], codes[k] == 1) for k in filtered}
-    sends = [(misses[k][0], _placements(cds[k])) for k in filtered]
-    decisions, indexes = _rounds(sends, axis, True, decided, indexes)
+    sends = {k: misses[k][0] for k in filtered}
+    decisions, indexes = _filter_rounds(tables, filtered, sends, cds, indexes, rule, axis)
     codes, firsts = list(codes), {}
     for k, d in zip(filtered, decisions):
         m = codes[k].shape[0]
@@ -348,20 +362,13 @@ def _admission(tables, filtered: list, ids: list, cds: list, codes: list, indexe
 
 def _record(tables, filtered: list, firsts: dict, cds: list, indexes: list, now, axis):
     """The first sightings of the `filtered` tables recorded (`_hashindex.record`), in
-    rounds of `_placements` ids an owner in filter order. Returns the indexes."""
-    n = lax.axis_size(axis)
+    filter order. Returns the indexes."""
 
-    def recorded(received, indexes):
-        out, indexes = [], list(indexes)
-        for k, (r_hi, r_lo) in zip(filtered, received):
-            config = tables[k].plan.index
-            s_hi, s_lo, bucket, first, _ = _merged(config, n, r_hi, r_lo)
-            indexes[k] = _hashindex.record(config, indexes[k], s_hi, s_lo, bucket, first, now)
-            out.append(jnp.zeros(r_hi.shape, jnp.int32))
-        return out, indexes
+    def rule(config, index, hi, lo, bucket, first):
+        index = _hashindex.record(config, index, hi, lo, bucket, first, now)
+        return index, jnp.zeros(hi.shape, jnp.int32)
 
-    sends = [(firsts[k], _placements(cds[k])) for k in filtered]
-    return _rounds(sends, axis, True, recorded, indexes)[1]
+    return _filter_rounds(tables, filtered, firsts, cds, indexes, rule, axis)[1]
 
 
 def lookup_rows(tables: list[Table], now, axis) -> list:
