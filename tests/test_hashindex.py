@@ -314,6 +314,12 @@ def test_update_equals_reference(case):
         assert s["filter_failed"] > 0
 
 
+@functools.cache
+def _jitted(f, config):
+    """`f(config, ...)` jitted, once per function and config."""
+    return jax.jit(functools.partial(f, config))
+
+
 def _update_in_calls(config, state, ids, now, size: int):
     """`hx.update` of one step's distinct ids as the owners of a routed update run it, in
     calls of `size` ids: `sighted` for all, `admission` for the misses with a filter (in
@@ -323,24 +329,35 @@ def _update_in_calls(config, state, ids, now, size: int):
     hi, lo = hx.split_ids(ids)
     _, lb = hx.locate(config, 1, hi, lo)
     lb = np.asarray(lb)
-    seen = hx.sighted(config, state, hi, lo, lb, ids != -1, now)
+    jit = lambda f: _jitted(f, config)
+    seen = jit(hx.sighted)(state, hi, lo, lb, ids != -1, now)
     state, u = seen.state, ids.size
-    calls = lambda at: [at[i : i + size] for i in range(0, len(at), size)]
+    calls = lambda at: [np.asarray(at[i : i + size], int) for i in range(0, len(at), size)]
+
+    def words(c):
+        """A call's (hi, lo, local bucket), padded to `size` with the padding id, which
+        every call skips: one compile per function."""
+        pad = np.full(size - len(c), hx.PAD, np.uint32)
+        fill = np.zeros(size - len(c), lb.dtype)
+        return np.r_[hi[c], pad], np.r_[lo[c], pad], np.r_[lb[c], fill]
+
+    admission, place, unfilter, record = map(jit, (hx.admission, hx.place, hx.unfilter, hx.record))
     admit, first = np.asarray(seen.admit).copy(), np.zeros(u, bool)
     if config.min_count > 1:  # `sighted` left the misses to `admission`.
         for c in calls(np.flatnonzero(np.asarray(seen.miss))[::-1]):
-            state, a, f = hx.admission(config, state, hi[c], lo[c], lb[c], True, now)
-            admit[c], first[c] = np.asarray(a), np.asarray(f)
+            state, a, f = admission(state, *words(c), True, now)
+            admit[c], first[c] = np.asarray(a)[: len(c)], np.asarray(f)[: len(c)]
     prio = np.asarray(hx.priority(config, hi, lo))
     row, placed = np.asarray(seen.row).copy(), np.zeros(u, bool)
     for c in calls([i for i in np.lexsort((lo, hi, prio, lb)) if admit[i]]):
-        state, r, ok = hx.place(config, state, hi[c], lo[c], lb[c], True, now)
-        state = hx.unfilter(config, state, hi[c], lo[c], lb[c], ok)
-        row[c], placed[c] = np.where(ok, r, row[c]), np.asarray(ok)
+        state, r, ok = place(state, *words(c), True, now)
+        state = unfilter(state, *words(c), ok)
+        r, ok = np.asarray(r)[: len(c)], np.asarray(ok)[: len(c)]
+        row[c], placed[c] = np.where(ok, r, row[c]), ok
     if config.min_count > 1:
         fb = lb // (config.buckets // config.filter_buckets)
         for c in calls([i for i in np.lexsort((lo, hi, prio, fb)) if first[i]]):
-            state = hx.record(config, state, hi[c], lo[c], lb[c], True, now)
+            state = record(state, *words(c), True, now)
     return state, row, placed
 
 
@@ -360,10 +377,11 @@ def test_rules_in_calls_equal_update(case, size):
     config, width, pool = CASES[case]
     stream = _stream(np.random.default_rng(5), 60, width, pool)
     state = want_state = jax.tree.map(jnp.asarray, hx.empty_state(config, 1))
+    update = _jitted(hx.update, config)
     for t, ids in enumerate(stream, start=1):
         hi, lo = hx.split_ids(ids)
         _, lb = hx.locate(config, 1, hi, lo)
-        want_state, want_row, want_placed = hx.update(config, want_state, hi, lo, lb, ids != -1, t)
+        want_state, want_row, want_placed = update(want_state, hi, lo, lb, ids != -1, t)
         state, row, placed = _update_in_calls(config, state, ids, t, size)
         np.testing.assert_array_equal(row, np.asarray(want_row), err_msg=f"step {t}")
         np.testing.assert_array_equal(placed, np.asarray(want_placed), err_msg=f"step {t}")
