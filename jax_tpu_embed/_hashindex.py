@@ -703,28 +703,13 @@ def place(config: IndexConfig, state: IndexState, hi, lo, local_bucket, admit, n
     taken = _at(cls, lane)
     row = jnp.where(placed, lb * b + lane, -1)
 
-    # The writes clear the placed slots (times 0), then set them (max with the new values;
-    # the others' lanes with the smallest value): two scatters of values that never read
-    # the windows they write, which the TPU compiler charges less than one scatter set
-    # from a read of them (docs/design.md).
-    first = bucket * b
-    e = _spread(groups, b, group, lane, {"hi": hi, "lo": lo}, placed)
-    written = e["set"].any(1) & (group_bucket < nbl)
-    keep = (~e["set"]).astype(jnp.int32)
-
-    def write(array, value, op):
-        array = _put_rows(array, first, keep, written, _MUL)
-        return _put_rows(array, first, value, written, op)
-
-    keys = _put_key_rows(state.keys, bucket, keep, keep, written, _MUL)
-    new = dataclasses.replace(
-        state,
-        keys=_put_key_rows(keys, bucket, e["hi"], e["lo"], written, _MAX),
-        last=write(state.last, jnp.where(e["set"], now, _INT32_MIN), _MAX),
-        count=write(state.count, e["set"].astype(jnp.int32), _ADD),
-        stats=state.stats + placed_tally(admit, placed, taken)[None, :],
+    # Each placed slot's key, last = now and count = 1, written by bucket window.
+    arrays = {"last": (state.last, now), "count": (state.count, jnp.int32(1))}
+    new = _set_entries(
+        b, nbl, lb, lane, placed, arrays, (state.keys, hi, lo), (group, group_bucket)
     )
-    return new, row.reshape(shape), placed.reshape(shape)
+    stats = state.stats + placed_tally(admit, placed, taken)[None, :]
+    return dataclasses.replace(state, **new, stats=stats), row.reshape(shape), placed.reshape(shape)
 
 
 def placed_tally(admit, placed, taken):
@@ -745,10 +730,12 @@ def _set_entries(
     """Each written id's own entry (bucket, lane), distinct where `write`, set in flat int32
     arrays of buckets of `width` ({name: (array, values)}) and, with `keys` = (array, hi, lo),
     in block-interleaved keys. Returns {name: array} ("keys" too). The ids are grouped by
-    bucket (a sort of them) and each bucket's window is cleared, then combined with the
-    values: the TPU compiler charges an element scatter a tile per element (about 4 MB for
-    a round's 480 ids), a window what it holds (docs/design.md). `grouping`: the ids'
-    (group, group bucket) when the caller has them (`_groups` of a superset of `write`)."""
+    bucket (a sort of them) and each bucket's window is cleared (times 0), then combined
+    with the values (added; the keys by max): two scatters of values that never read the
+    windows they write, which the TPU compiler charges less than one scatter set from a
+    read of them, and far less than an element scatter (a tile per element: about 4 MB
+    for a round's 480 ids; docs/design.md). `grouping`: the ids' (group, group bucket)
+    when the caller has them (`_groups` of a superset of `write`)."""
     u = bucket.shape[0]
     if grouping is None:
         z = jnp.zeros_like(bucket)
@@ -756,7 +743,9 @@ def _set_entries(
         grouping = _groups(key, z, z, z, write, min(u, num_buckets + 1))[::2]
     group, group_bucket = grouping
     groups = group_bucket.shape[0]
-    values = {name: v for name, (_, v) in arrays.items()}
+    # Per-id values are spread into their windows; a value shared by all (a scalar) is
+    # taken where a lane is set, without a scatter of its own.
+    values = {name: v for name, (_, v) in arrays.items() if jnp.ndim(v)}
     if keys is not None:
         values.update(hi=keys[1], lo=keys[2])
     values = {k: jnp.broadcast_to(v, (u,)) for k, v in values.items()}
@@ -765,9 +754,10 @@ def _set_entries(
     at = jnp.minimum(group_bucket, num_buckets - 1)
     keep = (~e["set"]).astype(jnp.int32)
     out = {}
-    for name, (array, _) in arrays.items():  # Cleared lanes plus the values: never read.
+    for name, (array, v) in arrays.items():  # Cleared lanes plus the values: never read.
+        v = e[name] if name in values else jnp.where(e["set"], v, 0).astype(array.dtype)
         array = _put_rows(array, at * width, keep, written, _MUL)
-        out[name] = _put_rows(array, at * width, e[name], written, _ADD)
+        out[name] = _put_rows(array, at * width, v, written, _ADD)
     if keys is not None:
         array = _put_key_rows(keys[0], at, keep, keep, written, _MUL)
         out["keys"] = _put_key_rows(array, at, e["hi"], e["lo"], written, _MAX)
