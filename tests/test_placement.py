@@ -826,10 +826,18 @@ def _benchmark(name: str, tmp_path, *args: str) -> tuple:
 
 @_SLOW  # A benchmark's smoke run.
 def test_host_offload_benchmark_runs(tmp_path):
-    """benchmarks/host_offload.py (the script to run on a TPU VM) works, in its quick form."""
+    """benchmarks/host_offload.py (the script to run on a TPU VM) works, in its quick form:
+    with prefetch, every update finds its rows in the cache (its sets hold two batches'
+    rows); without, some miss; both fetch rows from host memory."""
     _, result = _benchmark("host_offload", tmp_path)
     assert result["transfers"][0]["host gather"]["GB/s"] > 0
-    assert result["train_step"]["host"]["ms"] > 0
+    steps = result["train_step"]
+    assert set(steps) == {"device", "host", "cached", "cached+prefetch"}
+    assert all(r["ms"] > 0 for r in steps.values())
+    assert steps["cached+prefetch"]["update_hit_rate"] == 1.0
+    assert steps["cached"]["update_hit_rate"] < 1.0
+    for r in (steps["cached"], steps["cached+prefetch"]):
+        assert 0.0 < r["hit_rate"] < 1.0 and r["host_rows_per_step"] > 0
 
 
 def test_cache_model_is_exact_lru_where_everything_fits(tmp_path):
