@@ -33,6 +33,7 @@ from . import (
     _planner,
     _sharding,
     _storage,
+    _streams,
 )
 from ._rowindex import NOT_MINE
 
@@ -1309,11 +1310,14 @@ class Embedding:
                 mine = found & (owner == me)
                 stored = [s.name for s in plan.storage.stored]
                 buffers = [tables[name]] + [slots[name][n] for n in stored]
-                at = [
+                at = [  # Sorted: this device's rows among the first sum(mine).
                     _distinct(jnp.where(mine, rows // p.per_row, NOT_MINE))
                     for p in plan.storage.packings
                 ]
-                tables[name], *new = _placement.prefetch(buffers, at)
+                window = _streams.capacity(plan, ids.shape[0], lax.axis_size(self.axis))
+                tables[name], *new = _placement.prefetch(
+                    buffers, at, jnp.sum(mine, dtype=jnp.int32), window
+                )
                 slots[name] = dict(zip(stored, new))
             return tables, slots
 

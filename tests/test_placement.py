@@ -322,6 +322,96 @@ def test_prefetch_finds_every_row_and_changes_no_value(shards, tpu_layout):
         np.testing.assert_allclose(got, device, rtol=1e-6, atol=1e-7)
 
 
+def _set_of(row: int, sets: int) -> int:
+    """The cache's set of a local row (murmur3's 32-bit finalizer), in plain Python."""
+    x = row & 0xFFFFFFFF
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+    return (x ^ (x >> 16)) % sets
+
+
+def _prefetched(lines: dict, host: np.ndarray, idx, ways: int, now: int) -> dict:
+    """A prefetch of the distinct rows `idx` (out of range: none) in NumPy, one row at a
+    time: the lines holding one are marked `now`; then each missing row, in index order,
+    takes the oldest way of its set (ties: the lower way) if that way was last written
+    before the current step (`now - 1`), and is counted as fetched either way."""
+    tags, last, rows = (lines[k].copy() for k in ("tags", "last", "rows"))
+    counts = lines["counts"].copy()
+    sets = tags.size // ways
+    valid = [int(r) for r in idx if 0 <= r < host.shape[0]]
+    missing = []
+    for r in valid:
+        ws = _set_of(r, sets) * ways + np.arange(ways)
+        held = ws[tags[ws] == r]
+        if held.size:
+            last[held] = max(int(last[held[0]]), now)
+        else:
+            missing.append(r)
+    for r in missing:
+        ws = _set_of(r, sets) * ways + np.arange(ways)
+        oldest = ws[np.lexsort((np.arange(ways), last[ws]))[0]]
+        counts[0, 4] += 1
+        if last[oldest] < now - 1:
+            counts[0, 2] += 1
+            counts[0, 3] += int(tags[oldest] >= 0)
+            tags[oldest], last[oldest], rows[oldest] = r, now, host[r]
+    return {"tags": tags, "last": last, "rows": rows, "counts": counts}
+
+
+@pytest.mark.parametrize("max_misses, window", [(None, None), (1, None), (3, 16), (5, 7)])
+def test_prefetch_inserts_each_missing_row_into_the_oldest_way(max_misses, window):
+    """`_placement.prefetch` of two arrays (a table and a rank-1 slot, their own rows),
+    against a row-at-a-time NumPy model: lines held by rows of the prefetch, lines marked by
+    this or the current step, and full sets; in one call or in windows of the indices,
+    which equal the model run window by window; with host rounds of 1 to 5 rows."""
+    from jax_tpu_embed import _placement
+
+    rng = np.random.default_rng(max_misses or 0)
+    vocab, ways, sets, now = 300, 4, 6, 9
+    shape = _placement.CacheShape(rows=ways * sets, ways=ways, max_misses=max_misses)
+    pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=_HOST)
+    arrays, models, indices = [], [], []
+    for width in (5, None):
+        host = rng.normal(size=(vocab,) if width is None else (vocab, width)).astype(np.float32)
+        lines = {
+            "tags": np.full(ways * sets, -1, np.int32),
+            "last": np.full(ways * sets, -1, np.int32),
+            "rows": np.zeros((ways * sets,) + host.shape[1:], np.float32),
+            "counts": np.zeros((1, 5), np.int32),
+        }
+        cached = rng.choice(vocab, 80, replace=False)
+        for r in cached[:60]:  # Fill most of the ways, some sets entirely.
+            ws = _set_of(int(r), sets) * ways + np.arange(ways)
+            free = ws[lines["tags"][ws] < 0]
+            if free.size:
+                lines["tags"][free[0]] = r
+                lines["last"][free[0]] = rng.integers(now - 4, now + 1)  # Some unevictable.
+                lines["rows"][free[0]] = rng.normal(size=host.shape[1:])
+        held = lines["tags"][lines["tags"] >= 0]
+        hits = rng.choice(held, held.size // 2, replace=False)  # Rows the prefetch finds.
+        assert np.any(lines["last"][np.isin(lines["tags"], hits)] < now)
+        fresh = rng.choice(np.setdiff1d(np.arange(vocab), held), 24, replace=False)
+        idx = rng.permutation(np.concatenate([hits, fresh, [-1, vocab + 3]]))
+        models.append((lines, host, idx))
+        array = _placement.Cached(
+            jax.device_put(host, pinned),
+            _placement.Lines(**{k: jnp.asarray(v) for k, v in lines.items()}),
+            jnp.array([now], jnp.int32),
+            shape,
+        )
+        arrays.append(array)
+        indices.append(jnp.asarray(idx.astype(np.int32)))
+    count = jnp.int32(len(indices[0]))
+    got = jax.jit(lambda a, i: _placement.prefetch(a, i, count, window))(arrays, indices)
+    for out, (lines, host, idx) in zip(got, models):
+        step = window or len(idx)
+        for start in range(0, len(idx), step):
+            lines = _prefetched(lines, host, idx[start : start + step], ways, now)
+        for key, want in lines.items():
+            np.testing.assert_array_equal(np.asarray(getattr(out.lines, key)), want, key)
+        assert lines["counts"][0, 3] > 0 and lines["counts"][0, 2] < lines["counts"][0, 4]
+
+
 def test_train_step_prefetches_the_next_batch():
     """A train step given `next_batch` finds every row of its HostCached table in the
     cache, and trains as the device table does (to float32 rounding)."""
