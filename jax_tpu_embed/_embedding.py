@@ -1343,7 +1343,7 @@ class Embedding:
             lines = self._cache_of(state.index, name).table
             totals = jnp.asarray(lines.counts).sum(0, dtype=jnp.int32)
             out[name] = {c: totals[i] for i, c in enumerate(_placement.COUNTERS)}
-            out[name]["rows"] = jnp.int32(lines.tags.size * storage.packing.per_row)
+            out[name]["rows"] = jnp.int32(lines.rows.shape[0] * storage.packing.per_row)
         return out
 
     # Inside shard_map: each stack's backend does its shard-local row work.

@@ -358,18 +358,24 @@ def _prefetched(lines: dict, host: np.ndarray, idx, ways: int, now: int) -> dict
     return {"tags": tags, "last": last, "rows": rows, "counts": counts}
 
 
-@pytest.mark.parametrize("max_misses, window", [(None, None), (1, None), (3, 16), (5, 7)])
-def test_prefetch_inserts_each_missing_row_into_the_oldest_way(max_misses, window):
+@pytest.mark.parametrize(
+    "max_misses, window, ways, sets",
+    [(None, None, 4, 6), (1, None, 4, 6), (3, 16, 6, 24), (5, 7, 6, 24)],
+)
+def test_prefetch_inserts_each_missing_row_into_the_oldest_way(max_misses, window, ways, sets):
     """`_placement.prefetch` of two arrays (a table and a rank-1 slot, their own rows),
     against a row-at-a-time NumPy model: lines held by rows of the prefetch, lines marked by
     this or the current step, and full sets; in one call or in windows of the indices,
-    which equal the model run window by window; with host rounds of 1 to 5 rows."""
+    which equal the model run window by window; with host rounds of 1 to 5 rows; with
+    sets that share a row of 128 words (4 ways) and sets that straddle two (6 ways)."""
     from jax_tpu_embed import _placement
 
     rng = np.random.default_rng(max_misses or 0)
-    vocab, ways, sets, now = 300, 4, 6, 9
+    vocab, now = 300, 9
     shape = _placement.CacheShape(rows=ways * sets, ways=ways, max_misses=max_misses)
     pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=_HOST)
+    words = _placement._padded(ways * sets, ways)  # Tags and ages, as `empty_lines` pads them.
+    pad = lambda x: np.pad(x, (0, words - x.size), constant_values=-1)
     arrays, models, indices = [], [], []
     for width in (5, None):
         host = rng.normal(size=(vocab,) if width is None else (vocab, width)).astype(np.float32)
@@ -379,8 +385,7 @@ def test_prefetch_inserts_each_missing_row_into_the_oldest_way(max_misses, windo
             "rows": np.zeros((ways * sets,) + host.shape[1:], np.float32),
             "counts": np.zeros((1, 5), np.int32),
         }
-        cached = rng.choice(vocab, 80, replace=False)
-        for r in cached[:60]:  # Fill most of the ways, some sets entirely.
+        for r in rng.choice(vocab, 2 * ways * sets, replace=False):  # Most ways, some sets.
             ws = _set_of(int(r), sets) * ways + np.arange(ways)
             free = ws[lines["tags"][ws] < 0]
             if free.size:
@@ -393,9 +398,10 @@ def test_prefetch_inserts_each_missing_row_into_the_oldest_way(max_misses, windo
         fresh = rng.choice(np.setdiff1d(np.arange(vocab), held), 24, replace=False)
         idx = rng.permutation(np.concatenate([hits, fresh, [-1, vocab + 3]]))
         models.append((lines, host, idx))
+        stored = {**lines, "tags": pad(lines["tags"]), "last": pad(lines["last"])}
         array = _placement.Cached(
             jax.device_put(host, pinned),
-            _placement.Lines(**{k: jnp.asarray(v) for k, v in lines.items()}),
+            _placement.Lines(**{k: jnp.asarray(v) for k, v in stored.items()}),
             jnp.array([now], jnp.int32),
             shape,
         )
@@ -408,7 +414,9 @@ def test_prefetch_inserts_each_missing_row_into_the_oldest_way(max_misses, windo
         for start in range(0, len(idx), step):
             lines = _prefetched(lines, host, idx[start : start + step], ways, now)
         for key, want in lines.items():
-            np.testing.assert_array_equal(np.asarray(getattr(out.lines, key)), want, key)
+            got = np.asarray(getattr(out.lines, key))
+            np.testing.assert_array_equal(got[: len(want)], want, key)
+            assert np.all(got[len(want) :] == -1), key  # The padding is never written.
         assert lines["counts"][0, 3] > 0 and lines["counts"][0, 2] < lines["counts"][0, 4]
 
 
