@@ -192,14 +192,14 @@ def _rounds(tables: list[tuple[_Ids, int]], axis, ordered: bool, body, carry) ->
         """Each table's (N, Cd_t) block sent, row d to device d; the (N, Cd_t) received."""
         return [exchange(x.reshape(-1)).reshape(n, -1) for x in parts]
 
-    def one(sent, out, carry):
+    def one(sent, out, carry, cut: bool):
         pending = [ids.counts - s for (ids, _), s in zip(tables, sent)]
         first = [ids.bounds[:-1] + s for (ids, _), s in zip(tables, sent)]
         win = [  # (N, Cd_t) each word.
             tuple(_routing.windows(w, f, cd, _MAX) for w in ids.words)
             for (ids, cd), f in zip(tables, first)
         ]
-        if ordered:  # Every table's thresholds in one pmin per word.
+        if cut:  # Every table's thresholds in one pmin per word.
             ends = [
                 tuple(jnp.where(p >= cd, w[:, cd - 1], _MAX) for w in ws)
                 for p, ws, cd in zip(pending, win, cds)
@@ -225,8 +225,10 @@ def _rounds(tables: list[tuple[_Ids, int]], axis, ordered: bool, body, carry) ->
     sizes = [ids.hi.shape[0] for ids, _ in tables]
     sent = [jnp.zeros((n,), jnp.int32) for _ in tables]
     out = [jnp.zeros((m + cd,), jnp.int32) for m, cd in zip(sizes, cds)]  # + the last window.
-    if all(cd >= m for cd, m in zip(cds, sizes)):  # Every device sends all in one round.
-        _, out, carry = one(sent, out, carry)
+    if all(cd >= m for cd, m in zip(cds, sizes)):  # Every device sends all in one round,
+        # with no threshold: one at a device's Cd-th key (Cd == m, all for one owner) would
+        # hold a larger key of another device back, for a round that never runs.
+        _, out, carry = one(sent, out, carry, False)
         return [o[:m] for o, m in zip(out, sizes)], carry
 
     def more(sent):
@@ -235,7 +237,7 @@ def _rounds(tables: list[tuple[_Ids, int]], axis, ordered: bool, body, carry) ->
 
     def step(state):
         sent, out, carry, _ = state
-        sent, out, carry = one(sent, out, carry)
+        sent, out, carry = one(sent, out, carry, ordered)
         return sent, out, carry, more(sent)
 
     _, out, carry, _ = lax.while_loop(lambda s: s[3], step, (sent, out, carry, more(sent)))

@@ -1292,8 +1292,9 @@ class Embedding:
         if split and any(n in self.dynamic for n in names):
             rows, _ = self._dynamic_rows(state.index, state.step, split)
             flat = {**flat, **self._dynamic_leaves(split, rows)}
-        feats = self._normalized(flat)
         paths = {n: [f.path for f in self.feature_plans if f.table == n] for n in names}
+        # Only the cached tables' features: another dynamic table's ids are still SplitIds.
+        feats = self._normalized({p: flat[p] for n in names for p in paths[n] if p in flat})
         tables, slots = self._with_caches(state.tables, state.slots, state.index, state.step + 1)
 
         def local(tables, slots, feats):

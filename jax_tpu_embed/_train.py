@@ -421,8 +421,9 @@ class TrainStep:
                 return jax.device_put(jnp.full(s.shape, fill, s.dtype), sharding)
 
             def empty(leaf):
-                if _is_weighted(leaf):
-                    return _inputs.Weighted(make(leaf.ids, -1), make(leaf.weights, 0))
+                if _is_weighted(leaf):  # Its ids may be a dynamic table's SplitIds halves.
+                    ids = jax.tree.map(lambda s: make(s, -1), leaf.ids)
+                    return _inputs.Weighted(ids, make(leaf.weights, 0))
                 return make(leaf, -1)
 
             features[n] = jax.tree.map(empty, abstract_features[n], is_leaf=_is_weighted)

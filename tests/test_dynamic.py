@@ -444,6 +444,60 @@ def test_owner_resolution_in_rounds_is_the_same(n, batch, dynamic):
     )
 
 
+def _owned_by_zero(config, n: int, count: int) -> np.ndarray:
+    """`count` int64 ids whose buckets shard 0 owns (of n), in the order its rounds take
+    them: (local bucket, priority, hi, lo)."""
+    ids = np.random.default_rng(5).integers(1, 2**62, size=40 * count, dtype=np.int64)
+    hi, lo = jte.split_ids(ids)
+    owner, bucket = (np.asarray(x) for x in _hashindex.locate(config, n, hi, lo))
+    priority = np.asarray(_hashindex.priority(config, jnp.asarray(hi), jnp.asarray(lo)))
+    mine = np.nonzero(owner == 0)[0]
+    order = mine[np.lexsort((lo[mine], hi[mine], priority[mine], bucket[mine]))]
+    assert order.size >= count
+    return ids[order[:count]]
+
+
+@pytest.mark.parametrize("case", ["one id a device", "a device fills a round"])
+def test_owner_rounds_send_every_id_when_a_device_holds_cd_of_them(case):
+    """The owner resolution's rounds agree on a threshold per owner: the smallest Cd-th
+    pending key of any device. When a device's ids for one owner fill a round (Cd equal to
+    its m positions), that threshold is its last id, and a device with larger keys must wait
+    for a second round. One round used to be all that ran whenever Cd >= m: such ids were
+    neither admitted nor counted nor updated. Against the all-gather resolution: the same
+    resident ids, rows and counters, and every id counted."""
+    n = 4 if case == "one id a device" else 2
+
+    def make(routing):
+        table = jte.TableConfig(
+            dim=4, name="t", dynamic=jte.DynamicTable(capacity=256, bucket_size=8)
+        )
+        spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.SGD(0.1))
+        return jte.Embedding(spec, make_mesh(n), backend="xla", routing=routing)
+
+    config = make("owner").dynamic["t"].index
+    if case == "one id a device":  # Every device's one new id goes to shard 0.
+        steps = [_owned_by_zero(config, n, n).reshape(n, 1)]
+    else:  # Device 0's 8 ids fill owner 0's round; device 1's, already resident, come after.
+        ids = _owned_by_zero(config, n, 16)
+        steps = [np.concatenate([np.full(8, -1), ids[8:]]).reshape(8, 2), ids.reshape(8, 2)]
+    out = {}
+    for routing in ("gather", "owner"):
+        emb = make(routing)
+        state = emb.init(jax.random.key(0))
+        for step in steps:
+            grads = np.ones(step.shape[:1] + (4,), np.float32)
+            state = emb.apply_gradients(state, {"f": step}, {"f": grads})
+        stats = {k: int(v) for k, v in emb.dynamic_stats(state)["t"].items()}
+        assert stats["misses"] == stats["admitted"] + stats["rejected"] + stats["failed"]
+        out[routing] = emb.export(state)["t"], stats
+    (want, want_stats), (got, got_stats) = out["gather"], out["owner"]
+    assert got_stats == want_stats
+    np.testing.assert_array_equal(got.ids, want.ids)
+    np.testing.assert_allclose(got.rows, want.rows, rtol=1e-6)
+    seen = sum(len(np.unique(s[s != -1])) for s in steps)
+    assert want_stats["hits"] + want_stats["misses"] == seen
+
+
 def routed_features(pages_dim: int, batch: int, pool) -> tuple[dict, dict]:
     """({path: FeatureConfig}, {path: draw(rng) of its ids from `pool`}) of two dynamic
     tables small enough to evict every step: "users" (lru; features "user" and the sequence
@@ -1010,6 +1064,56 @@ def test_train_step_fed_by_split_ids(placement):
 
 
 @pytest.mark.slow
+def test_pipelined_step_with_weighted_dynamic_features_equals_the_plain_one():
+    """`pipeline_execution=True` on a dynamic table fed a weighted feature (a `Weighted`
+    of SplitIds) and a plain one, on 2 devices: where consecutive batches share no id, each
+    lookup sees what the plain step's sees (the ids' initial rows), so the losses match,
+    and after `flush` so do the resident ids and rows. The step's init once failed making
+    the empty pending update of a Weighted's SplitIds."""
+    import optax
+
+    rng = np.random.default_rng(11)
+
+    def draw(k):  # Step k's ids: its own range of int64, with -1 padding and repeats.
+        ids = rng.integers(0, 50, (8, 3)) + (k + 1) * 10**15
+        ids[rng.random(ids.shape) < 0.2] = -1
+        return ids
+
+    feeds = []
+    for k in range(4):
+        weights = rng.uniform(0.5, 2.0, (8, 3)).astype(np.float32)
+        weighted = jte.Weighted(jte.split_ids(draw(k)), weights)
+        feeds.append({"features": {"w": weighted, "u": jte.split_ids(draw(k))}})
+
+    def loss_fn(params, acts, batch):  # Its gradient depends on the activations.
+        return params["s"] * jnp.sum(acts["w"] * acts["u"] + acts["w"] ** 2)
+
+    out = {}
+    for pipelined in (False, True):
+        table = jte.TableConfig(
+            dim=DIM, name="t", dynamic=jte.DynamicTable(capacity=256, bucket_size=8)
+        )
+        spec = jte.EmbeddingSpec(
+            {"w": jte.FeatureConfig(table), "u": jte.FeatureConfig(table)},
+            jte.Adagrad(0.1),
+            pipeline_execution=pipelined,
+        )
+        emb = jte.Embedding(spec, make_mesh(2))
+        step = jte.make_train_step(emb, loss_fn, optax.sgd(0.0))
+        state = step.init(jax.random.key(0), {"s": jnp.float32(0.5)}, feeds[0])
+        losses = []
+        for feed in feeds:
+            state, metrics = step(state, feed)
+            losses.append(float(metrics["loss"]))
+        state = step.flush(state)
+        out[pipelined] = losses, emb.export(state.embedding)["t"]
+    (plain_losses, plain), (piped_losses, piped) = out[False], out[True]
+    np.testing.assert_allclose(piped_losses, plain_losses, rtol=1e-6)
+    np.testing.assert_array_equal(piped.ids, plain.ids)
+    assert len(plain.ids) > 40
+    np.testing.assert_allclose(piped.rows, plain.rows, rtol=1e-6, atol=1e-7)
+
+
 def test_nnx_layer_and_micro_batches():
     """A dynamic table in a jte.nnx.Embed trains under jte.nnx.make_train_step; with
     accumulate_steps=2 each micro-batch's ids are admitted."""

@@ -665,9 +665,11 @@ def test_dynamic_tables_beside_a_cached_static_table(tmp_path, placement):
     table, whose caches the state's index holds under its name next to the dynamic
     tables' indexes: lookups, prefetches and updates run (they once handed the whole index
     to the dynamic tables' shard_map, which refused the extra entry) and give what the
-    same tables all in HBM give; a checkpoint restores it."""
-    mesh = make_mesh(2)
-    cached = jte.HostCached(cache_rows=16, ways=4, max_misses=8)
+    same tables all in HBM give; a checkpoint restores it. On 4 devices: a prefetch
+    once normalized the other dynamic table's SplitIds as ids, a (2, B, L) array that 4
+    devices cannot split (on 2 it happened to divide)."""
+    mesh = make_mesh(4)
+    cached = jte.HostCached(cache_rows=32, ways=4, max_misses=8)
     embs = {
         "device": jte.Embedding(_dynamic_spec("device", "adagrad", _LRU, jnp.float32), mesh),
         "cached": jte.Embedding(
