@@ -22,7 +22,8 @@
    (0.85) of the stream's distinct ids, against exact global LRU of the same capacity (a
    Python OrderedDict): the hit rates and their difference in points.
 3. With --tpu: the TPU compiler's bytes accessed per device of the W1-shaped step (8 tables,
-   1,024 examples per chip), static and dynamic; where the tables stack (owner routing, 64
+   1,024 examples per chip), static and dynamic, and the dynamic step's estimated cycles of
+   its XLA ops and longest fixed-trip loop (`_aot.Loop`); where the tables stack (owner routing, 64
    chips and more), the dynamic step with `stacking=False` too.
 4. With --serving N: `jte.serving.Server` lookups from a dynamic table serving N ids against
    a static table of N rows (alternating, median ms); with --tpu too, the TPU compiler's
@@ -245,6 +246,10 @@ def tpu_bytes(topology: str, dim: int, min_count: int = 1) -> dict:
             "unaliased_state": r.unaliased_state,
             "collectives": len(r.collectives),
             "stacks": len(emb.stacks),
+            # XLA ops only (Pallas calls carry no estimate); the longest fixed-trip loop
+            # flags a gather or scatter written as one window an iteration.
+            "estimated_cycles": r.estimated_cycles,
+            "longest_loop_trips": max((loop.trips for loop in r.loops), default=0),
         }
     out["ratio"] = (
         out["dynamic"]["bytes_accessed_per_device"] / out["static"]["bytes_accessed_per_device"]
@@ -427,7 +432,9 @@ def main(argv=None) -> int:
             f"{t['static']['bytes_accessed_per_device'] / 1e6:.1f} MB, dynamic "
             f"{t['dynamic']['bytes_accessed_per_device'] / 1e6:.1f} MB, ratio {t['ratio']:.2f}x; "
             f"collectives in the step static {t['static']['collectives']}, dynamic "
-            f"{t['dynamic']['collectives']}"
+            f"{t['dynamic']['collectives']}; the dynamic step's XLA ops "
+            f"{t['dynamic']['estimated_cycles']:,} estimated cycles, its longest loop "
+            f"{t['dynamic']['longest_loop_trips']} iterations"
         )
         if "dynamic_unstacked" in t:
             u = t["dynamic_unstacked"]

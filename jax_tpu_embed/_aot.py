@@ -267,6 +267,20 @@ class HostCall:
     name: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """A `while` loop of the optimized HLO whose trip count is fixed when it compiles: how
+    XLA writes a gather or scatter it cannot issue as one operation (a window of a 1-D
+    array per index, for instance), one window or element an iteration. "Bytes accessed"
+    charges such a loop its iterations' few bytes; its iterations run one after another,
+    which the compiler's `estimated_cycles` count (`cycles`: the body's, times `trips`)."""
+
+    trips: int
+    cycles: int
+    op_name: str
+    name: str
+
+
 @dataclasses.dataclass
 class CompileReport:
     """What the TPU compiler says about one compiled step, per device.
@@ -301,6 +315,10 @@ class CompileReport:
     host_alias_bytes: int = 0
     host_temp_bytes: int = 0
     host_calls: list[HostCall] = dataclasses.field(default_factory=list)
+    # The compiler's per-op estimates summed (loops' bodies times their fixed trip counts,
+    # once where the count is data); Pallas calls carry none.
+    estimated_cycles: int = 0
+    loops: list[Loop] = dataclasses.field(default_factory=list)  # Most cycles first.
 
     @property
     def peak_bytes(self) -> int:
@@ -443,6 +461,7 @@ def compile_train_step(
     temps.sort(key=lambda t: -t.bytes)
     aliased, unaliased = _state_aliasing(hlo)
     tables, slots = _state_shard_bytes(emb)
+    estimated, loops = cycles(hlo)
     return CompileReport(
         topology=topo,
         argument_bytes=int(memory.argument_size_in_bytes),
@@ -465,6 +484,8 @@ def compile_train_step(
         host_alias_bytes=int(getattr(memory, "host_alias_size_in_bytes", 0)),
         host_temp_bytes=int(getattr(memory, "host_temp_size_in_bytes", 0)),
         host_calls=host_calls(hlo),
+        estimated_cycles=estimated,
+        loops=loops,
     )
 
 
@@ -644,6 +665,59 @@ def host_calls(hlo: str) -> list[HostCall]:
             crossing += sum(b for _, b in results)
         out.append(HostCall("scatter" if writes_host else "gather", crossing, name))
     return out
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """({computation name: its instruction lines}, the entry computation's name)."""
+    comps: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in hlo.splitlines():
+        if not line.startswith(" ") and line.rstrip().endswith("{"):
+            m = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s", line)
+            if m:
+                current = m.group(2)
+                comps[current] = []
+                entry = current if m.group(1) else entry
+                continue
+        if current is not None and line.startswith("  "):
+            comps[current].append(line)
+    return comps, entry
+
+
+def cycles(hlo: str) -> tuple[int, list[Loop]]:
+    """(estimated cycles of a compiled TPU module, its loops with a fixed trip count of 2
+    or more, most cycles first). The estimates are the compiler's own (`estimated_cycles`
+    in each op's backend config); a `while` counts its body times its trip count, the
+    largest constant its condition compares with, and once where there is none (a loop
+    that runs until the data says so). Calls into other computations than loop bodies
+    (fusions, Pallas kernels) count as their call's estimate, or nothing."""
+    comps, entry = _computations(hlo)
+    loops: list[Loop] = []
+
+    def total(name: str, depth: int = 0) -> int:
+        out = 0
+        for line in comps.get(name, []):
+            if re.search(r"\swhile\(", line) and depth < 16:
+                body = re.search(r"body=%?([\w.\-]+)", line)
+                cond = re.search(r"condition=%?([\w.\-]+)", line)
+                if body is None or cond is None:
+                    continue
+                consts = re.findall(r"constant\((\d+)\)", "\n".join(comps.get(cond.group(1), [])))
+                trips = max((int(c) for c in consts), default=1)
+                spent = total(body.group(1), depth + 1) * trips
+                if trips > 1:
+                    m = re.search(r'op_name="((?:[^"\\]|\\.)*)"', line)
+                    own = _INSTR_RE.match(line)
+                    loops.append(
+                        Loop(trips, spent, m.group(1) if m else "", own.group(1) if own else "")
+                    )
+                out += spent
+            else:
+                m = re.search(r'"estimated_cycles":"(\d+)"', line)
+                out += int(m.group(1)) if m else 0
+        return out
+
+    return total(entry), sorted(loops, key=lambda loop: -loop.cycles)
 
 
 def _op_names(hlo: str) -> dict[str, str]:

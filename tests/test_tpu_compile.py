@@ -533,17 +533,20 @@ DYNAMIC_BYTES_LIMIT = 2.5
 
 @pytest.mark.slow  # Two compiles.
 @pytest.mark.parametrize(
-    "dim,limit,extra",
+    "dim,limit,extra,trips",
     [
-        (64, DYNAMIC_BYTES_LIMIT, {}),
-        (16, 2.7, {}),
+        (64, DYNAMIC_BYTES_LIMIT, {}, 4),
+        # The resets write a packed row's lane group as a window: a loop of a placement
+        # round's 480 ids (5.1 M estimated cycles).
+        (16, 2.7, {}, 480),
         # 3.2x (134 MB; 2.35x without the filter); 39x when the filter's rules ran in one
-        # call over every gathered id.
-        (64, 3.5, {"min_count": 2}),
+        # call over every gathered id. Its window writes are loops of a placement round's
+        # 480 ids (42 M estimated cycles against 0.75 M: docs/design.md).
+        (64, 3.5, {"min_count": 2}, 480),
     ],
     ids=["64", "16", "filter"],
 )
-def test_dynamic_train_step_compiles_in_place(dim, limit, extra):
+def test_dynamic_train_step_compiles_in_place(dim, limit, extra, trips):
     """A W1-shaped dynamic table (capacity 1M, B = 4,096, L = 20, Adagrad) on v5p:2x2x1:
     the train step compiles, fits, aliases every state array (the index included) and
     copies nothing table-sized; its bytes accessed stay within the measured multiple of the
@@ -552,7 +555,10 @@ def test_dynamic_train_step_compiles_in_place(dim, limit, extra):
     their accumulators to a 128-lane row), and the resets write each row's lanes in place;
     seen as (k·rows, 32) instead, the array was relaid out around them (11x the static step,
     a table-sized temporary). With an admission filter the updates resolve at the owners
-    too, and the filter's rules run on the misses alone, in rounds of their own."""
+    too, and the filter's rules run on the misses alone, in rounds of their own.
+    No gather or scatter became a loop longer than `trips` (the rounds' windows over the
+    4 devices): the compiler writes a window per index of a 1-D array as one iteration
+    each, which bytes accessed hardly charges (`_aot.Loop`)."""
     topo = _aot.topology("v5p:2x2x1")
     reports = {}
     dyn = jte.DynamicTable(capacity=1_000_000, **extra)
@@ -576,6 +582,7 @@ def test_dynamic_train_step_compiles_in_place(dim, limit, extra):
     assert not [t for t in r.largest_temps if t.bytes >= table_bytes], r.largest_temps[:3]
     ratio = r.bytes_accessed / reports["static"].bytes_accessed
     assert ratio <= limit, f"dynamic/static bytes {ratio:.2f}x"
+    assert r.loops and max(loop.trips for loop in r.loops) <= trips, r.loops[:3]
 
 
 def test_dynamic_tables_share_their_rounds_agreements():
@@ -788,6 +795,9 @@ def test_host_tables_train_step_compiles_beyond_hbm(topology, cache):
         if any(f" {op}(" in line or f" {op}-start(" in line for op in _aot.COLLECTIVE_OPS)
     ]
     assert collective_lines and not [line for line in collective_lines if "S(5)" in line]
+    # No loop of one window an iteration (the cache's sets were read that way: 30,720
+    # iterations a pass, 393 M estimated cycles for one W1 table's step; docs/design.md).
+    assert not [loop for loop in r.loops if loop.trips > 64], r.loops[:3]
     init = _aot.init_temp_bytes(emb)
     assert max(init[n] for n, p in emb.table_plans.items() if p.storage.on_host) < (
         smallest_host_shard / 10
