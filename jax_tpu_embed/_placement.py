@@ -244,8 +244,7 @@ def _sets(flat, s, ways: int):
     nothing), and its ways are taken out of them: by choosing one group of `ways` lanes
     where `ways` divides 128, else by rotating each row's lanes by the set's offset. A
     window of the flat array per set (a vmapped `dynamic_slice`) compiles for TPU into a
-    loop of one window an iteration: about 130 M estimated cycles for 30,720 sets against
-    80 K this way (docs/design.md)."""
+    loop of one window an iteration (docs/design.md, "Windows that compile to loops")."""
     start = s * ways
     view = flat.reshape(-1, 128)
     first = start // 128
@@ -393,7 +392,7 @@ def _insert(c: Cached, idx, values, prefetching: bool = False) -> Lines:
     rank = jnp.zeros((n,), jnp.int32).at[order].set(rank_sorted)
     ages = _sets(last, s, ways)  # (n, ways)
     # Each way's place in its set from the oldest (ties: the lower way first), by comparing
-    # every pair of ways: a sort of each row cost XLA:CPU about 6 ms per 10,000 rows.
+    # every pair of ways: XLA:CPU sorts many short rows slowly (docs/design.md).
     lane = lax.iota(jnp.int32, ways)
     before = (ages[:, None, :] < ages[:, :, None]) | (
         (ages[:, None, :] == ages[:, :, None]) & (lane[None, :] < lane[:, None])
