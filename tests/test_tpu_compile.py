@@ -585,6 +585,7 @@ def test_dynamic_train_step_compiles_in_place(dim, limit, extra, trips):
     assert r.loops and max(loop.trips for loop in r.loops) <= trips, r.loops[:3]
 
 
+@pytest.mark.slow  # Two compiles (16 s); the fast tier keeps under its 6 minutes.
 def test_dynamic_tables_share_their_rounds_agreements():
     """A step's dynamic tables resolved at their owners share each loop of rounds
     (`_dynamic_owner._rounds`): three tables' step has one table's all-reduces (the
