@@ -90,8 +90,8 @@ def measure(topology: str, ids: int) -> list[dict]:
         first = jnp.minimum(group_bucket, nb - 1) * BUCKET
         hits = hx._spread(groups, BUCKET, group, lane, {}, hit)["set"]
         write = hits.any(1) & (group_bucket < nb)
-        last = hx._put_rows(s.last, first, jnp.where(hits, 5, -(2**31)), write, lax.scatter_max)
-        return last, hx._put_rows(s.count, first, hits.astype(jnp.int32), write, lax.scatter_add)
+        last = hx._put_rows(s.last, first, jnp.where(hits, 5, -(2**31)), write, "max")
+        return last, hx._put_rows(s.count, first, hits.astype(jnp.int32), write, "add")
 
     dn = lax.ScatterDimensionNumbers(
         update_window_dims=(1,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)

@@ -35,7 +35,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _config, _hashindex, _hashindex_cpu, _hashindex_tpu, _init, _inputs, _storage
+from . import (
+    _config,
+    _hashindex,
+    _hashindex_cpu,
+    _hashindex_tpu,
+    _init,
+    _inputs,
+    _loops,
+    _storage,
+)
 
 PAD = _inputs.PAD  # Both halves of the id -1: padding, and an empty slot in the index.
 SplitIds = _inputs.SplitIds
@@ -574,34 +583,6 @@ def _mine(plan: DynamicPlan, hi, lo, axis, window: int):
     return ids, pos, count
 
 
-def _windows(count, window: int, inputs, body, outputs, carry):
-    """Runs `values, carry = body(*window_of_each_input, valid, carry)` over the first
-    `count` entries of `inputs` ((n + window,) arrays, or (n,) when one window holds all n),
-    `window` at a time, and collects each of `values` ((window,) arrays) into the arrays
-    `outputs` starts from (shaped as the inputs). One pass, straight-line, when the window
-    holds every entry."""
-
-    def run(start, outs, carry):
-        take = lambda x: lax.dynamic_slice_in_dim(x, start, window)
-        valid = lax.iota(jnp.int32, window) + start < count
-        values, carry = body(*map(take, inputs), valid, carry)
-        outs = tuple(lax.dynamic_update_slice_in_dim(o, v, start, 0) for o, v in zip(outs, values))
-        return outs, carry
-
-    if window >= inputs[0].shape[0]:
-        return run(jnp.int32(0), outputs, carry)
-
-    def step(state):
-        start, outs, carry = state
-        outs, carry = run(start, outs, carry)
-        return start + window, outs, carry
-
-    _, outs, carry = lax.while_loop(
-        lambda state: state[0] < count, step, (jnp.int32(0), outputs, carry)
-    )
-    return outs, carry
-
-
 def to_positions(owned: Owned, values):
     """Each gathered position's value + 1 (0 where not owned) from its distinct id's
     (`values`, int32, (P + C,) in distinct order, -1 for none), for `scatter_rows`. No
@@ -631,7 +612,7 @@ def lookup_rows(plan: DynamicPlan, storage, index, hi, lo, now, axis):
         return (jnp.where(found & valid, storage.layout.global_ids(me, row), -1),), carry
 
     empty = (jnp.full(ids[0].shape, -1, jnp.int32),)
-    (rows,), _ = _windows(count, window, ids, body, empty, None)
+    (rows,), _ = _loops.in_windows(count, window, ids, body, empty, None)
     # Row + 1 at each owned position (0: no row), 0 elsewhere, as `scatter_rows` takes it.
     return jnp.zeros(p, jnp.int32).at[pos].set(rows[:p] + 1, mode="drop", unique_indices=True)
 
@@ -687,7 +668,7 @@ def update_rows(
         return (s.hit, s.row, s.miss, s.admit), s.state
 
     outputs = (like(bool), like(jnp.int32, -1), like(bool), like(bool))
-    seen, index = _windows(owned.count, window, ids, sighted, outputs, index)
+    seen, index = _loops.in_windows(owned.count, window, ids, sighted, outputs, index)
     seen = _hashindex.Sighted(None, *seen)
 
     # The passes after it see only the ids they decide, compacted in their (bucket,
@@ -716,7 +697,7 @@ def update_rows(
 
         count, misses = compacted(seen.miss)
         none = jnp.zeros(n + k, bool)
-        (admit, first), index = _windows(count, k, misses, decided, (none, none), index)
+        (admit, first), index = _loops.in_windows(count, k, misses, decided, (none, none), index)
         admit, first = back(count, misses, admit), back(count, misses, first)
 
     # Each placement round resets the rows it gives away.
@@ -731,7 +712,7 @@ def update_rows(
             table, slots = reset_rows(storage, table, slots, row + offset, ok, init)
         return (row, ok), (index, table, slots)
 
-    (a_row, a_placed), (index, table, slots) = _windows(
+    (a_row, a_placed), (index, table, slots) = _loops.in_windows(
         admitted,
         k,
         picked,
@@ -757,7 +738,7 @@ def update_rows(
         def recorded(hi, lo, bucket, _, valid, index):
             return (), _hashindex.record(config, index, hi, lo, bucket, valid, now)
 
-        _, index = _windows(count, k, firsts, recorded, (), index)
+        _, index = _loops.in_windows(count, k, firsts, recorded, (), index)
     u_row = jnp.where(seen.hit, seen.row, row)
     rows = jnp.where(u_row >= 0, storage.layout.global_ids(me, u_row), -1)
     return index, table, slots, to_positions(owned, rows), resets
@@ -885,23 +866,37 @@ def _constant(slot, n: int, dim: int):
 
 
 def _write_rows(packing, array, rows, values):
-    """Logical rows `rows` (out of range: dropped) of one shard's physical array set to
-    `values` ((n, width) or (n,)). A packed array takes each row as a window of its lane
-    group in its physical row (k rows a physical row, `padded_width` lanes each): the
-    windows of distinct rows never overlap. Seen as (k·rows, w) instead, the array was
-    relaid out around the write by the TPU compiler wherever w < 128: a table-sized
-    temporary each round (docs/design.md, "Narrow slot tables")."""
+    """Logical rows `rows` (distinct; out of range: dropped) of one shard's physical array
+    set to `values` ((n, width) or (n,)). A packed array holds k rows a physical row, in
+    lane groups of `padded_width`: the rows are sorted, the groups of the rows that share a
+    physical row merged into it (a segmented scan), and each physical row written once, as
+    read with the new groups over it. Seen as (k·rows, w) instead, the array was relaid out
+    around the write by the TPU compiler wherever w < 128 (a table-sized temporary each
+    round); a window of a lane group per row compiles into a loop of one row an iteration
+    (docs/design.md, "Narrow slot tables", "Windows that compile to loops")."""
     if not packing.packed:
         return array.at[rows].set(values, mode="drop")
     k, w = packing.per_row, packing.padded_width
-    if values.ndim == 1:
-        values = values[:, None]
+    n, lanes = rows.shape[0], array.shape[1]
+    values = values.reshape(n, -1)
     values = jnp.pad(values, ((0, 0), (0, w - values.shape[1]))).astype(array.dtype)
-    where = jnp.stack([rows // k, rows % k * w], axis=-1)
-    dims = lax.ScatterDimensionNumbers(
-        update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0, 1)
-    )
-    return lax.scatter(array, where, values, dims, mode=lax.GatherScatterMode.FILL_OR_DROP)
+    rows, order = lax.sort((rows, lax.iota(jnp.int32, n)), num_keys=1)
+    physical = rows // k
+    group = lax.iota(jnp.int32, k)[None, :, None] == (rows % k)[:, None, None]
+    mask = jnp.broadcast_to(group, (n, k, w)).reshape(n, lanes)
+    placed = jnp.where(group, values[order][:, None, :], 0).reshape(n, lanes)
+
+    def merge(a, b):  # a before b: b's groups over a's where both are of one row.
+        same = (a[0] == b[0])[..., None]
+        return b[0], b[1] | (same & a[1]), jnp.where(b[1] | ~same, b[2], a[2])
+
+    _, mask, placed = lax.associative_scan(merge, (physical, mask, placed))
+    last = jnp.concatenate([physical[1:] != physical[:-1], jnp.ones((1,), bool)])
+    merged = jnp.where(mask, placed, array.at[physical].get(mode="clip"))
+    # Each row left alone goes past the array at a place of its own: unique, and dropped.
+    past = array.shape[0] + lax.iota(jnp.int32, n)
+    target = jnp.where(last & (physical < array.shape[0]), physical, past)
+    return array.at[target].set(merged, mode="drop", unique_indices=True)
 
 
 def key_words(table_key):

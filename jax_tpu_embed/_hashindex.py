@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import _layout
 from ._storage import mix32
 
 EVICTIONS = ("lru", "lfu", "none")
@@ -64,7 +65,8 @@ PAD = 0xFFFFFFFF
 _SALT_BUCKET, _SALT_PRIORITY, _SALT_ADMIT = 1, 2, 3
 
 # The scatters that combine a window with values (`_put_rows`), and max's identity.
-_ADD, _MAX, _MUL = lax.scatter_add, lax.scatter_max, lax.scatter_mul
+_ADD, _MAX, _MUL = "add", "max", "mul"  # `_put_rows`' ops.
+_SCATTERS = {_ADD: lax.scatter_add, _MAX: lax.scatter_max, _MUL: lax.scatter_mul}
 _INT32_MIN = np.iinfo(np.int32).min
 NEVER = _INT32_MIN  # `filter_last` of an entry no step has sighted.
 
@@ -324,9 +326,12 @@ def locate(config: IndexConfig, num_shards: int, hi, lo):
 
 def _rows(flat, first, width: int):
     """(U, width): the windows flat[first[i] : first[i] + width] of a 1-D array, `first` (U,)
-    clipped into range. The index is stored flat because the TPU compiler charges a row
-    gather of a narrow 2-D array a whole (8, 128) tile per row, a window of a 1-D array
-    about its own bytes (benchmarks/hashindex_tpu_ops.py)."""
+    multiples of `width` clipped into range. Row gathers of the array's (words / 128, 128)
+    view (`_layout.lane_windows`) where it has one; else one window of the flat array per
+    index, which the TPU compiler writes as a loop of U iterations."""
+    first = jnp.clip(first, 0, flat.shape[0] - width)
+    if _layout.lane_view(flat.shape[0]):
+        return _layout.lane_windows(flat, first, width)
     return jax.vmap(lambda s: lax.dynamic_slice(flat, (s,), (width,)))(first)
 
 
@@ -339,24 +344,28 @@ def _key_rows(keys, bucket, width: int):
     return window[:, :width], window[:, width:]
 
 
-def _put_key_rows(keys, bucket, hi, lo, write, op=lax.scatter):
-    """`_put_rows` for block-interleaved keys: the buckets `bucket` (G,) set to (hi, lo)
-    ((G, width) each), or combined with them by `op`, where `write`."""
+def _put_key_rows(keys, bucket, hi, lo, write, op: str):
+    """`_put_rows` for block-interleaved keys: the buckets `bucket` (G,) combined by `op`
+    with (hi, lo) ((G, width) each) where `write`."""
     width = hi.shape[1]
     return _put_rows(keys, bucket * (2 * width), jnp.concatenate([hi, lo], 1), write, op)
 
 
-def _put_rows(flat, first, rows, write, op=lax.scatter):
-    """`flat` with the windows at `first` ((G,), distinct where `write`) set to `rows`
-    ((G, width)), or combined with them by `op` (`lax.scatter_add`, `_max`, `_mul`); the
-    others left as they are. One windowed scatter."""
+def _put_rows(flat, first, rows, write, op: str):
+    """`flat` with the windows at `first` ((G,) multiples of the width, distinct where
+    `write`) combined with `rows` ((G, width)) by `op` (`_ADD`, `_MAX`, `_MUL`); the others
+    left as they are. Row scatters into the array's (words / 128, 128) view where it has
+    one (`_layout.put_lane_windows`); else one windowed scatter, which the TPU compiler
+    writes as a loop of G iterations."""
     g, width = rows.shape
+    if _layout.aligned_windows(flat.shape[0], width):
+        return _layout.put_lane_windows(flat, first, rows, write, op)
     # Each skipped window starts past the array at its own place: unique, and dropped.
     skip = flat.shape[0] + lax.iota(jnp.int32, g) * width
     dims = lax.ScatterDimensionNumbers(
         update_window_dims=(1,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
     )
-    return op(
+    return _SCATTERS[op](
         flat,
         jnp.where(write, first, skip)[:, None],
         rows.astype(flat.dtype),

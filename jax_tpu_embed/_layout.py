@@ -25,9 +25,11 @@ changes. Users never see this: export, shard_rows and checkpoints speak in logic
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,3 +241,85 @@ def _xp(x):
 def _where(like, cond, a, b):
     xp = np if isinstance(like, (np.ndarray, np.generic, int)) else jnp
     return xp.where(cond, a, b)
+
+
+# Windows of flat per-shard arrays (a dynamic table's index, a HostCached cache's tags) read
+# and written as rows of a (words / 128, 128) view, a reshape that moves nothing. A window
+# per index of the flat array (a vmapped `dynamic_slice`, a windowed scatter) compiles for
+# TPU into a loop of one window an iteration (docs/design.md, "Windows that compile to
+# loops"); a row gather or scatter of the view does not.
+
+LANES = 128
+
+
+def window_rows(width: int) -> int:
+    """Rows of 128 words that a window of `width` words can span, when it starts at a
+    multiple of gcd(width, 128) words."""
+    return -(-(width + LANES - math.gcd(width, LANES)) // LANES)
+
+
+def lane_view(size: int) -> bool:
+    """Whether a flat array of `size` words has its (size / 128, 128) view."""
+    return size % LANES == 0
+
+
+def lane_windows(flat, start, width: int):
+    """(n, width): flat[start[i] : start[i] + width] of a 1-D array whose size is a
+    multiple of 128 (`lane_view`), each window inside it. The rows of 128 words a window
+    lies in are gathered from the view, and its words taken out of them: one group of
+    `width` lanes where `width` divides 128 and the window starts at a multiple of it,
+    else by rotating each row's lanes by the window's offset."""
+    view = flat.reshape(-1, LANES)
+    first = start // LANES
+    offset = start % LANES
+    k = window_rows(width)
+    rows = jnp.concatenate([view.at[first + j].get(mode="clip") for j in range(k)], axis=1)
+    if LANES % width == 0:  # Aligned: one row, the window one of its 128 / width groups.
+        groups = rows.reshape(-1, LANES // width, width)
+        pick = (
+            lax.iota(jnp.int32, LANES // width)[None, :, None] == (offset // width)[:, None, None]
+        )
+        return jnp.sum(jnp.where(pick, groups, 0), axis=1, dtype=flat.dtype)
+    for b in range(7):  # offset < 128: rotate left by each of its bits.
+        moved = jnp.roll(rows, -(1 << b), axis=1)
+        rows = jnp.where((((offset >> b) & 1) == 1)[:, None], moved, rows)
+    return rows[:, :width]
+
+
+def aligned_windows(size: int, width: int) -> bool:
+    """Whether `put_lane_windows` takes windows of `width` of a flat array of `size` words
+    (windows at multiples of `width`)."""
+    return lane_view(size) and (LANES % width == 0 or width % LANES == 0)
+
+
+def put_lane_windows(flat, start, values, write, op: str):
+    """`flat` with the windows at `start` ((G,), multiples of their width w, distinct where
+    `write`) combined with `values` ((G, w)) by `op` ("add", "mul" or "max"), the others
+    left as they are (`aligned_windows`). Row scatters into the (words / 128, 128) view;
+    windows narrower than a row fill the rest of it with the op's identity, so that
+    windows sharing a row combine."""
+    g, width = values.shape
+    view = flat.reshape(-1, LANES)
+    values = values.astype(flat.dtype)
+    if width >= LANES:  # Whole rows: width / 128 of them each, all distinct.
+        k = width // LANES
+        rows = (start // LANES)[:, None] + lax.iota(jnp.int32, k)[None, :]
+        rows = jnp.where(write[:, None], rows, view.shape[0]).reshape(-1)
+        values, unique = values.reshape(-1, LANES), True
+    else:
+        if op == "max":
+            identity = (
+                jnp.iinfo(flat.dtype).min if jnp.issubdtype(flat.dtype, jnp.integer) else -jnp.inf
+            )
+        else:
+            identity = 1 if op == "mul" else 0
+        groups = LANES // width
+        pick = (
+            lax.iota(jnp.int32, groups)[None, :, None] == ((start % LANES) // width)[:, None, None]
+        )
+        values = jnp.where(pick, values[:, None, :], jnp.asarray(identity, flat.dtype))
+        values, unique = values.reshape(g, LANES), False
+        rows = jnp.where(write, start // LANES, view.shape[0])
+    at = view.at[rows]
+    combine = {"add": at.add, "mul": at.multiply, "max": at.max}[op]
+    return combine(values, mode="drop", unique_indices=unique).reshape(-1)

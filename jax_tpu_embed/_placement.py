@@ -27,13 +27,14 @@ unaware of it.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.compute_on import compute_on
+
+from . import _layout, _loops
 
 HOST = "pinned_host"
 
@@ -226,39 +227,16 @@ def _set_of(idx, sets: int):
     return ((x ^ (x >> 16)) % jnp.uint32(sets)).astype(jnp.int32)
 
 
-def _view_rows(ways: int) -> int:
-    """Rows of 128 words that one set's ways can span (a set starts at a multiple of
-    gcd(ways, 128) words)."""
-    return -(-(ways + 128 - math.gcd(ways, 128)) // 128)
-
-
 def _padded(lines: int, ways: int) -> int:
     """Words of a shard's tags and ages: its lines in whole rows of 128, and the rows a
     set's window may reach past them."""
-    return (-(-lines // 128) + _view_rows(ways)) * 128
+    return (-(-lines // 128) + _layout.window_rows(ways)) * 128
 
 
 def _sets(flat, s, ways: int):
-    """(n, ways): the sets `s` of a shard's tags or ages (`_padded`). The rows of 128 words
-    a set lies in are gathered as rows of a (words / 128, 128) view (a reshape that moves
-    nothing), and its ways are taken out of them: by choosing one group of `ways` lanes
-    where `ways` divides 128, else by rotating each row's lanes by the set's offset. A
-    window of the flat array per set (a vmapped `dynamic_slice`) compiles for TPU into a
-    loop of one window an iteration (docs/design.md, "Windows that compile to loops")."""
-    start = s * ways
-    view = flat.reshape(-1, 128)
-    first = start // 128
-    k = _view_rows(ways)
-    rows = jnp.concatenate([view.at[first + j].get(mode="clip") for j in range(k)], axis=1)
-    offset = start % 128
-    if 128 % ways == 0:  # One row; the set is one of its 128 / ways groups of lanes.
-        groups = rows.reshape(-1, 128 // ways, ways)
-        pick = lax.iota(jnp.int32, 128 // ways)[None, :, None] == (offset // ways)[:, None, None]
-        return jnp.sum(jnp.where(pick, groups, 0), axis=1, dtype=flat.dtype)
-    for b in range(7):  # offset < 128: rotate left by each of its bits.
-        moved = jnp.roll(rows, -(1 << b), axis=1)
-        rows = jnp.where((((offset >> b) & 1) == 1)[:, None], moved, rows)
-    return rows[:, :ways]
+    """(n, ways): the sets `s` of a shard's tags or ages (`_padded`), as row gathers of
+    their (words / 128, 128) view (`_layout.lane_windows`)."""
+    return _layout.lane_windows(flat, s * ways, ways)
 
 
 def _probe(c: Cached, idx):
@@ -353,16 +331,15 @@ def prefetch(buffers, indices, count=None, window: int | None = None) -> list:
     n = indices[0].shape[0]
     if window is None or window >= n:
         return once(buffers, indices)
-    padded = [jnp.pad(i, (0, window), constant_values=-1) for i in indices]
 
-    def call(state):
-        start, lines = state
+    def call(*at_and_lines):
+        *at, _, lines = at_and_lines
         part = [dataclasses.replace(c, lines=x) for c, x in zip(buffers, lines)]
-        at = [lax.dynamic_slice_in_dim(x, start, window) for x in padded]
-        return start + window, [c.lines for c in once(part, at)]
+        return (), [c.lines for c in once(part, at)]
 
-    state = (jnp.int32(0), [c.lines for c in buffers])
-    _, lines = lax.while_loop(lambda state: state[0] < count, call, state)
+    # Past `count` the indices are out of range: the padding's too.
+    padded = [jnp.pad(i, (0, window), constant_values=-1) for i in indices]
+    _, lines = _loops.in_windows(count, window, padded, call, (), [c.lines for c in buffers])
     return [dataclasses.replace(c, lines=x) for c, x in zip(buffers, lines)]
 
 

@@ -287,12 +287,32 @@ CASES = {
         16,
         60,
     ),
+    # Every option on, each shard's arrays whole rows of 128 words: the index reads and
+    # writes its buckets as rows of their (words / 128, 128) views (`_layout`), where
+    # tiny_all's take one window of the flat arrays each.
+    "all_lanes": (
+        hx.IndexConfig(
+            buckets=32,
+            bucket_size=4,
+            eviction="lfu",
+            ttl_steps=5,
+            min_count=2,
+            admit_probability=0.8,
+            filter_buckets=16,
+            filter_bucket_size=8,
+            seed=5,
+        ),
+        40,
+        400,
+    ),
 }
 
 
-# The fast tier keeps the case with every option on; the slow tier runs each rule alone.
+# The fast tier keeps the case with every option on; the slow tier runs each rule alone,
+# and every option on arrays of whole 128-word rows (test_dynamic's tables have them).
 @pytest.mark.parametrize(
-    "case", [c if c == "tiny_all" else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
+    "case",
+    [c if c == "tiny_all" else pytest.param(c, marks=pytest.mark.slow) for c in CASES],
 )
 def test_update_equals_reference(case):
     config, width, pool = CASES[case]
@@ -312,6 +332,31 @@ def test_update_equals_reference(case):
         assert s["rejected"] > 0
     if case == "tiny_all":
         assert s["filter_failed"] > 0
+    lanes = [hx._layout.lane_view(x.shape[0]) for x in jax.tree.leaves(hx.empty_state(config, 1))]
+    assert all(lanes[:-1]) if case == "all_lanes" else not all(lanes[:-1])  # Stats aside.
+
+
+@pytest.mark.parametrize("width", [1, 16, 64, 256, 24])
+@pytest.mark.parametrize("dtype", [np.int32, np.uint32])
+def test_bucket_windows_equal_numpy(width, dtype):
+    """`_rows` and `_put_rows` (`_layout`'s lane windows where the array has a view of
+    128-word rows, else flat windows) against NumPy slices: every width, each op, the
+    windows of one row written together, skipped windows left alone."""
+    rng = np.random.default_rng(width)
+    for size in (1536, 1568 + width):  # A lane view, and none.
+        flat = rng.integers(-50 if dtype == np.int32 else 0, 100, size).astype(dtype)
+        starts = rng.choice(size // width, min(40, size // width), replace=False) * width
+        got = hx._rows(jnp.asarray(flat), jnp.asarray(starts, jnp.int32), width)
+        np.testing.assert_array_equal(got, np.stack([flat[s : s + width] for s in starts]))
+        write = rng.random(len(starts)) < 0.7
+        values = rng.integers(0, 5, (len(starts), width)).astype(dtype)
+        for op, f in (("add", np.add), ("mul", np.multiply), ("max", np.maximum)):
+            want = flat.copy()
+            for s, v in zip(starts[write], values[write]):
+                want[s : s + width] = f(want[s : s + width], v)
+            at, new, write_at = (jnp.asarray(x) for x in (starts, values, write))
+            got = hx._put_rows(jnp.asarray(flat), at, new, write_at, op)
+            np.testing.assert_array_equal(got, want, err_msg=f"{op} {size}")
 
 
 @functools.cache
@@ -662,7 +707,7 @@ def test_pallas_find_equals_find(n, ttl, buckets, grouped):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(),
+        pytest.param(dict(), marks=pytest.mark.slow),  # The fast tier keeps TTL's.
         dict(ttl_steps=3),  # Slots of last 0 to 4 at step 7: some expired, some freed.
         pytest.param(dict(admit_probability=0.5, eviction="lfu"), marks=pytest.mark.slow),
         pytest.param(dict(min_count=2, filter_buckets=4), marks=pytest.mark.slow),

@@ -659,7 +659,9 @@ def test_dynamic_tables_in_host_memory(
     )
 
 
-@pytest.mark.parametrize("placement", ["device", "host", _DYNAMIC_CACHED])
+@pytest.mark.parametrize(
+    "placement", ["device", pytest.param("host", marks=pytest.mark.slow), _DYNAMIC_CACHED]
+)
 def test_dynamic_tables_beside_a_cached_static_table(tmp_path, placement):
     """A dynamic table (in HBM, in host memory, or HostCached) beside a HostCached static
     table, whose caches the state's index holds under its name next to the dynamic
