@@ -304,7 +304,9 @@ def put_lane_windows(flat, start, values, write, op: str):
     if width >= LANES:  # Whole rows: width / 128 of them each, all distinct.
         k = width // LANES
         rows = (start // LANES)[:, None] + lax.iota(jnp.int32, k)[None, :]
-        rows = jnp.where(write[:, None], rows, view.shape[0]).reshape(-1)
+        # A skipped window's rows go past the array at places of their own: still unique.
+        past = view.shape[0] + lax.iota(jnp.int32, g * k).reshape(g, k)
+        rows = jnp.where(write[:, None], rows, past).reshape(-1)
         values, unique = values.reshape(-1, LANES), True
     else:
         if op == "max":
