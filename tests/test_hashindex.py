@@ -798,7 +798,7 @@ def test_pallas_scores_write_each_hit_slot_once():
 @pytest.mark.parametrize(
     "eviction, ttl",
     [
-        ("lru", None),
+        pytest.param("lru", None, marks=pytest.mark.slow),  # The fast tier keeps lfu's.
         ("lfu", 7),
         pytest.param("none", None, marks=pytest.mark.slow),
         pytest.param("lru", 7, marks=pytest.mark.slow),
