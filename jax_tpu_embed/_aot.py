@@ -706,11 +706,8 @@ def cycles(hlo: str) -> tuple[int, list[Loop]]:
                 trips = max((int(c) for c in consts), default=1)
                 spent = total(body.group(1), depth + 1) * trips
                 if trips > 1:
-                    m = re.search(r'op_name="((?:[^"\\]|\\.)*)"', line)
                     own = _INSTR_RE.match(line)
-                    loops.append(
-                        Loop(trips, spent, m.group(1) if m else "", own.group(1) if own else "")
-                    )
+                    loops.append(Loop(trips, spent, _op_name(line), own.group(1) if own else ""))
                 out += spent
             else:
                 m = re.search(r'"estimated_cycles":"(\d+)"', line)
@@ -720,14 +717,15 @@ def cycles(hlo: str) -> tuple[int, list[Loop]]:
     return total(entry), sorted(loops, key=lambda loop: -loop.cycles)
 
 
+def _op_name(text: str) -> str:
+    """The jax op_name metadata of an instruction's text, or ""."""
+    m = re.search(r'op_name="((?:[^"\\]|\\.)*)"', text)
+    return m.group(1).replace("\\'", "'") if m else ""
+
+
 def _op_names(hlo: str) -> dict[str, str]:
     """{instruction name: jax op_name metadata}."""
-    out = {}
-    for name, _, _, rest in _parse(hlo):
-        m = re.search(r'op_name="((?:[^"\\]|\\.)*)"', rest)
-        if m:
-            out[name] = m.group(1).replace("\\'", "'")
-    return out
+    return {name: label for name, _, _, rest in _parse(hlo) if (label := _op_name(rest))}
 
 
 def _state_aliasing(hlo: str) -> tuple[list[str], list[str]]:
@@ -746,8 +744,7 @@ def _state_aliasing(hlo: str) -> tuple[list[str], list[str]]:
         if op != "parameter":
             continue
         number = int(rest.split(")", 1)[0])
-        meta = re.search(r'op_name="((?:[^"\\]|\\.)*)"', rest)
-        label = meta.group(1).replace("\\'", "'") if meta else ""
+        label = _op_name(rest)
         if label.startswith(("state.tables", "state.slots", "state.index")):
             (aliased if number in aliased_params else unaliased).append(label)
     return aliased, unaliased

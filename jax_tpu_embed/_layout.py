@@ -276,14 +276,18 @@ def lane_windows(flat, start, width: int):
     rows = jnp.concatenate([view.at[first + j].get(mode="clip") for j in range(k)], axis=1)
     if LANES % width == 0:  # Aligned: one row, the window one of its 128 / width groups.
         groups = rows.reshape(-1, LANES // width, width)
-        pick = (
-            lax.iota(jnp.int32, LANES // width)[None, :, None] == (offset // width)[:, None, None]
-        )
-        return jnp.sum(jnp.where(pick, groups, 0), axis=1, dtype=flat.dtype)
+        return jnp.sum(jnp.where(_group(start, width), groups, 0), axis=1, dtype=flat.dtype)
     for b in range(7):  # offset < 128: rotate left by each of its bits.
         moved = jnp.roll(rows, -(1 << b), axis=1)
         rows = jnp.where((((offset >> b) & 1) == 1)[:, None], moved, rows)
     return rows[:, :width]
+
+
+def _group(start, width: int):
+    """(n, 128 / width, 1): which group of `width` lanes of its row each window starting at
+    `start` (a multiple of `width`, which divides 128) is."""
+    groups = lax.iota(jnp.int32, LANES // width)[None, :, None]
+    return groups == (start % LANES // width)[:, None, None]
 
 
 def aligned_windows(size: int, width: int) -> bool:
@@ -293,11 +297,11 @@ def aligned_windows(size: int, width: int) -> bool:
 
 
 def put_lane_windows(flat, start, values, write, op: str):
-    """`flat` with the windows at `start` ((G,), multiples of their width w, distinct where
-    `write`) combined with `values` ((G, w)) by `op` ("add", "mul" or "max"), the others
-    left as they are (`aligned_windows`). Row scatters into the (words / 128, 128) view;
-    windows narrower than a row fill the rest of it with the op's identity, so that
-    windows sharing a row combine."""
+    """`flat` (integers) with the windows at `start` ((G,), multiples of their width w,
+    distinct where `write`) combined with `values` ((G, w)) by `op` ("add", "mul" or
+    "max"), the others left as they are (`aligned_windows`). Row scatters into the
+    (words / 128, 128) view; windows narrower than a row fill the rest of it with the op's
+    identity, so that windows sharing a row combine."""
     g, width = values.shape
     view = flat.reshape(-1, LANES)
     values = values.astype(flat.dtype)
@@ -309,17 +313,8 @@ def put_lane_windows(flat, start, values, write, op: str):
         rows = jnp.where(write[:, None], rows, past).reshape(-1)
         values, unique = values.reshape(-1, LANES), True
     else:
-        if op == "max":
-            identity = (
-                jnp.iinfo(flat.dtype).min if jnp.issubdtype(flat.dtype, jnp.integer) else -jnp.inf
-            )
-        else:
-            identity = 1 if op == "mul" else 0
-        groups = LANES // width
-        pick = (
-            lax.iota(jnp.int32, groups)[None, :, None] == ((start % LANES) // width)[:, None, None]
-        )
-        values = jnp.where(pick, values[:, None, :], jnp.asarray(identity, flat.dtype))
+        identity = {"add": 0, "mul": 1, "max": jnp.iinfo(flat.dtype).min}[op]
+        values = jnp.where(_group(start, width), values[:, None, :], identity)
         values, unique = values.reshape(g, LANES), False
         rows = jnp.where(write, start // LANES, view.shape[0])
     at = view.at[rows]

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import count_primitive, make_mesh
 from jax_tpu_embed import _hashindex as hx
+from jax_tpu_embed import _layout
 
 M32 = 0xFFFFFFFF
 
@@ -332,7 +333,7 @@ def test_update_equals_reference(case):
         assert s["rejected"] > 0
     if case == "tiny_all":
         assert s["filter_failed"] > 0
-    lanes = [hx._layout.lane_view(x.shape[0]) for x in jax.tree.leaves(hx.empty_state(config, 1))]
+    lanes = [_layout.lane_view(x.shape[0]) for x in jax.tree.leaves(hx.empty_state(config, 1))]
     assert all(lanes[:-1]) if case == "all_lanes" else not all(lanes[:-1])  # Stats aside.
 
 
