@@ -331,13 +331,21 @@ class Embedding:
             shapes.cache = jax.eval_shape(self.cached[name].empty_cache)
         return shapes
 
+    def _index_sharding(self, shape) -> NamedSharding:
+        """An index array's sharding: split by buckets over the axis, or replicated when it
+        is empty (a table without an admission filter has empty filter arrays, and a step
+        gives an empty array back replicated: sharded here, each call would compile again)."""
+        if math.prod(shape.shape) == 0:
+            return NamedSharding(self.mesh, P(*([None] * len(shape.shape))))
+        return self._rows(len(shape.shape))
+
     def _index_shardings(self, name: str) -> _dynamic.DynamicState:
         """The shardings of a dynamic table's `DynamicState`: the index's arrays split by
         buckets over the axis, the key replicated."""
         shapes = self._index_shapes(name)
         # The key replicated as a step's output spells it, P(None): one compile, not two.
         return _dynamic.DynamicState(
-            index=jax.tree.map(lambda x: self._rows(x.ndim), shapes.index),
+            index=jax.tree.map(self._index_sharding, shapes.index),
             key=NamedSharding(self.mesh, P(None)),
             cache=self._cache_shardings(name) if name in self.cached else None,
         )
@@ -933,8 +941,9 @@ class Embedding:
 
     def _dynamic_specs(self):
         row = P(self.axis)
+        spec = lambda name: jax.tree.map(lambda s: s.spec, self._index_shardings(name).index)
         return {
-            name: _dynamic.DynamicState(row, P(), row if name in self.cached else None)
+            name: _dynamic.DynamicState(spec(name), P(), row if name in self.cached else None)
             for name in self.dynamic
         }
 

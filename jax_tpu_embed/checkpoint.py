@@ -910,7 +910,7 @@ def _dynamic_logical(emb, state, name: str, physical, physical_slots, since=None
     n = emb.num_shards
     index = state.index[name].index
     fields = [f.name for f in dataclasses.fields(index)]
-    # An empty array (the filter's, with min_count 1) may come back from jit replicated.
+    # An empty array (the filter's, with min_count 1) is replicated: `_index_sharding`.
     index_parts = {
         f: _multihost.parts(x, n) if x.shape[0] else collections.defaultdict(lambda x=x: x)
         for f in fields
@@ -1368,7 +1368,10 @@ def _from_parts(abstract: jax.ShapeDtypeStruct, parts: dict, n: int) -> jax.Arra
     """The array `abstract` (dimension 0 split into `n` parts, one per shard) from {shard:
     part (NumPy)} of the shards this process holds."""
     at = abstract.sharding.addressable_devices_indices_map((n,) + abstract.shape[1:])
-    blocks = {d: parts[i[0].start or 0] for d, i in at.items()}  # pyright: ignore[reportOptionalSubscript]
+    if abstract.sharding.is_fully_replicated:  # Empty (`Embedding._index_sharding`): any part.
+        blocks = dict.fromkeys(at, next(iter(parts.values())))
+    else:
+        blocks = {d: parts[i[0].start or 0] for d, i in at.items()}  # pyright: ignore[reportOptionalSubscript]
     return _host_blocks(abstract.shape, abstract.sharding, blocks)
 
 

@@ -109,8 +109,7 @@ def test_demo_trains_on_criteo_files(tmp_path, capsys):
 def test_demo_dynamic_tables_on_criteo_files(tmp_path):
     """--id-mapping dynamic: the raw hex values as int64 ids in dynamic tables; a few steps,
     then the tables' dynamic_stats and the AUC. In a subprocess on one CPU device: on 8
-    devices the 26 dynamic tables compile for ~30 s, and twice (the second step compiles
-    again: the state init makes is sharded differently from the one the step returns)."""
+    devices the 26 dynamic tables take ~30 s to compile."""
     import os
     import subprocess
     import sys

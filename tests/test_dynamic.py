@@ -1,7 +1,9 @@
 """Dynamic tables: any int64 id, admission, eviction, export and restore, against a float64
 dict reference (rows and Adagrad accumulators per id), on 1-8 devices, both exchanges."""
 
+import contextlib
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -1061,6 +1063,108 @@ def test_train_step_fed_by_split_ids(placement):
     assert counted == {k: v for k, v in stats.items() if k != "occupancy"}
     with pytest.raises(ValueError, match=r"int64 ids beyond int32.*jte.split_ids"):
         step(state, {"features": {"user": pool[:16]}, "y": y})
+
+
+@contextlib.contextmanager
+def executables_made():
+    """A list that counts the executables made while the block runs: compiled, or read
+    from the persistent compilation cache (conftest's, which other tests may have filled)."""
+    made = []
+    names = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_hits")
+
+    def timed(event: str, duration_secs: float, **kwargs):
+        if event == names[0]:
+            made.append(event)
+
+    def event(event: str, **kwargs):
+        if event == names[1]:
+            made.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(timed)
+    jax.monitoring.register_event_listener(event)
+    try:
+        yield made
+    finally:
+        jax.monitoring.unregister_event_duration_listener(timed)
+        jax.monitoring.unregister_event_listener(event)
+
+
+@pytest.mark.parametrize(
+    "front, mesh_kind, min_count",
+    [
+        ("core", "auto", 1),
+        pytest.param("core", "auto", 2, marks=pytest.mark.slow),  # And restored.
+        pytest.param("flax", None, 1, marks=pytest.mark.slow),  # The demo's: the default mesh.
+        pytest.param("nnx", "explicit", 1, marks=pytest.mark.slow),
+    ],
+)
+def test_train_step_compiles_once(tmp_path, front, mesh_kind, min_count):
+    """The state a train step returns is laid out as the one it was given, so the second
+    step reuses the first one's executable, on Auto and Explicit meshes and in every front
+    end. A table without an admission filter holds empty filter arrays, which a step gives
+    back replicated: laid out by rows at init, they made the second step compile the whole
+    train step again (the demo's dynamic run compiled twice). The same after a restore (slow
+    tier)."""
+    import optax
+    from flax import linen, nnx
+
+    users = jte.TableConfig(
+        dim=DIM, name="users", dynamic=jte.DynamicTable(capacity=256, min_count=min_count)
+    )
+    spec = jte.EmbeddingSpec({"user": jte.FeatureConfig(users)}, jte.Adagrad(learning_rate=0.5))
+    mesh = None if mesh_kind is None else make_mesh(2, mesh_kind)
+    rng = np.random.default_rng(0)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=64, dtype=np.int64)
+    batches = [
+        {"features": {"user": jte.split_ids(rng.choice(pool, (8, 3)))}, "y": np.ones(8, np.float32)}
+        for _ in range(4)
+    ]
+    mse = lambda out, batch: jnp.mean((out - batch["y"]) ** 2)
+    step: Any
+    state: Any
+    if front == "core":
+        emb = jte.Embedding(spec, mesh)
+        loss_fn = lambda params, acts, batch: mse(jnp.sum(acts["user"], -1) * params["w"], batch)
+        step = jte.make_train_step(emb, loss_fn, optax.sgd(0.1))
+        state = step.init(jax.random.key(0), {"w": jnp.ones(())})
+        run = lambda state, batch: step(state, batch)[0]
+    elif front == "flax":
+
+        class Model(linen.Module):
+            @linen.compact
+            def __call__(self, batch):
+                return jnp.sum(jte.flax.Embed(spec, mesh)(batch["features"])["user"], -1)
+
+        step = jte.flax.make_train_step(Model(), mse, optax.sgd(0.1))
+        state = step.init(jax.random.key(0), batches[0])
+        run = lambda state, batch: step(state, batch)[0]
+    else:
+
+        class Tower(nnx.Module):
+            def __init__(self):
+                self.embed = jte.nnx.Embed(spec, mesh, rngs=nnx.Rngs(0))
+
+            def __call__(self, batch):
+                return jnp.sum(self.embed(batch["features"])["user"], -1)
+
+        model = Tower()
+        step = jte.nnx.make_train_step(model, lambda m, batch: mse(m(batch), batch), optax.sgd(0.1))
+        state = None
+        run = lambda state, batch: step(batch)
+    state = run(state, batches[0])
+    jax.block_until_ready(state)
+    with executables_made() as made:
+        for batch in batches[1:3]:
+            state = run(state, batch)
+        jax.block_until_ready(state)
+    assert made == []
+    if min_count > 1:  # Restored, the state is laid out as init lays it out.
+        jte.checkpoint.save(tmp_path, emb, state.embedding, dense={"params": state.params})
+        emb_state, dense = jte.checkpoint.restore(tmp_path, emb)
+        state = step.init(None, dense["params"], embedding_state=emb_state)
+        with executables_made() as made:
+            jax.block_until_ready(run(state, batches[3]))
+        assert made == []
 
 
 @pytest.mark.slow
