@@ -422,7 +422,8 @@ def test_prefetch_inserts_each_missing_row_into_the_oldest_way(max_misses, windo
 
 def test_train_step_prefetches_the_next_batch():
     """A train step given `next_batch` finds every row of its HostCached table in the
-    cache, and trains as the device table does (to float32 rounding)."""
+    cache, and trains as the device table does (to float32 rounding). The last batch given
+    as its own `next_batch` (the README's loop) runs the same program and fetches nothing."""
     mesh = make_mesh(2)
     rng = np.random.default_rng(3)
     params = {"w": jnp.asarray(rng.normal(size=(16, 1)), jnp.float32)}
@@ -442,10 +443,17 @@ def test_train_step_prefetches_the_next_batch():
         step = jte.make_train_step(emb, _loss, optax.sgd(0.05))
         state = step.init(jax.random.key(0), params)
         losses = []
-        for i, batch in enumerate(batches):
-            upcoming = batches[i + 1] if i + 1 < len(batches) else None
+        for batch, upcoming in zip(batches[:-1], batches[1:]):
             state, metrics = step(state, batch, next_batch=upcoming)
             losses.append(float(metrics["loss"]))
+        before = jax.tree.map(int, emb.cache_stats(state.embedding))
+        with test_dynamic.executables_made() as made:
+            state, metrics = step(state, batches[-1], next_batch=batches[-1])
+        assert made == []
+        losses.append(float(metrics["loss"]))
+        after = jax.tree.map(int, emb.cache_stats(state.embedding))
+        for name, counts in after.items():  # Nothing more fetched, nothing missed.
+            assert [counts[k] - before[name][k] for k in ("prefetched", "misses")] == [0, 0]
         out[p == "device"] = (losses, emb.export(state.embedding), emb, state)
     np.testing.assert_allclose(out[False][0], out[True][0], rtol=1e-6)
     chex.assert_trees_all_close(out[False][1], out[True][1], rtol=1e-6, atol=1e-7)
