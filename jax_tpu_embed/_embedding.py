@@ -341,7 +341,8 @@ class Embedding:
 
     def _index_shardings(self, name: str) -> _dynamic.DynamicState:
         """The shardings of a dynamic table's `DynamicState`: the index's arrays split by
-        buckets over the axis, the key replicated."""
+        buckets over the axis (empty ones replicated: `_index_sharding`), the key
+        replicated."""
         shapes = self._index_shapes(name)
         # The key replicated as a step's output spells it, P(None): one compile, not two.
         return _dynamic.DynamicState(
