@@ -941,12 +941,9 @@ class Embedding:
         }
 
     def _dynamic_specs(self):
-        row = P(self.axis)
-        spec = lambda name: jax.tree.map(lambda s: s.spec, self._index_shardings(name).index)
-        return {
-            name: _dynamic.DynamicState(spec(name), P(), row if name in self.cached else None)
-            for name in self.dynamic
-        }
+        """The shard_map specs of the dynamic tables' `DynamicState`s: their shardings'."""
+        specs = lambda name: jax.tree.map(lambda s: s.spec, self._index_shardings(name))
+        return {name: specs(name) for name in self.dynamic}
 
     def _dynamic_index(self, index: dict) -> dict:
         """The dynamic tables' entries of a state's index (`_dynamic_specs`' tree): the index

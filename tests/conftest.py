@@ -14,6 +14,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 import atexit  # noqa: E402
+import contextlib  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -64,6 +65,31 @@ def count_primitive(jaxpr, name: str) -> int:
                 elif isinstance(sub, jax.extend.core.Jaxpr):
                     count += count_primitive(sub, name)
     return count
+
+
+@contextlib.contextmanager
+def executables_made():
+    """A list that counts the executables made while the block runs: compiled, or read
+    from the persistent compilation cache (the one above, which other tests may have
+    filled)."""
+    made = []
+    names = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_hits")
+
+    def timed(event: str, duration_secs: float, **kwargs):
+        if event == names[0]:
+            made.append(event)
+
+    def event(event: str, **kwargs):
+        if event == names[1]:
+            made.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(timed)
+    jax.monitoring.register_event_listener(event)
+    try:
+        yield made
+    finally:
+        jax.monitoring.unregister_event_duration_listener(timed)
+        jax.monitoring.unregister_event_listener(event)
 
 
 @pytest.fixture(scope="module")

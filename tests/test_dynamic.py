@@ -1,7 +1,6 @@
 """Dynamic tables: any int64 id, admission, eviction, export and restore, against a float64
 dict reference (rows and Adagrad accumulators per id), on 1-8 devices, both exchanges."""
 
-import contextlib
 import dataclasses
 from typing import Any
 
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_tpu_embed as jte
-from conftest import make_mesh
+from conftest import executables_made, make_mesh
 from jax_tpu_embed import _dynamic, _dynamic_owner, _hashindex, _layout
 
 DIM = 8
@@ -1063,30 +1062,6 @@ def test_train_step_fed_by_split_ids(placement):
     assert counted == {k: v for k, v in stats.items() if k != "occupancy"}
     with pytest.raises(ValueError, match=r"int64 ids beyond int32.*jte.split_ids"):
         step(state, {"features": {"user": pool[:16]}, "y": y})
-
-
-@contextlib.contextmanager
-def executables_made():
-    """A list that counts the executables made while the block runs: compiled, or read
-    from the persistent compilation cache (conftest's, which other tests may have filled)."""
-    made = []
-    names = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_hits")
-
-    def timed(event: str, duration_secs: float, **kwargs):
-        if event == names[0]:
-            made.append(event)
-
-    def event(event: str, **kwargs):
-        if event == names[1]:
-            made.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(timed)
-    jax.monitoring.register_event_listener(event)
-    try:
-        yield made
-    finally:
-        jax.monitoring.unregister_event_duration_listener(timed)
-        jax.monitoring.unregister_event_listener(event)
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_tpu_embed as jte
 import test_dynamic
-from conftest import make_mesh
+from conftest import executables_made, make_mesh
 from test_optimizers import OPTIMIZERS
 
 _B = 16
@@ -447,7 +447,7 @@ def test_train_step_prefetches_the_next_batch():
             state, metrics = step(state, batch, next_batch=upcoming)
             losses.append(float(metrics["loss"]))
         before = jax.tree.map(int, emb.cache_stats(state.embedding))
-        with test_dynamic.executables_made() as made:
+        with executables_made() as made:
             state, metrics = step(state, batches[-1], next_batch=batches[-1])
         assert made == []
         losses.append(float(metrics["loss"]))
