@@ -1,0 +1,703 @@
+"""A differential fuzzer of feature combinations (`tests/test_fuzz.py` replays some cases).
+
+Each case draws a spec (1-3 tables: static or dynamic, in device memory, in host memory or
+`HostCached`; one-hot, multi-hot, weighted and sequence features; most optimizers, with
+overrides, schedules, clipping, weight decay and gradient multipliers), options (routing,
+stacking, TPU layouts, round limits, backends) and a training loop (`accumulate_steps`,
+`pipeline_execution`, prefetch by `next_batch`, NumPy or global `jax.Array` inputs), trains
+it a few steps with `jte.make_train_step` and compares everything it can read with an oracle
+that must give the same results:
+
+- ``placement``: the same spec on the same mesh with every table in device memory. Static
+  tables in host memory must be bit-identical (the README's promise); otherwise 1e-5:
+  XLA:CPU contracts a multiply and an add into one rounding in some programs and not in
+  others, which Adam at a large learning rate makes a few 1e-7 apart.
+- ``mesh``: the same spec on one device, every table in device memory. Resident ids and
+  every counter must be equal; rows, slots and losses to 1e-4, since sums run in
+  another order on another mesh.
+
+Both sides also check what holds by construction: one trace of the train step, host tables
+in host memory, and the dynamic tables' counters adding up. Then the run's final state,
+saved and restored into the oracle's embedding, must give back its rows, slots and counters
+bit for bit, and one more step of each (the run from its state, the oracle from the
+restored one) must agree as the steps before did. A case is ``ok``, ``mismatch`` (with a
+report), ``error`` (with the stage and traceback) or ``rejected`` (the library refused the
+configuration at construction; the error is recorded).
+
+Usage (one JSON line per case; ``--case`` runs one case and prints its configuration):
+
+    python tests/fuzz.py --oracle mesh --seed 3 --budget 600 --out fuzz.jsonl
+    python tests/fuzz.py --oracle placement --seed 3 --case 17
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # Under pytest, conftest.py has set these up already.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import faulthandler  # noqa: E402
+import json  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_tpu_embed as jte  # noqa: E402
+
+ORACLES = ("placement", "mesh")
+OPTIMIZERS = (
+    "sgd",
+    "adagrad",
+    "adam",
+    "ftrl",
+    "rowwise_adagrad",
+    "adagrad_momentum",
+    "momentum",
+    "momentum_nesterov",
+    "rmsprop",
+    "rmsprop_centered",
+    "proximal_adagrad",
+    "optax_adam",
+    "optax_adamw_clipped",
+    "optax_lion",
+    "optax_rmsprop",
+    "optax_nesterov",
+    "custom_momentum",
+    "custom_rowwise",
+)
+Config = dict[str, Any]
+
+
+# ------------------------------------------------------------------------- configurations
+
+
+def draw(seed: int, case: int, oracle: str) -> Config:
+    """Case `case` of `seed` for `oracle`: a JSON-able configuration, the same on every run."""
+    if oracle not in ORACLES:
+        raise ValueError(f"oracle must be one of {ORACLES}, got {oracle!r}")
+    r = np.random.default_rng([seed, case, ORACLES.index(oracle)])
+    pick = lambda options, p=None: options[int(r.choice(len(options), p=p))]
+    n = int(pick([2, 4, 8] if oracle == "mesh" else [1, 2, 4, 8]))
+    c: Config = {
+        "oracle": oracle,
+        "n": n,
+        "mesh": pick(["make_mesh", "Mesh"]),
+        "routing": pick(["gather", "owner"], [0.4, 0.6]),
+        "strategy": pick(["div", "mod"]),
+        "backend": pick(["xla", "cpu"], [0.8, 0.2]),
+        "tpu_layout": bool(r.random() < 0.25),
+        "stacking": bool(r.random() < 0.8),
+        "accumulate_steps": int(pick([1, 2])),
+        "pipeline": bool(r.random() < 0.3),
+        "prefetch": bool(r.random() < 0.6),
+        "input": pick(["numpy", "jax"]),
+        "dense": pick(["sgd", "adam"]),
+        "steps": int(pick([3, 4, 5])),
+        "per_device": int(pick([1, 2, 3], [0.5, 0.3, 0.2])),  # examples a micro-batch
+        "clipping_limit": pick([None, 0.5, 2.0]),
+        "gradient_multiplier": bool(r.random() < 0.3),
+        "invalid_ids": bool(r.random() < 0.15),
+        "optimizer": _optimizer(r),
+        "max_ids_per_shard": pick([None, 1, 2, 3, 5, 8, 16], [0.55] + [0.075] * 6),
+        "max_unique_ids_per_shard": None,
+        "data_seed": int(r.integers(2**31)),
+    }
+    if c["routing"] == "owner" or c["tpu_layout"]:
+        c["backend"] = "xla"  # The C++ kernels serve the all-gather exchange alone.
+    if c["max_ids_per_shard"] and r.random() < 0.4:
+        c["max_unique_ids_per_shard"] = pick([1, 2, 4, 8])
+    shared = _optimizer(r) if r.random() < 0.3 else None
+    tables = []
+    for t in range(int(pick([1, 2, 3], [0.4, 0.4, 0.2]))):
+        tables.append(_table(r, pick, f"t{t}", n, shared, bf16=oracle == "placement"))
+    if oracle == "placement" and all(t["placement"] == "device" for t in tables):
+        tables[0]["placement"] = "host"  # Something for the oracle to differ in.
+    c["tables"] = tables
+    return c
+
+
+def _table(r, pick, name: str, n: int, shared, bf16: bool) -> Config:
+    # bf16 rows only against the same mesh: on another mesh, float32 sums that differ in
+    # their last bit round to rows a bf16 unit apart, which the loss spreads to every table.
+    t: Config = {
+        "name": name,
+        "dim": int(pick([4, 8, 12, 16, 24, 32, 64, 100, 128])),
+        "combiner": pick(["sum", "mean", "sqrtn"]),
+        "bf16": bf16 and bool(r.random() < 0.08),
+        "dynamic": bool(r.random() < 0.5),
+        "placement": pick(["device", "host", "cached"], [0.2, 0.2, 0.6]),
+        "optimizer": None,
+    }
+    if r.random() < 0.35:
+        t["optimizer"] = shared if shared is not None and r.random() < 0.6 else _optimizer(r)
+    if t["dynamic"]:
+        b = int(pick([4, 8, 16, 64], [0.3, 0.3, 0.25, 0.15]))
+        # A multiple of b slots a shard (2b for b = 64) holds the same ids on every mesh.
+        unit = b * n * (2 if b == 64 else 1)
+        t.update(
+            bucket_size=b,
+            capacity=unit * int(pick([1, 2, 3])),
+            eviction=pick(["lru", "lfu", "none"], [0.45, 0.45, 0.1]),
+            ttl_steps=int(pick([1, 2, 3])) if r.random() < 0.3 else None,
+            min_count=2 if r.random() < 0.3 else 1,
+            admit_probability=float(pick([0.5, 0.8])) if r.random() < 0.25 else 1.0,
+        )
+        t["pool"] = int(r.integers(8, max(10, int(t["capacity"] * 1.5))))
+        rows = t["capacity"]
+    else:
+        t["vocabulary"] = int(r.integers(16, 300))
+        t["id_range"] = int(pick([t["vocabulary"], max(4, t["vocabulary"] // 4)]))
+        rows = t["vocabulary"]
+    if t["placement"] == "cached":
+        ways = int(pick([1, 2, 3, 5, 7, 12, 16]))
+        while ways > 1 and ways * n > rows - 1:
+            ways -= 1
+        size = pick(["tiny", "small", "mid", "big"], [0.3, 0.3, 0.2, 0.2])
+        cache = {"tiny": ways * n, "small": rows // 8, "mid": rows // 2, "big": rows - 1}[size]
+        t.update(
+            cache_rows=int(min(max(cache, ways * n), rows - 1)),
+            ways=ways,
+            max_misses=None,
+            cache_prefetch=bool(r.random() < 0.85),
+        )
+        if t["cache_rows"] < ways * n:  # A table too small to cache on this mesh.
+            t["placement"] = "host"
+        elif r.random() < 0.6:  # At most the rows a device caches.
+            t["max_misses"] = int(pick([m for m in (1, 2, 3, 5, 8) if m <= t["cache_rows"] // n]))
+    features = []
+    for f in range(int(pick([1, 2]))):
+        kind = pick(["onehot", "multi", "weighted", "sequence"])
+        feature = {"name": f"{name}f{f}", "kind": kind, "length": int(r.integers(1, 6))}
+        if kind == "sequence":
+            feature["max_sequence_length"] = int(r.integers(1, 5))
+        features.append(feature)
+    t["features"] = features
+    return t
+
+
+def _optimizer(r) -> Config:
+    pick = lambda options: options[int(r.choice(len(options)))]
+    name = pick(OPTIMIZERS)
+    o: Config = {"name": name, "lr": pick([0.01, 0.05, 0.2])}
+    o["schedule"] = bool(r.random() < 0.35)
+    if not name.startswith(("optax", "custom")):
+        if r.random() < 0.4:
+            o["weight_decay"] = pick([0.01, 0.1])
+            o["weight_decay_by_lr"] = bool(r.random() < 0.5)
+        if r.random() < 0.3:
+            o["clipvalue"] = pick([0.05, 0.5])
+        if r.random() < 0.2:
+            o["clip_weight"] = [-0.3, 0.3]
+    return o
+
+
+# ------------------------------------------------------------------------- building
+
+
+def optimizer(o: Config | None):
+    """The optimizer object of a configuration (None: the spec's)."""
+    if o is None:
+        return None
+    name, lr = o["name"], o["lr"]
+    if o["schedule"]:
+        lr = lambda step, lr=lr: lr * (1.0 + 0.5 * jnp.sin(jnp.asarray(step, jnp.float32) + 1.0))
+    extras = {}
+    if "weight_decay" in o:
+        extras["weight_decay_factor"] = o["weight_decay"]
+        extras["multiply_weight_decay_factor_by_learning_rate"] = o["weight_decay_by_lr"]
+    if "clipvalue" in o:
+        extras["clipvalue"] = o["clipvalue"]
+    if "clip_weight" in o:
+        extras["clip_weight_min"], extras["clip_weight_max"] = o["clip_weight"]
+    l1l2 = dict(l1_regularization_strength=0.01, l2_regularization_strength=0.02)
+    plain = {
+        "sgd": lambda: jte.SGD(learning_rate=lr, **extras),
+        "adagrad": lambda: jte.Adagrad(learning_rate=lr, **extras),
+        "adam": lambda: jte.Adam(learning_rate=lr, **extras),
+        "ftrl": lambda: jte.FTRL(learning_rate=lr, **l1l2, **extras),
+        "rowwise_adagrad": lambda: jte.RowwiseAdagrad(learning_rate=lr, **extras),
+        "adagrad_momentum": lambda: jte.AdagradMomentum(learning_rate=lr, momentum=0.9, **extras),
+        "momentum": lambda: jte.Momentum(learning_rate=lr, momentum=0.9, **extras),
+        "momentum_nesterov": lambda: jte.Momentum(
+            learning_rate=lr, momentum=0.8, use_nesterov=True, **extras
+        ),
+        "rmsprop": lambda: jte.RMSProp(
+            learning_rate=lr, rho=0.9, momentum=0.5, epsilon=1e-6, **extras
+        ),
+        "rmsprop_centered": lambda: jte.RMSProp(
+            learning_rate=lr, rho=0.8, epsilon=1e-3, centered=True, **extras
+        ),
+        "proximal_adagrad": lambda: jte.ProximalAdagrad(learning_rate=lr, **l1l2, **extras),
+    }
+    if name in plain:
+        return plain[name]()
+    rate = optax.schedules.exponential_decay(o["lr"], 2, 0.5) if o["schedule"] else o["lr"]
+    if name == "optax_adam":
+        return jte.FromOptax(optax.adam(rate))
+    if name == "optax_adamw_clipped":
+        return jte.FromOptax(optax.chain(optax.clip(0.5), optax.adamw(rate, weight_decay=1e-2)))
+    if name == "optax_lion":
+        return jte.FromOptax(optax.lion(rate))
+    if name == "optax_rmsprop":
+        return jte.FromOptax(optax.rmsprop(rate, momentum=0.5))
+    if name == "optax_nesterov":
+        return jte.FromOptax(optax.sgd(rate, momentum=0.9, nesterov=True))
+    if name == "custom_momentum":
+
+        def momentum(g, row, slots, learning_rate, hyperparameters):
+            (v,), (beta,) = slots, hyperparameters
+            v = beta * v + g
+            return row - learning_rate * v, v
+
+        return jte.CustomOptimizer(
+            momentum,
+            learning_rate=lr,
+            slot_names=["velocity"],
+            slot_initializers=[0.0],
+            hyperparameters=[0.9],
+        )
+    if name == "custom_rowwise":
+
+        def rowwise(g, row, slots, learning_rate, hyperparameters):
+            (acc, m), (eps,) = slots, hyperparameters
+            acc = acc + jnp.mean(g * g)
+            m = 0.5 * m + g
+            return row - learning_rate * m / jnp.sqrt(acc + eps), acc, m
+
+        eps = (lambda step: 1e-3 + 1e-4 * jnp.asarray(step, jnp.float32)) if o["schedule"] else 1e-3
+        return jte.CustomOptimizer(
+            rowwise,
+            learning_rate=lr,
+            slot_names=["acc", "m"],
+            slot_initializers=[0.1, 0.0],
+            hyperparameters=[eps],
+            slot_dims=[1, 2],
+        )
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def spec(c: Config, oracle: bool) -> jte.EmbeddingSpec:
+    """The spec of `c`; the oracle's keeps every table in device memory."""
+    features, overrides = {}, {}
+    for t in c["tables"]:
+        override = None
+        if t["optimizer"] is not None:  # One object for equal overrides: they may stack.
+            key = json.dumps(t["optimizer"], sort_keys=True)
+            override = overrides.setdefault(key, optimizer(t["optimizer"]))
+        placement: str | jte.HostCached = t["placement"]
+        if oracle or placement == "device":
+            placement = "device"
+        elif placement == "cached":
+            placement = jte.HostCached(
+                cache_rows=t["cache_rows"],
+                ways=t["ways"],
+                max_misses=t["max_misses"],
+                prefetch=t["cache_prefetch"],
+            )
+        kwargs: dict[str, Any] = dict(
+            dim=t["dim"],
+            combiner=t["combiner"],
+            name=t["name"],
+            optimizer=override,
+            placement=placement,
+            dtype=jnp.bfloat16 if t["bf16"] else jnp.float32,
+        )
+        if t["dynamic"]:
+            kwargs["dynamic"] = jte.DynamicTable(
+                capacity=t["capacity"],
+                bucket_size=t["bucket_size"],
+                eviction=t["eviction"],
+                ttl_steps=t["ttl_steps"],
+                min_count=t["min_count"],
+                admit_probability=t["admit_probability"],
+            )
+        else:
+            kwargs["vocabulary_size"] = t["vocabulary"]
+        table = jte.TableConfig(**kwargs)
+        for f in t["features"]:
+            features[f["name"]] = jte.FeatureConfig(
+                table, max_sequence_length=f.get("max_sequence_length", 0)
+            )
+    multiplier = None
+    if c["gradient_multiplier"]:
+        multiplier = lambda step: 1.0 / (1.0 + 0.3 * jnp.asarray(step, jnp.float32))
+    return jte.EmbeddingSpec(
+        features,
+        optimizer(c["optimizer"]),
+        partition_strategy=c["strategy"],
+        clipping_limit=c["clipping_limit"],
+        gradient_multiplier_fn=multiplier,
+        pipeline_execution=c["pipeline"],
+    )
+
+
+def mesh(c: Config, n: int) -> jax.sharding.Mesh:
+    devices = jax.devices()[:n]
+    if c["mesh"] == "make_mesh":
+        return jax.make_mesh((n,), ("x",), devices=devices)
+    return jax.sharding.Mesh(np.array(devices), ("x",))
+
+
+def embedding(c: Config, oracle: bool) -> jte.Embedding:
+    n = 1 if oracle and c["oracle"] == "mesh" else c["n"]
+    # The C++ kernels serve tables in device memory; the oracle takes the run's backends.
+    backends = {
+        t["name"]: c["backend"] if t["placement"] == "device" else "xla" for t in c["tables"]
+    }
+    options: dict[str, Any] = dict(
+        backend=backends,
+        routing=c["routing"],
+        stacking=c["stacking"],
+        max_ids_per_shard=c["max_ids_per_shard"],
+        max_unique_ids_per_shard=c["max_unique_ids_per_shard"],
+    )
+    if c["tpu_layout"]:
+        options.update(tpu_layout=True, lane_width=128)
+    return jte.Embedding(spec(c, oracle), mesh(c, n), **options)
+
+
+# ------------------------------------------------------------------------- data and model
+
+
+def pools(c: Config, r) -> dict[str, np.ndarray]:
+    """Each dynamic table's ids: int64 over the whole range, and small ones too."""
+    out = {}
+    for t in c["tables"]:
+        if t["dynamic"]:
+            pool = r.integers(-(2**63), 2**63 - 1, size=t["pool"], dtype=np.int64)
+            pool[: len(pool) // 3] = r.integers(0, 1000, size=len(pool) // 3)
+            out[t["name"]] = np.unique(pool[pool != -1])
+    return out
+
+
+def batch(c: Config, r, pool: dict[str, np.ndarray], novel: bool = False) -> dict:
+    """One global batch of NumPy arrays; `novel`: ids the steps before have not seen (as far
+    as a draw can tell), for the last step's `next_batch`."""
+    k = c["accumulate_steps"]
+    lead = (k,) if k > 1 else ()
+    examples = c["n"] * c["per_device"]
+    features = {}
+    for t in c["tables"]:
+        for f in t["features"]:
+            shape = lead + (examples,) + (() if f["kind"] == "onehot" else (f["length"],))
+            if t["dynamic"]:
+                ids = (
+                    r.integers(-(2**62), 2**62, size=shape, dtype=np.int64)
+                    if novel
+                    else r.choice(pool[t["name"]], size=shape)
+                )
+            else:
+                top = t["vocabulary"] if novel else t["id_range"]
+                ids = r.integers(0, top, size=shape).astype(np.int32)
+            ids = np.where(r.random(shape) < 0.25, -1, ids).astype(ids.dtype)
+            if c["invalid_ids"] and not t["dynamic"] and ids.size > 2 and r.random() < 0.5:
+                ids.reshape(-1)[r.integers(0, ids.size)] = t["vocabulary"] + 3
+            leaf = jte.split_ids(ids) if t["dynamic"] else ids
+            if f["kind"] == "weighted":
+                leaf = jte.Weighted(leaf, r.uniform(0.2, 2.0, shape).astype(np.float32))
+            features[f["name"]] = leaf
+    return {"features": features, "y": r.normal(size=lead + (examples,)).astype(np.float32)}
+
+
+def on_mesh(c: Config, tree, mesh_: jax.sharding.Mesh):
+    """`tree` as global jax.Arrays sharded over the examples."""
+    spec_ = P(None, "x") if c["accumulate_steps"] > 1 else P("x")
+    sharding = NamedSharding(mesh_, spec_)
+    return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), tree)
+
+
+def widths(c: Config) -> dict[str, int]:
+    return {
+        f["name"]: t["dim"] * f.get("max_sequence_length", 1)
+        for t in c["tables"]
+        for f in t["features"]
+    }
+
+
+def loss(params, activations, batch_):
+    total = 0.0
+    for name in sorted(params):
+        a = activations[name]
+        total = total + jnp.tanh(a.reshape(a.shape[0], -1)) @ params[name]
+    penalty = sum(jnp.mean(activations[name] ** 2) for name in sorted(params))
+    return jnp.mean((total - batch_["y"]) ** 2) + 0.01 * penalty
+
+
+def distinct_ids(c: Config, batches: list[dict]) -> dict[str, int]:
+    """Each dynamic table's distinct ids per update, summed over the steps: its hits and
+    misses must add up to this."""
+    out = {}
+    for t in c["tables"]:
+        if not t["dynamic"]:
+            continue
+        total = 0
+        for b in batches:
+            seen = set()
+            for f in t["features"]:
+                leaf = b["features"][f["name"]]
+                ids = np.asarray(jte.join_ids(leaf.ids if isinstance(leaf, jte.Weighted) else leaf))
+                if f["kind"] == "sequence":
+                    ids = ids[..., : f["max_sequence_length"]]
+                seen |= set(ids.ravel().tolist())
+            seen.discard(-1)
+            total += len(seen)
+        out[t["name"]] = total
+    return out
+
+
+# ------------------------------------------------------------------------- comparing
+
+
+class Report:
+    """What differs between the run and its oracle, one line each."""
+
+    def __init__(self, exact: bool, rtol: float, atol: float):
+        self.exact, self.rtol, self.atol = exact, rtol, atol
+        self.lines: list[str] = []
+
+    def floats(self, what: str, got, want) -> None:
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        if got.shape != want.shape:
+            self.lines.append(f"{what}: shape {got.shape}, oracle {want.shape}")
+            return
+        if not np.array_equal(np.isfinite(got), np.isfinite(want)):
+            self.lines.append(f"{what}: finite in other places")
+            return
+        if self.exact:
+            bad = ~((got == want) | (np.isnan(got) & np.isnan(want)))
+        else:
+            bad = np.abs(got - want) > self.atol + self.rtol * np.abs(want)
+        if bad.any():
+            diff = np.abs(got - want)[bad]
+            self.lines.append(
+                f"{what}: {int(bad.sum())} of {bad.size} differ"
+                f"{'' if self.exact else ' beyond tolerance'}, by up to {diff.max():.3g}"
+            )
+
+    def equal(self, what: str, got, want) -> None:
+        if got != want:
+            self.lines.append(f"{what}: {got}, oracle {want}")
+
+    def tree(self, what: str, got, want) -> None:
+        if isinstance(want, jte.DynamicRows):
+            a, b = np.asarray(got.ids), np.asarray(want.ids)
+            if not np.array_equal(a, b):
+                self.lines.append(
+                    f"{what}: resident ids differ ({a.size} against {b.size}, "
+                    f"{np.setdiff1d(a, b).size} only here, {np.setdiff1d(b, a).size} only there)"
+                )
+            else:
+                self.floats(f"{what}.rows", got.rows, want.rows)
+        elif isinstance(want, dict):
+            if set(got) != set(want):
+                self.lines.append(f"{what}: keys {sorted(got)}, oracle {sorted(want)}")
+            else:
+                for key in sorted(want):
+                    self.tree(f"{what}/{key}", got[key], want[key])
+        else:
+            self.floats(what, got, want)
+
+
+def ints(tree):
+    return jax.tree.map(lambda x: int(np.asarray(x)), tree)
+
+
+# ------------------------------------------------------------------------- one case
+
+
+def run(c: Config) -> dict:
+    """Trains `c` and its oracle and compares them: {"status": ..., ...}."""
+    result: dict[str, Any] = {}
+    sides = {}
+    for side, oracle in (("oracle", True), ("run", False)):
+        try:
+            sides[side] = embedding(c, oracle)
+        except Exception as e:  # noqa: BLE001 - a refusal is an outcome, recorded.
+            status = "rejected" if side == "run" else "oracle rejected"
+            return dict(result, status=status, error=f"{type(e).__name__}: {e}"[:800])
+    r = np.random.default_rng(c["data_seed"])
+    ids = pools(c, r)
+    batches = [batch(c, r, ids) for _ in range(c["steps"])]
+    tail = batch(c, r, ids, novel=True)
+    expected = distinct_ids(c, batches)
+    mesh_exact = c["oracle"] == "placement"
+    report = Report(
+        exact=mesh_exact
+        and all(not t["dynamic"] and t["placement"] in ("host", "device") for t in c["tables"]),
+        rtol=1e-5 if mesh_exact else 1e-4,
+        atol=1e-6 if mesh_exact else 1e-5,
+    )
+    states, metrics, steps, feeds, stage, initial = {}, {}, {}, {}, "start", None
+    try:
+        for side in ("oracle", "run"):
+            emb = sides[side]
+            feed = batches + [tail]
+            if c["input"] == "jax":
+                feed = [on_mesh(c, b, emb.mesh) for b in feed]
+            stage = f"{side}: init"
+            dense = {"sgd": optax.sgd(0.05), "adam": optax.adam(0.01)}[c["dense"]]
+            step = jte.make_train_step(emb, loss, dense, accumulate_steps=c["accumulate_steps"])
+            params = {
+                name: jnp.asarray(np.random.default_rng(123).normal(size=(w,)), jnp.float32) * 0.3
+                for name, w in widths(c).items()
+            }
+            state = step.init(jax.random.key(0), params, feed[0])
+            if side == "run":
+                report.tree("init", emb.export(state.embedding), initial)
+            else:
+                initial = emb.export(state.embedding)
+            logged = []
+            for i in range(c["steps"]):
+                stage = f"{side}: step {i}"
+                ahead = feed[i + 1] if c["prefetch"] else None
+                state, m = step(state, feed[i], next_batch=ahead)
+                logged.append(jax.tree.map(np.asarray, m))
+            stage = f"{side}: flush"
+            state = step.flush(state)
+            jax.block_until_ready(state)
+            if step.trace_count != 1:
+                report.lines.append(f"{side}: the train step traced {step.trace_count} times")
+            states[side], metrics[side], steps[side], feeds[side] = state, logged, step, feed
+        stage = "compare"
+        _compare(c, sides, states, metrics, expected, report, result)
+        stage = "restore and continue"
+        _continue(c, sides, states, steps, feeds, report)
+    except Exception as e:  # noqa: BLE001 - the fuzzer's finding, recorded.
+        return dict(
+            result,
+            status="error",
+            stage=stage,
+            error=f"{type(e).__name__}: {e}"[:1500],
+            traceback=traceback.format_exc()[-4000:],
+        )
+    if report.lines:
+        return dict(result, status="mismatch", report=report.lines[:30])
+    return dict(result, status="ok")
+
+
+def _compare(c, sides, states, metrics, expected, report: Report, result: dict) -> None:
+    emb, oracle = sides["run"], sides["oracle"]
+    got, want = states["run"].embedding, states["oracle"].embedding
+    for i, (m, w) in enumerate(zip(metrics["run"], metrics["oracle"])):
+        report.floats(f"loss {i}", m["loss"], w["loss"])
+        for key in ("skipped", "invalid_ids"):
+            report.equal(f"step {i} {key}", int(m[key]), int(w[key]))
+        report.equal(f"step {i} dynamic", ints(m.get("dynamic")), ints(w.get("dynamic")))
+    report.tree("params", states["run"].params, states["oracle"].params)
+    report.equal("step", int(states["run"].step), int(states["oracle"].step))
+    report.equal("embedding step", int(got.step), int(want.step))
+    report.tree("export", emb.export(got), oracle.export(want))
+    report.tree("export_slots", emb.export_slots(got), oracle.export_slots(want))
+    if emb.dynamic:
+        stats = ints(emb.dynamic_stats(got))
+        report.equal("dynamic_stats", stats, ints(oracle.dynamic_stats(want)))
+        for table, s in stats.items():
+            outcomes = s["admitted"] + s["rejected"] + s["failed"]
+            report.equal(
+                f"{table}: misses against admitted + rejected + failed", s["misses"], outcomes
+            )
+            report.equal(
+                f"{table}: hits + misses against distinct ids",
+                s["hits"] + s["misses"],
+                expected[table],
+            )
+        result["dynamic"] = stats
+    for t in c["tables"]:
+        if t["placement"] != "device":
+            key = next((k for k, members in emb.stacks.items() if t["name"] in members), t["name"])
+            report.equal(
+                f"{t['name']}: memory kind", got.tables[key].sharding.memory_kind, "pinned_host"
+            )
+    if emb.cached:
+        result["cache"] = ints(emb.cache_stats(got))
+
+
+def _continue(c, sides, states, steps, feeds, report: Report) -> None:
+    """The run's state saved and restored into the oracle's embedding (another placement,
+    or one device) holds the same logical rows, slots and counters, bit for bit; then one
+    more step of the run from its state and of the oracle from the restored one (on new
+    ids: admissions, evictions) must agree as the steps before did."""
+    emb, oracle = sides["run"], sides["oracle"]
+    got = states["run"].embedding
+    with tempfile.TemporaryDirectory() as directory:
+        jte.checkpoint.save(directory, emb, got)
+        restored, _ = jte.checkpoint.restore(directory, oracle)
+    exact = Report(exact=True, rtol=0.0, atol=0.0)
+    exact.tree("restored export", oracle.export(restored), emb.export(got))
+    exact.tree("restored export_slots", oracle.export_slots(restored), emb.export_slots(got))
+    if emb.dynamic:
+        exact.equal(
+            "restored dynamic_stats",
+            ints(oracle.dynamic_stats(restored)),
+            ints(emb.dynamic_stats(got)),
+        )
+    report.lines += exact.lines
+    resumed = dataclasses.replace(states["oracle"], embedding=restored)
+    # The last batch again as next_batch: the steps' own program, which fetches nothing.
+    ahead = lambda side: feeds[side][-1] if c["prefetch"] else None
+    run, m = steps["run"](states["run"], feeds["run"][-1], next_batch=ahead("run"))
+    want, w = steps["oracle"](resumed, feeds["oracle"][-1], next_batch=ahead("oracle"))
+    run, want = steps["run"].flush(run), steps["oracle"].flush(want)
+    report.floats("continued loss", m["loss"], w["loss"])
+    report.equal("continued dynamic", ints(m.get("dynamic")), ints(w.get("dynamic")))
+    report.tree("continued export", emb.export(run.embedding), oracle.export(want.embedding))
+    report.tree(
+        "continued export_slots",
+        emb.export_slots(run.embedding),
+        oracle.export_slots(want.embedding),
+    )
+
+
+# ------------------------------------------------------------------------- the command
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--oracle", choices=ORACLES, default="mesh")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--case", type=int, help="run this case alone and print its configuration")
+    parser.add_argument("--start", type=int, default=0, help="the first case of a campaign")
+    parser.add_argument("--budget", type=float, default=300.0, help="seconds for a campaign")
+    parser.add_argument("--case-timeout", type=float, default=600.0, help="abort a hung case")
+    parser.add_argument("--out", help="append one JSON line per case to this file")
+    args = parser.parse_args(argv)
+    cases = [args.case] if args.case is not None else range(args.start, 2**31)
+    began = time.time()
+    for case in cases:
+        if args.case is None and time.time() - began > args.budget:
+            break
+        c = draw(args.seed, case, args.oracle)
+        if args.case is not None:
+            print(json.dumps(c, indent=1))
+        # A hang in a collective would stop the campaign silently: dump and exit instead.
+        faulthandler.dump_traceback_later(args.case_timeout, exit=True)
+        started = time.time()
+        result = run(c)
+        faulthandler.cancel_dump_traceback_later()
+        result = dict(seed=args.seed, case=case, seconds=round(time.time() - started, 1), **result)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(dict(result, config=c), default=str) + "\n")
+        brief = {k: v for k, v in result.items() if k != "traceback"}
+        print(json.dumps(brief, default=str), flush=True)
+        if args.case is not None and "traceback" in result:
+            print(result["traceback"])
+        jax.clear_caches()
+
+
+if __name__ == "__main__":
+    main()
