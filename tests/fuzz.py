@@ -18,12 +18,13 @@ that must give the same results:
 
 Both sides also check what holds by construction: one trace of the train step, host tables
 in host memory, and the dynamic tables' counters adding up. Then the run's final state,
-saved and restored into the oracle's embedding, must give back its rows, slots and counters
-bit for bit, and one more step of each (the run from its state, the oracle from the
-restored one) must agree as the steps before did; a `jte.serving.Server` of the run's tables
-must read what the run's lookup reads. A case is ``ok``, ``mismatch`` (with a report),
-``error`` (with the stage and traceback) or ``rejected`` (the library refused the
-configuration at construction; the error is recorded).
+saved on top of a save after its second step (incremental for dynamic tables) and restored
+into the oracle's embedding, must give back its rows, slots and counters bit for bit, and
+one more step of each (the run from its state, the oracle from the restored one) must agree
+as the steps before did; a `jte.serving.Server` of the run's tables must read what the run's
+lookup reads. A case is ``ok``, ``mismatch`` (with a report), ``error`` (with the stage and
+traceback) or ``rejected`` (the library refused the configuration at construction; the error
+is recorded).
 
 Usage (one JSON line per case; ``--case`` runs one case and prints its configuration):
 
@@ -45,6 +46,7 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import faulthandler  # noqa: E402
 import json  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -544,6 +546,7 @@ def run(c: Config) -> dict:
         atol=1e-6 if mesh_exact else 1e-5,
     )
     states, metrics, steps, feeds, stage, initial = {}, {}, {}, {}, "start", None
+    directory = tempfile.mkdtemp(prefix="jte-fuzz-")
     try:
         for side in ("oracle", "run"):
             emb = sides[side]
@@ -568,6 +571,9 @@ def run(c: Config) -> dict:
                 ahead = feed[i + 1] if c["prefetch"] else None
                 state, m = step(state, feed[i], next_batch=ahead)
                 logged.append(jax.tree.map(np.asarray, m))
+                if side == "run" and i == 1:  # The base of an incremental save.
+                    stage = "run: the base checkpoint"
+                    jte.checkpoint.save(directory, emb, state.embedding)
             stage = f"{side}: flush"
             state = step.flush(state)
             jax.block_until_ready(state)
@@ -578,7 +584,7 @@ def run(c: Config) -> dict:
         stage = "compare"
         _compare(c, sides, states, metrics, expected, report, result)
         stage = "restore and continue"
-        _continue(c, sides, states, steps, feeds, report)
+        _continue(c, sides, states, steps, feeds, report, directory)
     except Exception as e:  # noqa: BLE001 - the fuzzer's finding, recorded.
         return dict(
             result,
@@ -587,6 +593,8 @@ def run(c: Config) -> dict:
             error=f"{type(e).__name__}: {e}"[:1500],
             traceback=traceback.format_exc()[-4000:],
         )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
     if report.lines:
         return dict(result, status="mismatch", report=report.lines[:30])
     return dict(result, status="ok")
@@ -629,16 +637,18 @@ def _compare(c, sides, states, metrics, expected, report: Report, result: dict) 
         result["cache"] = ints(emb.cache_stats(got))
 
 
-def _continue(c, sides, states, steps, feeds, report: Report) -> None:
-    """The run's state saved and restored into the oracle's embedding (another placement,
-    or one device) holds the same logical rows, slots and counters, bit for bit; then one
-    more step of the run from its state and of the oracle from the restored one (on new
-    ids: admissions, evictions) must agree as the steps before did."""
+def _continue(c, sides, states, steps, feeds, report: Report, directory: str) -> None:
+    """The run's state saved (on top of the base saved after its second step: incremental
+    for dynamic tables) and restored into the oracle's embedding (another placement, or one
+    device) holds the same logical rows, slots and counters, bit for bit; then one more
+    step of the run from its state and of the oracle from the restored one (on new ids:
+    admissions, evictions) must agree as the steps before did."""
     emb, oracle = sides["run"], sides["oracle"]
     got = states["run"].embedding
-    with tempfile.TemporaryDirectory() as directory:
-        jte.checkpoint.save(directory, emb, got)
-        restored, _ = jte.checkpoint.restore(directory, oracle)
+    base = max(jte.checkpoint.all_steps(directory))
+    if int(got.step) > base:  # Skipped steps leave the embedding and its step alone.
+        jte.checkpoint.save(directory, emb, got, since_step=base)
+    restored, _ = jte.checkpoint.restore(directory, oracle)
     exact = Report(exact=True, rtol=0.0, atol=0.0)
     exact.tree("restored export", oracle.export(restored), emb.export(got))
     exact.tree("restored export_slots", oracle.export_slots(restored), emb.export_slots(got))
