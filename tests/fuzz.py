@@ -660,9 +660,15 @@ def _continue(c, sides, states, steps, feeds, report: Report, directory: str) ->
         )
     report.lines += exact.lines
     # A server of the run's tables reads what the run's lookup reads, new ids included.
-    features = feeds["numpy"][-1]["features"]
+    features = dict(feeds["numpy"][-1]["features"])
     if c["accumulate_steps"] > 1:
         features = jax.tree.map(lambda x: x[0], features)
+    for t in c["tables"]:  # Out-of-range ids: a ValueError on NumPy input, by contract.
+        for f in [] if t["dynamic"] else t["features"]:
+            leaf = features[f["name"]]
+            ids = leaf.ids if isinstance(leaf, jte.Weighted) else leaf
+            ids = np.where(ids < t["vocabulary"], ids, -1).astype(ids.dtype)
+            features[f["name"]] = leaf._replace(ids=ids) if isinstance(leaf, jte.Weighted) else ids
     # (To float32 rounding: one device sums an example's rows in its own order.)
     server = jte.serving.Server.from_embedding(emb, got, unknown="init")
     served = Report(exact=False, rtol=1e-5, atol=1e-6)
