@@ -126,23 +126,27 @@ def draw(seed: int, case: int, oracle: str) -> Config:
     shared = _optimizer(r) if r.random() < 0.3 else None
     tables = []
     for t in range(int(pick([1, 2, 3], [0.4, 0.4, 0.2]))):
-        tables.append(_table(r, pick, f"t{t}", n, shared, bf16=oracle == "placement"))
+        tables.append(_table(r, pick, f"t{t}", n, shared, oracle))
     if oracle == "placement" and all(t["placement"] == "device" for t in tables):
         tables[0]["placement"] = "host"  # Something for the oracle to differ in.
     c["tables"] = tables
     return c
 
 
-def _table(r, pick, name: str, n: int, shared, bf16: bool) -> Config:
-    # bf16 rows only against the same mesh: on another mesh, float32 sums that differ in
-    # their last bit round to rows a bf16 unit apart, which the loss spreads to every table.
+def _table(r, pick, name: str, n: int, shared, oracle: str) -> Config:
+    # Against the same mesh, bf16 rows; against one device none: float32 sums that differ in
+    # their last bit there round to rows a bf16 unit apart, which the loss spreads to every
+    # table. And more tables in device memory, where the C++ and Pallas kernels serve.
+    same_mesh = oracle == "placement"
     t: Config = {
         "name": name,
         "dim": int(pick([4, 8, 12, 16, 24, 32, 64, 100, 128])),
         "combiner": pick(["sum", "mean", "sqrtn"]),
-        "bf16": bf16 and bool(r.random() < 0.08),
+        "bf16": same_mesh and bool(r.random() < 0.08),
         "dynamic": bool(r.random() < 0.5),
-        "placement": pick(["device", "host", "cached"], [0.2, 0.2, 0.6]),
+        "placement": pick(
+            ["device", "host", "cached"], [0.2, 0.2, 0.6] if same_mesh else [0.4, 0.15, 0.45]
+        ),
         "optimizer": None,
     }
     if r.random() < 0.35:

@@ -15,20 +15,21 @@ import fuzz
 
 # (oracle, seed, case), each with what it mixes.
 CASES = [
-    # 2 devices, owner routing: a cached dynamic table that never evicts, full; round
-    # limits, accumulation, prefetch, weighted ids.
-    ("mesh", 4, 7),
-    # 8 devices, the C++ kernels and index: a cached dynamic table with an admission filter,
-    # accumulation, prefetch, sequence features.
-    ("mesh", 4, 5),
-    # 8 devices, owner routing on TPU layouts: a cached dynamic table stacked with a static
-    # one, round limits, accumulation.
-    ("mesh", 4, 31),
-    # 8 devices: a dynamic table in host memory admitting with a probability, with TTL,
-    # a custom optimizer, global-array inputs, prefetch, sequence and weighted features.
-    ("mesh", 4, 24),
-    # 8 devices: dynamic tables in host memory with a filter and TTL, stacked, round limits.
-    ("mesh", 4, 13),
+    # 4 devices, owner routing on TPU layouts, the Pallas kernels: a dynamic table in HBM
+    # (LFU, buckets of 64: the Pallas index kernels) beside two cached static tables.
+    ("mesh", 12, 10),
+    # 8 devices, TPU layouts, the Pallas kernels, pipelined: a dynamic table with an
+    # admission filter and a probability, round limits, accumulation, prefetch, global arrays.
+    ("mesh", 12, 376),
+    # 8 devices, the C++ kernels and index, pipelined: dynamic tables in HBM and in host
+    # memory, accumulation, weighted and sequence features, FTRL.
+    ("mesh", 12, 328),
+    # 4 devices, the C++ kernels: a dynamic table with TTL 1, a cached dynamic table
+    # admitting with a probability, a cached static table, round limits, prefetch.
+    ("mesh", 12, 355),
+    # 2 devices, the Pallas kernels: a dynamic table that never evicts, with a filter and
+    # a probability; a dynamic table in host memory with a filter and TTL; prefetch.
+    ("mesh", 12, 53),
     # 2 devices: a bf16 dynamic table in host memory with a filter and a probability,
     # eviction "none", accumulation, global-array inputs.
     ("placement", 4, 28),
