@@ -18,7 +18,8 @@ demo: $(STAMP)
 
 # The suite in two tiers. `make test` (what a change is checked with) runs the fast tier:
 # every test not marked slow. `make test-slow` runs the slow tier, `-m slow`: the full libtpu
-# AOT matrix, multi-process and subprocess tests, the demo, the full optimizer rotation.
+# AOT matrix, multi-process and subprocess tests, the demo, the full optimizer rotation, the
+# fuzzer's kept cases (campaigns: `.venv/bin/python tests/fuzz.py --help`).
 # `make test-all` runs both in one session. --dist loadgroup spreads tests over both workers
 # one by one, except those of a file marked xdist_group (module state), kept on one worker.
 # ARGS= passes more pytest options, e.g. ARGS="-k routing --durations=20". pytest exits 5
