@@ -19,12 +19,12 @@ that must give the same results:
 Both sides also check what holds by construction: one trace of the train step, host tables
 in host memory, and the dynamic tables' counters adding up. Then the run's final state,
 saved on top of a save after its second step (incremental for dynamic tables) and restored
-into the oracle's embedding, must give back its rows, slots and counters bit for bit, and
-one more step of each (the run from its state, the oracle from the restored one) must agree
-as the steps before did; a `jte.serving.Server` of the run's tables must read what the run's
-lookup reads. A case is ``ok``, ``mismatch`` (with a report), ``error`` (with the stage and
-traceback) or ``rejected`` (the library refused the configuration at construction; the error
-is recorded).
+into the oracle's embedding (and into one of twice the capacity), must give back its rows,
+slots and counters bit for bit, and one more step of each (the run from its state, the
+oracle from the restored one) must agree as the steps before did; a `jte.serving.Server` of
+the run's tables must read what the run's lookup reads. A case is ``ok``, ``mismatch`` (with
+a report), ``error`` (with the stage and traceback) or ``rejected`` (the library refused the
+configuration at construction; the error is recorded).
 
 Usage (one JSON line per case; ``--case`` runs one case and prints its configuration):
 
@@ -297,8 +297,9 @@ def optimizer(o: Config | None):
     raise ValueError(f"unknown optimizer {name!r}")
 
 
-def spec(c: Config, oracle: bool) -> jte.EmbeddingSpec:
-    """The spec of `c`; the oracle's keeps every table in device memory."""
+def spec(c: Config, oracle: bool, grow: int = 1) -> jte.EmbeddingSpec:
+    """The spec of `c`; the oracle's keeps every table in device memory; `grow` multiplies
+    the dynamic tables' capacities."""
     features, overrides = {}, {}
     for t in c["tables"]:
         override = None
@@ -325,7 +326,7 @@ def spec(c: Config, oracle: bool) -> jte.EmbeddingSpec:
         )
         if t["dynamic"]:
             kwargs["dynamic"] = jte.DynamicTable(
-                capacity=t["capacity"],
+                capacity=t["capacity"] * grow,
                 bucket_size=t["bucket_size"],
                 eviction=t["eviction"],
                 ttl_steps=t["ttl_steps"],
@@ -359,7 +360,7 @@ def mesh(c: Config, n: int) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(devices), ("x",))
 
 
-def embedding(c: Config, oracle: bool) -> jte.Embedding:
+def embedding(c: Config, oracle: bool, grow: int = 1) -> jte.Embedding:
     n = 1 if oracle and c["oracle"] == "mesh" else c["n"]
     # The C++ and Pallas kernels serve tables in device memory; the oracle takes the run's
     # backends.
@@ -375,7 +376,7 @@ def embedding(c: Config, oracle: bool) -> jte.Embedding:
     )
     if c["tpu_layout"]:
         options.update(tpu_layout=True, lane_width=128)
-    return jte.Embedding(spec(c, oracle), mesh(c, n), **options)
+    return jte.Embedding(spec(c, oracle, grow), mesh(c, n), **options)
 
 
 # ------------------------------------------------------------------------- data and model
@@ -660,6 +661,16 @@ def _continue(c, sides, states, steps, feeds, report: Report, directory: str) ->
         exact.equal(
             "restored dynamic_stats",
             ints(oracle.dynamic_stats(restored)),
+            ints(emb.dynamic_stats(got)),
+        )
+    if emb.dynamic:  # And into twice the capacity, which holds the same ids.
+        larger = embedding(c, True, grow=2)
+        bigger, _ = jte.checkpoint.restore(directory, larger)
+        exact.tree("restored x2 export", larger.export(bigger), emb.export(got))
+        exact.tree("restored x2 export_slots", larger.export_slots(bigger), emb.export_slots(got))
+        exact.equal(
+            "restored x2 dynamic_stats",
+            ints(larger.dynamic_stats(bigger)),
             ints(emb.dynamic_stats(got)),
         )
     report.lines += exact.lines
