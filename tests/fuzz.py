@@ -34,32 +34,28 @@ Usage (one JSON line per case; ``--case`` runs one case and prints its configura
 
 from __future__ import annotations
 
-import os
+# isort: off
+import conftest  # The tests' environment (8 CPU devices), set up before jax is imported.
 
-if __name__ == "__main__":  # Under pytest, conftest.py has set these up already.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+# isort: on
+import argparse
+import dataclasses
+import faulthandler
+import json
+import shutil
+import tempfile
+import time
+import traceback
+from typing import Any
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import faulthandler  # noqa: E402
-import json  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from typing import Any  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_tpu_embed as jte  # noqa: E402
+import jax_tpu_embed as jte
 
 ORACLES = ("placement", "mesh")
 OPTIMIZERS = (
@@ -98,7 +94,7 @@ def draw(seed: int, case: int, oracle: str) -> Config:
     c: Config = {
         "oracle": oracle,
         "n": n,
-        "mesh": pick(["make_mesh", "Mesh"]),
+        "mesh": pick(["explicit", "auto"]),  # conftest.make_mesh's kinds
         "routing": pick(["gather", "owner"], [0.4, 0.6]),
         "strategy": pick(["div", "mod"]),
         "backend": pick(["xla", "cpu", "pallas_interpret"], [0.7, 0.15, 0.15]),
@@ -353,13 +349,6 @@ def spec(c: Config, oracle: bool, grow: int = 1) -> jte.EmbeddingSpec:
     )
 
 
-def mesh(c: Config, n: int) -> jax.sharding.Mesh:
-    devices = jax.devices()[:n]
-    if c["mesh"] == "make_mesh":
-        return jax.make_mesh((n,), ("x",), devices=devices)
-    return jax.sharding.Mesh(np.array(devices), ("x",))
-
-
 def embedding(c: Config, oracle: bool, grow: int = 1) -> jte.Embedding:
     n = 1 if oracle and c["oracle"] == "mesh" else c["n"]
     # The C++ and Pallas kernels serve tables in device memory; the oracle takes the run's
@@ -376,7 +365,7 @@ def embedding(c: Config, oracle: bool, grow: int = 1) -> jte.Embedding:
     )
     if c["tpu_layout"]:
         options.update(tpu_layout=True, lane_width=128)
-    return jte.Embedding(spec(c, oracle, grow), mesh(c, n), **options)
+    return jte.Embedding(spec(c, oracle, grow), conftest.make_mesh(n, c["mesh"]), **options)
 
 
 # ------------------------------------------------------------------------- data and model
@@ -424,7 +413,8 @@ def batch(c: Config, r, pool: dict[str, np.ndarray], novel: bool = False) -> dic
 
 def on_mesh(c: Config, tree, mesh_: jax.sharding.Mesh):
     """`tree` as global jax.Arrays sharded over the examples."""
-    spec_ = P(None, "x") if c["accumulate_steps"] > 1 else P("x")
+    axis = mesh_.axis_names[0]
+    spec_ = P(None, axis) if c["accumulate_steps"] > 1 else P(axis)
     sharding = NamedSharding(mesh_, spec_)
     return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), tree)
 
@@ -585,11 +575,10 @@ def run(c: Config) -> dict:
             if step.trace_count != 1:
                 report.lines.append(f"{side}: the train step traced {step.trace_count} times")
             states[side], metrics[side], steps[side], feeds[side] = state, logged, step, feed
-        feeds["numpy"] = batches + [tail]
         stage = "compare"
         _compare(c, sides, states, metrics, expected, report, result)
         stage = "restore and continue"
-        _continue(c, sides, states, steps, feeds, report, directory)
+        _continue(c, sides, states, steps, feeds, tail, report, directory)
     except Exception as e:  # noqa: BLE001 - the fuzzer's finding, recorded.
         return dict(
             result,
@@ -642,7 +631,7 @@ def _compare(c, sides, states, metrics, expected, report: Report, result: dict) 
         result["cache"] = ints(emb.cache_stats(got))
 
 
-def _continue(c, sides, states, steps, feeds, report: Report, directory: str) -> None:
+def _continue(c, sides, states, steps, feeds, tail, report: Report, directory: str) -> None:
     """The run's state saved (on top of the base saved after its second step: incremental
     for dynamic tables) and restored into the oracle's embedding (another placement, or one
     device) holds the same logical rows, slots and counters, bit for bit; then one more
@@ -675,7 +664,7 @@ def _continue(c, sides, states, steps, feeds, report: Report, directory: str) ->
         )
     report.lines += exact.lines
     # A server of the run's tables reads what the run's lookup reads, new ids included.
-    features = dict(feeds["numpy"][-1]["features"])
+    features = dict(tail["features"])  # NumPy: the Server's own input check.
     if c["accumulate_steps"] > 1:
         features = jax.tree.map(lambda x: x[0], features)
     for t in c["tables"]:  # Out-of-range ids: a ValueError on NumPy input, by contract.
