@@ -2,8 +2,9 @@
 
 The fuzzer draws whole configurations (tables static or dynamic, in device or host memory or
 cached; routing, stacking, TPU layouts, round limits; accumulation, pipelining, prefetch;
-most optimizers) and trains each against an oracle that must agree: the same mesh with every
-table in device memory, or one device. Campaigns run by hand (`python tests/fuzz.py --help`);
+most optimizers; the core, flax.linen or flax.nnx front end) and trains each against an
+oracle that must agree: the same mesh with every table in device memory, or one device,
+through `jte.make_train_step`. Campaigns run by hand (`python tests/fuzz.py --help`);
 the cases below, drawn from them, cover what the fuzzer mixes and run in the slow tier.
 """
 
@@ -13,39 +14,46 @@ import pytest
 
 import fuzz
 
-# (oracle, seed, case), each with what it mixes.
+# (oracle, seed, case, the run's front end), each with what it mixes.
 CASES = [
     # 4 devices, owner routing on TPU layouts, the Pallas kernels: a dynamic table in HBM
     # (LFU, buckets of 64: the Pallas index kernels) beside two cached static tables.
-    ("mesh", 12, 10),
+    ("mesh", 12, 10, "core"),
     # 8 devices, TPU layouts, the Pallas kernels, pipelined: a dynamic table with an
     # admission filter and a probability, round limits, accumulation, prefetch, global arrays.
-    ("mesh", 12, 376),
+    ("mesh", 12, 376, "core"),
     # 8 devices, the C++ kernels and index, pipelined: dynamic tables in HBM and in host
     # memory, accumulation, weighted and sequence features, FTRL.
-    ("mesh", 12, 328),
+    ("mesh", 12, 328, "core"),
     # 4 devices, the C++ kernels: a dynamic table with TTL 1, a cached dynamic table
     # admitting with a probability, a cached static table, round limits, prefetch.
-    ("mesh", 12, 355),
+    ("mesh", 12, 355, "core"),
     # 2 devices, the Pallas kernels: a dynamic table that never evicts, with a filter and
     # a probability; a dynamic table in host memory with a filter and TTL; prefetch.
-    ("mesh", 12, 53),
+    ("mesh", 12, 53, "core"),
     # 2 devices: a bf16 dynamic table in host memory with a filter and a probability,
     # eviction "none", accumulation, global-array inputs.
-    ("placement", 4, 28),
+    ("placement", 4, 28, "core"),
     # 8 devices, TPU layouts: a cached dynamic table with a filter, a custom optimizer,
     # accumulation, prefetch.
-    ("placement", 4, 21),
+    ("placement", 4, 21, "core"),
     # 4 devices, TPU layouts: bf16 static tables cached and stacked, pipelined, prefetch,
     # accumulation (bit for bit).
-    ("placement", 3, 19),
+    ("placement", 3, 19, "core"),
+    # The flax.linen front end, one device, TPU layouts, pipelined: a cached dynamic table
+    # and a dynamic table in host memory beside a static table in HBM.
+    ("placement", 21, 12, "linen"),
+    # The flax.nnx front end, 2 devices, owner routing, accumulation: a cached dynamic table.
+    ("placement", 21, 19, "nnx"),
+    # The flax.nnx front end, 4 devices, accumulation, pipelined, prefetch: a cached table.
+    ("mesh", 22, 1, "nnx"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("oracle, seed, case", CASES)
-def test_case_agrees_with_its_oracle(oracle, seed, case):
-    result = fuzz.run(fuzz.draw(seed, case, oracle))
+@pytest.mark.parametrize("oracle, seed, case, front", CASES)
+def test_case_agrees_with_its_oracle(oracle, seed, case, front):
+    result = fuzz.run(fuzz.draw(seed, case, oracle, front))
     assert result["status"] == "ok", json.dumps(result, indent=1, default=str)
 
 
