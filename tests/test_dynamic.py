@@ -229,20 +229,21 @@ def _unweighted_run(n, combiner, backend, tpu_layout, dynamic, stream, placement
     return emb, state, lookups
 
 
+def _unweighted_stream():
+    rng = np.random.default_rng(11)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=300, dtype=np.int64)
+    return [
+        (draw_ids(rng, (8, 4), pool), rng.normal(size=(8, DIM)).astype(np.float32))
+        for _ in range(5)
+    ]
+
+
 @pytest.mark.parametrize("combiner", ["mean", pytest.param("sqrtn", marks=pytest.mark.slow)])
 def test_unweighted_factors_computed_from_the_gathered_ids(combiner):
     """An unweighted feature under mean or sqrtn: every device computes its factors from the
     step's gathered ids (`_plan.Input.weights_all`) instead of gathering them. Against the
-    float64 reference on 2 devices (C++ kernels, rows laid out row by row); and, with an
-    admission filter in host memory on TPU layouts (the updates resolve by all-gather, and
-    the exchange lays the global factors out column by column), against one device's
-    plain run."""
-    rng = np.random.default_rng(11)
-    pool = rng.integers(-(2**63), 2**63 - 1, size=300, dtype=np.int64)
-    stream = [
-        (draw_ids(rng, (8, 4), pool), rng.normal(size=(8, DIM)).astype(np.float32))
-        for _ in range(5)
-    ]
+    float64 reference on 2 devices (C++ kernels, rows laid out row by row)."""
+    stream = _unweighted_stream()
     emb, state, lookups = _unweighted_run(
         2, combiner, "cpu", False, jte.DynamicTable(capacity=4096, bucket_size=64), stream
     )
@@ -255,6 +256,15 @@ def test_unweighted_factors_computed_from_the_gathered_ids(combiner):
     np.testing.assert_allclose(
         out.rows, np.stack([ref.rows[int(i)][0] for i in out.ids]), rtol=1e-5, atol=1e-6
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+def test_unweighted_factors_of_a_filtered_host_table_on_tpu_layouts(combiner):
+    """As above, with an admission filter in host memory on TPU layouts (the updates resolve
+    by all-gather, and the exchange lays the global factors out column by column), against
+    one device's plain run."""
+    stream = _unweighted_stream()
     filtered = jte.DynamicTable(capacity=64, bucket_size=8, min_count=2, filter_capacity=32)
     base = _unweighted_run(1, combiner, "xla", False, filtered, stream)
     run = _unweighted_run(4, combiner, "xla", True, filtered, stream, placement="host")
@@ -396,24 +406,19 @@ def test_resolution_in_passes_is_the_same(dynamic):
     "n, batch, dynamic",
     [
         (2, 32, jte.DynamicTable(capacity=128, bucket_size=8)),
-        pytest.param(
+        (
             4,
             64,
             jte.DynamicTable(
                 capacity=64, bucket_size=4, eviction="lfu", ttl_steps=2, admit_probability=0.8
             ),
-            marks=pytest.mark.slow,
         ),
         # The filter's rules in rounds of their own, one id a round per owner.
-        pytest.param(
-            4,
-            64,
-            jte.DynamicTable(capacity=64, bucket_size=4, min_count=2, ttl_steps=3),
-            marks=pytest.mark.slow,
-        ),
+        (4, 64, jte.DynamicTable(capacity=64, bucket_size=4, min_count=2, ttl_steps=3)),
     ],
     ids=["lru", "ttl-lfu-probability", "filter"],
 )
+@pytest.mark.slow  # The fast tier keeps test_owner_rounds_send_every_id_when_a_device_holds_*.
 def test_owner_resolution_in_rounds_is_the_same(n, batch, dynamic):
     """With routing="owner" each device sends its own distinct ids to their buckets' owners,
     at most Cd per owner and round (`_dynamic_owner`). With Cd far below a device's ids for

@@ -89,8 +89,11 @@ def test_every_input_form_matches_the_reference(strategy, num_shards, rng):
             )
 
 
-# The fast tier: an Auto mesh (test_inputs.py runs jax.Array inputs on both kinds).
-@pytest.mark.parametrize("kind", [pytest.param("explicit", marks=pytest.mark.slow), "auto"])
+# The slow tier: the fast one runs owner routing against references on every input form
+# (test_every_input_form_matches_the_reference) and jax.Array inputs on both kinds of mesh
+# (test_inputs.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
 def test_jit_step_on_sharded_arrays_equals_the_gather_path(kind, rng):
     """A jitted lookup -> grad -> update on batch-sharded jax.Arrays: owner routing equals
     the all-gather path."""
