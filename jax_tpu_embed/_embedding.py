@@ -562,6 +562,7 @@ class Embedding:
     def table_arrays(self, state: EmbeddingState) -> tuple[dict, dict]:
         """The inverse of `state_arrays`: each table's physical arrays as stored alone (a copy of
         its rows for a stacked table)."""
+        _guards.check_not_consumed(state, "Embedding.table_arrays")
         tables, slots = {}, {}
         for name, plan in self.plan.stacks.items():
             if not plan.members:
@@ -639,6 +640,7 @@ class Embedding:
         TTL-expired ones included: admitted - evicted - expired), from O(shards) counters
         where `dynamic_stats` counts live rows over the whole index. Jittable; what the
         train step's metrics carry."""
+        _guards.check_not_consumed(state, "Embedding.dynamic_counters")
         return {name: _dynamic.counters(state.index[name].index) for name in self.dynamic}
 
     def dynamic_stats(self, state: EmbeddingState) -> dict[str, dict[str, jax.Array]]:
@@ -650,6 +652,7 @@ class Embedding:
         step), `hits` and `misses` (ids of updates found or not), `filter_evicted`
         (min_count's filter forgot an id). Jittable. Nothing is dropped without a count:
         an id without a row reads its initial row, and its gradient is not applied."""
+        _guards.check_not_consumed(state, "Embedding.dynamic_stats")
         return {
             name: _dynamic.stats(plan, state.index[name].index, state.step)
             for name, plan in self.dynamic.items()
@@ -1346,6 +1349,7 @@ class Embedding:
         "rows" (rows the cache can hold). Rows are counted as stored: a lane-packed
         physical row holds several. Lookups read the cache without changing it and are not
         counted. Jittable."""
+        _guards.check_not_consumed(state, "Embedding.cache_stats")
         out = {}
         for name, storage in self.cached.items():
             lines = self._cache_of(state.index, name).table

@@ -58,8 +58,24 @@ def consumed():
         lambda emb, st: emb.export_slots(st),
         lambda emb, st: emb.shard_rows(st, "t", 0),
         lambda emb, st: jte.serving.Server.from_embedding(emb, st),
+        # Eager reductions of the state's arrays: on a deleted one, once the same reduction
+        # had run on a live state, XLA crashed the process (jax 0.10.2).
+        lambda emb, st: emb.dynamic_stats(st),
+        lambda emb, st: emb.dynamic_counters(st),
+        lambda emb, st: emb.cache_stats(st),
+        lambda emb, st: emb.table_arrays(st),
     ],
-    ids=["lookup", "export", "export_slots", "shard_rows", "Server.from_embedding"],
+    ids=[
+        "lookup",
+        "export",
+        "export_slots",
+        "shard_rows",
+        "Server.from_embedding",
+        "dynamic_stats",
+        "dynamic_counters",
+        "cache_stats",
+        "table_arrays",
+    ],
 )
 def test_consumed_state_is_a_value_error(consumed, call):
     emb, st0, st1 = consumed
