@@ -993,10 +993,11 @@ def held(plan: DynamicPlan, index) -> dict[str, np.ndarray]:
     """A table's index in logical form, independent of the mesh and the capacity (NumPy;
     `index` an IndexState of host arrays): "ids" int64 ascending, every id holding a slot
     (TTL-expired ones too: they restore expired), "rows" their global rows in this index
-    (int64), "last" and "count" their scores (int32); "filter_ids" (int64 ascending) and
-    "filter_count" (int32), the admission filter's entries; "counters" (int64, one per
-    `_hashindex.STAT_NAMES`), summed over the shards. Given one shard's part of an index
-    (`_hashindex.empty_state`), the same of that shard alone, rows local to it."""
+    (int64), "lanes" their lanes in their buckets (int32: the rows modulo the bucket size,
+    which `rebuild` can keep), "last" and "count" their scores (int32); "filter_ids" (int64
+    ascending) and "filter_count" (int32), the admission filter's entries; "counters"
+    (int64, one per `_hashindex.STAT_NAMES`), summed over the shards. Given one shard's part
+    of an index (`_hashindex.empty_state`), the same of that shard alone, rows local to it."""
     ids, rows, last, count = _hashindex.export(plan.index, index, now=None)
     f_hi, f_lo = _hashindex.slot_words(index.filter_keys, plan.index.filter_bucket_size)
     f_count = np.asarray(index.filter_count).reshape(-1)
@@ -1006,6 +1007,7 @@ def held(plan: DynamicPlan, index) -> dict[str, np.ndarray]:
     return {
         "ids": np.asarray(ids, np.int64),
         "rows": np.asarray(rows, np.int64),
+        "lanes": (np.asarray(rows, np.int64) % plan.index.bucket_size).astype(np.int32),
         "last": np.asarray(last, np.int32),
         "count": np.asarray(count, np.int32),
         "filter_ids": f_ids[order].astype(np.int64),
@@ -1019,7 +1021,9 @@ def rebuild(
 ):
     """The inverse of `held` onto `plan`'s index for `num_shards` shards: (IndexState of
     NumPy arrays, each id's global row (int64, in the order of entries["ids"])). The ids
-    keep their `last` and `count` (so eviction and TTL go on as before); the filter's
+    keep their `last` and `count` (so eviction and TTL go on as before), and their lanes
+    where entries has "lanes" (`_hashindex.build`: only from an index with these buckets);
+    the filter's
     entries go to their filter buckets (one with fewer entries than given keeps the highest
     (count, priority), the ones its own eviction would keep), and none when min_count is
     1; the counters ({name: total} or an array in STAT_NAMES order) go on shard 0.
@@ -1038,7 +1042,7 @@ def rebuild(
         )
     try:
         state, rows = _hashindex.build(
-            config, num_shards, ids, entries["last"], entries["count"], shard
+            config, num_shards, ids, entries["last"], entries["count"], shard, entries.get("lanes")
         )
     except ValueError as e:
         why = str(e).removeprefix("build: ")

@@ -949,14 +949,26 @@ def export(config: IndexConfig, state: IndexState, now=None):
     return ids[order], rows.astype(np.int64), last[rows], count[rows]
 
 
-def build(config: IndexConfig, num_shards: int, ids, last, count, shard: int | None = None):
+def build(
+    config: IndexConfig,
+    num_shards: int,
+    ids,
+    last,
+    count,
+    shard: int | None = None,
+    lanes=None,
+):
     """A fresh index for `num_shards` shards holding the given entries (an `export`), and
     each id's global row (int64, in the order of `ids`). Filter and stats start empty.
     With `shard` given, that shard's part of the index (`empty_state`) and rows local to
     it; every id must belong to it.
 
-    Lanes are assigned in ascending id order inside each bucket; the rules of `update` do
-    not depend on lanes, so the index behaves as the exported one."""
+    `lanes`: each id's lane in its bucket, as the exported index had it (its row modulo
+    the bucket size; only where that index had this one's buckets): each id then gets the
+    row it had, so that what is keyed by rows (the stochastic rounding of bfloat16 rows)
+    goes on as it would have. Without them, lanes are assigned in ascending id order inside
+    each bucket; the rules of `update` do not depend on lanes, so the index behaves as the
+    exported one either way."""
     config.check_shards(num_shards)
     ids = np.asarray(ids, np.int64).reshape(-1)
     last = np.asarray(last, np.int32).reshape(-1)
@@ -993,6 +1005,16 @@ def build(config: IndexConfig, num_shards: int, ids, last, count, shard: int | N
             f"build: bucket {worst} would hold {np.bincount(g).max()} ids, but its capacity "
             f"is bucket_size = {b}."
         )
+    if lanes is not None:
+        lane = np.asarray(lanes, np.int64).reshape(-1)[order]
+        if lane.shape != order.shape or (ids.size and (lane.min() < 0 or lane.max() >= b)):
+            raise ValueError(
+                f"build: lanes must give one lane in [0, {b}) per id, got "
+                f"{np.asarray(lanes).shape} lanes for {ids.size} ids."
+            )
+        taken = np.unique(sorted_g * b + lane).size
+        if taken != ids.size:
+            raise ValueError(f"build: {ids.size - taken} ids are given a lane already taken.")
     state = empty_state(config, num_shards, shard)
     rows = np.empty(ids.size, np.int64)
     rows[order] = sorted_g * b + lane

@@ -872,6 +872,7 @@ def _dynamic_info(emb, name: str, saved: dict) -> dict:
         "filter_buckets": plan.index.filter_buckets,
         "filter_bucket_size": plan.index.filter_bucket_size,
         "seed": plan.index.seed,
+        "lanes": True,  # Each id's lane in its bucket (saves before session 35 have none).
     }
 
 
@@ -934,6 +935,7 @@ def _dynamic_logical(emb, state, name: str, physical, physical_slots, since=None
         }
         blocks[k] = {
             "ids": _words(entries["ids"]),
+            "lanes": entries["lanes"],
             "last": entries["last"],
             "count": entries["count"],
             "changed": _words(entries["ids"][changed]),
@@ -962,7 +964,8 @@ def _dynamic_logical(emb, state, name: str, physical, physical_slots, since=None
         sharding = _row_sharding(emb, False, len(shape), _placement.HOST)  # Never in HBM.
         return jax.make_array_from_callback(shape, sharding, block)
 
-    widths = {"ids": ids, "last": ids, "count": ids, "changed": changed, "rows": changed}
+    widths = {"ids": ids, "lanes": ids, "last": ids, "count": ids}
+    widths.update(changed=changed, rows=changed)
     widths.update(filter_ids=filtered, filter_count=filtered)
     widths["counters"] = len(_hashindex.STAT_NAMES)  # One row of counters per block.
     item: dict[str, Any] = {
@@ -996,12 +999,7 @@ def _by_shard(emb, name: str, infos: list[dict]) -> bool:
     seed). A shard's buckets are then a whole run of S/N blocks, or lie in one block (with
     the buckets of N/S - 1 other shards)."""
     index = emb.dynamic[name].index
-    same = {
-        "buckets": index.buckets,
-        "filter_buckets": index.filter_buckets,
-        "filter_bucket_size": index.filter_bucket_size,
-        "seed": index.seed,
-    }
+    same = {"filter_buckets": index.filter_buckets, "filter_bucket_size": index.filter_bucket_size}
 
     def matches(info: dict) -> bool:
         blocks = info.get("blocks")
@@ -1009,11 +1007,22 @@ def _by_shard(emb, name: str, infos: list[dict]) -> bool:
         return (
             blocks is not None
             and (saved % n == 0 or n % saved == 0)
-            and info["config"]["bucket_size"] == index.bucket_size
+            and _same_buckets(emb, name, info)
             and all(info.get(k) == v for k, v in same.items())
         )
 
     return all(matches(info) for info in infos)
+
+
+def _same_buckets(emb, name: str, info: dict) -> bool:
+    """Whether a save of table `name` (`info`, its metadata) put every id in the bucket
+    `emb`'s index does: the same buckets, bucket size and seed."""
+    index = emb.dynamic[name].index
+    return (
+        info["config"]["bucket_size"] == index.bucket_size
+        and info.get("buckets") == index.buckets
+        and info.get("seed") == index.seed
+    )
 
 
 def _block_sharding(emb, blocks: int, ndim: int) -> NamedSharding:
@@ -1061,6 +1070,7 @@ def _dynamic_target(emb, saved: dict, by_shard: set) -> dict:
         counters = np.int64 if blocks is None else np.int32
         out[name] = {
             "ids": target(*ids(n)),
+            **({"lanes": target((n,), np.int32)} if info.get("lanes") else {}),
             "last": target((n,), np.int32),
             "count": target((n,), np.int32),
             "rows": target((m, d), np.float32),
@@ -1083,7 +1093,8 @@ def _entries(block: dict, counts: tuple, counters: list) -> dict:
     ids, changed ids and filter entries); counters by name; "changed": the ids "rows" and
     "slots" belong to."""
     n, m, nf = counts
-    out: dict[str, Any] = {k: np.asarray(block[k])[:n] for k in ("last", "count")}
+    kept = ("lanes", "last", "count") if "lanes" in block else ("last", "count")
+    out: dict[str, Any] = {k: np.asarray(block[k])[:n] for k in kept}
     out["ids"] = _ids(block["ids"])[:n]
     out["changed"] = _ids(block["changed"])[:m] if "changed" in block else out["ids"]
     out["rows"] = np.asarray(block["rows"])[:m]
@@ -1100,7 +1111,8 @@ def _joined(parts: list[dict]) -> dict:
     if len(parts) == 1:
         return parts[0]
     cat = lambda key: np.concatenate([p[key] for p in parts])
-    out: dict[str, Any] = {k: cat(k) for k in ("ids", "last", "count", "changed", "rows")}
+    kept = ("ids", "lanes", "last", "count", "changed", "rows")
+    out: dict[str, Any] = {k: cat(k) for k in kept if k in parts[0]}
     out.update(filter_ids=cat("filter_ids"), filter_count=cat("filter_count"))
     out["slots"] = {s: np.concatenate([p["slots"][s] for p in parts]) for s in parts[0]["slots"]}
     out["key"] = parts[0]["key"]
@@ -1156,7 +1168,7 @@ def _of_shard(emb, name: str, entries: dict, k: int, sharing: int) -> dict:
         return np.asarray(g) // per == k
 
     held, changed, filtered = (ours(entries[f]) for f in ("ids", "changed", "filter_ids"))
-    out = {f: entries[f][held] for f in ("ids", "last", "count")}
+    out = {f: entries[f][held] for f in ("ids", "lanes", "last", "count") if f in entries}
     out.update(changed=entries["changed"][changed], rows=entries["rows"][changed])
     out["slots"] = {s: v[changed] for s, v in entries["slots"].items()}
     out.update(
@@ -1226,6 +1238,10 @@ def _dynamic_entries(manager, path: str, step: int, meta: dict, emb, earlier: li
             f"checkpoint.restore: {path}/{at}",
             _RESTORE_ERRORS,
         )
+    for name, parts in out.items():  # Lanes only into the buckets they were lanes of.
+        if not _same_buckets(emb, name, saved[name]):
+            for entries in parts.values():
+                entries.pop("lanes", None)
     return out
 
 

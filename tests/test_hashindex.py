@@ -638,6 +638,17 @@ def test_export_build_round_trip(onto):
             with pytest.raises(ValueError, match=rf"belongs to shard \d of {onto}, not to shard"):
                 hx.build(config, onto, ids[~mine][:1], last[:1], count[:1], shard=k)
 
+    # With the exported lanes, every id gets its row back: the same index, on any mesh.
+    lanes = rows % config.bucket_size
+    kept, kept_rows = hx.build(config, onto, ids, last, count, lanes=lanes)
+    np.testing.assert_array_equal(kept_rows, rows)
+    for got, want in zip(jax.tree.leaves(kept)[:3], jax.tree.leaves(state)[:3]):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # keys, last, count
+    with pytest.raises(ValueError, match=r"lanes must give one lane in \[0, 4\) per id"):
+        hx.build(config, onto, ids, last, count, lanes=np.full(ids.shape, 4))
+    with pytest.raises(ValueError, match=r"ids are given a lane already taken"):
+        hx.build(config, onto, ids, last, count, lanes=np.zeros(ids.shape, np.int64))
+
     # The rebuilt index (other lanes, other mesh) goes on exactly as the original.
     rebuilt = Reference(config)
     for g, b in enumerate(_buckets_of(built, config.bucket_size)):
