@@ -9,8 +9,9 @@ it joins JAX's multi-controller runtime on 127.0.0.1:P (gloo CPU collectives) an
 `train` for every case (strategy:mesh[:inputs[:start]], its arguments) over a mesh of all
 global devices, each process feeding only its rows of the global batch; process 0 writes
 DIR/<case with _ for :>.npz. The case "criteo" instead reads DIR/criteo_{0,1}.tsv with
-`jte.data.criteo` (`read_criteo`), one file per process. Imported by the test (one process,
-8 devices), `train` gives the single-process result of the same training.
+`jte.data.criteo` (`read_criteo`), one file per process; "fuzz:PATH" trains the fuzzer's
+configuration at PATH (`fuzz.in_processes`) and writes DIR/fuzz.npz. Imported by the test
+(one process, 8 devices), `train` gives the single-process result of the same training.
 
 jax_tpu_embed never touches a device at import, so importing it before
 `jax.distributed.initialize` is fine.
@@ -392,7 +393,7 @@ def agree() -> dict:
 
 def _file(case: str) -> str:
     """The name a case's files take under --out."""
-    return case.replace(":", "_")
+    return "fuzz" if case.startswith("fuzz:") else case.replace(":", "_")
 
 
 def main(argv=None) -> int:
@@ -437,6 +438,10 @@ def main(argv=None) -> int:
             _, strategy, mesh_kind, placement, *sizes = case.split(":")
             where = os.path.join(args.out, _file(case))
             result = checkpoint_roundtrip(strategy, mesh_kind, placement, where, *sizes)
+        elif case.startswith("fuzz:"):  # A configuration of tests/fuzz.py ("processes").
+            import fuzz
+
+            result = fuzz.in_processes(case[len("fuzz:") :])
         elif case.startswith("dynamic:"):
             result = train(*case.split(":"), directory=os.path.join(args.out, _file(case)))
         else:

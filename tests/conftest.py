@@ -9,9 +9,12 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # libtpu (the TPU compiler for AOT compile tests) takes a machine-wide lock; pytest-xdist's
 # workers each load it.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+# 8 devices, unless the environment names a count: the multi-process tests' workers, which
+# import the fuzzer (and so this file), take 4 each.
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
 import atexit  # noqa: E402
 import contextlib  # noqa: E402

@@ -20,6 +20,11 @@ and must give the same results:
 - ``mesh``: the same spec on one device, every table in device memory. Resident ids and
   every counter must be equal; rows, slots and losses to 1e-4, since sums run in
   another order on another mesh.
+- ``processes``: the run on 2 processes of 4 CPU devices each (JAX's multi-controller
+  runtime over loopback, gloo collectives; `tests/_multihost_worker.py`), each feeding its
+  own rows of every batch; the oracle the same spec in this process on 8 devices. Resident
+  ids and counters equal, floats to 1e-5; the run's checkpoints (written by both
+  processes, shard by shard) restore on both sides bit for bit.
 
 Both sides also check what holds by construction: one trace of the train step, host tables
 in host memory, and the dynamic tables' counters adding up. Then the run's final state,
@@ -47,6 +52,7 @@ import argparse
 import dataclasses
 import faulthandler
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -64,7 +70,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_tpu_embed as jte
 
-ORACLES = ("placement", "mesh")
+ORACLES = ("placement", "mesh", "processes")
 FRONTS = ("core", "linen", "nnx")  # The run's front end; the oracle's is "core".
 OPTIMIZERS = (
     "sgd",
@@ -98,14 +104,16 @@ def draw(seed: int, case: int, oracle: str, front: str | None = None) -> Config:
     depend on it), unless `front` names it."""
     if oracle not in ORACLES:
         raise ValueError(f"oracle must be one of {ORACLES}, got {oracle!r}")
-    if front is None:
+    if front is None and oracle == "processes":
+        front = "core"  # The flax and NNX steps are not run on several processes here.
+    elif front is None:
         fronts = np.random.default_rng([seed, case, ORACLES.index(oracle), 1])
         front = FRONTS[int(fronts.choice(len(FRONTS), p=[0.5, 0.25, 0.25]))]
     elif front not in FRONTS:
         raise ValueError(f"front must be one of {FRONTS}, got {front!r}")
     r = np.random.default_rng([seed, case, ORACLES.index(oracle)])
     pick = lambda options, p=None: options[int(r.choice(len(options), p=p))]
-    n = int(pick([2, 4, 8] if oracle == "mesh" else [1, 2, 4, 8]))
+    n = 8 if oracle == "processes" else int(pick([2, 4, 8] if oracle == "mesh" else [1, 2, 4, 8]))
     c: Config = {
         "oracle": oracle,
         "front": front,
@@ -633,8 +641,25 @@ def ints(tree):
 # ------------------------------------------------------------------------- one case
 
 
+def data(c: Config) -> tuple[list[dict], dict]:
+    """The batches of `c`'s steps (NumPy), and the batch after them (unseen ids)."""
+    r = np.random.default_rng(c["data_seed"])
+    ids = pools(c, r)
+    batches = [batch(c, r, ids) for _ in range(c["steps"])]
+    return batches, batch(c, r, ids, novel=True)
+
+
+def dense_params(c: Config) -> dict:
+    return {
+        name: jnp.asarray(np.random.default_rng(123).normal(size=(w,)), jnp.float32) * 0.3
+        for name, w in widths(c).items()
+    }
+
+
 def run(c: Config) -> dict:
     """Trains `c` and its oracle and compares them: {"status": ..., ...}."""
+    if c["oracle"] == "processes":
+        return _run_processes(c)
     result: dict[str, Any] = {}
     sides = {}
     for side, oracle in (("oracle", True), ("run", False)):
@@ -643,10 +668,7 @@ def run(c: Config) -> dict:
         except Exception as e:  # noqa: BLE001 - a refusal is an outcome, recorded.
             status = "rejected" if side == "run" else "oracle rejected"
             return dict(result, status=status, error=f"{type(e).__name__}: {e}"[:800])
-    r = np.random.default_rng(c["data_seed"])
-    ids = pools(c, r)
-    batches = [batch(c, r, ids) for _ in range(c["steps"])]
-    tail = batch(c, r, ids, novel=True)
+    batches, tail = data(c)
     expected = distinct_ids(c, batches)
     report = Report(
         exact=c["oracle"] == "placement"
@@ -663,12 +685,8 @@ def run(c: Config) -> dict:
             if c["input"] == "jax":
                 feed = [on_mesh(c, b, emb.mesh) for b in feed]
             stage = f"{side}: init"
-            params = {
-                name: jnp.asarray(np.random.default_rng(123).normal(size=(w,)), jnp.float32) * 0.3
-                for name, w in widths(c).items()
-            }
             front = c.get("front", "core") if side == "run" else "core"
-            loop = Loop(c, emb, front, params, feed[0])
+            loop = Loop(c, emb, front, dense_params(c), feed[0])
             if side == "run":
                 report.tree("init", emb.export(loop.embedding), initial)
             else:
@@ -806,6 +824,173 @@ def _continue(c, sides, loops, feeds, tail, report: Report, directory: str) -> N
         emb.export_slots(run.embedding),
         oracle.export_slots(want.embedding),
     )
+
+
+# ------------------------------------------------------------------------- several processes
+
+
+def _local(x) -> np.ndarray:
+    """A value of the run as NumPy, on every process (a global array gathered)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def _flat(prefix: str, tree, out: dict) -> dict:
+    if isinstance(tree, jte.DynamicRows):
+        out[f"{prefix}/ids"], out[f"{prefix}/rows"] = _local(tree.ids), _local(tree.rows)
+    elif isinstance(tree, dict):
+        for key in sorted(tree):
+            _flat(f"{prefix}/{key}", tree[key], out)
+    elif tree is not None:
+        out[prefix] = _local(tree)
+    return out
+
+
+def _readable(emb: jte.Embedding, state, prefix: str, out: dict) -> dict:
+    _flat(f"{prefix}export", emb.export(state), out)
+    _flat(f"{prefix}slots", emb.export_slots(state), out)
+    if emb.dynamic:
+        _flat(f"{prefix}stats", emb.dynamic_stats(state), out)
+    return out
+
+
+def trained(c: Config, emb: jte.Embedding, feed: list, directory: str) -> dict:
+    """`c` trained on `emb` by `make_train_step` over `feed` (its steps' batches, then the
+    batch after them), saved under `directory` after the second step and on top of that at
+    the end, and restored: every value it can read, flat ({"loss/0": ..., "export/t0/ids":
+    ..., "restored/export/...": ...}), the same on every process."""
+    loop = Loop(c, emb, "core", dense_params(c), feed[0])
+    out = {}
+    for i in range(c["steps"]):
+        m = loop(feed[i], next_batch=feed[i + 1] if c["prefetch"] else None)
+        _flat(f"step/{i}", {k: v for k, v in m.items() if k != "aux"}, out)
+        if i == 1:
+            jte.checkpoint.save(directory, emb, loop.embedding)
+    loop.flush()
+    _flat("params", loop.params, out)
+    out["trace_count"] = np.asarray(loop.step.trace_count)
+    _readable(emb, loop.embedding, "", out)
+    base = max(jte.checkpoint.all_steps(directory))
+    if loop.step_count > base:  # A skipped step leaves the embedding and its step alone.
+        jte.checkpoint.save(directory, emb, loop.embedding, since_step=base)
+    restored, _ = jte.checkpoint.restore(directory, emb)
+    return _readable(emb, restored, "restored/", out)
+
+
+def in_processes(path: str) -> dict:
+    """One process's part of the "processes" oracle's run (`tests/_multihost_worker.py`
+    calls it on each): the configuration at `path`, every process feeding its own rows of
+    each global batch (global-array inputs) or the whole batch (NumPy inputs)."""
+    with open(path) as f:
+        c = json.load(f)
+    from jax_tpu_embed import multihost
+
+    emb = embedding(c, False)
+    batches, tail = data(c)
+    feed = batches + [tail]
+    if c["input"] == "jax":
+        rows = multihost.process_batch_rows(emb, c["n"] * c["per_device"])
+        spec_ = P(None, emb.axis) if c["accumulate_steps"] > 1 else P(emb.axis)
+        sharding = NamedSharding(emb.mesh, spec_)
+        local = lambda x: x[:, rows] if c["accumulate_steps"] > 1 else x[rows]
+        feed = [
+            jax.tree.map(
+                lambda x: jax.make_array_from_process_local_data(sharding, local(np.asarray(x))),
+                b,
+            )
+            for b in feed
+        ]
+    return trained(c, emb, feed, os.path.join(os.path.dirname(path), "run"))
+
+
+def _run_processes(c: Config) -> dict:
+    """The "processes" oracle: `in_processes` on 2 worker processes against `trained` here."""
+    import subprocess
+    import sys
+
+    from test_multihost import _free_port, _worker_env
+
+    try:
+        emb = embedding(c, False)
+    except Exception as e:  # noqa: BLE001 - a refusal is an outcome, recorded.
+        return dict(status="rejected", error=f"{type(e).__name__}: {e}"[:800])
+    directory = tempfile.mkdtemp(prefix="jte-fuzz-")
+    stage, procs, report = "start", [], Report(exact=False, rtol=1e-5, atol=1e-6)
+    try:
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(c, f)
+        env = dict(_worker_env(), JTE_TEST_XLA_CACHE="off")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_multihost_worker.py")
+        port = _free_port()
+        for i in range(2):
+            args = ["--port", str(port), "--process-id", str(i), "--num-processes", "2"]
+            args += [
+                "--out",
+                directory,
+                "--cases",
+                "fuzz:" + os.path.join(directory, "config.json"),
+            ]
+            log = open(os.path.join(directory, f"worker{i}.log"), "wb")  # noqa: SIM115
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, script, *args], stdout=log, stderr=subprocess.STDOUT, env=env
+                )
+            )
+        stage = "oracle"
+        batches, tail = data(c)
+        feed = batches + [tail]
+        if c["input"] == "jax":
+            feed = [on_mesh(c, b, emb.mesh) for b in feed]
+        want = trained(c, emb, feed, os.path.join(directory, "one"))
+        stage = "run"
+        for p in procs:
+            p.wait(timeout=900)
+        if any(p.returncode for p in procs):
+            logs = [open(os.path.join(directory, f"worker{i}.log")).read() for i in range(2)]
+            tails = "\n".join(f"--- worker {i} ---\n" + t[-3000:] for i, t in enumerate(logs))
+            return dict(status="error", stage="run", error=tails[-6000:])
+        with np.load(os.path.join(directory, "fuzz.npz")) as saved:
+            got = dict(saved)
+        stage = "compare"
+        if sorted(got) != sorted(want):
+            report.lines.append(f"keys: {sorted(set(got) ^ set(want))} on one side only")
+        for key in sorted(set(got) & set(want)):
+            counted = key.split("/")[0] in ("step", "stats") and not key.endswith("/loss")
+            if counted or key.endswith("/ids"):
+                report.equal(key, got[key].tolist(), want[key].tolist())
+            else:
+                report.floats(key, got[key], want[key])
+        for key in [k for k in got if k.startswith("restored/")]:
+            if not np.array_equal(got[key], got[key[len("restored/") :]], equal_nan=True):
+                report.lines.append(f"{key}: the run's restore differs from what it saved")
+        report.equal("trace_count", int(got["trace_count"]), 1)
+        # The run's checkpoint (each process wrote its own shards) restored here, on 8
+        # devices of one process: what the run held, bit for bit.
+        restored, _ = jte.checkpoint.restore(os.path.join(directory, "run"), emb)
+        here = _readable(emb, restored, "", {})
+        for key, value in here.items():
+            if not np.array_equal(value, got[key], equal_nan=True):
+                report.lines.append(f"{key}: the run's checkpoint restores otherwise here")
+    except Exception as e:  # noqa: BLE001 - the fuzzer's finding, recorded.
+        return dict(
+            status="error",
+            stage=stage,
+            error=f"{type(e).__name__}: {e}"[:1500],
+            traceback=traceback.format_exc()[-4000:],
+        )
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        shutil.rmtree(directory, ignore_errors=True)
+    if report.lines:
+        return dict(status="mismatch", report=report.lines[:30])
+    return dict(status="ok")
 
 
 # ------------------------------------------------------------------------- the command

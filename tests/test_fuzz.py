@@ -4,8 +4,9 @@ The fuzzer draws whole configurations (tables static or dynamic, in device or ho
 cached; routing, stacking, TPU layouts, round limits; accumulation, pipelining, prefetch;
 most optimizers; the core, flax.linen or flax.nnx front end) and trains each against an
 oracle that must agree: the same mesh with every table in device memory, or one device,
-through `jte.make_train_step`. Campaigns run by hand (`python tests/fuzz.py --help`);
-the cases below, drawn from them, cover what the fuzzer mixes and run in the slow tier.
+through `jte.make_train_step`; or the run on two processes against one. Campaigns run by
+hand (`python tests/fuzz.py --help`); the cases below, drawn from them, cover what the fuzzer
+mixes and run in the slow tier.
 """
 
 import json
@@ -47,6 +48,10 @@ CASES = [
     ("placement", 21, 19, "nnx"),
     # The flax.nnx front end, 4 devices, accumulation, pipelined, prefetch: a cached table.
     ("mesh", 22, 1, "nnx"),
+    # 2 processes of 4 devices against one of 8: global-array inputs fed per process,
+    # accumulation, a cached dynamic table beside a cached static one; both processes'
+    # checkpoints restored on one.
+    ("processes", 30, 6, "core"),
 ]
 
 
@@ -61,7 +66,7 @@ def test_case_agrees_with_its_oracle(oracle, seed, case, front):
 def test_draws_are_configurations_the_library_accepts(oracle):
     """Every draw is JSON, the same on every call, and builds on both sides: a campaign's
     cases train rather than stop at a refusal."""
-    for case in range(24):
+    for case in range(16):
         c = fuzz.draw(5, case, oracle)
         assert json.loads(json.dumps(c)) == c == fuzz.draw(5, case, oracle)
         for side in (False, True):
