@@ -1023,11 +1023,11 @@ def rebuild(
     NumPy arrays, each id's global row (int64, in the order of entries["ids"])). The ids
     keep their `last` and `count` (so eviction and TTL go on as before), and their lanes
     where entries has "lanes" (`_hashindex.build`: only from an index with these buckets);
-    the filter's
-    entries go to their filter buckets (one with fewer entries than given keeps the highest
-    (count, priority), the ones its own eviction would keep), and none when min_count is
-    1; the counters ({name: total} or an array in STAT_NAMES order) go on shard 0.
-    ValueError (not naming the table) when the capacity or a bucket cannot hold the ids.
+    the filter's entries go to their filter buckets (one with fewer entries than given
+    keeps the highest (count, priority), the ones its own eviction would keep), and none
+    when min_count is 1; the counters ({name: total} or an array in STAT_NAMES order) go
+    on shard 0. ValueError (not naming the table) when the capacity or a bucket cannot
+    hold the ids.
 
     With `shard` given, `entries` are that shard's own (`held` of its part of an index of
     the same configuration and shards): the result is its part (`_hashindex.empty_state`),
