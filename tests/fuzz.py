@@ -435,12 +435,16 @@ def batch(c: Config, r, pool: dict[str, np.ndarray], novel: bool = False) -> dic
     return {"features": features, "y": r.normal(size=lead + (examples,)).astype(np.float32)}
 
 
-def on_mesh(c: Config, tree, mesh_: jax.sharding.Mesh):
-    """`tree` as global jax.Arrays sharded over the examples."""
+def on_mesh(c: Config, tree, mesh_: jax.sharding.Mesh, rows=None):
+    """`tree` as global jax.Arrays sharded over the examples; with `rows` (this process's
+    rows of the batch, `multihost.process_batch_rows`) each process gives only its own."""
+    micro = c["accumulate_steps"] > 1
     axis = mesh_.axis_names[0]
-    spec_ = P(None, axis) if c["accumulate_steps"] > 1 else P(axis)
-    sharding = NamedSharding(mesh_, spec_)
-    return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), tree)
+    sharding = NamedSharding(mesh_, P(None, axis) if micro else P(axis))
+    if rows is None:
+        return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), tree)
+    local = lambda x: np.asarray(x)[:, rows] if micro else np.asarray(x)[rows]
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, local(x)), tree)
 
 
 def widths(c: Config) -> dict[str, int]:
@@ -895,16 +899,7 @@ def in_processes(path: str) -> dict:
     feed = batches + [tail]
     if c["input"] == "jax":
         rows = multihost.process_batch_rows(emb, c["n"] * c["per_device"])
-        spec_ = P(None, emb.axis) if c["accumulate_steps"] > 1 else P(emb.axis)
-        sharding = NamedSharding(emb.mesh, spec_)
-        local = lambda x: x[:, rows] if c["accumulate_steps"] > 1 else x[rows]
-        feed = [
-            jax.tree.map(
-                lambda x: jax.make_array_from_process_local_data(sharding, local(np.asarray(x))),
-                b,
-            )
-            for b in feed
-        ]
+        feed = [on_mesh(c, b, emb.mesh, rows) for b in feed]
     return trained(c, emb, feed, os.path.join(os.path.dirname(path), "run"))
 
 
