@@ -463,7 +463,10 @@ def _owned_by_zero(config, n: int, count: int) -> np.ndarray:
     return ids[order[:count]]
 
 
-@pytest.mark.parametrize("case", ["one id a device", "a device fills a round"])
+@pytest.mark.parametrize(
+    "case",  # The fast tier keeps the round a device fills.
+    [pytest.param("one id a device", marks=pytest.mark.slow), "a device fills a round"],
+)
 def test_owner_rounds_send_every_id_when_a_device_holds_cd_of_them(case):
     """The owner resolution's rounds agree on a threshold per owner: the smallest Cd-th
     pending key of any device. When a device's ids for one owner fill a round (Cd equal to
@@ -1260,10 +1263,10 @@ def test_pad_ragged_keeps_64_bit_ids():
     "width, rank, dtype",
     [
         (8, 2, np.float32),  # 16 rows to a 128-lane row.
-        (24, 2, np.float32),  # Padded to 32 lanes: 4 to a row.
+        pytest.param(24, 2, np.float32, marks=pytest.mark.slow),  # Padded to 32 lanes: 4 a row.
         (48, 2, jnp.bfloat16),  # 2 to a row, 16-bit.
         (1, 1, np.float32),  # A rank-1 slot: 128 to a row.
-        (200, 2, np.float32),  # Wider than a row: padded to 256 lanes.
+        pytest.param(200, 2, np.float32, marks=pytest.mark.slow),  # Padded to 256 lanes.
         (128, 2, np.float32),  # As it is.
     ],
 )
@@ -1272,7 +1275,7 @@ def test_reset_rows_write_their_own_lanes_of_packed_rows(width, rank, dtype):
     array equals setting the rows of its logical view and packing it again, bit for bit:
     rows sharing a physical row (written in one call) keep each other's lanes, the padding
     lanes are zeros, rows out of range are dropped, and the rows around them, inf and nan
-    included, are untouched."""
+    included, are untouched. The slow tier adds the widths padded to more lanes."""
     packing = _layout.Packing(width, rank, 128)
     rows_per_shard = 1000
     rng = np.random.default_rng(width)
