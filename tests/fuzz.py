@@ -20,6 +20,11 @@ and must give the same results:
 - ``mesh``: the same spec on one device, every table in device memory. Resident ids and
   every counter must be equal; rows, slots and losses to 1e-4, since sums run in
   another order on another mesh.
+- ``paths``: the same spec on the same mesh by the plainest path: every table in device
+  memory, the XLA backend, the all-gather exchange, no stacking, no TPU layout, no round
+  limits. What the run's options change must not change a result (the mesh oracle keeps
+  them on both sides, so it cannot see a fault they share): resident ids and counters
+  equal, floats to 1e-4 as for ``mesh``.
 - ``processes``: the run on 2 processes of 4 CPU devices each (JAX's multi-controller
   runtime over loopback, gloo collectives; `tests/_multihost_worker.py`), each feeding its
   own rows of every batch; the oracle the same spec in this process on 8 devices. Resident
@@ -70,7 +75,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_tpu_embed as jte
 
-ORACLES = ("placement", "mesh", "processes")
+ORACLES = ("placement", "mesh", "processes", "paths")
 FRONTS = ("core", "linen", "nnx")  # The run's front end; the oracle's is "core".
 OPTIMIZERS = (
     "sgd",
@@ -113,7 +118,11 @@ def draw(seed: int, case: int, oracle: str, front: str | None = None) -> Config:
         raise ValueError(f"front must be one of {FRONTS}, got {front!r}")
     r = np.random.default_rng([seed, case, ORACLES.index(oracle)])
     pick = lambda options, p=None: options[int(r.choice(len(options), p=p))]
-    n = 8 if oracle == "processes" else int(pick([2, 4, 8] if oracle == "mesh" else [1, 2, 4, 8]))
+    n = (
+        8
+        if oracle == "processes"
+        else int(pick([1, 2, 4, 8] if oracle == "placement" else [2, 4, 8]))
+    )
     c: Config = {
         "oracle": oracle,
         "front": front,
@@ -143,6 +152,9 @@ def draw(seed: int, case: int, oracle: str, front: str | None = None) -> Config:
         c["backend"] = "xla"  # The C++ kernels serve the all-gather exchange alone.
     if c["max_ids_per_shard"] and r.random() < 0.4:
         c["max_unique_ids_per_shard"] = pick([1, 2, 4, 8])
+    plain = not (c["tpu_layout"] or c["max_ids_per_shard"]) and c["backend"] == "xla"
+    if oracle == "paths" and plain and c["routing"] == "gather":
+        c["routing"] = "owner"  # Something for the oracle to differ in.
     shared = _optimizer(r) if r.random() < 0.3 else None
     tables = []
     for t in range(int(pick([1, 2, 3], [0.4, 0.4, 0.2]))):
@@ -375,6 +387,14 @@ def spec(c: Config, oracle: bool, grow: int = 1) -> jte.EmbeddingSpec:
 
 def embedding(c: Config, oracle: bool, grow: int = 1) -> jte.Embedding:
     n = 1 if oracle and c["oracle"] == "mesh" else c["n"]
+    if oracle and c["oracle"] == "paths":
+        return jte.Embedding(
+            spec(c, oracle, grow),
+            conftest.make_mesh(n, c["mesh"]),
+            backend="xla",
+            routing="gather",
+            stacking=False,
+        )
     # The C++ and Pallas kernels serve tables in device memory; the oracle takes the run's
     # backends.
     backends = {

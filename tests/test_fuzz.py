@@ -4,6 +4,7 @@ The fuzzer draws whole configurations (tables static or dynamic, in device or ho
 cached; routing, stacking, TPU layouts, round limits; accumulation, pipelining, prefetch;
 most optimizers; the core, flax.linen or flax.nnx front end) and trains each against an
 oracle that must agree: the same mesh with every table in device memory, or one device,
+or the same mesh by the plainest path (XLA, all-gather, nothing stacked, no TPU layout),
 through `jte.make_train_step`; or the run on two processes against one. Campaigns run by
 hand (`python tests/fuzz.py --help`); the cases below, drawn from them, cover what the fuzzer
 mixes and run in the slow tier.
