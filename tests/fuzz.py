@@ -22,9 +22,10 @@ and must give the same results:
   another order on another mesh.
 - ``paths``: the same spec on the same mesh by the plainest path: every table in device
   memory, the XLA backend, the all-gather exchange, no stacking, no TPU layout, no round
-  limits. What the run's options change must not change a result (the mesh oracle keeps
-  them on both sides, so it cannot see a fault they share): resident ids and counters
-  equal, floats to 1e-4 as for ``mesh``.
+  limits, and one step on the concatenated batch where the run accumulates k micro-batches
+  (its loss k times the mean: the README's sum of the k losses). What the run's options
+  change must not change a result (the mesh oracle keeps them on both sides, so it cannot
+  see a fault they share): resident ids and counters equal, floats to 1e-4 as for ``mesh``.
 - ``processes``: the run on 2 processes of 4 CPU devices each (JAX's multi-controller
   runtime over loopback, gloo collectives; `tests/_multihost_worker.py`), each feeding its
   own rows of every batch; the oracle the same spec in this process on 8 devices. Resident
@@ -467,6 +468,11 @@ def on_mesh(c: Config, tree, mesh_: jax.sharding.Mesh, rows=None):
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, local(x)), tree)
 
 
+def joined(batch_: dict) -> dict:
+    """A batch of k micro-batches as one batch of their examples, in order."""
+    return jax.tree.map(lambda x: np.asarray(x).reshape((-1,) + np.shape(x)[2:]), batch_)
+
+
 def widths(c: Config) -> dict[str, int]:
     return {
         f["name"]: t["dim"] * f.get("max_sequence_length", 1)
@@ -524,7 +530,10 @@ class Loop:
     and tables whatever the front: `step(batch, next_batch) -> metrics`, `flush()`, and the
     state read the same way for each (`embedding`, `params`, `step_count`)."""
 
-    def __init__(self, c: Config, emb: jte.Embedding, front: str, params: dict, first):
+    def __init__(
+        self, c: Config, emb: jte.Embedding, front: str, params: dict, first, scale: int = 1
+    ):
+        """`scale` multiplies the loss (the core front end's)."""
         self.front, self.emb = front, emb
         tx = {"sgd": optax.sgd(0.05), "adam": optax.adam(0.01)}[c["dense"]]
         k = c["accumulate_steps"]
@@ -532,7 +541,8 @@ class Loop:
         self.model: Any = None
         self.state: Any = None  # A TrainState; the nnx step keeps its own.
         if front == "core":
-            self.step: Any = jte.make_train_step(emb, loss, tx, accumulate_steps=k)
+            scaled = loss if scale == 1 else lambda p, a, b: scale * loss(p, a, b)
+            self.step: Any = jte.make_train_step(emb, scaled, tx, accumulate_steps=k)
             self.state = self.step.init(None, params, first, embedding_state=tables)
         elif front == "linen":
             widths_ = tuple(sorted((name, p.shape[0]) for name, p in params.items()))
@@ -705,12 +715,15 @@ def run(c: Config) -> dict:
     try:
         for side in ("oracle", "run"):
             emb = sides[side]
-            feed = batches + [tail]
+            k = c["accumulate_steps"]
+            fold = side == "oracle" and c["oracle"] == "paths" and k > 1
+            here = dict(c, accumulate_steps=1) if fold else c
+            feed = [joined(b) for b in batches + [tail]] if fold else batches + [tail]
             if c["input"] == "jax":
-                feed = [on_mesh(c, b, emb.mesh) for b in feed]
+                feed = [on_mesh(here, b, emb.mesh) for b in feed]
             stage = f"{side}: init"
             front = c.get("front", "core") if side == "run" else "core"
-            loop = Loop(c, emb, front, dense_params(c), feed[0])
+            loop = Loop(here, emb, front, dense_params(c), feed[0], scale=k if fold else 1)
             if side == "run":
                 report.tree("init", emb.export(loop.embedding), initial)
             else:
