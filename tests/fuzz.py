@@ -22,8 +22,9 @@ and must give the same results:
   another order on another mesh.
 - ``paths``: the same spec on the same mesh by the plainest path: every table in device
   memory, the XLA backend, the all-gather exchange, no stacking, no TPU layout, no round
-  limits, and one step on the concatenated batch where the run accumulates k micro-batches
-  (its loss k times the mean: the README's sum of the k losses). What the run's options
+  limits, NumPy inputs, no prefetch, and one step on the concatenated batch where the run
+  accumulates k micro-batches (its loss k times the mean: the README's sum of the k
+  losses). What the run's options
   change must not change a result (the mesh oracle keeps them on both sides, so it cannot
   see a fault they share): resident ids and counters equal, floats to 1e-4 as for ``mesh``.
 - ``processes``: the run on 2 processes of 4 CPU devices each (JAX's multi-controller
@@ -530,6 +531,8 @@ class Loop:
     and tables whatever the front: `step(batch, next_batch) -> metrics`, `flush()`, and the
     state read the same way for each (`embedding`, `params`, `step_count`)."""
 
+    prefetch = False  # Whether the caller gives the next batch to each step.
+
     def __init__(
         self, c: Config, emb: jte.Embedding, front: str, params: dict, first, scale: int = 1
     ):
@@ -716,14 +719,16 @@ def run(c: Config) -> dict:
         for side in ("oracle", "run"):
             emb = sides[side]
             k = c["accumulate_steps"]
-            fold = side == "oracle" and c["oracle"] == "paths" and k > 1
+            plain = side == "oracle" and c["oracle"] == "paths"
+            fold = plain and k > 1
             here = dict(c, accumulate_steps=1) if fold else c
             feed = [joined(b) for b in batches + [tail]] if fold else batches + [tail]
-            if c["input"] == "jax":
+            if c["input"] == "jax" and not plain:
                 feed = [on_mesh(here, b, emb.mesh) for b in feed]
             stage = f"{side}: init"
             front = c.get("front", "core") if side == "run" else "core"
             loop = Loop(here, emb, front, dense_params(c), feed[0], scale=k if fold else 1)
+            loop.prefetch = c["prefetch"] and not plain
             if side == "run":
                 report.tree("init", emb.export(loop.embedding), initial)
             else:
@@ -731,7 +736,7 @@ def run(c: Config) -> dict:
             logged = []
             for i in range(c["steps"]):
                 stage = f"{side}: step {i}"
-                m = loop(feed[i], next_batch=feed[i + 1] if c["prefetch"] else None)
+                m = loop(feed[i], next_batch=feed[i + 1] if loop.prefetch else None)
                 logged.append(jax.tree.map(np.asarray, m))
                 if side == "run" and i == 1:  # The base of an incremental save.
                     stage = "run: the base checkpoint"
@@ -848,7 +853,7 @@ def _continue(c, sides, loops, feeds, tail, report: Report, directory: str) -> N
     run, want = loops["run"], loops["oracle"]
     want.resume(restored)
     # The last batch again as next_batch: the steps' own program, which fetches nothing.
-    ahead = lambda side: feeds[side][-1] if c["prefetch"] else None
+    ahead = lambda side: feeds[side][-1] if loops[side].prefetch else None
     m = run(feeds["run"][-1], next_batch=ahead("run"))
     w = want(feeds["oracle"][-1], next_batch=ahead("oracle"))
     run.flush()
