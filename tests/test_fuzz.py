@@ -53,6 +53,10 @@ CASES = [
     # accumulation, a cached dynamic table beside a cached static one; both processes'
     # checkpoints restored on one.
     ("processes", 30, 6, "core"),
+    # 4 devices, owner routing, TPU layouts, the Pallas kernels, stacking, pipelined, two
+    # micro-batches (the oracle one batch): a static table in HBM, a dynamic one and a
+    # cached static one, against the plainest path on the same mesh.
+    ("paths", 36, 5, "core"),
 ]
 
 
