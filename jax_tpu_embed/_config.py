@@ -23,7 +23,7 @@ PARTITION_STRATEGIES = ("div", "mod")
 _DTYPES = (jnp.float32, jnp.bfloat16)
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
@@ -61,12 +61,12 @@ class HostCached:
     prefetch: bool = True
 
     def __post_init__(self):
-        if not _is_int(self.cache_rows) or self.cache_rows <= 0:
+        if not is_int(self.cache_rows) or self.cache_rows <= 0:
             raise ValueError(f"HostCached: cache_rows must be an int > 0, got {self.cache_rows!r}.")
-        if not _is_int(self.ways) or not 1 <= self.ways <= 256:
+        if not is_int(self.ways) or not 1 <= self.ways <= 256:
             raise ValueError(f"HostCached: ways must be an int in [1, 256], got {self.ways!r}.")
         m = self.max_misses
-        if m is not None and (not _is_int(m) or m <= 0):
+        if m is not None and (not is_int(m) or m <= 0):
             raise ValueError(f"HostCached: max_misses must be an int > 0 or None, got {m!r}.")
         if not isinstance(self.prefetch, bool):
             raise ValueError(f"HostCached: prefetch must be True or False, got {self.prefetch!r}.")
@@ -110,17 +110,17 @@ class DynamicTable:
 
     def __post_init__(self):
         where = "DynamicTable"
-        if not _is_int(self.capacity) or self.capacity <= 0:
+        if not is_int(self.capacity) or self.capacity <= 0:
             raise ValueError(f"{where}: capacity must be an int > 0, got {self.capacity!r}.")
         if self.eviction not in EVICTIONS:
             raise ValueError(
                 f"{where}: eviction must be one of {list(EVICTIONS)}, got {self.eviction!r}."
             )
-        if self.ttl_steps is not None and (not _is_int(self.ttl_steps) or self.ttl_steps < 1):
+        if self.ttl_steps is not None and (not is_int(self.ttl_steps) or self.ttl_steps < 1):
             raise ValueError(
                 f"{where}: ttl_steps must be an int >= 1 or None, got {self.ttl_steps!r}."
             )
-        if not _is_int(self.min_count) or self.min_count < 1:
+        if not is_int(self.min_count) or self.min_count < 1:
             raise ValueError(f"{where}: min_count must be an int >= 1, got {self.min_count!r}.")
         p = self.admit_probability
         if (
@@ -129,12 +129,12 @@ class DynamicTable:
             or not (0.0 < float(p) <= 1.0)
         ):
             raise ValueError(f"{where}: admit_probability must be in (0, 1], got {p!r}.")
-        if not _is_int(self.bucket_size) or not 1 <= self.bucket_size <= 1024:
+        if not is_int(self.bucket_size) or not 1 <= self.bucket_size <= 1024:
             raise ValueError(
                 f"{where}: bucket_size must be an int in [1, 1024], got {self.bucket_size!r}."
             )
         fc = self.filter_capacity
-        if fc is not None and (not _is_int(fc) or fc <= 0):
+        if fc is not None and (not is_int(fc) or fc <= 0):
             raise ValueError(f"{where}: filter_capacity must be an int > 0 or None, got {fc!r}.")
 
 
@@ -201,7 +201,7 @@ class TableConfig:
         rows = self.vocabulary_size
         if isinstance(self.dynamic, DynamicTable):
             rows = self.dynamic.capacity
-        if cached and _is_int(rows):
+        if cached and is_int(rows):
             assert isinstance(self.placement, HostCached)
             if self.placement.cache_rows >= int(rows):  # type: ignore[arg-type]
                 raise ValueError(
@@ -225,12 +225,12 @@ class TableConfig:
                     f"(table, id) (the default initializer's distribution); initializer= "
                     f"cannot be evaluated per id: leave it None."
                 )
-        elif not _is_int(self.vocabulary_size) or int(self.vocabulary_size or 0) <= 0:
+        elif not is_int(self.vocabulary_size) or int(self.vocabulary_size or 0) <= 0:
             raise ValueError(
                 f"{where}: vocabulary_size must be an int > 0, got {self.vocabulary_size!r} "
                 f"(or give dynamic=jte.DynamicTable(...) for a table without a vocabulary)."
             )
-        if not _is_int(self.dim) or self.dim <= 0:
+        if not is_int(self.dim) or self.dim <= 0:
             raise ValueError(f"{where}: dim must be an int > 0, got {self.dim!r}.")
         if self.combiner not in COMBINERS:
             raise ValueError(
@@ -300,7 +300,7 @@ class FeatureConfig:
                 f"{where}: table must be a TableConfig (or a table name inside "
                 f"jte.compat), got {type(self.table).__name__}."
             )
-        if not _is_int(self.max_sequence_length) or self.max_sequence_length < 0:
+        if not is_int(self.max_sequence_length) or self.max_sequence_length < 0:
             raise ValueError(
                 f"{where}: max_sequence_length must be an int >= 0, "
                 f"got {self.max_sequence_length!r}."
@@ -309,7 +309,7 @@ class FeatureConfig:
             shape = (
                 tuple(self.output_shape) if isinstance(self.output_shape, (tuple, list)) else None
             )
-            if not shape or not all(_is_int(d) and d > 0 for d in shape):
+            if not shape or not all(is_int(d) and d > 0 for d in shape):
                 raise ValueError(
                     f"{where}: output_shape must be a non-empty tuple of ints "
                     f"> 0, got {self.output_shape!r}."

@@ -288,7 +288,7 @@ def _check_keys(w: _Where, key: str, value: Mapping, allowed) -> None:
 
 
 def _int(w: _Where, key: str, value, low: int) -> int:
-    if not _config._is_int(value) or value < low:
+    if not _config.is_int(value) or value < low:
         raise w.error(key, f"must be an int >= {low}, got {value!r}.")
     return int(value)
 
@@ -447,7 +447,7 @@ def _feature(w: _Where, key: str, f: Mapping, tables: dict) -> _config.FeatureCo
         if (
             not isinstance(shape, list)
             or not shape
-            or not all(_config._is_int(d) and d > 0 for d in shape)
+            or not all(_config.is_int(d) and d > 0 for d in shape)
         ):
             raise w.error(
                 f"{key}.output_shape", f"must be a non-empty list of ints > 0, got {shape!r}."

@@ -66,7 +66,7 @@ def pad_ragged(values, *, row_lengths=None, row_splits=None, weights=None, max_l
                 f"len(values)={values.size}, got {lengths.tolist()}."
             )
         splits = np.concatenate([[0], np.cumsum(lengths)])
-    if max_length is not None and (not _config._is_int(max_length) or max_length < 1):
+    if max_length is not None and (not _config.is_int(max_length) or max_length < 1):
         raise ValueError(f"pad_ragged: max_length must be an int >= 1, got {max_length!r}.")
     width = int(max_length) if max_length is not None else max(1, int(lengths.max(initial=0)))
     batch = lengths.size

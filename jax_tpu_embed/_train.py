@@ -167,7 +167,8 @@ def _all_finite(*trees) -> jax.Array:
     return ok
 
 
-def _batch_size(features: dict) -> int:
+def examples_of(features: dict) -> int:
+    """B: the leading dimension of the first feature array that has one."""
     for leaf in jax.tree.leaves(features):
         if jnp.ndim(leaf) >= 1:
             return int(jnp.shape(leaf)[0])
@@ -257,7 +258,7 @@ def _split(x, k: int, emb: _embedding.Embedding):
     return _sharding.constrain(jnp.moveaxis(x, 1, 0), NamedSharding(emb.mesh, P(None, emb.axis)))
 
 
-def _unaliased(tree):
+def unaliased(tree):
     """`tree` with every array appearing once: a donated buffer may not be passed twice."""
     seen = set()
 
@@ -536,7 +537,7 @@ class TrainStep:
             placed(model_state, copy=not owned),
             placed(rng),
         )
-        return _unaliased(state)
+        return unaliased(state)
 
     def _micro_keys(self, key):
         """The key of each micro-batch (k keys), or the step's key when k == 1."""
@@ -618,7 +619,7 @@ class TrainStep:
             )
         first = embs[sorted(embs)[0]]
         # With micro-batches the merged features hold k·b examples; the batch is (k, b, ...).
-        batch = self._shard_batch(batch, first, _batch_size(features) // k, lead=int(k > 1))
+        batch = self._shard_batch(batch, first, examples_of(features) // k, lead=int(k > 1))
 
         if next_batch is not None and any(e.cached for e in embs.values()):
             # Issued before the lookups: the host reads overlap this step's work.

@@ -76,7 +76,7 @@ def categorical_column_with_identity(
     """
     if not isinstance(key, str) or not key:
         raise ValueError(f"key must be a non-empty string, got {key!r}.")
-    if not _config._is_int(num_buckets) or num_buckets < 1:
+    if not _config.is_int(num_buckets) or num_buckets < 1:
         raise ValueError(f"num_buckets {num_buckets!r} < 1, column_name {key}")
     if default_value is not None:
         raise ValueError(
@@ -135,7 +135,7 @@ def _check_categorical(column, fn: str) -> None:
 
 
 def _check_common(dimension, combiner, initializer, learning_rate_fn, what: str) -> None:
-    if not _config._is_int(dimension) or dimension < 1:
+    if not _config.is_int(dimension) or dimension < 1:
         raise ValueError(f"Invalid dimension {dimension}.")
     if combiner not in _config.COMBINERS:
         raise ValueError(
@@ -153,7 +153,7 @@ def _check_common(dimension, combiner, initializer, learning_rate_fn, what: str)
 
 
 def _check_sequence_length(value, what: str) -> None:
-    if not _config._is_int(value) or value < 0:
+    if not _config.is_int(value) or value < 0:
         raise ValueError(
             f"Invalid max_sequence_length {value!r} for {what}; must be an int "
             f">= 0 (0: not a sequence feature)."

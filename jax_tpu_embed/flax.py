@@ -536,7 +536,7 @@ class FlaxTrainStep(_train.TrainStep):
             def predict(state, batch, kwargs):
                 embs, features = self._found(state.params, batch, state.model_state, state.rng)
                 first = embs[sorted(embs)[0]]
-                batch = self._shard_batch(batch, first, _train._batch_size(features))
+                batch = self._shard_batch(batch, first, _train.examples_of(features))
                 return self.model.apply(
                     self.variables(state), batch, method=self.method, **dict(kwargs)
                 )

@@ -303,7 +303,7 @@ class NnxTrainStep(_train.TrainStep):
             state = dataclasses.replace(
                 self.state, params=params, embedding=tables, model_state=rest
             )
-        return graphdef, _train._unaliased(state)
+        return graphdef, _train.unaliased(state)
 
     def _write_back(self, new: _train.TrainState) -> None:
         nnx.update(self.model, new.params, new.embedding, new.model_state)

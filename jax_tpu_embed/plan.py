@@ -76,7 +76,7 @@ def read_inputs(config: _config_file.ConfigFile) -> tuple[int | None, dict[str, 
     if unknown:
         raise PlanError(f"{where}.{unknown[0]}: unknown key; allowed: batch, ids_per_example.")
     batch = raw.get("batch")
-    if batch is not None and (not _config._is_int(batch) or batch <= 0):
+    if batch is not None and (not _config.is_int(batch) or batch <= 0):
         raise PlanError(f"{where}.batch: must be an int > 0, got {batch!r}.")
     lengths = raw.get("ids_per_example") or {}
     if not isinstance(lengths, Mapping):
@@ -90,7 +90,7 @@ def read_inputs(config: _config_file.ConfigFile) -> tuple[int | None, dict[str, 
             raise PlanError(
                 f"{where}.ids_per_example.{path}: no such feature; the features are {paths}."
             )
-        if not _config._is_int(length) or length <= 0:
+        if not _config.is_int(length) or length <= 0:
             raise PlanError(f"{where}.ids_per_example.{path}: must be an int > 0, got {length!r}.")
         out[path] = int(length)
     return (int(batch) if batch is not None else None), out
