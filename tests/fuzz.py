@@ -20,13 +20,14 @@ and must give the same results:
 - ``mesh``: the same spec on one device, every table in device memory. Resident ids and
   every counter must be equal; rows, slots and losses to 1e-4, since sums run in
   another order on another mesh.
-- ``paths``: the same spec on the same mesh by the plainest path: every table in device
-  memory, the XLA backend, the all-gather exchange, no stacking, no TPU layout, no round
-  limits, NumPy inputs, no prefetch, and one step on the concatenated batch where the run
-  accumulates k micro-batches (its loss k times the mean: the README's sum of the k
-  losses). What the run's options
-  change must not change a result (the mesh oracle keeps them on both sides, so it cannot
-  see a fault they share): resident ids and counters equal, floats to 1e-4 as for ``mesh``.
+- ``paths``: the same spec on the same devices by the plainest path: every table in device
+  memory, "div", a `jax.sharding.Mesh`, the XLA backend, the all-gather exchange, no
+  stacking, no TPU layout, no round limits, NumPy inputs, no prefetch, and one step on the
+  concatenated batch where the run accumulates k micro-batches (its loss k times the mean:
+  the README's sum of the k losses). What the run's options change must not change a
+  result (the mesh oracle keeps them on both sides, so it cannot see a fault they share):
+  resident ids and counters equal, floats to 1e-3 (relative; 1e-5 absolute), since it
+  changes the order of many sums at once.
 - ``processes``: the run on 2 processes of 4 CPU devices each (JAX's multi-controller
   runtime over loopback, gloo collectives; `tests/_multihost_worker.py`), each feeding its
   own rows of every batch; the oracle the same spec in this process on 8 devices. Resident
@@ -377,10 +378,11 @@ def spec(c: Config, oracle: bool, grow: int = 1) -> jte.EmbeddingSpec:
     multiplier = None
     if c["gradient_multiplier"]:
         multiplier = lambda step: 1.0 / (1.0 + 0.3 * jnp.asarray(step, jnp.float32))
+    plain = oracle and c["oracle"] == "paths"
     return jte.EmbeddingSpec(
         features,
         optimizer(c["optimizer"]),
-        partition_strategy=c["strategy"],
+        partition_strategy="div" if plain else c["strategy"],
         clipping_limit=c["clipping_limit"],
         gradient_multiplier_fn=multiplier,
         pipeline_execution=c["pipeline"],
@@ -392,7 +394,7 @@ def embedding(c: Config, oracle: bool, grow: int = 1) -> jte.Embedding:
     if oracle and c["oracle"] == "paths":
         return jte.Embedding(
             spec(c, oracle, grow),
-            conftest.make_mesh(n, c["mesh"]),
+            conftest.make_mesh(n, "auto"),
             backend="xla",
             routing="gather",
             stacking=False,
@@ -710,7 +712,10 @@ def run(c: Config) -> dict:
     report = Report(
         exact=c["oracle"] == "placement"
         and all(not t["dynamic"] and t["placement"] in ("host", "device") for t in c["tables"]),
-        rtol=1e-4,
+        # The paths oracle changes many sums' order at once. An Adam-like update of a row's
+        # first gradient, g / (|g| + 1e-8), turns a rounding of a tiny g into up to
+        # lr times its relative error: 4e-5 at lr 0.2 (seed 3, case 24; 2e-7 with eps 1e-3).
+        rtol=1e-3 if c["oracle"] == "paths" else 1e-4,
         atol=1e-5,
     )
     loops, metrics, feeds, stage, initial = {}, {}, {}, "start", None
