@@ -383,27 +383,40 @@ def spec(c: Config, oracle: bool, grow: int = 1) -> jte.EmbeddingSpec:
     multiplier = None
     if c["gradient_multiplier"]:
         multiplier = lambda step: 1.0 / (1.0 + 0.3 * jnp.asarray(step, jnp.float32))
-    plain = oracle and c["oracle"] == "paths"
     return jte.EmbeddingSpec(
         features,
         optimizer(c["optimizer"]),
-        partition_strategy="div" if plain else c["strategy"],
+        partition_strategy=c["strategy"],
         clipping_limit=c["clipping_limit"],
         gradient_multiplier_fn=multiplier,
         pipeline_execution=c["pipeline"],
     )
 
 
+def plainest(c: Config) -> Config:
+    """`c` by the plainest path: the paths oracle's configuration (its tables in device
+    memory, as every oracle's). Where `c` accumulates k micro-batches this takes one batch,
+    its loss k times a micro-batch's mean (`run` joins the batches)."""
+    return dict(
+        c,
+        strategy="div",
+        mesh="auto",
+        backend="xla",
+        routing="gather",
+        stacking=False,
+        tpu_layout=False,
+        max_ids_per_shard=None,
+        max_unique_ids_per_shard=None,
+        input="numpy",
+        prefetch=False,
+        accumulate_steps=1,
+    )
+
+
 def embedding(c: Config, oracle: bool, grow: int = 1) -> jte.Embedding:
-    n = 1 if oracle and c["oracle"] == "mesh" else c["n"]
     if oracle and c["oracle"] == "paths":
-        return jte.Embedding(
-            spec(c, oracle, grow),
-            conftest.make_mesh(n, "auto"),
-            backend="xla",
-            routing="gather",
-            stacking=False,
-        )
+        c = plainest(c)
+    n = 1 if oracle and c["oracle"] == "mesh" else c["n"]
     # The C++ and Pallas kernels serve tables in device memory; the oracle takes the run's
     # backends.
     backends = {
@@ -538,13 +551,12 @@ class Loop:
     and tables whatever the front: `step(batch, next_batch) -> metrics`, `flush()`, and the
     state read the same way for each (`embedding`, `params`, `step_count`)."""
 
-    prefetch = False  # Whether the caller gives the next batch to each step.
-
     def __init__(
         self, c: Config, emb: jte.Embedding, front: str, params: dict, first, scale: int = 1
     ):
         """`scale` multiplies the loss (the core front end's)."""
         self.front, self.emb = front, emb
+        self.prefetch = c["prefetch"]  # Whether each step is given the next batch.
         tx = {"sgd": optax.sgd(0.05), "adam": optax.adam(0.01)}[c["dense"]]
         k = c["accumulate_steps"]
         tables = emb.init(jax.random.key(0))
@@ -728,17 +740,14 @@ def run(c: Config) -> dict:
     try:
         for side in ("oracle", "run"):
             emb = sides[side]
-            k = c["accumulate_steps"]
-            plain = side == "oracle" and c["oracle"] == "paths"
-            fold = plain and k > 1
-            here = dict(c, accumulate_steps=1) if fold else c
-            feed = [joined(b) for b in batches + [tail]] if fold else batches + [tail]
-            if c["input"] == "jax" and not plain:
+            here = plainest(c) if side == "oracle" and c["oracle"] == "paths" else c
+            k = c["accumulate_steps"] // here["accumulate_steps"]  # Micro-batches joined.
+            feed = [joined(b) for b in batches + [tail]] if k > 1 else batches + [tail]
+            if here["input"] == "jax":
                 feed = [on_mesh(here, b, emb.mesh) for b in feed]
             stage = f"{side}: init"
             front = c.get("front", "core") if side == "run" else "core"
-            loop = Loop(here, emb, front, dense_params(c), feed[0], scale=k if fold else 1)
-            loop.prefetch = c["prefetch"] and not plain
+            loop = Loop(here, emb, front, dense_params(c), feed[0], scale=k)
             if side == "run":
                 report.tree("init", emb.export(loop.embedding), initial)
             else:
@@ -919,7 +928,7 @@ def trained(c: Config, emb: jte.Embedding, feed: list, directory: str) -> dict:
     loop = Loop(c, emb, "core", dense_params(c), feed[0])
     out = {}
     for i in range(c["steps"]):
-        m = loop(feed[i], next_batch=feed[i + 1] if c["prefetch"] else None)
+        m = loop(feed[i], next_batch=feed[i + 1] if loop.prefetch else None)
         _flat(f"step/{i}", {k: v for k, v in m.items() if k != "aux"}, out)
         if i == 1:
             jte.checkpoint.save(directory, emb, loop.embedding)
