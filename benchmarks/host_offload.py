@@ -12,14 +12,17 @@ Three measurements, each against a baseline timed in the same run:
    them back in place; GB/s and the ratio to (1). Target: >= 0.5.
 3. `train step`: one jitted train step (`jte.make_train_step`: lookup, a loss whose gradient
    depends on the activations, Adagrad update) of a W1-shaped table (V rows, D = 64, B x L
-   ids per device drawn fresh each step from W1's power law) placed four ways,
-   timed alternating in one run: in HBM (the baseline), `placement="host"` (every touched
-   row crosses twice per step), and `HostCached` without and with prefetch (the step given
-   the next batch, `next_batch=`). For the cached table: the share of each step's distinct
-   rows found in HBM (from `emb.cache_stats`), the rows fetched from host memory per step,
-   and the step time against the baseline. The issue's target: with prefetch and >= 90%
-   hits, <= 1.25x. Prefetch against no prefetch shows how much of the host reads the step
-   hides behind its own work (overlap).
+   ids per device drawn fresh each step from W1's power law) placed five ways, timed
+   alternating in one run: in HBM (the baseline), `placement="host"` staged (each touched
+   row and its slot read once a step, `Embedding.stage`, as train steps on TPU and GPU
+   do) and not (`stage_host_rows=False`: the lookup reads a row per (id, position) pair
+   and the update reads it again with its slot), and `HostCached` without and with
+   prefetch (the step given the next batch, `next_batch=`). For the cached table: the
+   share of each step's distinct rows found in HBM (from `emb.cache_stats`), the rows
+   fetched from host memory per step, and the step time against the baseline. The
+   issue's target: with prefetch and >= 90% hits, <= 1.25x. Prefetch against no
+   prefetch shows how much of the host reads the step hides behind its own work
+   (overlap).
 
 On a CPU the host and the device are the same RAM: the numbers only show that the script
 works. Prints a table and writes JSON (`--out`).
@@ -116,10 +119,11 @@ def train_steps(
         for b in rows_of_rank[workloads.sample_ranks(cdf, (warm + repeats + 1, batch, length), rng)]
     ]
     placements = {
-        "device": "device",
-        "host": "host",
-        "cached": jte.HostCached(cache_rows, prefetch=False),
-        "cached+prefetch": jte.HostCached(cache_rows),
+        "device": ("device", None),
+        "host": ("host", True),
+        "host unstaged": ("host", False),
+        "cached": (jte.HostCached(cache_rows, prefetch=False), None),
+        "cached+prefetch": (jte.HostCached(cache_rows), None),
     }
 
     def loss_fn(params, acts, batch):
@@ -127,10 +131,10 @@ def train_steps(
         return params["scale"] * jnp.sum(jnp.tanh(acts["f"]))
 
     runs = {}
-    for label, placement in placements.items():
+    for label, (placement, staged) in placements.items():
         table = jte.TableConfig(vocab, 64, combiner="sum", name="t", placement=placement)
         spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(0.05))
-        emb = jte.Embedding(spec, mesh, backend="xla")
+        emb = jte.Embedding(spec, mesh, backend="xla", stage_host_rows=staged)
         step = jte.make_train_step(emb, loss_fn, optax.sgd(0.0))
         state = step.init(jax.random.key(0), {"scale": jnp.float32(1e-3)})
         runs[label] = {"emb": emb, "step": step, "state": state, "times": []}

@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _config, _inputs, _platforms
+from . import _config, _inputs, _placement, _platforms
 
 GiB = 1 << 30
 
@@ -198,8 +198,9 @@ def abstract_features(emb, batch: int, ids_per_example: int | Mapping[str, int] 
 def train_step_fn(emb, hidden: int = 16) -> tuple[Callable, dict]:
     """The train step of a model whose dense part is one tiny layer per feature.
 
-    Returns (step, abstract_dense): `step(state, dense, features) -> (state, loss)` does the
-    lookup, loss = Σ_f Σ tanh(act_f @ W_f) with W_f (D, hidden), d(loss)/d(activations) by
+    Returns (step, abstract_dense): `step(state, dense, features) -> (state, loss)` stages
+    the host tables' rows (`emb.stage`, as `jte.make_train_step` does), does the lookup,
+    loss = Σ_f Σ tanh(act_f @ W_f) with W_f (D, hidden), d(loss)/d(activations) by
     jax.vjp and `emb.apply_gradients`; `abstract_dense` is {feature path: W_f} as replicated
     ShapeDtypeStructs.
     """
@@ -210,7 +211,8 @@ def train_step_fn(emb, hidden: int = 16) -> tuple[Callable, dict]:
     }
 
     def step(state, dense, features):
-        acts = emb.lookup(state, features)
+        staged = emb.stage(state, features)  # As `jte.make_train_step` does.
+        acts = emb.lookup(state, features, staged=staged)
 
         def loss_fn(acts):
             flat = dict(_config.flatten_features(acts))
@@ -218,7 +220,7 @@ def train_step_fn(emb, hidden: int = 16) -> tuple[Callable, dict]:
 
         loss, vjp = jax.vjp(loss_fn, acts)
         (act_grads,) = vjp(jnp.ones_like(loss))
-        return emb.apply_gradients(state, features, act_grads), loss
+        return emb.apply_gradients(state, features, act_grads, staged=staged), loss
 
     return step, dense
 
@@ -260,11 +262,15 @@ class HostCall:
     """One computation the device runs on its host (`compute_on("device_host")`, an
     asynchronous `HostExecute`): what it does to host memory ("gather": reads host rows;
     "scatter": writes them), and the bytes crossing between host and device per call (its
-    operands and results outside host memory: the rows and their indices)."""
+    operands and results outside host memory: the rows and their indices). `on_miss`: a
+    read of rows a device did not find in its memory (a `HostCached` table's cache or
+    the rows `Embedding.stage` read), which runs in rounds as the data needs, possibly
+    never; the other calls run every step."""
 
     kind: str
     crossing_bytes: int
     name: str
+    on_miss: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -663,7 +669,9 @@ def host_calls(hlo: str) -> list[HostCall]:
         crossing = sum(b for on_host, b in operands if not on_host)
         if not writes_host:
             crossing += sum(b for _, b in results)
-        out.append(HostCall("scatter" if writes_host else "gather", crossing, name))
+        kind = "scatter" if writes_host else "gather"
+        on_miss = f"jit({_placement.MISSES})" in rest
+        out.append(HostCall(kind, crossing, name, on_miss))
     return out
 
 

@@ -126,6 +126,11 @@ class Embedding:
             results agree to float32 rounding.
         init_block_bytes: About how many bytes `init` draws per device and round (its
             transient memory; default 4 MiB). Values do not depend on it.
+        stage_host_rows: Whether `stage` reads the rows of a step's batch from the tables
+            placed "host" in one host read per table, for the lookup and the update to
+            share (a train step calls it). None (default): on meshes whose devices' memory
+            is not the host's (TPU, GPU); True: also on CPU meshes (for tests), where it
+            only adds a copy. Values agree to float32 rounding with it or without.
         cpu_kernels: Deprecated: backend="auto" uses the C++ kernels on CPU meshes;
             False means backend="xla" for them.
         tpu_kernels: Deprecated: True is backend="pallas", False leaves the Pallas kernels
@@ -146,6 +151,7 @@ class Embedding:
         stacking: bool = True,
         tpu_layout: bool | None = None,
         init_block_bytes: int = _planner.INIT_BLOCK_BYTES,
+        stage_host_rows: bool | None = None,
         cpu_kernels: bool | None = None,
         tpu_kernels: bool | str | None = None,
     ):
@@ -154,6 +160,7 @@ class Embedding:
                 f"Embedding: spec must be a jte.EmbeddingSpec, got {type(spec).__name__}."
             )
         _guards.check_bool(stacking, "Embedding", "stacking")
+        _guards.check_bool(stage_host_rows, "Embedding", "stage_host_rows", allow_none=True)
         _guards.check_bool(cpu_kernels, "Embedding", "cpu_kernels", allow_none=True)
         if mesh is None:
             # Auto axes: with Explicit ones (jax.make_mesh's default) every array the user
@@ -207,6 +214,19 @@ class Embedding:
         self.cached = {
             name: plan.storage for name, plan in self.table_plans.items() if plan.storage.cache
         }
+        # State keys whose rows a step reads from the host once (`stage`): static tables
+        # placed "host" (HostCached tables have their caches; dynamic ones admit rows the
+        # lookup did not read, and a lane-packed update rewrites a whole physical row).
+        # On CPU meshes the host's memory is the devices': staging would only copy.
+        staging = stage_host_rows if stage_host_rows is not None else self.plan.platform != "cpu"
+        self.stageable = frozenset(
+            name
+            for name, plan in self.plan.stacks.items()
+            if staging
+            and plan.storage.on_host
+            and not plan.storage.cache
+            and name not in self.dynamic
+        )
         self._replicated = NamedSharding(mesh, P())
         # `init`'s programs (`_init`), built on first use.
         self.initializer = _init.Initializer(self.plan, mesh, self.state_arrays)
@@ -216,6 +236,7 @@ class Embedding:
         # copying every table and slot on each call (which made an eager call O(V)).
         self._apply_jit = jax.jit(self._apply, donate_argnums=0)
         self._prefetch_jit = jax.jit(self._prefetch, donate_argnums=0)
+        self._stage_jit = jax.jit(self._stage)
         self._skipped: dict[str, jax.Array] | None = None
         self._add_counts = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
         # Waits for call i - k on multi-device CPU meshes (XLA:CPU deadlock, _inflight.py).
@@ -782,13 +803,17 @@ class Embedding:
             p: _dynamic.split_on_host(x) if p in self.dynamic_paths else x for p, x in flat.items()
         }
 
-    def lookup(self, state: EmbeddingState, features: Nested) -> Nested:
+    def lookup(
+        self, state: EmbeddingState, features: Nested, *, staged: dict | None = None
+    ) -> Nested:
         """Embeds every feature.
 
         Args:
             state: From `init` or `apply_gradients`.
             features: Mirrors the spec. Each leaf is int (B,), int (B, L) padded with -1, or
                 `Weighted(ids, weights)`; B a multiple of the mesh size.
+            staged: From `stage(state, features)`: the rows of the tables in host memory
+                are read from there instead of the host (see `stage`).
 
         Returns:
             Same structure: float32 (B, D) per feature, (B, L, D) for sequence features
@@ -796,7 +821,9 @@ class Embedding:
         """
         _guards.check_not_consumed(state, "Embedding.lookup")
         flat = self._prepare(features)
-        return _config.unflatten(self._lookup_jit(state.tables, state.index, state.step, flat))
+        return _config.unflatten(
+            self._lookup_jit(state.tables, state.index, state.step, flat, staged or {})
+        )
 
     def apply_gradients(
         self,
@@ -805,6 +832,7 @@ class Embedding:
         act_grads: Nested,
         *,
         return_skipped: bool = False,
+        staged: dict | None = None,
     ) -> Any:
         """One sparse optimizer step from d(loss)/d(activations) of the global batch.
 
@@ -829,6 +857,8 @@ class Embedding:
             act_grads: Mirrors the features: real (float or int) arrays shaped like the
                 activations.
             return_skipped: Also return {table name: int32 1 if skipped, else 0} (jittable).
+            staged: From `stage(state, features)` before this state's lookup: the rows of
+                the tables in host memory are read from there instead of the host.
 
         Returns:
             The new state, or (new state, skipped) with `return_skipped`.
@@ -851,7 +881,7 @@ class Embedding:
                     f"act_grads[{path!r}] has {what}; gradients must be real numbers "
                     f"(a float dtype such as float32, or an int dtype)."
                 )
-        new, skipped = self._apply_jit(state, flat, grads)
+        new, skipped = self._apply_jit(state, flat, grads, staged or {})
         if not any(isinstance(x, jax.core.Tracer) for x in skipped.values()):
             if self._skipped is None:
                 self._skipped = skipped
@@ -914,7 +944,7 @@ class Embedding:
             fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
         )
 
-    def _lookup(self, tables, index, step, flat):
+    def _lookup(self, tables, index, step, flat, staged):
         split = self._split_dynamic(flat)
         extra, gathered = {}, {}
         if split:
@@ -925,6 +955,7 @@ class Embedding:
         batch = next(iter(feats.values()))[0].shape[0]
         row = P(self.axis)
         tables, _ = self._with_caches(tables, {}, index, step)
+        tables, _ = self._with_staged(tables, {}, staged)
         acts = self._shard_map(self._lookup_local, (row, row, P()), row)(tables, feats, gathered)
         for path, x in extra.items():
             acts[path] = acts[path] + x
@@ -1174,7 +1205,7 @@ class Embedding:
             state.step,
         )
 
-    def _apply(self, state, flat, grads):
+    def _apply(self, state, flat, grads, staged):
         split = self._split_dynamic(flat)
         batch = _inputs.check_batch(flat, self.num_shards)
         # Padding of static features is -1 or out of range; the dynamic ones' is -1 only.
@@ -1216,10 +1247,16 @@ class Embedding:
         feats = self._normalized(flat)
         row, rep = P(self.axis), P()
         tables, slots = self._with_caches(tables, slots, index, state.step)
+        tables, slots = self._with_staged(tables, slots, staged)
         tables, slots = self._shard_map(
             self._update_local, (row, row, row, rep, row, row, rep, rep, rep), (row, row)
         )(tables, slots, feats, gathered, local_grads, fresh, keys, state.step, ok)
         tables, slots, index = self._without_caches(tables, slots, index)
+        for name in staged:  # Written through to the host: the host arrays are the state.
+            tables[name] = tables[name].host
+            slots[name] = {
+                n: x.host if isinstance(x, _placement.Staged) else x for n, x in slots[name].items()
+            }
         any_ok = functools.reduce(jnp.logical_or, ok.values())
         skipped = {name: (~keep).astype(jnp.int32) for name, keep in ok.items()}
         step = state.step + any_ok.astype(jnp.int32)
@@ -1243,6 +1280,95 @@ class Embedding:
                 good = good & jnp.all(jnp.isfinite(weights))
             ok[f.table] = ok[f.table] & good
         return ok
+
+    # Tables in host memory (_placement.Staged): a step's rows read from the host once.
+
+    def stage(self, state: EmbeddingState, features: Nested) -> dict:
+        """Reads the rows `features` will touch in the tables placed "host" (and their
+        slots) from host memory into device memory, in one host read per table, for the
+        `lookup` and `apply_gradients` of these features (`staged=`), which then read
+        those rows from device memory and not from the host: a train step reads each
+        touched row once, not once per (id, position) pair for the lookup and again for
+        the update. It does not change the state.
+
+        Each device stages up to one pass's distinct rows (`call_plans`' `capacity`);
+        rows past that, or rows of other features, are read from the host as without
+        staging, so values never depend on it (beyond float32 rounding), only how many
+        host reads a step makes. Tables in device memory, `HostCached` and dynamic
+        tables, and tables under owner routing (`routing`), are not staged; nor is
+        anything on CPU meshes unless `stage_host_rows=True`. A train step
+        (`jte.make_train_step`) does this itself, except for pipelined embeddings (whose
+        update is of the batch before).
+
+        Args:
+            state: From `init` or `apply_gradients`.
+            features: As for `lookup`.
+
+        Returns:
+            {state key: its staged rows} (jax Arrays, for `staged=`; empty where nothing
+            is staged). The gather exchange's ids are all-gathered once more for it (4
+            bytes an id).
+        """
+        _guards.check_not_consumed(state, "Embedding.stage")
+        if not self.stageable:
+            return {}
+        return self._stage_jit(state.tables, state.slots, self._prepare(features))
+
+    def _stage(self, tables, slots, flat):
+        split = self._split_dynamic(flat)  # Dynamic tables are not staged.
+        feats = self._normalized({p: x for p, x in flat.items() if p not in split})
+
+        def local(tables, slots, feats):
+            out = {}
+            for name, inputs in self.plan.inputs(feats).items():
+                calls = _exchange.calls(self.plan, name, inputs)
+                if name not in self.stageable or any(c.exchange != "gather" for c, _ in calls):
+                    continue  # Owner routing reads at the owners (`_routing`).
+                keys = []
+                for call, part in calls:
+                    for i in part:
+                        ids_all, _ = _streams.gathered(i, self.axis)
+                        mine, rows = _streams.owned(call.plan, i.feature, ids_all, self.axis)
+                        keys.append(jnp.where(mine, rows, NOT_MINE).reshape(-1))
+                keys = jnp.concatenate(keys)
+                storage = self.plan.stacks[name].storage
+                hosts = [tables[name]] + [slots[name][s.name] for s in storage.stored]
+                physical = [
+                    jnp.where(keys < NOT_MINE, keys // p.per_row, NOT_MINE)
+                    for p in storage.packings
+                ]
+                out[name] = _placement.stage(hosts, physical, sum(c.capacity for c, _ in calls))
+            return out
+
+        row = P(self.axis)
+        return self._shard_map(local, (row, row, row), row)(
+            {n: tables[n] for n in self.stageable},
+            {n: slots[n] for n in self.stageable},
+            feats,
+        )
+
+    def _with_staged(self, tables, slots, staged) -> tuple[dict, dict]:
+        """(tables, slots) with the arrays of the staged state keys as `_placement.Staged`
+        (slots only where given)."""
+        tables, slots = dict(tables), dict(slots)
+        for name, (ats, rows) in staged.items():
+            storage = self.plan.stacks[name].storage
+            arrays = [
+                _placement.Staged(host, at, got, packing.packed)
+                for host, at, got, packing in zip(
+                    [tables[name]] + [slots.get(name, {}).get(s.name) for s in storage.stored],
+                    ats,
+                    rows,
+                    storage.packings,
+                )
+            ]
+            tables[name] = arrays[0]
+            if name in slots:
+                slots[name] = {
+                    **slots[name],
+                    **{s.name: x for s, x in zip(storage.stored, arrays[1:])},
+                }
+        return tables, slots
 
     # HostCached tables (_placement): the row work sees each array with its device cache.
 

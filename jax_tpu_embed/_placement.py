@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental.compute_on import compute_on
 
 from . import _layout, _loops
+from ._rowindex import NOT_MINE
 
 HOST = "pinned_host"
 
@@ -52,6 +53,8 @@ def gather(on_host: bool, buffers, indices) -> list:
     one host computation for all of them (`Cached` buffers: per round of misses)."""
     if buffers and isinstance(buffers[0], Cached):
         return _cached_gather(buffers, indices)
+    if buffers and isinstance(buffers[0], Staged):
+        return _staged_gather(buffers, indices)
     if not on_host:
         return [b.at[i].get(mode="fill", fill_value=0) for b, i in zip(buffers, indices)]
     valid = [(i >= 0) & (i < b.shape[0]) for b, i in zip(buffers, indices)]
@@ -62,20 +65,26 @@ def gather(on_host: bool, buffers, indices) -> list:
     ]
 
 
-def _fetch(hosts, indices) -> list:
+# The name of the host computations that read rows a device did not find in its memory
+# (a cache's or the staged rows' misses), which run as the data needs, possibly never:
+# `_aot.host_calls` tells them from the reads every step makes by it.
+MISSES = "read_misses"
+
+
+def _fetch(hosts, indices, misses: bool = False) -> list:
     """[hosts[i] rows at indices[i] clamped into range], read by one host computation and
-    moved to the device."""
+    moved to the device; `misses`: named MISSES."""
     clamped = [
         jax.device_put(jnp.clip(i, 0, h.shape[0] - 1), jax.memory.Space.Host)
         for h, i in zip(hosts, indices)
     ]
 
-    @compute_on("device_host")
-    @jax.jit
     def read(hosts, indices):
         return [h.at[i].get(mode="promise_in_bounds") for h, i in zip(hosts, indices)]
 
-    return [jax.device_put(r, jax.memory.Space.Device) for r in read(hosts, clamped)]
+    read.__name__ = MISSES if misses else "read"
+    got = compute_on("device_host")(jax.jit(read))(hosts, clamped)
+    return [jax.device_put(r, jax.memory.Space.Device) for r in got]
 
 
 def write(on_host: bool, fn, buffers, *args):
@@ -96,6 +105,12 @@ def scatter(on_host: bool, buffers, indices, values) -> list:
         return [b.at[i].set(v, mode="drop") for b, i, v in zip(buffers, indices, values)]
 
     values = [v.astype(b.dtype) for b, v in zip(buffers, values)]
+    if buffers and isinstance(buffers[0], Staged):
+        hosts = write(True, store, [b.host for b in buffers], list(indices), values)
+        return [
+            dataclasses.replace(b, host=h, rows=_staged_write(b, i, v) if b.packed else b.rows)
+            for b, h, i, v in zip(buffers, hosts, indices, values)
+        ]
     if buffers and isinstance(buffers[0], Cached):
         hosts = write(True, store, [b.host for b in buffers], list(indices), values)
         return [
@@ -110,6 +125,100 @@ def update_slice(on_host: bool, buffer, block, at) -> jax.Array:
     return write(
         on_host, lambda b, x, at: jax.lax.dynamic_update_slice(b, x, at), buffer, block, at
     )
+
+
+# ------------------------------------------------------------------ rows staged for a step
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Staged:
+    """Inside `shard_map`: one array of a `placement="host"` table in a step that read the
+    batch's rows from the host once (`stage`): its shard in host memory, `at` ((U,) int32)
+    the distinct local physical rows read, ascending (NOT_MINE past them), and `rows` their
+    values in device memory. The lookup and the update then gather from `rows`; an index
+    not staged (a device owning more than U distinct rows, or other features than the
+    staged ones) is fetched from the host in rounds (`_miss_rounds`), so values never
+    depend on what was staged. Scatters write through to the host, and into `rows` where
+    the array is lane-packed (`packed`): a physical row then holds logical rows that a
+    later pass of the update reads again; otherwise a step writes each row once, after
+    its last read."""
+
+    host: Any
+    at: Any
+    rows: Any
+    packed: bool = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self):
+        return self.host.shape
+
+    @property
+    def dtype(self):
+        return self.host.dtype
+
+    def misses_per_call(self, n: int) -> int:
+        return min(n, max(8, n // 8))
+
+
+def stage(hosts, rows, limit: int) -> tuple[list, list]:
+    """([at], [values]) of each host array: the first `limit` distinct rows among
+    `rows[i]` (local physical rows; out of range: none), ascending and padded with NOT_MINE,
+    and their values, read from the host by one host computation for all the arrays."""
+    ats = []
+    for h, r in zip(hosts, rows):
+        r = lax.sort(jnp.where((r >= 0) & (r < h.shape[0]), r, NOT_MINE))
+        repeat = jnp.concatenate([jnp.zeros((1,), bool), r[1:] == r[:-1]])
+        ats.append(lax.sort(jnp.where(repeat, NOT_MINE, r))[: min(limit, r.shape[0])])
+    return ats, _fetch(list(hosts), ats)
+
+
+def _positions(at, idx):
+    """(pos, hit): where each of `idx` is in the ascending `at`, and whether it is there, by
+    two sorts of both together: the TPU compiler charges a 1-D gather or scatter (as
+    `searchsorted` makes) a whole tile per element."""
+    u, n = at.shape[0], idx.shape[0]
+    values = jnp.concatenate([at, idx])
+    tag = jnp.concatenate([jnp.zeros((u,), jnp.int32), jnp.ones((n,), jnp.int32)])
+    query = jnp.concatenate([jnp.full((u,), n, jnp.int32), lax.iota(jnp.int32, n)])
+    # By value, each of `at` before the queries of its value.
+    values, tag, query = lax.sort((values, tag, query), num_keys=2, is_stable=False)
+    i = lax.iota(jnp.int32, u + n)
+    starts = jnp.concatenate([jnp.ones((1,), bool), values[1:] != values[:-1]])
+    # A query hits when the run of its value starts with an entry of `at`; that entry is
+    # the last of `at` before it.
+    first_tag = lax.cummax(jnp.where(starts, 2 * i + tag, -1)) % 2
+    hit = (tag == 1) & (first_tag == 0)
+    pos = jnp.cumsum(tag == 0, dtype=jnp.int32) - 1
+    # Back to the queries' order (the entries of `at` last).
+    _, pos, hit = lax.sort((query, pos, hit), num_keys=1, is_stable=False)
+    return pos[:n], hit[:n]
+
+
+def _staged_write(b: Staged, idx, values):
+    """`b.rows` with the staged ones of rows `idx` set to `values`."""
+    u = b.at.shape[0]
+    pos, hit = _positions(b.at, idx)
+    hit = hit & (idx >= 0) & (idx < b.host.shape[0])
+    return b.rows.at[jnp.where(hit, pos, u)].set(values, mode="drop")
+
+
+def _staged_gather(buffers, indices) -> list:
+    """`gather` of `Staged` arrays: staged rows from device memory, the others (if any)
+    from the host in rounds."""
+    outs, misses = [], []
+    for b, idx in zip(buffers, indices):
+        u = b.at.shape[0]
+        valid = (idx >= 0) & (idx < b.host.shape[0])
+        pos, hit = _positions(b.at, idx)
+        hit = valid & hit
+        outs.append(b.rows.at[jnp.where(hit, pos, u)].get(mode="fill", fill_value=0))
+        misses.append(valid & ~hit)
+
+    def fetched(at, rows, got, outs):
+        return [o.at[a].set(g, mode="drop") for o, a, g in zip(outs, at, got)]
+
+    return _miss_rounds(buffers, indices, misses, fetched, outs)
 
 
 # ------------------------------------------------------------------ the device cache
@@ -194,6 +303,9 @@ class Cached:
     def dtype(self):
         return self.host.dtype
 
+    def misses_per_call(self, n: int) -> int:
+        return self.cache.misses_per_call(n)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -273,7 +385,7 @@ def _miss_rounds(buffers, indices, misses, fetched, carry):
     rows there (`rows`, -1 past them) and their values `got`. Rounds run while an array has
     misses left (none when everything hits)."""
     n = indices[0].shape[0]
-    m = buffers[0].cache.misses_per_call(n)
+    m = buffers[0].misses_per_call(n)
     iota = lax.iota(jnp.int32, n)
     # Each array's miss positions first, ascending, then n (a sort, not `nonzero`: the TPU
     # compiler charges a 1-D gather a tile per element).
@@ -288,7 +400,7 @@ def _miss_rounds(buffers, indices, misses, fetched, carry):
         at = [lax.dynamic_slice_in_dim(o, start, m) for o in order]
         at = [jnp.where(a < n, a, n) for a in at]  # n: no miss, dropped by `fetched`.
         rows = [jnp.where(a < n, idx[jnp.minimum(a, n - 1)], -1) for idx, a in zip(indices, at)]
-        got = _fetch([c.host for c in buffers], rows)
+        got = _fetch([c.host for c in buffers], rows, misses=True)
         return start + m, fetched(at, rows, got, carry)
 
     _, carry = lax.while_loop(lambda state: state[0] < total, round_, (jnp.int32(0), carry))

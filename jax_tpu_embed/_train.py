@@ -273,10 +273,15 @@ def unaliased(tree):
 
 
 def _apply_masked(
-    emb: _embedding.Embedding, state: _embedding.EmbeddingState, features, grads, keep: jax.Array
+    emb: _embedding.Embedding,
+    state: _embedding.EmbeddingState,
+    features,
+    grads,
+    keep: jax.Array,
+    staged: dict,
 ) -> _embedding.EmbeddingState:
     """`emb.apply_gradients`, or no change at all (step counter included) unless `keep`."""
-    new = emb.apply_gradients(state, _mask_features(features, keep), grads)
+    new = emb.apply_gradients(state, _mask_features(features, keep), grads, staged=staged)
     tables, slots = dict(new.tables), dict(new.slots)
     for name, plan in emb.plan.stacks.items():  # Keyed as the state is.
         if plan.optimizer.dense_update:
@@ -625,7 +630,10 @@ class TrainStep:
             # Issued before the lookups: the host reads overlap this step's work.
             _, upcoming = self._features(state.params, next_batch, state.model_state, keys)
             states = {n: embs[n].prefetch(states[n], upcoming[n]) for n in embs}
-        acts = {n: embs[n].lookup(states[n], features[n]) for n in embs}
+        # One host read of each host table's rows for the lookup and the update (not for a
+        # pipelined update, which is of the batch before).
+        staged = {n: embs[n].stage(states[n], features[n]) for n in embs if n not in pipelined}
+        acts = {n: embs[n].lookup(states[n], features[n], staged=staged.get(n)) for n in embs}
         if k == 1:
             loss, dparams, dacts, aux, model_state = self._grads(
                 state.params, acts, batch, state.model_state, step_key
@@ -646,7 +654,9 @@ class TrainStep:
             else:
                 upd_features, upd_grads, keep = features[n], dacts[n], ok
             upd_grads = jax.tree.map(_after_lookup, upd_grads, acts[n])
-            new_states[n] = _apply_masked(emb, states[n], upd_features, upd_grads, keep)
+            new_states[n] = _apply_masked(
+                emb, states[n], upd_features, upd_grads, keep, staged.get(n, {})
+            )
         pending = None
         if pipelined:
             sharding = {n: NamedSharding(embs[n].mesh, P(embs[n].axis)) for n in pipelined}
@@ -743,6 +753,7 @@ class TrainStep:
                 state.pending.features[n],
                 state.pending.grads[n],
                 state.pending.valid,
+                {},
             )
         pending = Pending(
             state.pending.features, state.pending.grads, jnp.zeros_like(state.pending.valid)

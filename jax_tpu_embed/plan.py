@@ -225,6 +225,8 @@ def _result(
     hbm = topo.hbm_per_chip
     init_table = max(init_temps, key=lambda n: init_temps[n]) if init_temps else None
     init_peak = state + (init_temps[init_table] * per_chip if init_table else 0)
+    every_step = [c for c in r.host_calls if not c.on_miss]
+    on_miss = [c for c in r.host_calls if c.on_miss]
     out = {
         "config": path,
         "topology": topo.name,
@@ -245,10 +247,13 @@ def _result(
             "cache_bytes": sum(t["cache_bytes_per_chip"] for t in tables),
             "other_argument_bytes": r.argument_bytes * per_chip - state,
             # And the bytes the step moves between host and device (rows and their
-            # indices, each host call counted once, as bytes accessed counts one pass).
+            # indices, each host call counted once, as bytes accessed counts one pass);
+            # reads of rows not in HBM (cache or staging misses) apart, per round.
             "host_bytes": host,
-            "host_device_bytes_per_step": sum(c.crossing_bytes for c in r.host_calls) * per_chip,
-            "host_calls": len(r.host_calls),
+            "host_device_bytes_per_step": sum(c.crossing_bytes for c in every_step) * per_chip,
+            "host_calls": len(every_step),
+            "host_miss_calls": len(on_miss),
+            "host_miss_bytes_per_round": sum(c.crossing_bytes for c in on_miss) * per_chip,
             "temp_bytes": r.temp_bytes * per_chip,
             "total_bytes": total,
             "hbm_bytes": hbm,
@@ -430,7 +435,9 @@ def format_table(res: dict[str, Any]) -> str:
             [
                 f"  in host memory        {fb(c['host_bytes']):>13s}   (host tables "
                 f"and slots; {c['host_calls']} host calls moving "
-                f"{fb(c['host_device_bytes_per_step'])} per step)"
+                f"{fb(c['host_device_bytes_per_step'])} per step, and "
+                f"{c['host_miss_calls']} for rows not in HBM, "
+                f"{fb(c['host_miss_bytes_per_round'])} a round)"
             ]
             if c["host_bytes"]
             else []
