@@ -149,9 +149,12 @@ def _equal_device_tables(
         if staged:
             rows[placement] = host.stage(states[placement], batch)
             assert set(rows[placement]) == set(host.table_plans)
-            if max_ids is not None:  # Rows past one pass are read from the host.
-                counts = host.id_counts(batch)
-                assert max(c["unique_rows"] for c in counts.values()) > max_ids, counts
+            if max_ids is not None:  # A device stages a pass's rows; the rest miss.
+                full = [
+                    bool(np.all(np.asarray(ats[0]).reshape(shards, -1) < 1 << 30, axis=1).any())
+                    for ats, _ in rows[placement].values()
+                ]
+                assert any(full), full
         acts = {p: e.lookup(states[p], batch, staged=rows[p]) for p, e in embs.items()}
         equal(acts[placement], acts["device"])
         grads = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(np.float32), acts["device"])
@@ -189,13 +192,11 @@ def test_host_tables_equal_device_tables_bit_for_bit(
 @pytest.mark.parametrize(
     "shards, strategy, tpu_layout, optimizers, max_ids",
     [
-        # Lane-packed rows written by several passes, and more distinct rows than a pass
-        # holds (those are read from the host).
-        (4, "div", True, QUICK, 8),
-        pytest.param(4, "div", True, QUICK, None, marks=_SLOW),
-        pytest.param(2, "mod", False, QUICK, 8, marks=_SLOW),
+        (4, "div", True, QUICK_CACHED, None),  # Lane-packed rows written by several passes.
+        (2, "mod", False, QUICK_CACHED, 8),  # More distinct rows than a pass: some miss.
         pytest.param(1, "div", False, tuple(OPTIMIZERS), None, marks=_SLOW),
-        pytest.param(8, "mod", True, tuple(OPTIMIZERS), 8, marks=_SLOW),
+        pytest.param(2, "mod", False, tuple(OPTIMIZERS), 8, marks=_SLOW),
+        pytest.param(8, "mod", True, tuple(OPTIMIZERS), None, marks=_SLOW),
     ],
 )
 def test_staged_host_tables_equal_device_tables_bit_for_bit(
