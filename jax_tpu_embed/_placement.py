@@ -130,9 +130,29 @@ def update_slice(on_host: bool, buffer, block, at) -> jax.Array:
 # ------------------------------------------------------------------ rows staged for a step
 
 
+class _HostArray:
+    """One array's shard in host memory (`host`) with some of its rows in device memory, as
+    the row work sees it (`Staged`, `Cached`): shaped and typed as the host array."""
+
+    host: Any
+
+    @property
+    def shape(self):
+        return self.host.shape
+
+    @property
+    def dtype(self):
+        return self.host.dtype
+
+    def misses_per_call(self, n: int) -> int:
+        """Rows a host computation fetches of the `n` a gather misses at most (`_miss_rounds`):
+        an eighth, at least 8."""
+        return min(n, max(8, n // 8))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Staged:
+class Staged(_HostArray):
     """Inside `shard_map`: one array of a `placement="host"` table in a step that read the
     batch's rows from the host once (`stage`): its shard in host memory, `at` ((U,) int32)
     the distinct local physical rows read, ascending (NOT_MINE past them), and `rows` their
@@ -148,17 +168,6 @@ class Staged:
     at: Any
     rows: Any
     packed: bool = dataclasses.field(metadata=dict(static=True))
-
-    @property
-    def shape(self):
-        return self.host.shape
-
-    @property
-    def dtype(self):
-        return self.host.dtype
-
-    def misses_per_call(self, n: int) -> int:
-        return min(n, max(8, n // 8))
 
 
 def stage(hosts, rows, limit: int) -> tuple[list, list]:
@@ -285,7 +294,7 @@ def empty_lines(shape, dtype, sets: int, ways: int, num_shards: int) -> Lines:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Cached:
+class Cached(_HostArray):
     """Inside `shard_map`: one array of a `HostCached` table as the row work sees it, its
     shard in host memory with its device cache; `now` (1,) int32 is the step (the update's
     step, or the next one for a prefetch)."""
@@ -294,14 +303,6 @@ class Cached:
     lines: Lines
     now: Any
     cache: CacheShape = dataclasses.field(metadata=dict(static=True))
-
-    @property
-    def shape(self):
-        return self.host.shape
-
-    @property
-    def dtype(self):
-        return self.host.dtype
 
     def misses_per_call(self, n: int) -> int:
         return self.cache.misses_per_call(n)
