@@ -33,7 +33,8 @@ _HOST = "pinned_host"
 
 # The fast tier's optimizers: a plain one with every extra, a slot riding in the table's
 # rows, two slots and a rank-1 slot (the slow tier runs every optimizer).
-QUICK = ("sgd+extras", "adagrad", "adam+extras", "rowwise_adagrad")
+# No slot, two slots, a rank-1 slot (Adagrad's accumulator is the cached and staged cases').
+QUICK = ("sgd+extras", "adam+extras", "rowwise_adagrad")
 # HostCached's: a slot riding in the table's rows (one cache) and a rank-1 slot (two).
 QUICK_CACHED = ("adagrad", "rowwise_adagrad")
 
