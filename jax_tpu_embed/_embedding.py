@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.core
@@ -804,7 +804,7 @@ class Embedding:
         }
 
     def lookup(
-        self, state: EmbeddingState, features: Nested, *, staged: dict | None = None
+        self, state: EmbeddingState, features: Nested, *, staged: StagedRows | None = None
     ) -> Nested:
         """Embeds every feature.
 
@@ -821,8 +821,9 @@ class Embedding:
         """
         _guards.check_not_consumed(state, "Embedding.lookup")
         flat = self._prepare(features)
+        rows = _staged_rows(staged, state, "lookup")
         return _config.unflatten(
-            self._lookup_jit(state.tables, state.index, state.step, flat, staged or {})
+            self._lookup_jit(state.tables, state.index, state.step, flat, rows)
         )
 
     def apply_gradients(
@@ -832,7 +833,7 @@ class Embedding:
         act_grads: Nested,
         *,
         return_skipped: bool = False,
-        staged: dict | None = None,
+        staged: StagedRows | None = None,
     ) -> Any:
         """One sparse optimizer step from d(loss)/d(activations) of the global batch.
 
@@ -881,7 +882,8 @@ class Embedding:
                     f"act_grads[{path!r}] has {what}; gradients must be real numbers "
                     f"(a float dtype such as float32, or an int dtype)."
                 )
-        new, skipped = self._apply_jit(state, flat, grads, staged or {})
+        rows = _staged_rows(staged, state, "apply_gradients")
+        new, skipped = self._apply_jit(state, flat, grads, rows)
         if not any(isinstance(x, jax.core.Tracer) for x in skipped.values()):
             if self._skipped is None:
                 self._skipped = skipped
@@ -1283,7 +1285,7 @@ class Embedding:
 
     # Tables in host memory (_placement.Staged): a step's rows read from the host once.
 
-    def stage(self, state: EmbeddingState, features: Nested) -> dict:
+    def stage(self, state: EmbeddingState, features: Nested) -> StagedRows | None:
         """Reads the rows `features` will touch in the tables placed "host" (and their
         slots) from host memory into device memory, in one host read per table, for the
         `lookup` and `apply_gradients` of these features (`staged=`), which then read
@@ -1305,14 +1307,16 @@ class Embedding:
             features: As for `lookup`.
 
         Returns:
-            {state key: its staged rows} (jax Arrays, for `staged=`; empty where nothing
-            is staged). The gather exchange's ids are all-gathered once more for it (4
-            bytes an id).
+            The staged rows, for `staged=` (a pytree of jax Arrays); None where nothing is
+            staged. Outside jit, `lookup` and `apply_gradients` refuse rows staged from a
+            state of another step, which would be stale. The gather exchange's ids are
+            all-gathered once more for it (4 bytes an id).
         """
         _guards.check_not_consumed(state, "Embedding.stage")
         if not self.stageable:
-            return {}
-        return self._stage_jit(state.tables, state.slots, self._prepare(features))
+            return None
+        rows = self._stage_jit(state.tables, state.slots, self._prepare(features))
+        return StagedRows(jnp.copy(state.step), rows)  # The state's is donated by updates.
 
     def _stage(self, tables, slots, flat):
         split = self._split_dynamic(flat)  # Dynamic tables are not staged.
@@ -1532,6 +1536,29 @@ class Embedding:
                     self.axis,
                 )
         return tables, slots
+
+
+class StagedRows(NamedTuple):
+    """What `Embedding.stage` returns: the step of the state it read, and {state key:
+    ([staged rows of each array], [their values])}."""
+
+    step: Any
+    rows: dict
+
+
+def _staged_rows(staged: StagedRows | None, state: EmbeddingState, where: str) -> dict:
+    """`staged.rows` ({} for None), after checking, where both steps are known, that they
+    were staged from a state at `state`'s step: another step's rows would be stale."""
+    if staged is None:
+        return {}
+    known = lambda x: not isinstance(x, jax.core.Tracer)  # noqa: E731
+    if known(staged.step) and known(state.step) and int(staged.step) != int(state.step):
+        raise ValueError(
+            f"Embedding.{where}: staged= holds rows staged from a state at step "
+            f"{int(staged.step)}, but this state is at step {int(state.step)}; stage the "
+            f"state you look up and update."
+        )
+    return staged.rows
 
 
 def _distinct(rows):

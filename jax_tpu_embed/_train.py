@@ -278,7 +278,7 @@ def _apply_masked(
     features,
     grads,
     keep: jax.Array,
-    staged: dict,
+    staged: _embedding.StagedRows | None,
 ) -> _embedding.EmbeddingState:
     """`emb.apply_gradients`, or no change at all (step counter included) unless `keep`."""
     new = emb.apply_gradients(state, _mask_features(features, keep), grads, staged=staged)
@@ -655,7 +655,7 @@ class TrainStep:
                 upd_features, upd_grads, keep = features[n], dacts[n], ok
             upd_grads = jax.tree.map(_after_lookup, upd_grads, acts[n])
             new_states[n] = _apply_masked(
-                emb, states[n], upd_features, upd_grads, keep, staged.get(n, {})
+                emb, states[n], upd_features, upd_grads, keep, staged.get(n)
             )
         pending = None
         if pipelined:
@@ -753,7 +753,7 @@ class TrainStep:
                 state.pending.features[n],
                 state.pending.grads[n],
                 state.pending.valid,
-                {},
+                None,
             )
         pending = Pending(
             state.pending.features, state.pending.grads, jnp.zeros_like(state.pending.valid)

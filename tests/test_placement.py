@@ -146,14 +146,14 @@ def _equal_device_tables(
     rng = np.random.default_rng(shards)
     for _ in range(steps):
         batch = _batch(rng, host.spec)
-        rows = {p: {} for p in embs}
+        rows = dict.fromkeys(embs)
         if staged:
-            rows[placement] = host.stage(states[placement], batch)
-            assert set(rows[placement]) == set(host.table_plans)
+            got = rows[placement] = host.stage(states[placement], batch)
+            assert got is not None and set(got.rows) == set(host.table_plans)
             if max_ids is not None:  # A device stages a pass's rows; the rest miss.
                 full = [
                     bool(np.all(np.asarray(ats[0]).reshape(shards, -1) < 1 << 30, axis=1).any())
-                    for ats, _ in rows[placement].values()
+                    for ats, _ in got.rows.values()
                 ]
                 assert any(full), full
         acts = {p: e.lookup(states[p], batch, staged=rows[p]) for p, e in embs.items()}
@@ -1202,3 +1202,32 @@ def test_a_platform_without_host_memory_is_named():
     with pytest.raises(ValueError, match=r"table 'h' has placement='host' but abacus devices"):
         _planner.check_placements(spec.tables(), storages, NoHostMemory())
     _planner.check_placements(spec.tables(), storages, jax.devices()[0])  # CPU: fine.
+
+
+def test_stage_reads_host_tables_only_when_asked_and_refuses_stale_rows():
+    """On CPU meshes `stage` stages nothing unless `stage_host_rows=True`; rows staged from
+    one step's state are refused by the next step's lookup and update (they are stale)."""
+    mesh = make_mesh(2)
+    spec = _train_spec("host")
+    plain = jte.Embedding(spec, mesh, backend="xla")
+    batch = {"big": np.array([[1, 2], [3, -1]]), "small": np.array([[0], [4]])}
+    assert (
+        plain.stageable == frozenset() and plain.stage(plain.init(jax.random.key(0)), batch) is None
+    )
+    emb = jte.Embedding(spec, mesh, backend="xla", stage_host_rows=True)
+    assert emb.stageable == {"big"}
+    state = emb.init(jax.random.key(0))
+    staged = emb.stage(state, batch)
+    acts = emb.lookup(state, batch, staged=staged)
+    grads = jax.tree.map(jnp.ones_like, acts)
+    state = emb.apply_gradients(state, batch, grads, staged=staged)
+    for call in (
+        lambda: emb.lookup(state, batch, staged=staged),
+        lambda: emb.apply_gradients(state, batch, grads, staged=staged),
+    ):
+        with pytest.raises(
+            ValueError, match="staged from a state at step 0, but this state is at step 1"
+        ):
+            call()
+    with pytest.raises(TypeError, match="stage_host_rows must be a bool or None"):
+        jte.Embedding(spec, mesh, stage_host_rows="yes")  # pyright: ignore[reportArgumentType]
