@@ -1452,7 +1452,7 @@ class Embedding:
                 stored = [s.name for s in plan.storage.stored]
                 buffers = [tables[name]] + [slots[name][n] for n in stored]
                 at = [  # Sorted: this device's rows among the first sum(mine).
-                    _distinct(jnp.where(mine, rows // p.per_row, NOT_MINE))
+                    _placement.distinct(jnp.where(mine, rows // p.per_row, NOT_MINE))
                     for p in plan.storage.packings
                 ]
                 window = _streams.capacity(plan, ids.shape[0], lax.axis_size(self.axis))
@@ -1559,11 +1559,3 @@ def _staged_rows(staged: StagedRows | None, state: EmbeddingState, where: str) -
             f"state you look up and update."
         )
     return staged.rows
-
-
-def _distinct(rows):
-    """`rows` (int32, (n,)) sorted, each repeat of a value replaced by NOT_MINE (no row):
-    distinct rows, as `_placement.prefetch` takes them."""
-    rows = lax.sort(rows)
-    repeat = jnp.concatenate([jnp.zeros((1,), bool), rows[1:] == rows[:-1]])
-    return jnp.where(repeat, NOT_MINE, rows)

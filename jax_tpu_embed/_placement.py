@@ -174,12 +174,19 @@ def stage(hosts, rows, limit: int) -> tuple[list, list]:
     """([at], [values]) of each host array: the first `limit` distinct rows among
     `rows[i]` (local physical rows; out of range: none), ascending and padded with NOT_MINE,
     and their values, read from the host by one host computation for all the arrays."""
-    ats = []
-    for h, r in zip(hosts, rows):
-        r = lax.sort(jnp.where((r >= 0) & (r < h.shape[0]), r, NOT_MINE))
-        repeat = jnp.concatenate([jnp.zeros((1,), bool), r[1:] == r[:-1]])
-        ats.append(lax.sort(jnp.where(repeat, NOT_MINE, r))[: min(limit, r.shape[0])])
+    ats = [
+        lax.sort(distinct(jnp.where((r >= 0) & (r < h.shape[0]), r, NOT_MINE)))[:limit]
+        for h, r in zip(hosts, rows)
+    ]
     return ats, _fetch(list(hosts), ats)
+
+
+def distinct(rows):
+    """`rows` (int32, (n,)) sorted, each repeat of a value replaced by NOT_MINE (no row):
+    distinct rows, as `prefetch` and `stage` take them."""
+    rows = lax.sort(rows)
+    repeat = jnp.concatenate([jnp.zeros((1,), bool), rows[1:] == rows[:-1]])
+    return jnp.where(repeat, NOT_MINE, rows)
 
 
 def _positions(at, idx):
@@ -204,12 +211,18 @@ def _positions(at, idx):
     return pos[:n], hit[:n]
 
 
+def _staged_lines(b: Staged, idx):
+    """(line, miss): each index's row of `b.rows` (past them where it has none) and whether
+    it is a row of the shard that was not staged."""
+    valid = (idx >= 0) & (idx < b.host.shape[0])
+    pos, hit = _positions(b.at, idx)
+    return jnp.where(valid & hit, pos, b.at.shape[0]), valid & ~hit
+
+
 def _staged_write(b: Staged, idx, values):
     """`b.rows` with the staged ones of rows `idx` set to `values`."""
-    u = b.at.shape[0]
-    pos, hit = _positions(b.at, idx)
-    hit = hit & (idx >= 0) & (idx < b.host.shape[0])
-    return b.rows.at[jnp.where(hit, pos, u)].set(values, mode="drop")
+    line, _ = _staged_lines(b, idx)
+    return b.rows.at[line].set(values, mode="drop")
 
 
 def _staged_gather(buffers, indices) -> list:
@@ -217,17 +230,16 @@ def _staged_gather(buffers, indices) -> list:
     from the host in rounds."""
     outs, misses = [], []
     for b, idx in zip(buffers, indices):
-        u = b.at.shape[0]
-        valid = (idx >= 0) & (idx < b.host.shape[0])
-        pos, hit = _positions(b.at, idx)
-        hit = valid & hit
-        outs.append(b.rows.at[jnp.where(hit, pos, u)].get(mode="fill", fill_value=0))
-        misses.append(valid & ~hit)
+        line, miss = _staged_lines(b, idx)
+        outs.append(b.rows.at[line].get(mode="fill", fill_value=0))
+        misses.append(miss)
+    return _miss_rounds(buffers, indices, misses, _filled, outs)
 
-    def fetched(at, rows, got, outs):
-        return [o.at[a].set(g, mode="drop") for o, a, g in zip(outs, at, got)]
 
-    return _miss_rounds(buffers, indices, misses, fetched, outs)
+def _filled(at, rows, got, outs):
+    """`_miss_rounds`' `fetched` for gathers: the fetched rows `got` set at positions `at`
+    of the outputs."""
+    return [o.at[a].set(g, mode="drop") for o, a, g in zip(outs, at, got)]
 
 
 # ------------------------------------------------------------------ the device cache
@@ -372,11 +384,7 @@ def _cached_gather(buffers, indices) -> list:
         line = jnp.where(hit, s * c.cache.ways + way, c.lines.rows.shape[0])
         outs.append(c.lines.rows.at[line].get(mode="fill", fill_value=0))
         misses.append(valid & ~hit)
-
-    def fetched(at, rows, got, outs):
-        return [o.at[a].set(g, mode="drop") for o, a, g in zip(outs, at, got)]
-
-    return _miss_rounds(buffers, indices, misses, fetched, outs)
+    return _miss_rounds(buffers, indices, misses, _filled, outs)
 
 
 def _miss_rounds(buffers, indices, misses, fetched, carry):
