@@ -1293,12 +1293,12 @@ class Embedding:
         touched row once, not once per (id, position) pair for the lookup and again for
         the update. It does not change the state.
 
-        Each device stages up to one pass's distinct rows (`call_plans`' `capacity`);
-        rows past that, or rows of other features, are read from the host as without
-        staging, so values never depend on it (beyond float32 rounding), only how many
-        host reads a step makes. Tables in device memory, `HostCached` and dynamic
-        tables, and tables under owner routing (`routing`), are not staged; nor is
-        anything on CPU meshes unless `stage_host_rows=True`. A train step
+        Each device stages up to one pass's distinct rows (`call_plans`' `capacity`), or
+        under owner routing the rows the devices send it in one round; rows past that, or
+        rows of other features, are read from the host as without staging, so values
+        never depend on it (beyond float32 rounding), only how many host reads a step
+        makes. Tables in device memory, `HostCached` and dynamic tables are not staged;
+        nor is anything on CPU meshes unless `stage_host_rows=True`. A train step
         (`jte.make_train_step`) does this itself, except for pipelined embeddings (whose
         update is of the batch before).
 
@@ -1309,8 +1309,9 @@ class Embedding:
         Returns:
             The staged rows, for `staged=` (a pytree of jax Arrays); None where nothing is
             staged. Outside jit, `lookup` and `apply_gradients` refuse rows staged from a
-            state of another step, which would be stale. The gather exchange's ids are
-            all-gathered once more for it (4 bytes an id).
+            state of another step, which would be stale. The exchange's ids are sent once
+            more for it (4 bytes an id: all-gathered, or under owner routing each
+            device's distinct rows to their owners).
         """
         _guards.check_not_consumed(state, "Embedding.stage")
         if not self.stageable:
@@ -1325,15 +1326,13 @@ class Embedding:
         def local(tables, slots, feats):
             out = {}
             for name, inputs in self.plan.inputs(feats).items():
-                calls = _exchange.calls(self.plan, name, inputs)
-                if name not in self.stageable or any(c.exchange != "gather" for c, _ in calls):
-                    continue  # Owner routing reads at the owners (`_routing`).
-                keys = []
-                for call, part in calls:
-                    for i in part:
-                        ids_all, _ = _streams.gathered(i, self.axis)
-                        mine, rows = _streams.owned(call.plan, i.feature, ids_all, self.axis)
-                        keys.append(jnp.where(mine, rows, NOT_MINE).reshape(-1))
+                if name not in self.stageable:
+                    continue
+                keys, limit = [], 0
+                for call, part in _exchange.calls(self.plan, name, inputs):
+                    rows, most = _exchange.EXCHANGES[call.exchange].rows_read(call, part, self.axis)
+                    keys.append(rows)
+                    limit += most
                 keys = jnp.concatenate(keys)
                 storage = self.plan.stacks[name].storage
                 hosts = [tables[name]] + [slots[name][s.name] for s in storage.stored]
@@ -1341,7 +1340,7 @@ class Embedding:
                     jnp.where(keys < NOT_MINE, keys // p.per_row, NOT_MINE)
                     for p in storage.packings
                 ]
-                out[name] = _placement.stage(hosts, physical, sum(c.capacity for c, _ in calls))
+                out[name] = _placement.stage(hosts, physical, limit)
             return out
 
         row = P(self.axis)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _plan, _routing, _streams
+from ._rowindex import NOT_MINE
 
 
 class Exchange:
@@ -43,6 +44,13 @@ class Exchange:
 
     def update(self, call: _plan.CallPlan, table, slots, inputs, grads, step, axis: str):
         """(table, slots) after one sparse step of the call's tables."""
+        raise NotImplementedError
+
+    def rows_read(self, call: _plan.CallPlan, inputs: list, axis: str) -> tuple:
+        """(rows, limit): local rows of this device's shard (int32, NOT_MINE: none) that
+        the call's lookup and update will read, and how many distinct ones to stage
+        (`Embedding.stage`): what one pass or round reads. Rows left out are read where
+        they are needed, so this bounds the staging's cost, never a value."""
         raise NotImplementedError
 
 
@@ -72,6 +80,14 @@ class Gather(Exchange):
     def update(self, call, table, slots, inputs, grads, step, axis):
         return call.kernel.update(call, table, slots, inputs, grads, step, axis)
 
+    def rows_read(self, call, inputs, axis):
+        rows = []
+        for i in inputs:
+            ids_all, _ = _streams.gathered(i, axis)
+            mine, local = _streams.owned(call.plan, i.feature, ids_all, axis)
+            rows.append(jnp.where(mine, local, NOT_MINE).reshape(-1))
+        return jnp.concatenate(rows), call.capacity
+
 
 class Owner(Exchange):
     name = "owner"
@@ -84,6 +100,10 @@ class Owner(Exchange):
 
     def update(self, call, table, slots, inputs, grads, step, axis):
         return _routing.update(call, table, slots, inputs, grads, step, axis)
+
+    def rows_read(self, call, inputs, axis):
+        rows = _routing.rows_read(call, inputs, axis)
+        return rows, rows.shape[0]
 
 
 EXCHANGES: dict[str, Exchange] = {"gather": Gather(), "owner": Owner()}

@@ -98,8 +98,7 @@ class _Local:
             w = (ids >= 0).astype(jnp.float32) if weights is None else weights
             scale = _streams.feature_scale(f, w).T
             ids = ids.T
-            owner, local, found = plan.index.locate(f.table, ids)
-            keys.append(jnp.where(found, owner * s + local, NONE))
+            keys.append(_keys(plan, f, ids))
             example = lax.broadcasted_iota(jnp.int32, (l, b), 1)
             if f.config.is_sequence:
                 out, rows = example * l + lax.broadcasted_iota(jnp.int32, (l, b), 0), b * l
@@ -116,19 +115,46 @@ class _Local:
             num_keys=3,
             is_stable=False,
         )
-        m = self.keys.shape[0]
-        self.pairs = m
-        starts = jnp.concatenate([jnp.ones((1,), bool), self.keys[1:] != self.keys[:-1]])
+        self.pairs = self.keys.shape[0]
         # Pair i's distinct row: segment[i]; distinct row j's key: uniq[j] (NONE past them).
+        starts, self.uniq, self.bounds = _distinct(self.keys, self.n, s)
         self.segment = jnp.cumsum(starts, dtype=jnp.int32) - 1
-        self.uniq = lax.sort(jnp.where(starts, self.keys, NONE), is_stable=False)
-        # bounds[p]: index of owner p's first distinct row; bounds[N]: distinct rows.
-        self.bounds = _count_below(self.uniq, jnp.arange(self.n + 1, dtype=jnp.int32) * s)
         self.counts = self.bounds[1:] - self.bounds[:-1]
 
     def per_owner(self, values):
         """values[owner of pair i] for every pair (NONE keys: the last owner's value)."""
         return _per_owner(self.keys, self.s, values)
+
+
+def _keys(plan: _plan.TablePlan, f, ids):
+    """The sort keys owner·S + local row of a feature's ids (NONE where no row)."""
+    owner, local, found = plan.index.locate(f.table, ids)
+    return jnp.where(found, owner * plan.layout.rows_per_shard + local, NONE)
+
+
+def _distinct(keys, n: int, s: int):
+    """(starts, uniq, bounds) of ascending keys: where each distinct key starts, the
+    distinct keys ascending (NONE past them), and bounds[p] the place of owner p's first
+    in `uniq` (bounds[N]: how many)."""
+    starts = jnp.concatenate([jnp.ones((1,), bool), keys[1:] != keys[:-1]])
+    uniq = lax.sort(jnp.where(starts, keys, NONE), is_stable=False)
+    return starts, uniq, _count_below(uniq, jnp.arange(n + 1, dtype=jnp.int32) * s)
+
+
+def rows_read(call: _plan.CallPlan, inputs: list, axis: str):
+    """At each owner, the local rows (N·Cd,) that the devices' first Cd distinct rows for
+    it are (NOT_MINE in empty slots), by one exchange of row ids: most of the rows the
+    call's lookup and update will read there (all of them where every device has at most
+    Cd distinct rows for each owner, which `capacity` makes the common case), for
+    `Embedding.stage`. Only keys are sorted: no positions or scales ride along."""
+    plan, cd = call.plan, call.capacity
+    n, s = lax.axis_size(axis), plan.layout.rows_per_shard
+    keys = lax.sort(jnp.concatenate([_keys(plan, f, ids).reshape(-1) for f, ids, *_ in inputs]))
+    _, uniq, bounds = _distinct(keys, n, s)
+    window = windows(uniq, bounds[:-1], cd, NONE)  # (N, Cd): each owner's first keys
+    owner_start = (jnp.arange(n, dtype=jnp.int32) * s)[:, None]
+    sent = lax.iota(jnp.int32, cd)[None, :] < (bounds[1:] - bounds[:-1])[:, None]
+    return _exchange(jnp.where(sent, window - owner_start, NOT_MINE).reshape(-1), axis)
 
 
 def _per_owner(sorted_keys, s: int, values):

@@ -758,22 +758,29 @@ def _criteo_with_host_tables(cache: float = 0.0):
 
 @pytest.mark.slow  # About a minute of compiling per topology.
 @pytest.mark.parametrize(
-    "topology, cache", [("v5e:2x2", 0.0), ("v5p:2x2x1", 0.0), ("v5e:2x2", 0.02)]
+    "topology, cache, routing",
+    [
+        ("v5e:2x2", 0.0, "auto"),
+        ("v5p:2x2x1", 0.0, "auto"),
+        ("v5p:2x2x1", 0.0, "owner"),
+        ("v5e:2x2", 0.02, "auto"),
+    ],
 )
-def test_host_tables_train_step_compiles_beyond_hbm(topology, cache):
+def test_host_tables_train_step_compiles_beyond_hbm(topology, cache, routing):
     """Criteo 1TB with its large tables in host memory: 48.4 GiB of state per device on
     v5e:2x2, three times a chip's 16 GiB. The train step compiles and fits, the device holds
     at most 5% of HBM (plus the caches of HostCached tables, 2% of their rows here), the
     host tables are aliased (updated in place, never copied), no device temporary is a host
-    table's size, and every step reads each host table's rows once (`Embedding.stage`; the
-    compiler may join the tables' reads into fewer host calls) and writes them once, while
+    table's size, and every step reads each host table's rows once (`Embedding.stage`, with
+    either exchange; the compiler may join the tables' reads into fewer host calls) and
+    writes them once, while
     the lookup's and the update's reads of rows not staged run only as the data needs
     (a cached table's three reads, the prefetch's, the lookup's and the update's, are of
     rows its cache misses); no collective touches host memory. Initialisation draws the
     host tables on their hosts, a block at a time."""
     spec, host_tables = _criteo_with_host_tables(cache)
     topo = _aot.topology(topology)
-    emb = jte.Embedding(spec, _aot.mesh(topo))
+    emb = jte.Embedding(spec, _aot.mesh(topo), routing=routing)
     r = _aot.compile_train_step(emb, 512, 1, topo=topo, step=_train_step(emb, cache > 0))
     host_state = sum(
         r.table_bytes[n] + r.slot_bytes[n] for n, p in emb.table_plans.items() if p.storage.on_host
