@@ -214,18 +214,14 @@ class Embedding:
         self.cached = {
             name: plan.storage for name, plan in self.table_plans.items() if plan.storage.cache
         }
-        # State keys whose rows a step reads from the host once (`stage`): static tables
-        # placed "host" (HostCached tables have their caches; dynamic ones admit rows the
-        # lookup did not read, and a lane-packed update rewrites a whole physical row).
-        # On CPU meshes the host's memory is the devices': staging would only copy.
+        # State keys whose rows a step reads from the host once (`stage`): tables placed
+        # "host" (HostCached tables have their caches). On CPU meshes the host's memory
+        # is the devices': staging would only copy.
         staging = stage_host_rows if stage_host_rows is not None else self.plan.platform != "cpu"
         self.stageable = frozenset(
             name
             for name, plan in self.plan.stacks.items()
-            if staging
-            and plan.storage.on_host
-            and not plan.storage.cache
-            and name not in self.dynamic
+            if staging and plan.storage.on_host and not plan.storage.cache
         )
         self._replicated = NamedSharding(mesh, P())
         # `init`'s programs (`_init`), built on first use.
@@ -1297,8 +1293,10 @@ class Embedding:
         under owner routing the rows the devices send it in one round; rows past that, or
         rows of other features, are read from the host as without staging, so values
         never depend on it (beyond float32 rounding), only how many host reads a step
-        makes. Tables in device memory, `HostCached` and dynamic tables are not staged;
-        nor is anything on CPU meshes unless `stage_host_rows=True`. A train step
+        makes. A dynamic table's ids are resolved as the lookup resolves them (its stage
+        reads their rows, not the rows the update gives to new ids, which are read where
+        needed). Tables in device memory and `HostCached` tables are not staged; nor is
+        anything on CPU meshes unless `stage_host_rows=True`. A train step
         (`jte.make_train_step`) does this itself, except for pipelined embeddings (whose
         update is of the batch before).
 
@@ -1316,16 +1314,27 @@ class Embedding:
         _guards.check_not_consumed(state, "Embedding.stage")
         if not self.stageable:
             return None
-        rows = self._stage_jit(state.tables, state.slots, self._prepare(features))
+        rows = self._stage_jit(
+            state.tables, state.slots, state.index, state.step, self._prepare(features)
+        )
         return StagedRows(jnp.copy(state.step), rows)  # The state's is donated by updates.
 
-    def _stage(self, tables, slots, flat):
-        split = self._split_dynamic(flat)  # Dynamic tables are not staged.
-        feats = self._normalized({p: x for p, x in flat.items() if p not in split})
+    def _stage(self, tables, slots, index, step, flat):
+        split = self._split_dynamic(flat)
+        gathered = {}
+        if self.stageable & set(self.dynamic):
+            # Their ids resolved as the lookup resolves them (in a train step the compiler
+            # may share the work); the rows the update gives to new ids are read where
+            # they are needed.
+            rows, gathered = self._dynamic_rows(index, step, split)
+            flat = {**flat, **self._dynamic_leaves(split, rows)}
+        else:
+            flat = {p: x for p, x in flat.items() if p not in split}
+        feats = self._normalized(flat)
 
-        def local(tables, slots, feats):
+        def local(tables, slots, feats, gathered):
             out = {}
-            for name, inputs in self.plan.inputs(feats).items():
+            for name, inputs in self.plan.inputs(feats, gathered).items():
                 if name not in self.stageable:
                     continue
                 keys, limit = [], 0
@@ -1344,10 +1353,11 @@ class Embedding:
             return out
 
         row = P(self.axis)
-        return self._shard_map(local, (row, row, row), row)(
+        return self._shard_map(local, (row, row, row, P()), row)(
             {n: tables[n] for n in self.stageable},
             {n: slots[n] for n in self.stageable},
             feats,
+            gathered,
         )
 
     def _with_staged(self, tables, slots, staged) -> tuple[dict, dict]:

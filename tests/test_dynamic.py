@@ -1025,10 +1025,11 @@ def test_plan_reports_a_dynamic_tables_index(tmp_path, placement):
     ids=str,
 )
 def test_train_step_fed_by_split_ids(placement):
-    """jte.make_train_step with a dynamic table (in HBM, in host memory, or there with a
-    cache of a quarter of its rows, the step given the next batch to prefetch): a pipeline
-    gives jte.split_ids halves; the table learns (loss falls), the metrics carry the index's
-    counters, and int64 NumPy ids beyond int32 are an error instead of being cut by jit."""
+    """jte.make_train_step with a dynamic table (in HBM, in host memory with its rows staged
+    as on TPU, or there with a cache of a quarter of its rows, the step given the next
+    batch to prefetch): a pipeline gives jte.split_ids halves; the table learns (loss
+    falls), the metrics carry the index's counters, and int64 NumPy ids beyond int32 are an
+    error instead of being cut by jit."""
     import optax
 
     users = jte.TableConfig(
@@ -1037,7 +1038,8 @@ def test_train_step_fed_by_split_ids(placement):
     spec = jte.EmbeddingSpec(
         features={"user": jte.FeatureConfig(users)}, optimizer=jte.Adagrad(learning_rate=0.5)
     )
-    emb = jte.Embedding(spec, make_mesh(2))
+    emb = jte.Embedding(spec, make_mesh(2), stage_host_rows=placement == "host" or None)
+    assert emb.stageable == ({"users"} if placement == "host" else set())
 
     def loss_fn(params, acts, batch):
         return jnp.mean((acts["user"] @ params["w"] - batch["y"]) ** 2)

@@ -10,6 +10,7 @@ Device tables are compared on the XLA backend, the one that serves host tables (
 kernels sum in another order).
 """
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -218,6 +219,89 @@ def test_staged_host_tables_equal_device_tables_bit_for_bit(
     _equal_device_tables(
         "host", shards, strategy, routing, tpu_layout, optimizers, staged=True, max_ids=max_ids
     )
+
+
+@pytest.mark.parametrize(
+    "shards, routing, tpu_layout, tables",
+    [
+        # Packed: new ids' rows share staged physical rows. Slow: the fast tier stages a
+        # dynamic host table in test_dynamic.py's train step.
+        pytest.param(2, "gather", True, ("users",), marks=_SLOW),
+        pytest.param(4, "owner", False, ("users", "pages", "seen"), marks=_SLOW),
+        pytest.param(8, "gather", True, ("users", "pages", "seen"), marks=_SLOW),
+    ],
+)
+def test_staged_dynamic_host_tables_equal_device_tables(shards, routing, tpu_layout, tables):
+    """Dynamic tables in host memory, staged: `stage` resolves the batch's ids as the lookup
+    does and reads their rows once; the rows the update gives to new ids are read where
+    they are needed. With evictions (lru; in the slow tier lfu with TTL, and an admission
+    filter), the lookups, exports, slots and counters equal those of the same tables in
+    device memory (to float32 rounding), on either exchange, packed and not."""
+    batch, steps = 16, 4
+    rng = np.random.default_rng(shards)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=200, dtype=np.int64)
+    features, draws = test_dynamic.routed_features(2 * test_dynamic.DIM, batch, pool)
+    seen = jte.TableConfig(
+        dim=test_dynamic.DIM,
+        name="seen",
+        dynamic=jte.DynamicTable(capacity=64, bucket_size=8, min_count=2),
+    )
+    features["seen"] = jte.FeatureConfig(seen)
+    draws["seen"] = lambda rng: test_dynamic.draw_ids(rng, (batch, 3), pool[50:])
+    features = {p: f for p, f in features.items() if f.table.name in tables}
+    draws = {p: draws[p] for p in features}
+    dim = {p: f.table.dim for p, f in features.items()}
+    shapes = {p: (batch, 3, d) if p == "hist" else (batch, d) for p, d in dim.items()}
+    stream = test_dynamic.feature_stream(rng, steps, draws, shapes)
+
+    def embedding(placement):
+        moved = {}
+        for f in features.values():
+            moved.setdefault(id(f.table), dataclasses.replace(f.table, placement=placement))
+        spec = jte.EmbeddingSpec(
+            {p: dataclasses.replace(f, table=moved[id(f.table)]) for p, f in features.items()},
+            jte.Adagrad(learning_rate=test_dynamic.LR),
+        )
+        return jte.Embedding(
+            spec,
+            make_mesh(shards),
+            backend="xla",
+            routing=routing,
+            tpu_layout=tpu_layout,
+            lane_width=128 if tpu_layout else 0,
+            stage_host_rows=placement == "host" or None,
+        )
+
+    embs = {p: embedding(p) for p in ("device", "host")}
+    host = embs["host"]
+    assert host.stageable == set(tables), host.stageable
+    states = {p: e.init(jax.random.key(1)) for p, e in embs.items()}
+    staged_rows = dict.fromkeys(host.stageable, 0)  # Over the steps: resident rows staged.
+    for feats, grads in stream:
+        staged = host.stage(states["host"], feats)
+        assert staged is not None and set(staged.rows) == host.stageable
+        for name, (ats, _) in staged.rows.items():
+            staged_rows[name] += int(np.sum(np.asarray(ats[0]) < 1 << 30))
+        acts = {
+            "device": embs["device"].lookup(states["device"], feats),
+            "host": host.lookup(states["host"], feats, staged=staged),
+        }
+        chex.assert_trees_all_close(acts["host"], acts["device"], rtol=1e-6, atol=1e-7)
+        states = {
+            "device": embs["device"].apply_gradients(states["device"], feats, grads),
+            "host": host.apply_gradients(states["host"], feats, grads, staged=staged),
+        }
+    assert _memory_kinds(states["host"]) == {_HOST}
+    assert all(staged_rows.values()), staged_rows
+    stats = {p: jax.tree.map(int, e.dynamic_stats(states[p])) for p, e in embs.items()}
+    assert stats["host"] == stats["device"]
+    assert stats["host"]["users"]["evicted"] > 0, stats
+    if "pages" in tables:
+        assert stats["host"]["pages"]["evicted"] + stats["host"]["pages"]["expired"] > 0, stats
+        assert stats["host"]["seen"]["admitted"] > 0, stats
+    for read in ("export", "export_slots"):
+        on_device, on_host = (getattr(e, read)(states[p]) for p, e in embs.items())
+        chex.assert_trees_all_close(on_host, on_device, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize(
