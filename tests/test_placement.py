@@ -1324,3 +1324,31 @@ def test_stage_reads_host_tables_only_when_asked_and_refuses_stale_rows():
             call()
     with pytest.raises(TypeError, match="stage_host_rows must be a bool or None"):
         jte.Embedding(spec, mesh, stage_host_rows="yes")  # pyright: ignore[reportArgumentType]
+
+
+def test_an_expired_id_back_in_its_own_slot_starts_afresh_in_host_memory():
+    """An id that expires (`ttl_steps`) and returns takes back its own freed slot, so the
+    index holds the same key there before and after the step: a dynamic host table's
+    update must still start that row from the id's initial row (`_dynamic.Fresh`), as the
+    table in HBM does, not from the expired id's trained row."""
+    ttl = jte.DynamicTable(capacity=8, bucket_size=8, ttl_steps=2)
+    embs = {
+        p: jte.Embedding(
+            _dynamic_spec(p, "adagrad", ttl, jnp.float32), make_mesh(1), backend="xla"
+        )
+        for p in ("device", "host")
+    }
+    states = {p: e.init(jax.random.key(0)) for p, e in embs.items()}
+    rng = np.random.default_rng(0)
+    ids = np.full((2, 1), -1, np.int64)
+    for step in range(3):  # The id at steps 0 and 2, expired by then.
+        ids[:, 0] = 77 if step != 1 else -1
+        feats = {"user": ids, "hist": np.full((2, 3), -1, np.int64), "item": np.zeros(2, int)}
+        acts = {p: e.lookup(states[p], feats) for p, e in embs.items()}
+        grads = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(np.float32), acts["device"])
+        states = {p: e.apply_gradients(states[p], feats, grads) for p, e in embs.items()}
+    stats = jax.tree.map(int, embs["host"].dynamic_stats(states["host"]))["users"]
+    assert stats["expired"] == 1 and stats["admitted"] == 2, stats
+    exports = {p: e.export(states[p])["users"] for p, e in embs.items()}
+    np.testing.assert_array_equal(exports["host"].ids, [77])
+    np.testing.assert_allclose(exports["host"].rows, exports["device"].rows, rtol=1e-6)
