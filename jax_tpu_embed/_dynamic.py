@@ -625,13 +625,13 @@ def update_rows(
     (table row to the id's initial row, slots to their initial values) in `table` and
     `slots`, where the table's rows start at local row `offset` (a stack's arrays hold
     several tables). Returns (index, table, slots, the ids' global rows as `scatter_rows`
-    takes them). `keep` False: the table is skipped this step (its index is left as
+    takes them, fresh). `keep` False: the table is skipped this step (its index is left as
     it is).
 
-    A table in device memory is reset here, written in place. A table in host memory is
-    left as it is, and the update starts the rows given away from their initial values
-    (`Fresh`, `RowStep.fresh`): every row given away this step is updated in the same step
-    (a placed id is in the step's update), so its one host read and write serve the reset
+    A table in device memory is reset here, written in place; `fresh` is None. A table in
+    host memory is left as it is, and `fresh` holds the resets for the update to start
+    from (`RowStep.fresh`): every row given away this step is updated in the same step (a
+    placed id is in the step's update), so its one host read and write serve the reset
     too. (Writing the resets to host memory here, the TPU compiler puts the written table
     in HBM: docs/design.md.)"""
     me = lax.axis_index(axis)
@@ -643,7 +643,7 @@ def update_rows(
         index, r = _hashindex_cpu.resolve_update(plan.index, index, hi, lo, keep, me, n, now)
         table, slots = _reset_fresh(storage, table, slots, r, key, plan.dim, offset)
         rows = jnp.where(r.rows >= 0, storage.layout.global_ids(me, r.rows) + 1, 0)
-        return index, table, slots, rows
+        return index, table, slots, rows, None
     window = capacity(plan, hi.shape[0], lax.axis_size(axis))
     owned = _owned(plan, hi, lo, keep, axis, window)
     config, ids = plan.index, (owned.hi, owned.lo, owned.bucket)
@@ -712,7 +712,7 @@ def update_rows(
             table, slots = reset_rows(storage, table, slots, row + offset, ok, init)
         return (row, ok), (index, table, slots)
 
-    (a_row, _), (index, table, slots) = _loops.in_windows(
+    (a_row, a_placed), (index, table, slots) = _loops.in_windows(
         admitted,
         k,
         picked,
@@ -720,6 +720,9 @@ def update_rows(
         (jnp.full(n + k, -1, jnp.int32), jnp.zeros(n + k, bool)),
         (index, table, slots),
     )
+    resets = None
+    if not in_place:  # The placed rows ascending, with their ids (-1: none).
+        resets = lax.sort((jnp.where(a_placed, a_row, -1), picked[0], picked[1]), num_keys=1)
     at = jnp.where(lax.iota(jnp.int32, n + k) < admitted, picked[3], n)
     row = jnp.full(n, -1, jnp.int32).at[at].set(a_row, mode="drop")
     if config.min_count > 1:  # Then the first sightings, in filter order (`record`).
@@ -738,7 +741,7 @@ def update_rows(
         _, index = _loops.in_windows(count, k, firsts, recorded, (), index)
     u_row = jnp.where(seen.hit, seen.row, row)
     rows = jnp.where(u_row >= 0, storage.layout.global_ids(me, u_row), -1)
-    return index, table, slots, to_positions(owned, rows)
+    return index, table, slots, to_positions(owned, rows), resets
 
 
 def _first(mask, k: int, *payloads, how: str):
@@ -832,40 +835,24 @@ def reset_rows(storage: _storage.TableStorage, table, slots: dict, rows, fresh, 
 @dataclasses.dataclass(frozen=True)
 class Fresh:
     """`RowStep.fresh` of a dynamic table in host memory: inside the update, the rows the
-    step gave to new ids start from the ids' initial rows and the slots' initial values
-    instead of what the host holds there (an evicted or expired id's row).
-
-    The shard's index before and after the step's resolution tells which they are,
-    whichever resolution ran (at the owners or by all-gather): a slot that holds an id
-    after it, and held another before it or held one that had expired (`ttl_steps`; an
-    expired id may take back its own freed slot). A hit is never among them: an id sighted
-    this step is not evicted in it."""
+    step gave to new ids (`update_rows`' resets) start from the ids' initial rows and the
+    slots' initial values instead of what the host holds there (an evicted id's row)."""
 
     storage: _storage.TableStorage
-    config: Any  # The table's `_hashindex.IndexConfig`.
     key: Any  # The table's key words (`key_words`).
-    before: Any  # The shard's `IndexState.keys` and `.last` before the step.
-    last: Any
-    after: Any  # Its `IndexState.keys` after the step's resolution.
-    now: Any  # The step.
+    rows: Any  # (m,) int32 local rows given away this step, ascending; -1 for none.
+    hi: Any  # (m,) uint32 each: the ids given those rows.
+    lo: Any
     how: str  # `DynamicPlan.compaction`.
 
     def __call__(self, values: list, rows) -> list:
         """`values` (the logical rows `rows` of the table and its stored slots, as read)
         with the rows given away replaced; the initial rows are drawn for those only."""
-        b = self.config.bucket_size
-        valid = (rows >= 0) & (rows < self.last.shape[0])
-        r = jnp.where(valid, rows, 0)
-        hi_at = (r // b) * (2 * b) + r % b  # The slot's words (`IndexState.keys`).
-        words = lambda keys: (keys[hi_at], keys[hi_at + b])
-        (hi, lo), (old_hi, old_lo) = words(self.after), words(self.before)
-        pad = jnp.uint32(_hashindex.PAD)
-        changed = (hi != old_hi) | (lo != old_lo)
-        if self.config.ttl_steps is not None:
-            changed = changed | (self.now - self.last[r] >= self.config.ttl_steps)
-        hit = valid & ((hi != pad) | (lo != pad)) & changed
+        m = self.rows.shape[0]
+        at = jnp.minimum(jnp.searchsorted(self.rows, rows), m - 1)
+        hit = self.rows[at] == rows
         s = self.storage
-        init = initial_rows_where(self.key, hi, lo, hit, s.dim, self.how)
+        init = initial_rows_where(self.key, self.hi[at], self.lo[at], hit, s.dim, self.how)
         out = []
         for v, new in zip(values, _initial_values(s, init)):
             mask = hit.reshape(hit.shape + (1,) * (v.ndim - 1))

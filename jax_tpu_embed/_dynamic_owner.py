@@ -35,8 +35,8 @@ placements: `_hashindex.admission` (sightings counted, each in its own entry, wh
 first sightings take entries, in filter-bucket order) after them (docs/design.md, "The
 admission filter at the owners").
 
-Tables in host memory are not reset here: their update starts the rows given away from
-their initial values (`_dynamic.Fresh`), inside its one host read and write.
+Tables in host memory reset their rows inside the update's host write: they keep the
+all-gather resolution for their updates (`routes_updates`).
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ from . import _dynamic, _hashindex, _routing
 _MAX = np.uint32(0xFFFFFFFF)
 
 
-def routes_updates(plan: _dynamic.DynamicPlan) -> bool:
-    """Whether a routed table's updates are resolved at the owners too (else by
-    all-gather)."""
-    return plan.route == "owner"
+def routes_updates(plan: _dynamic.DynamicPlan, storage) -> bool:
+    """Whether a routed table's updates are resolved at the owners too (else by all-gather):
+    not for a table in host memory (module docstring)."""
+    return plan.route == "owner" and not storage.on_host
 
 
 def capacity(plan: _dynamic.DynamicPlan, m: int, num_shards: int) -> int:
@@ -451,12 +451,9 @@ def update_rows(
             s_hi, s_lo, bucket, first, slot = _merged(t.plan.index, n, r_hi, r_lo)
             index, row, ok = _dynamic.place(t.plan, index, s_hi, s_lo, bucket, first, now)
             index = _hashindex.unfilter(t.plan.index, index, s_hi, s_lo, bucket, ok)
-            if not t.storage.on_host:  # Else the update resets them (`_dynamic.Fresh`).
-                init = _dynamic.initial_rows(u.key, s_hi, s_lo, t.plan.dim)
-                table, slots = arrays[u.stack]
-                arrays[u.stack] = _dynamic.reset_rows(
-                    t.storage, table, slots, row + u.offset, ok, init
-                )
+            init = _dynamic.initial_rows(u.key, s_hi, s_lo, t.plan.dim)
+            table, slots = arrays[u.stack]
+            arrays[u.stack] = _dynamic.reset_rows(t.storage, table, slots, row + u.offset, ok, init)
             code = jnp.where(ok, t.storage.layout.global_ids(me, row) + 1, 0)
             codes.append(_spread(first, code, slot))
             out.append(index)

@@ -1126,14 +1126,18 @@ class Embedding:
         """One step of the dynamic tables' indexes (admission, eviction, the reset of the
         rows they give to new ids) -> (index, tables, slots, {path: rows}, fresh, gathered):
         `tables` and `slots` the new arrays of the state keys that hold dynamic tables (a
-        stack's too); `gathered` as `_dynamic_rows`'s; `fresh` {table name: (keys and last
-        before, keys after)} holds the index arrays from which the update of a table in
-        host memory tells the rows given to new ids (`_dynamic.Fresh`). Tables whose
-        updates route (`_dynamic_owner.routes_updates`) are resolved at their owners."""
+        stack's too); `gathered` as `_dynamic_rows`'s; `fresh` {table name: (rows, hi, lo)}
+        holds the resets of tables in host memory, which the update makes
+        (`_dynamic.update_rows`, `_dynamic.Fresh`). Tables whose updates route
+        (`_dynamic_owner.routes_updates`) are resolved at their owners."""
         row = P(self.axis)
         names = list(self.dynamic)
         scaled = self._scaled_by_ids(split)
-        routed = [name for name in names if _dynamic_owner.routes_updates(self.dynamic[name])]
+        routed = [
+            name
+            for name in names
+            if _dynamic_owner.routes_updates(self.dynamic[name], self.table_plans[name].storage)
+        ]
         # Where each table's rows are stored: its arrays' state key (a stack's members share
         # them) and the offset of its rows in every shard of them.
         stack_of = self.plan.stack_of
@@ -1160,7 +1164,7 @@ class Embedding:
             for name, (hi, lo) in zip(gathered, ids):
                 k = stack_of[name]
                 table, table_slots = arrays[k]
-                idx, table, table_slots, rows = _dynamic.update_rows(
+                idx, table, table_slots, rows, resets = _dynamic.update_rows(
                     self.dynamic[name],
                     self.table_plans[name].storage,
                     index[name].index,
@@ -1177,10 +1181,8 @@ class Embedding:
                 arrays[k] = (table, table_slots)
                 new_index[name] = dataclasses.replace(index[name], index=idx)
                 values.append(rows)
-            for name in names:
-                if self.table_plans[name].storage.on_host:
-                    before, after = index[name].index, new_index[name].index
-                    fresh[name] = (before.keys, before.last, after.keys)
+                if resets is not None:
+                    fresh[name] = resets
             back, gathered = self._dynamic_back(plans, parts, values, ids, scaled)
             out.update(back)
             new_tables = {k: table for k, (table, _) in arrays.items()}
@@ -1510,15 +1512,13 @@ class Embedding:
         fresh = {
             name: _dynamic.Fresh(
                 self.table_plans[name].storage,
-                self.dynamic[name].index,
                 keys[name],
-                before,
-                last,
-                after,
-                step,
+                rows,
+                hi,
+                lo,
                 self.dynamic[name].compaction,
             )
-            for name, (before, last, after) in resets.items()
+            for name, (rows, hi, lo) in resets.items()
         }
         for name, inputs in self.plan.inputs(feats, gathered).items():
             calls = _exchange.calls(self.plan, name, inputs)
