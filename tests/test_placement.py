@@ -1333,9 +1333,7 @@ def test_an_expired_id_back_in_its_own_slot_starts_afresh_in_host_memory():
     table in HBM does, not from the expired id's trained row."""
     ttl = jte.DynamicTable(capacity=8, bucket_size=8, ttl_steps=2)
     embs = {
-        p: jte.Embedding(
-            _dynamic_spec(p, "adagrad", ttl, jnp.float32), make_mesh(1), backend="xla"
-        )
+        p: jte.Embedding(_dynamic_spec(p, "adagrad", ttl, jnp.float32), make_mesh(1), backend="xla")
         for p in ("device", "host")
     }
     states = {p: e.init(jax.random.key(0)) for p, e in embs.items()}
