@@ -625,15 +625,15 @@ def update_rows(
     (table row to the id's initial row, slots to their initial values) in `table` and
     `slots`, where the table's rows start at local row `offset` (a stack's arrays hold
     several tables). Returns (index, table, slots, the ids' global rows as `scatter_rows`
-    takes them, fresh). `keep` False: the table is skipped this step (its index is left as
-    it is).
+    takes them). `keep` False: the table is skipped this step (its index is left as it
+    is).
 
-    A table in device memory is reset here, written in place; `fresh` is None. A table in
-    host memory is left as it is, and `fresh` holds the resets for the update to start
-    from (`RowStep.fresh`): every row given away this step is updated in the same step (a
-    placed id is in the step's update), so its one host read and write serve the reset
-    too. (Writing the resets to host memory here, the TPU compiler puts the written table
-    in HBM: docs/design.md.)"""
+    A table in device memory is reset here, written in place. A table in host memory is
+    left as it is: the update starts the rows given away from their initial rows (`Fresh`),
+    since every row given away this step is updated in the same step (a placed id is in
+    the step's update), so its one host read and write serve the reset too. (Writing the
+    resets to host memory here, the TPU compiler puts the written table in HBM:
+    docs/design.md.)"""
     me = lax.axis_index(axis)
     in_place = not storage.on_host
     assert in_place or offset == 0, "tables in host memory are never stacked"
@@ -643,7 +643,7 @@ def update_rows(
         index, r = _hashindex_cpu.resolve_update(plan.index, index, hi, lo, keep, me, n, now)
         table, slots = _reset_fresh(storage, table, slots, r, key, plan.dim, offset)
         rows = jnp.where(r.rows >= 0, storage.layout.global_ids(me, r.rows) + 1, 0)
-        return index, table, slots, rows, None
+        return index, table, slots, rows
     window = capacity(plan, hi.shape[0], lax.axis_size(axis))
     owned = _owned(plan, hi, lo, keep, axis, window)
     config, ids = plan.index, (owned.hi, owned.lo, owned.bucket)
@@ -700,7 +700,7 @@ def update_rows(
         (admit, first), index = _loops.in_windows(count, k, misses, decided, (none, none), index)
         admit, first = back(count, misses, admit), back(count, misses, first)
 
-    # Each placement round resets the rows it gives away.
+    # Each placement round resets the rows it gives away (in device memory).
     admitted, picked = compacted(admit)
 
     def placed(hi, lo, bucket, _, valid, carry):
@@ -710,19 +710,12 @@ def update_rows(
         if in_place:
             init = initial_rows(key, hi, lo, plan.dim)
             table, slots = reset_rows(storage, table, slots, row + offset, ok, init)
-        return (row, ok), (index, table, slots)
+        return (row,), (index, table, slots)
 
-    (a_row, a_placed), (index, table, slots) = _loops.in_windows(
-        admitted,
-        k,
-        picked,
-        placed,
-        (jnp.full(n + k, -1, jnp.int32), jnp.zeros(n + k, bool)),
-        (index, table, slots),
+    none = (jnp.full(n + k, -1, jnp.int32),)
+    (a_row,), (index, table, slots) = _loops.in_windows(
+        admitted, k, picked, placed, none, (index, table, slots)
     )
-    resets = None
-    if not in_place:  # The placed rows ascending, with their ids (-1: none).
-        resets = lax.sort((jnp.where(a_placed, a_row, -1), picked[0], picked[1]), num_keys=1)
     at = jnp.where(lax.iota(jnp.int32, n + k) < admitted, picked[3], n)
     row = jnp.full(n, -1, jnp.int32).at[at].set(a_row, mode="drop")
     if config.min_count > 1:  # Then the first sightings, in filter order (`record`).
@@ -741,7 +734,7 @@ def update_rows(
         _, index = _loops.in_windows(count, k, firsts, recorded, (), index)
     u_row = jnp.where(seen.hit, seen.row, row)
     rows = jnp.where(u_row >= 0, storage.layout.global_ids(me, u_row), -1)
-    return index, table, slots, to_positions(owned, rows), resets
+    return index, table, slots, to_positions(owned, rows)
 
 
 def _first(mask, k: int, *payloads, how: str):
@@ -834,28 +827,41 @@ def reset_rows(storage: _storage.TableStorage, table, slots: dict, rows, fresh, 
 
 @dataclasses.dataclass(frozen=True)
 class Fresh:
-    """`RowStep.fresh` of a dynamic table in host memory: inside the update, the rows the
-    step gave to new ids (`update_rows`' resets) start from the ids' initial rows and the
-    slots' initial values instead of what the host holds there (an evicted id's row)."""
+    """`RowStep.fresh` of a dynamic table in host memory: inside the update, the rows given
+    to new ids this step start from the ids' initial rows and the slots' initial values
+    instead of what the host holds there (an evicted id's row).
+
+    The index tells them apart, after this step's resolution: a slot given away this step
+    holds last = now and count = 1 (`_hashindex.place`), and a hit's count was at least 1
+    before the step added its own. So the update needs no list of the rows given away,
+    which the owners' resolution has no static bound for, and it reads the index only at
+    the rows it updates (its keys there are the new ids'), never a table-sized copy."""
 
     storage: _storage.TableStorage
     key: Any  # The table's key words (`key_words`).
-    rows: Any  # (m,) int32 local rows given away this step, ascending; -1 for none.
-    hi: Any  # (m,) uint32 each: the ids given those rows.
-    lo: Any
+    # The shard's index after this step's resolution: `IndexState`'s keys, last and count.
+    keys: Any
+    last: Any
+    count: Any
+    bucket_size: int
+    now: Any  # The step that resolved it.
     how: str  # `DynamicPlan.compaction`.
 
     def __call__(self, values: list, rows) -> list:
-        """`values` (the logical rows `rows` of the table and its stored slots, as read)
-        with the rows given away replaced; the initial rows are drawn for those only."""
-        m = self.rows.shape[0]
-        at = jnp.minimum(jnp.searchsorted(self.rows, rows), m - 1)
-        hit = self.rows[at] == rows
+        """`values` (the logical rows `rows` of the table and its stored slots, as read;
+        rows outside the shard are padding) with the rows given away replaced; the initial
+        rows are drawn for those only."""
+        b = self.bucket_size
+        inside = (rows >= 0) & (rows < self.last.shape[0])
+        r = jnp.where(inside, rows, 0)
+        given = inside & (self.last[r] == self.now) & (self.count[r] == 1)
+        word = 2 * (r // b) * b + r % b  # Block-interleaved keys: hi, then b words on, lo.
+        hi, lo = self.keys[word], self.keys[word + b]
         s = self.storage
-        init = initial_rows_where(self.key, self.hi[at], self.lo[at], hit, s.dim, self.how)
+        init = initial_rows_where(self.key, hi, lo, given, s.dim, self.how)
         out = []
         for v, new in zip(values, _initial_values(s, init)):
-            mask = hit.reshape(hit.shape + (1,) * (v.ndim - 1))
+            mask = given.reshape(given.shape + (1,) * (v.ndim - 1))
             out.append(jnp.where(mask, new.astype(v.dtype), v))
         return out
 

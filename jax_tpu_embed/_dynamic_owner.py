@@ -35,8 +35,8 @@ placements: `_hashindex.admission` (sightings counted, each in its own entry, wh
 first sightings take entries, in filter-bucket order) after them (docs/design.md, "The
 admission filter at the owners").
 
-Tables in host memory reset their rows inside the update's host write: they keep the
-all-gather resolution for their updates (`routes_updates`).
+A table in host memory is not reset here: the update starts the rows given away from their
+initial rows inside its one host read and write (`_dynamic.Fresh`).
 """
 
 from __future__ import annotations
@@ -50,12 +50,6 @@ from jax import lax
 from . import _dynamic, _hashindex, _routing
 
 _MAX = np.uint32(0xFFFFFFFF)
-
-
-def routes_updates(plan: _dynamic.DynamicPlan, storage) -> bool:
-    """Whether a routed table's updates are resolved at the owners too (else by all-gather):
-    not for a table in host memory (module docstring)."""
-    return plan.route == "owner" and not storage.on_host
 
 
 def capacity(plan: _dynamic.DynamicPlan, m: int, num_shards: int) -> int:
@@ -396,11 +390,12 @@ def lookup_rows(tables: list[Table], now, axis) -> list:
 def update_rows(
     tables: list[Table], updates: list[Update], arrays: dict, now, axis
 ) -> tuple[list[tuple], dict]:
-    """Inside shard_map: `_dynamic.update_rows` resolved at the owners (`routes_updates`),
-    the tables in shared rounds: one step's hits, admission and eviction for this device's
-    positions of each table, and the reset of the rows given to new ids in `arrays`
-    ({state key: (table, slots)}, the shard's). Returns ([per table (index, the positions'
-    global slot-table rows ((m,) int32, -1 where none))], the new `arrays`)."""
+    """Inside shard_map: `_dynamic.update_rows` resolved at the owners, the tables in shared
+    rounds: one step's hits, admission and eviction for this device's positions of each
+    table, and the reset of the rows given to new ids in `arrays` ({state key: (table,
+    slots)}, the shard's; not of tables in host memory: `_dynamic.Fresh`). Returns ([per
+    table (index, the positions' global slot-table rows ((m,) int32, -1 where none))], the
+    new `arrays`)."""
     n, me = lax.axis_size(axis), lax.axis_index(axis)
     # The lookup's distinct ids (one sort that a step's lookup and update share: XLA merges
     # the two equal computations); a skipped table sends none of them.
@@ -451,9 +446,11 @@ def update_rows(
             s_hi, s_lo, bucket, first, slot = _merged(t.plan.index, n, r_hi, r_lo)
             index, row, ok = _dynamic.place(t.plan, index, s_hi, s_lo, bucket, first, now)
             index = _hashindex.unfilter(t.plan.index, index, s_hi, s_lo, bucket, ok)
-            init = _dynamic.initial_rows(u.key, s_hi, s_lo, t.plan.dim)
-            table, slots = arrays[u.stack]
-            arrays[u.stack] = _dynamic.reset_rows(t.storage, table, slots, row + u.offset, ok, init)
+            if not t.storage.on_host:
+                init = _dynamic.initial_rows(u.key, s_hi, s_lo, t.plan.dim)
+                table, slots = arrays[u.stack]
+                reset = _dynamic.reset_rows(t.storage, table, slots, row + u.offset, ok, init)
+                arrays[u.stack] = reset
             code = jnp.where(ok, t.storage.layout.global_ids(me, row) + 1, 0)
             codes.append(_spread(first, code, slot))
             out.append(index)

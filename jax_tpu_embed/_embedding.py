@@ -1124,20 +1124,15 @@ class Embedding:
 
     def _admit(self, state, split, ok):
         """One step of the dynamic tables' indexes (admission, eviction, the reset of the
-        rows they give to new ids) -> (index, tables, slots, {path: rows}, fresh, gathered):
+        rows they give to new ids) -> (index, tables, slots, {path: rows}, gathered):
         `tables` and `slots` the new arrays of the state keys that hold dynamic tables (a
-        stack's too); `gathered` as `_dynamic_rows`'s; `fresh` {table name: (rows, hi, lo)}
-        holds the resets of tables in host memory, which the update makes
-        (`_dynamic.update_rows`, `_dynamic.Fresh`). Tables whose updates route
-        (`_dynamic_owner.routes_updates`) are resolved at their owners."""
+        stack's too); `gathered` as `_dynamic_rows`'s. Tables in host memory are not reset
+        here: the update does it (`_dynamic.Fresh`). Tables that route are resolved at
+        their owners."""
         row = P(self.axis)
         names = list(self.dynamic)
         scaled = self._scaled_by_ids(split)
-        routed = [
-            name
-            for name in names
-            if _dynamic_owner.routes_updates(self.dynamic[name], self.table_plans[name].storage)
-        ]
+        routed = [name for name in names if self.dynamic[name].route == "owner"]
         # Where each table's rows are stored: its arrays' state key (a stack's members share
         # them) and the offset of its rows in every shard of them.
         stack_of = self.plan.stack_of
@@ -1145,7 +1140,7 @@ class Embedding:
         offset = {t: o for k in keys for t, o in self.plan.stacks[k].offsets.items()}
 
         def local(index, tables, slots, parts, keep, step):
-            new_index, values, fresh, out = {}, [], {}, {}
+            new_index, values, out = {}, [], {}
             arrays = {k: (tables[k], slots[k]) for k in keys}
             owned = [self._owned_table(self.dynamic[name], index, parts) for name in routed]
             updates = [
@@ -1164,7 +1159,7 @@ class Embedding:
             for name, (hi, lo) in zip(gathered, ids):
                 k = stack_of[name]
                 table, table_slots = arrays[k]
-                idx, table, table_slots, rows, resets = _dynamic.update_rows(
+                idx, table, table_slots, rows = _dynamic.update_rows(
                     self.dynamic[name],
                     self.table_plans[name].storage,
                     index[name].index,
@@ -1181,19 +1176,17 @@ class Embedding:
                 arrays[k] = (table, table_slots)
                 new_index[name] = dataclasses.replace(index[name], index=idx)
                 values.append(rows)
-                if resets is not None:
-                    fresh[name] = resets
             back, gathered = self._dynamic_back(plans, parts, values, ids, scaled)
             out.update(back)
             new_tables = {k: table for k, (table, _) in arrays.items()}
             new_slots = {k: table_slots for k, (_, table_slots) in arrays.items()}
-            return new_index, new_tables, new_slots, out, fresh, gathered
+            return new_index, new_tables, new_slots, out, gathered
 
         parts = {
             p: (self._batch_sharded(h), self._batch_sharded(lo)) for p, (h, lo, _) in split.items()
         }
         specs = self._dynamic_specs()
-        outs = (specs, row, row, row, row, P())
+        outs = (specs, row, row, row, P())
         return self._shard_map(local, (specs, row, row, row, P(), P()), outs)(
             self._dynamic_index(state.index),
             {k: state.tables[k] for k in keys},
@@ -1226,11 +1219,11 @@ class Embedding:
         # Decided on the global arrays, so that every device skips the same tables; the row
         # functions then keep a skipped table's rows (see _backend.row_step).
         ok = self._steps_ok(given, local_grads, state.step)
-        tables, slots, index, fresh = state.tables, state.slots, state.index, {}
+        tables, slots, index = state.tables, state.slots, state.index
         keys = {name: state.index[name].key for name in self.dynamic}
         gathered = {}
         if split:
-            index, new_tables, new_slots, rows, fresh, gathered = self._admit(state, split, ok)
+            index, new_tables, new_slots, rows, gathered = self._admit(state, split, ok)
             # Laid out as `init` lays it out, so that the next call's input matches the last
             # call's output and the step compiles once.
             index = {
@@ -1244,11 +1237,17 @@ class Embedding:
             flat = {**flat, **self._dynamic_leaves(split, rows)}
         feats = self._normalized(flat)
         row, rep = P(self.axis), P()
+        # The index after this step's resolution tells the update which rows of a host
+        # table were given to new ids (`_dynamic.Fresh`).
+        on_host = [n for n in self.dynamic if self.table_plans[n].storage.on_host] if split else []
+        resolved = {
+            n: (index[n].index.keys, index[n].index.last, index[n].index.count) for n in on_host
+        }
         tables, slots = self._with_caches(tables, slots, index, state.step)
         tables, slots = self._with_staged(tables, slots, staged)
         tables, slots = self._shard_map(
             self._update_local, (row, row, row, rep, row, row, rep, rep, rep), (row, row)
-        )(tables, slots, feats, gathered, local_grads, fresh, keys, state.step, ok)
+        )(tables, slots, feats, gathered, local_grads, resolved, keys, state.step, ok)
         tables, slots, index = self._without_caches(tables, slots, index)
         for name in staged:  # Written through to the host: the host arrays are the state.
             tables[name] = tables[name].host
@@ -1507,18 +1506,20 @@ class Embedding:
                 out.update(exchange.lookup(call, tables[name], part, self.axis))
         return out
 
-    def _update_local(self, tables, slots, feats, gathered, grads, resets, keys, step, ok):
+    def _update_local(self, tables, slots, feats, gathered, grads, resolved, keys, step, ok):
         tables, slots = dict(tables), dict(slots)
         fresh = {
             name: _dynamic.Fresh(
                 self.table_plans[name].storage,
                 keys[name],
-                rows,
-                hi,
-                lo,
+                words,
+                last,
+                count,
+                self.dynamic[name].index.bucket_size,
+                step,
                 self.dynamic[name].compaction,
             )
-            for name, (rows, hi, lo) in resets.items()
+            for name, (words, last, count) in resolved.items()
         }
         for name, inputs in self.plan.inputs(feats, gathered).items():
             calls = _exchange.calls(self.plan, name, inputs)

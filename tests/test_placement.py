@@ -1326,14 +1326,20 @@ def test_stage_reads_host_tables_only_when_asked_and_refuses_stale_rows():
         jte.Embedding(spec, mesh, stage_host_rows="yes")  # pyright: ignore[reportArgumentType]
 
 
-def test_an_expired_id_back_in_its_own_slot_starts_afresh_in_host_memory():
+@pytest.mark.parametrize("shards, routing", [(1, "gather"), (2, "owner")])
+def test_an_expired_id_back_in_its_own_slot_starts_afresh_in_host_memory(shards, routing):
     """An id that expires (`ttl_steps`) and returns takes back its own freed slot, so the
     index holds the same key there before and after the step: a dynamic host table's
     update must still start that row from the id's initial row (`_dynamic.Fresh`), as the
-    table in HBM does, not from the expired id's trained row."""
-    ttl = jte.DynamicTable(capacity=8, bucket_size=8, ttl_steps=2)
+    table in HBM does, not from the expired id's trained row; with either resolution."""
+    ttl = jte.DynamicTable(capacity=16, bucket_size=8, ttl_steps=2)
     embs = {
-        p: jte.Embedding(_dynamic_spec(p, "adagrad", ttl, jnp.float32), make_mesh(1), backend="xla")
+        p: jte.Embedding(
+            _dynamic_spec(p, "adagrad", ttl, jnp.float32),
+            make_mesh(shards),
+            backend="xla",
+            routing=routing,
+        )
         for p in ("device", "host")
     }
     states = {p: e.init(jax.random.key(0)) for p, e in embs.items()}

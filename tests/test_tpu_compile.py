@@ -47,7 +47,7 @@ if importlib.util.find_spec("libtpu") is None:
         allow_module_level=True,
     )
 
-from jax_tpu_embed import _aot, _dynamic, _dynamic_owner  # noqa: E402
+from jax_tpu_embed import _aot, _dynamic  # noqa: E402
 
 # Each test compiles on the test's own thread, one program at a time, with no pool compiling
 # ahead: two libtpu compiles in flight in one process crashed a CI worker twice (SIGSEGV
@@ -578,8 +578,7 @@ def test_dynamic_train_step_compiles_in_place(dim, limit, extra):
             # of buckets a shard).
             assert emb.dynamic["t"].finder == "pallas"
             assert _dynamic.scorer(emb.dynamic["t"], 0) is not None
-            storage = emb.table_plans["t"].storage
-            assert _dynamic_owner.routes_updates(emb.dynamic["t"], storage)
+            assert emb.dynamic["t"].route == "owner"
         reports[label] = _aot.compile_train_step(emb, 4096, 20, topo=topo)
     r = reports["dynamic"]
     assert r.fits and r.unaliased_state == [], r.unaliased_state
@@ -687,6 +686,40 @@ def test_dynamic_train_step_stays_flat_on_a_pod():
     assert grown <= 1.8 and over <= 3.6, (grown, over)
 
 
+@pytest.mark.slow  # Two compiles, about a minute.
+def test_dynamic_host_train_step_stays_flat_on_a_pod():
+    """A dynamic table in host memory (D = 64, 131,072 slots and 256 examples of 20 ids
+    per chip) on v5p:4x4x4 and v5p:8x8x8, where `routing="auto"` routes ids to their
+    owners: its updates resolve at the owners too (the update tells the rows given to new
+    ids from the index: `_dynamic.Fresh`), so its bytes per chip stay about flat (1.2x; by the
+    all-gather they grew 2.8x). At 512 chips the step fits, aliases its state, keeps the
+    host arrays in place and copies nothing table-sized."""
+
+    def compiled(topology: str):
+        topo = _aot.topology(topology)
+        capacity = (1 << 17) * len(topo.devices)  # The compiler charges the host arrays
+        # once a step (their host calls' operands): the same a chip on both slices.
+        table = jte.TableConfig(
+            None,
+            64,
+            combiner="sum",
+            name="t",
+            placement="host",
+            dynamic=jte.DynamicTable(capacity=capacity),
+        )
+        spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(learning_rate=0.05))
+        emb = jte.Embedding(spec, _aot.mesh(topo))
+        assert emb.dynamic["t"].route == "owner"
+        return _aot.compile_train_step(emb, 256 * len(topo.devices), 20, topo=topo)
+
+    small, big = compiled("v5p:4x4x4"), compiled("v5p:8x8x8")
+    assert big.fits and big.unaliased_state == [], big.unaliased_state
+    assert big.host_alias_bytes == big.host_argument_bytes and big.host_temp_bytes == 0
+    assert not [t for t in big.largest_temps if t.bytes >= big.table_bytes["t"]]
+    grown = big.bytes_accessed / small.bytes_accessed
+    assert grown <= 1.5, grown
+
+
 def _train_step(emb, prefetching: bool):
     """The train step `_aot` compiles; `prefetching`: it first prefetches the next batch's
     rows into the HostCached tables' caches (a batch of the same shapes as this one)."""
@@ -708,7 +741,9 @@ def test_dynamic_host_table_train_step_compiles_in_place(cached):
     lookup and the update (and the prefetch) as the data needs: the rows given to new ids
     start from their initial rows inside the update, not by a write of their own; no
     device temporary is the table's size, and without a cache the device holds less than
-    the host table."""
+    the host table: half of it, with four times W1's capacity (the step's working set,
+    about 120 MiB a device, does not grow with the table; at W1's own 122 MiB a device
+    the bound was a coin toss)."""
     topo = _aot.topology("v5p:2x2x1")
     placement = jte.HostCached(cache_rows=100_000) if cached else "host"
     table = jte.TableConfig(
@@ -717,7 +752,7 @@ def test_dynamic_host_table_train_step_compiles_in_place(cached):
         combiner="sum",
         name="t",
         placement=placement,
-        dynamic=jte.DynamicTable(capacity=1_000_000),
+        dynamic=jte.DynamicTable(capacity=1_000_000 if cached else 4_000_000),
     )
     spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(learning_rate=0.05))
     emb = jte.Embedding(spec, _aot.mesh(topo))
@@ -731,7 +766,7 @@ def test_dynamic_host_table_train_step_compiles_in_place(cached):
     assert every_step == (["scatter"] if cached else ["gather", "scatter"]), r.host_calls
     assert on_miss == ["gather"] * (3 if cached else 2), r.host_calls
     if not cached:
-        assert r.peak_bytes < host_state, _aot.format_bytes(r.peak_bytes)
+        assert r.peak_bytes < host_state / 2, _aot.format_bytes(r.peak_bytes)
     big = [t for t in r.largest_temps if t.space == "hbm" and t.bytes >= r.table_bytes["t"]]
     assert not big, big
 
