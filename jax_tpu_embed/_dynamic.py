@@ -851,12 +851,10 @@ class Fresh:
         """`values` (the logical rows `rows` of the table and its stored slots, as read;
         rows outside the shard are padding) with the rows given away replaced; the initial
         rows are drawn for those only."""
-        b = self.bucket_size
         inside = (rows >= 0) & (rows < self.last.shape[0])
         r = jnp.where(inside, rows, 0)
         given = inside & (self.last[r] == self.now) & (self.count[r] == 1)
-        word = 2 * (r // b) * b + r % b  # Block-interleaved keys: hi, then b words on, lo.
-        hi, lo = self.keys[word], self.keys[word + b]
+        hi, lo = _hashindex.keys_at(self.keys, self.bucket_size, r)
         s = self.storage
         init = initial_rows_where(self.key, hi, lo, given, s.dim, self.how)
         out = []

@@ -237,6 +237,13 @@ def slot_words(keys, width: int) -> tuple[np.ndarray, np.ndarray]:
     return k[:, 0].reshape(-1), k[:, 1].reshape(-1)
 
 
+def keys_at(keys, width: int, slots):
+    """(hi, lo) uint32 of the slots `slots` (int32, slot order, in range) of
+    block-interleaved keys, as `slot_words` orders them; jittable: one gather per word."""
+    word = 2 * (slots // width) * width + slots % width
+    return keys[word], keys[word + width]
+
+
 def set_slot_words(keys: np.ndarray, width: int, slots, hi, lo) -> None:
     """Writes (hi, lo) into the slots `slots` (slot order, as `slot_words`) of a NumPy
     block-interleaved key array, in place."""
