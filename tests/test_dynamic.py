@@ -369,14 +369,17 @@ def test_the_same_on_every_mesh_and_exchange_with_eviction():
     "dynamic",
     [
         pytest.param(jte.DynamicTable(capacity=64, bucket_size=8), marks=pytest.mark.slow),
-        jte.DynamicTable(
-            capacity=16,  # 4 buckets: the same capacity on 1 and 4 devices
-            bucket_size=4,
-            eviction="lfu",
-            ttl_steps=3,
-            min_count=2,
-            admit_probability=0.9,
-            filter_capacity=8,
+        pytest.param(
+            jte.DynamicTable(
+                capacity=16,  # 4 buckets: the same capacity on 1 and 4 devices
+                bucket_size=4,
+                eviction="lfu",
+                ttl_steps=3,
+                min_count=2,
+                admit_probability=0.9,
+                filter_capacity=8,
+            ),
+            marks=pytest.mark.slow,
         ),
     ],
     ids=["lru", "filter-ttl-lfu"],
@@ -387,8 +390,9 @@ def test_resolution_in_passes_is_the_same(dynamic):
     two buckets here, so its first sightings go in another order): with windows far
     smaller than a step's ids (many rounds, buckets split between them) the resident ids
     and counters equal one device's single pass, rows and lookups to float32 rounding (the
-    TPU layout's row passes sum gradients in another order). The fast tier takes the
-    filter."""
+    TPU layout's row passes sum gradients in another order). Slow: the fast tier keeps
+    test_owner_rounds_send_every_id_when_a_device_holds_cd_of_them and the admission
+    rules (test_admission_rules_and_ttl)."""
     base_emb, base_state, base_exports, base_lookups = run_stream(1, "gather", dynamic, 8)
     emb, state, exports, lookups = run_stream(
         4, "gather", dynamic, 8, tpu_layout=True, max_ids_per_shard=8
@@ -775,7 +779,6 @@ def test_eviction_invariants(eviction):
         assert stats["evicted"] > 0
 
 
-@pytest.mark.slow
 def test_admission_rules_and_ttl():
     """min_count=2 admits at the second update that sees an id; until then lookups read its
     initial row and its gradient is not applied (counted as rejected). ttl_steps expires a
@@ -1261,7 +1264,7 @@ def test_pad_ragged_keeps_64_bit_ids():
         (48, 2, jnp.bfloat16),  # 2 to a row, 16-bit.
         (1, 1, np.float32),  # A rank-1 slot: 128 to a row.
         pytest.param(200, 2, np.float32, marks=pytest.mark.slow),  # Padded to 256 lanes.
-        (128, 2, np.float32),  # As it is.
+        pytest.param(128, 2, np.float32, marks=pytest.mark.slow),  # As it is.
     ],
 )
 def test_reset_rows_write_their_own_lanes_of_packed_rows(width, rank, dtype):
