@@ -17,7 +17,10 @@ Three measurements, each against a baseline timed in the same run:
    row and its slot read once a step, `Embedding.stage`, as train steps on TPU and GPU
    do) and not (`stage_host_rows=False`: the lookup reads a row per (id, position) pair
    and the update reads it again with its slot), and `HostCached` without and with
-   prefetch (the step given the next batch, `next_batch=`). For the cached table: the
+   prefetch (the step given the next batch, `next_batch=`); and pipelined
+   (`pipeline_execution`: the lookup of one batch, the update of the batch before) in HBM
+   and in host memory, staged (both batches' rows in one read) and not. For the cached
+   table: the
    share of each step's distinct rows found in HBM (from `emb.cache_stats`), the rows
    fetched from host memory per step, and the step time against the baseline. The
    issue's target: with prefetch and >= 90% hits, <= 1.25x. Prefetch against no
@@ -118,12 +121,15 @@ def train_steps(
         {"features": {"f": jax.device_put(b, NamedSharding(mesh, P("s")))}}
         for b in rows_of_rank[workloads.sample_ranks(cdf, (warm + repeats + 1, batch, length), rng)]
     ]
-    placements = {
-        "device": ("device", None),
-        "host": ("host", True),
-        "host unstaged": ("host", False),
-        "cached": (jte.HostCached(cache_rows, prefetch=False), None),
-        "cached+prefetch": (jte.HostCached(cache_rows), None),
+    placements = {  # (placement, stage_host_rows, pipeline_execution)
+        "device": ("device", None, False),
+        "host": ("host", True, False),
+        "host unstaged": ("host", False, False),
+        "cached": (jte.HostCached(cache_rows, prefetch=False), None, False),
+        "cached+prefetch": (jte.HostCached(cache_rows), None, False),
+        "device pipelined": ("device", None, True),
+        "host pipelined": ("host", True, True),
+        "host pipe. unstaged": ("host", False, True),
     }
 
     def loss_fn(params, acts, batch):
@@ -131,12 +137,15 @@ def train_steps(
         return params["scale"] * jnp.sum(jnp.tanh(acts["f"]))
 
     runs = {}
-    for label, (placement, staged) in placements.items():
+    for label, (placement, staged, pipelined) in placements.items():
         table = jte.TableConfig(vocab, 64, combiner="sum", name="t", placement=placement)
-        spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.Adagrad(0.05))
+        spec = jte.EmbeddingSpec(
+            {"f": jte.FeatureConfig(table)}, jte.Adagrad(0.05), pipeline_execution=pipelined
+        )
         emb = jte.Embedding(spec, mesh, backend="xla", stage_host_rows=staged)
         step = jte.make_train_step(emb, loss_fn, optax.sgd(0.0))
-        state = step.init(jax.random.key(0), {"scale": jnp.float32(1e-3)})
+        # A pipelined step's state holds a pending update shaped like a batch.
+        state = step.init(jax.random.key(0), {"scale": jnp.float32(1e-3)}, batches[0])
         runs[label] = {"emb": emb, "step": step, "state": state, "times": []}
 
     def once(run, i: int, prefetch: bool):
@@ -220,11 +229,11 @@ def main(argv=None) -> int:
     print()
     print(f"train step, a ({table_rows:,}, 64) table, Adagrad (median ms, alternating):")
     print(
-        f"{'placement':16s} {'ms':>9s} {'vs device':>10s} {'hit rate':>9s} "
+        f"{'placement':19s} {'ms':>9s} {'vs device':>10s} {'hit rate':>9s} "
         f"{'host rows/step':>15s} {'of distinct':>12s}"
     )
     for label, r in result["train_step"].items():
-        line = f"{label:16s} {r['ms']:>9.2f} {r['vs device']:>9.2f}x"
+        line = f"{label:19s} {r['ms']:>9.2f} {r['vs device']:>9.2f}x"
         if "hit_rate" in r:
             line += (
                 f" {r['hit_rate']:>9.1%} {r['host_rows_per_step']:>15,.0f}"

@@ -203,6 +203,11 @@ def train_step_fn(emb, hidden: int = 16) -> tuple[Callable, dict]:
     loss = Σ_f Σ tanh(act_f @ W_f) with W_f (D, hidden), d(loss)/d(activations) by
     jax.vjp and `emb.apply_gradients`; `abstract_dense` is {feature path: W_f} as replicated
     ShapeDtypeStructs.
+
+    With `emb.spec.pipeline_execution`, `features` is (batch, pending), as a pipelined
+    train step has them: it stages both batches, looks up `batch` and updates `pending`.
+    (The real step applies the gradients the step before computed for `pending`; this one
+    applies `batch`'s, which have their shapes.)
     """
     replicated = NamedSharding(emb.mesh, P())
     dense = {
@@ -211,7 +216,11 @@ def train_step_fn(emb, hidden: int = 16) -> tuple[Callable, dict]:
     }
 
     def step(state, dense, features):
-        staged = emb.stage(state, features)  # As `jte.make_train_step` does.
+        updated = features
+        if emb.spec.pipeline_execution:
+            features, updated = features
+        # As `jte.make_train_step` does.
+        staged = emb.stage(state, features, *([updated] if updated is not features else []))
         acts = emb.lookup(state, features, staged=staged)
 
         def loss_fn(acts):
@@ -220,7 +229,7 @@ def train_step_fn(emb, hidden: int = 16) -> tuple[Callable, dict]:
 
         loss, vjp = jax.vjp(loss_fn, acts)
         (act_grads,) = vjp(jnp.ones_like(loss))
-        return emb.apply_gradients(state, features, act_grads, staged=staged), loss
+        return emb.apply_gradients(state, updated, act_grads, staged=staged), loss
 
     return step, dense
 
@@ -405,6 +414,7 @@ def compile_train_step(
         topo: The topology of `emb.mesh`, for the HBM figures; found from the devices if
             None.
         step: Optional fn(state, dense, features) -> (state, ...) replacing the default.
+            A pipelined embedding's `features` are two batches (see `train_step_fn`).
         allow_oom: When the program does not fit HBM the compiler fails; with True it is
             compiled again with `xla_tpu_no_crash_on_oom` so that the report still gives
             every number (and `oom` the compiler's message).
@@ -415,6 +425,8 @@ def compile_train_step(
     step = step or default_step
     state = emb.abstract_state()
     features = abstract_features(emb, batch, ids_per_example)
+    if emb.spec.pipeline_execution:  # The batch and the pending one.
+        features = (features, abstract_features(emb, batch, ids_per_example))
     start = time.perf_counter()
     lowered = jax.jit(step, donate_argnums=0).lower(state, dense, features)
     with tempfile.TemporaryDirectory(prefix="jte_tpu_") as dump:

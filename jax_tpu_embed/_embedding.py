@@ -1280,13 +1280,17 @@ class Embedding:
 
     # Tables in host memory (_placement.Staged): a step's rows read from the host once.
 
-    def stage(self, state: EmbeddingState, features: Nested) -> StagedRows | None:
+    def stage(self, state: EmbeddingState, features: Nested, *more: Nested) -> StagedRows | None:
         """Reads the rows `features` will touch in the tables placed "host" (and their
         slots) from host memory into device memory, in one host read per table, for the
         `lookup` and `apply_gradients` of these features (`staged=`), which then read
         those rows from device memory and not from the host: a train step reads each
         touched row once, not once per (id, position) pair for the lookup and again for
         the update. It does not change the state.
+
+        `more` are other batches whose rows the same read brings: a pipelined step looks
+        up one batch and updates the batch before (`pipeline_execution`), so it stages
+        both, and its lookup and update each find their rows among them.
 
         Each device stages up to one pass's distinct rows (`call_plans`' `capacity`), or
         under owner routing the rows the devices send it in one round; rows past that, or
@@ -1296,12 +1300,15 @@ class Embedding:
         reads their rows, not the rows the update gives to new ids, which are read where
         needed). Tables in device memory and `HostCached` tables are not staged; nor is
         anything on CPU meshes unless `stage_host_rows=True`. A train step
-        (`jte.make_train_step`) does this itself, except for pipelined embeddings (whose
-        update is of the batch before).
+        (`jte.make_train_step`) does this itself (a pipelined one with both batches).
 
         Args:
             state: From `init` or `apply_gradients`.
             features: As for `lookup`.
+            *more: More batches (each as for `lookup`) to stage in the same read. A
+                device still stages no more rows than the largest batch alone could
+                touch, which assumes every id distinct: batches with fewer distinct rows
+                between them fit, and the rows of the others are read where needed.
 
         Returns:
             The staged rows, for `staged=` (a pytree of jax Arrays); None where nothing is
@@ -1313,35 +1320,45 @@ class Embedding:
         _guards.check_not_consumed(state, "Embedding.stage")
         if not self.stageable:
             return None
-        rows = self._stage_jit(
-            state.tables, state.slots, state.index, state.step, self._prepare(features)
-        )
+        batches = tuple(self._prepare(f) for f in (features, *more))
+        rows = self._stage_jit(state.tables, state.slots, state.index, state.step, batches)
         return StagedRows(jnp.copy(state.step), rows)  # The state's is donated by updates.
 
-    def _stage(self, tables, slots, index, step, flat):
-        split = self._split_dynamic(flat)
-        gathered = {}
-        if self.stageable & set(self.dynamic):
-            # Their ids resolved as the lookup resolves them (in a train step the compiler
-            # may share the work); the rows the update gives to new ids are read where
-            # they are needed.
-            rows, gathered = self._dynamic_rows(index, step, split)
-            flat = {**flat, **self._dynamic_leaves(split, rows)}
-        else:
-            flat = {p: x for p, x in flat.items() if p not in split}
-        feats = self._normalized(flat)
+    def _stage(self, tables, slots, index, step, batches):
+        resolved = []
+        for flat in batches:
+            split = self._split_dynamic(flat)
+            gathered = {}
+            if self.stageable & set(self.dynamic):
+                # Their ids resolved as the lookup resolves them (in a train step the
+                # compiler may share the work); the rows the update gives to new ids are
+                # read where they are needed.
+                rows, gathered = self._dynamic_rows(index, step, split)
+                flat = {**flat, **self._dynamic_leaves(split, rows)}
+            else:
+                flat = {p: x for p, x in flat.items() if p not in split}
+            resolved.append((self._normalized(flat), gathered))
 
-        def local(tables, slots, feats, gathered):
+        def local(tables, slots, resolved):
+            read, limits = {}, {}
+            for feats, gathered in resolved:
+                for name, inputs in self.plan.inputs(feats, gathered).items():
+                    if name not in self.stageable:
+                        continue
+                    most = 0
+                    for call, part in _exchange.calls(self.plan, name, inputs):
+                        exchange = _exchange.EXCHANGES[call.exchange]
+                        rows, bound = exchange.rows_read(call, part, self.axis)
+                        read.setdefault(name, []).append(rows)
+                        most += bound
+                    # As many rows as the largest batch can touch, not their sum: that
+                    # bound takes every id as distinct, which real batches are far from,
+                    # so two of them fit and the host read stays one batch's size; rows
+                    # past it are read where needed.
+                    limits[name] = max(limits.get(name, 0), most)
             out = {}
-            for name, inputs in self.plan.inputs(feats, gathered).items():
-                if name not in self.stageable:
-                    continue
-                keys, limit = [], 0
-                for call, part in _exchange.calls(self.plan, name, inputs):
-                    rows, most = _exchange.EXCHANGES[call.exchange].rows_read(call, part, self.axis)
-                    keys.append(rows)
-                    limit += most
-                keys = jnp.concatenate(keys)
+            for name, limit in limits.items():
+                keys = jnp.concatenate(read[name])
                 storage = self.plan.stacks[name].storage
                 hosts = [tables[name]] + [slots[name][s.name] for s in storage.stored]
                 physical = [
@@ -1352,11 +1369,10 @@ class Embedding:
             return out
 
         row = P(self.axis)
-        return self._shard_map(local, (row, row, row, P()), row)(
+        return self._shard_map(local, (row, row, [(row, P())] * len(resolved)), row)(
             {n: tables[n] for n in self.stageable},
             {n: slots[n] for n in self.stageable},
-            feats,
-            gathered,
+            resolved,
         )
 
     def _with_staged(self, tables, slots, staged) -> tuple[dict, dict]:

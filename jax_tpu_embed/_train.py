@@ -630,9 +630,10 @@ class TrainStep:
             # Issued before the lookups: the host reads overlap this step's work.
             _, upcoming = self._features(state.params, next_batch, state.model_state, keys)
             states = {n: embs[n].prefetch(states[n], upcoming[n]) for n in embs}
-        # One host read of each host table's rows for the lookup and the update (not for a
-        # pipelined update, which is of the batch before).
-        staged = {n: embs[n].stage(states[n], features[n]) for n in embs if n not in pipelined}
+        # One host read of each host table's rows for the lookup and the update (in a
+        # pipelined step, of this batch's rows and the pending batch's).
+        before = {n: [state.pending.features[n]] for n in pipelined if state.pending is not None}
+        staged = {n: embs[n].stage(states[n], features[n], *before.get(n, [])) for n in embs}
         acts = {n: embs[n].lookup(states[n], features[n], staged=staged.get(n)) for n in embs}
         if k == 1:
             loss, dparams, dacts, aux, model_state = self._grads(

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 import jax_tpu_embed as jte
 import test_dynamic
 from conftest import executables_made, make_mesh
+from jax_tpu_embed import _placement
 from test_optimizers import OPTIMIZERS
 
 _B = 16
@@ -386,47 +387,56 @@ _CACHED = jte.HostCached(cache_rows=64, ways=4)
 
 
 @pytest.mark.parametrize(
-    "kind, placement, staged",
+    "kind, placement, staged, pipelined",
     [
-        ("explicit", "host", True),  # As on TPU: one host read of the step's rows.
-        pytest.param("explicit", "host", False, marks=_SLOW),
-        pytest.param("auto", "host", False, marks=_SLOW),  # test_routing's: an Auto mesh.
-        pytest.param("explicit", _CACHED, False, marks=_SLOW),
+        ("explicit", "host", True, False),  # As on TPU: one host read of the step's rows.
+        # A pipelined step stages its batch's rows and the pending one's in one read (the
+        # fast tier stages two batches in test_stage_of_two_batches_*).
+        pytest.param("explicit", "host", True, True, marks=_SLOW),
+        pytest.param("explicit", "host", False, False, marks=_SLOW),
+        pytest.param("auto", "host", False, True, marks=_SLOW),  # An Auto mesh.
+        pytest.param("explicit", _CACHED, False, False, marks=_SLOW),
     ],
 )
-def test_jitted_train_step_with_global_array_inputs(kind, placement, staged):
+def test_jitted_train_step_with_global_array_inputs(kind, placement, staged, pipelined):
     """The train step of a host (or host-cached) table fed global jax.Arrays sharded over
     the batch, against the same step of a device table fed NumPy: the same losses and
-    tables (to float32 rounding where the step stages the host rows)."""
+    tables (to float32 rounding where the step stages the host rows); pipelined or not."""
     mesh = make_mesh(4, kind)
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.normal(size=(16, 1)), jnp.float32)}
     steps, states = {}, {}
     for p in ("device", "host"):
+        spec = _train_spec(placement if p == "host" else p)
         emb = jte.Embedding(
-            _train_spec(placement if p == "host" else p),
+            dataclasses.replace(spec, pipeline_execution=pipelined),
             mesh,
             backend="xla",
             stage_host_rows=staged or None,
         )
         assert (emb.stageable == {"big"}) == (p == "host" and staged), emb.stageable
         steps[p] = jte.make_train_step(emb, _loss, optax.sgd(0.05))
-        states[p] = steps[p].init(jax.random.key(0), params)
-    batch_sharding = NamedSharding(mesh, P("shard"))
-    for _ in range(4):
-        batch = {
+    batches = [
+        {
             "features": {
                 "big": rng.integers(-1, 500, (_B, 5)).astype(np.int32),
                 "small": rng.integers(0, 30, (_B, 2)).astype(np.int32),
             },
             "label": rng.normal(size=(_B, 1)).astype(np.float32),
         }
+        for _ in range(4)
+    ]
+    states = {p: s.init(jax.random.key(0), params, batches[0]) for p, s in steps.items()}
+    batch_sharding = NamedSharding(mesh, P("shard"))
+    for batch in batches:
         global_batch = jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(batch_sharding, x), batch
         )
         states["device"], m_dev = steps["device"](states["device"], batch)
         states["host"], m_host = steps["host"](states["host"], global_batch)
         np.testing.assert_allclose(float(m_host["loss"]), float(m_dev["loss"]), rtol=1e-6 * staged)
+    if pipelined:
+        states = {p: steps[p].flush(s) for p, s in states.items()}
     emb_host, emb_dev = steps["host"].embedding, steps["device"].embedding
     host_state, dev_state = states["host"].embedding, states["device"].embedding
     assert host_state.tables["big"].sharding.memory_kind == _HOST
@@ -1331,6 +1341,44 @@ def test_stage_reads_host_tables_only_when_asked_and_refuses_stale_rows():
             call()
     with pytest.raises(TypeError, match="stage_host_rows must be a bool or None"):
         jte.Embedding(spec, mesh, stage_host_rows="yes")  # pyright: ignore[reportArgumentType]
+
+
+def test_stage_of_two_batches_reads_the_rows_of_both_once():
+    """`stage(state, a, b)` (a pipelined step's batch and the pending one) stages on each
+    device the rows that staging a and b apart would, in one read of one batch's size;
+    the lookup of a and the update of b with it give the unstaged values. Two batches of
+    all-distinct ids do not fit: the staged rows are full, and the rest are read where
+    needed, values unchanged."""
+    emb = jte.Embedding(_train_spec("host"), make_mesh(2), backend="xla", stage_host_rows=True)
+    rng = np.random.default_rng(5)
+
+    def batch(ids):
+        return {"big": ids, "small": rng.integers(0, 30, (ids.shape[0], 2))}
+
+    def staged_rows(staged):  # Per device: the set of rows staged, and how many it holds.
+        at = np.asarray(staged.rows["big"][0][0]).reshape(2, -1)
+        return [set(a[a != _placement.NOT_MINE].tolist()) for a in at], at.shape[1]
+
+    pool = rng.choice(500, 40, replace=False)  # Each batch 30 of them, 20 in both.
+    repeats = [batch(rng.choice(np.append(p, -1), (2 * _B, 5))) for p in (pool[:30], pool[10:])]
+    # Rows of device 0 only (div), all distinct within each batch: 250 between them.
+    perm = rng.permutation(250)
+    apart_rows = [perm[:160].reshape(2 * _B, 5), perm[90:].reshape(2 * _B, 5)]
+    for a, b in [repeats, [batch(x) for x in apart_rows]]:
+        state = emb.init(jax.random.key(0))
+        both, limit = staged_rows(emb.stage(state, a, b))
+        apart = [staged_rows(emb.stage(state, x))[0] for x in (a, b)]
+        union = [x | y for x, y in zip(*apart)]
+        assert any(union) and any(len(u) > limit for u in union) == (a is not repeats[0])
+        for got, u in zip(both, union):  # Past one batch's size: `limit` of the union.
+            assert got == u if len(u) <= limit else (len(got) == limit and got < u)
+        staged = emb.stage(state, a, b)
+        acts = emb.lookup(state, a, staged=staged)
+        chex.assert_trees_all_equal(acts, emb.lookup(state, a))
+        grads = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), acts)
+        new = emb.apply_gradients(state, b, grads, staged=staged)  # Shaped as a.
+        want = emb.apply_gradients(emb.init(jax.random.key(0)), b, grads)
+        chex.assert_trees_all_close(emb.export(new), emb.export(want), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize(

@@ -771,6 +771,35 @@ def test_dynamic_host_table_train_step_compiles_in_place(cached):
     assert not big, big
 
 
+@pytest.mark.slow  # About a minute of compiling.
+def test_pipelined_host_table_step_reads_its_two_batches_once():
+    """A pipelined step of a W1-shaped table in host memory (v5p:2x2x1) looks up one batch
+    and updates the batch before; it stages both in one host read of one batch's size, so
+    its every-step host traffic is the plain staged step's (unstaged, it read the rows
+    twice: 47.6 MB a device where this is 31.7): one read and one write every step, reads
+    of rows past the staged ones as the data needs, the host table aliased, and it fits."""
+    topo = _aot.topology("v5p:2x2x1")
+    table = jte.TableConfig(1_000_000, 64, combiner="sum", name="t", placement="host")
+    spec = jte.EmbeddingSpec(
+        {"f": jte.FeatureConfig(table)},
+        jte.Adagrad(learning_rate=0.05),
+        pipeline_execution=True,
+    )
+    emb = jte.Embedding(spec, _aot.mesh(topo))
+    r = _aot.compile_train_step(emb, 4096, 20, topo=topo)
+    assert r.fits and r.unaliased_state == [], r.unaliased_state
+    assert r.host_alias_bytes == r.host_argument_bytes and r.host_temp_bytes == 0
+    every_step = [c for c in r.host_calls if not c.on_miss]
+    assert sorted(c.kind for c in every_step) == ["gather", "scatter"], r.host_calls
+    assert [c.kind for c in r.host_calls if c.on_miss] == ["gather", "gather"], r.host_calls
+    # The read is one batch's: the rows (and their indices) one batch's stage holds.
+    staged = jax.eval_shape(emb.stage, emb.abstract_state(), _aot.abstract_features(emb, 4096, 20))
+    rows = jax.tree.leaves(staged.rows)
+    per_device = sum(x.size * x.dtype.itemsize for x in rows) // emb.num_shards
+    (read,) = [c for c in every_step if c.kind == "gather"]
+    assert read.crossing_bytes == per_device, (read, per_device)
+
+
 def _criteo_with_host_tables(cache: float = 0.0):
     """The Criteo 1TB DLRM-DCNv2 spec (configs/criteo_1tb_dcnv2.yaml) with its tables of a
     million rows or more in host memory: 6 tables, 99.5% of its 194.7 GiB; with `cache`,
