@@ -198,13 +198,15 @@ class TableStorage:
 
     def is_identity(self, slot: _optimizers.SlotSpec | None) -> bool:
         """Whether the stored array is already its logical rows, unpadded: "div" with V a
-        multiple of N and no packing."""
+        multiple of N, no packing, and for the table's array (slot None) no riders (D = 64
+        with one rider fills 128 lanes unpacked, but half of each row is the rider's)."""
         packing = self.packing if slot is None else self.slot_packing(slot)
         layout = self.layout
         return (
             layout.strategy == "div"
             and layout.padded_rows == layout.vocabulary_size
             and packing.is_identity(layout.rows_per_shard)
+            and (slot is not None or not self.riders)
         )
 
     def block_to_physical(self, slot: _optimizers.SlotSpec | None, rows):
