@@ -216,11 +216,9 @@ def train_step_fn(emb, hidden: int = 16) -> tuple[Callable, dict]:
     }
 
     def step(state, dense, features):
-        updated = features
-        if emb.spec.pipeline_execution:
-            features, updated = features
-        # As `jte.make_train_step` does.
-        staged = emb.stage(state, features, *([updated] if updated is not features else []))
+        batches = features if emb.spec.pipeline_execution else (features,)
+        features, updated = batches[0], batches[-1]
+        staged = emb.stage(state, *batches)  # As `jte.make_train_step` does.
         acts = emb.lookup(state, features, staged=staged)
 
         def loss_fn(acts):

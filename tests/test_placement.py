@@ -405,7 +405,7 @@ def test_jitted_train_step_with_global_array_inputs(kind, placement, staged, pip
     mesh = make_mesh(4, kind)
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.normal(size=(16, 1)), jnp.float32)}
-    steps, states = {}, {}
+    steps = {}
     for p in ("device", "host"):
         spec = _train_spec(placement if p == "host" else p)
         emb = jte.Embedding(
@@ -1369,13 +1369,13 @@ def test_stage_of_two_batches_reads_the_rows_of_both_once():
     apart_rows = [perm[:160].reshape(2 * _B, 5), perm[90:].reshape(2 * _B, 5)]
     for a, b in [repeats, [batch(x) for x in apart_rows]]:
         state = emb.init(jax.random.key(0))
-        both, limit = staged_rows(emb.stage(state, a, b))
+        staged = emb.stage(state, a, b)
+        both, limit = staged_rows(staged)
         apart = [staged_rows(emb.stage(state, x))[0] for x in (a, b)]
         union = [x | y for x, y in zip(*apart)]
         assert any(union) and any(len(u) > limit for u in union) == (a is not repeats[0])
         for got, u in zip(both, union):  # Past one batch's size: `limit` of the union.
             assert got == u if len(u) <= limit else (len(got) == limit and got < u)
-        staged = emb.stage(state, a, b)
         acts = emb.lookup(state, a, staged=staged)
         chex.assert_trees_all_equal(acts, emb.lookup(state, a))
         grads = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), acts)
