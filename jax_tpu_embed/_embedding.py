@@ -125,7 +125,8 @@ class Embedding:
             meshes only. True elsewhere runs those code paths on any mesh (for tests);
             results agree to float32 rounding.
         init_block_bytes: About how many bytes `init` draws per device and round (its
-            transient memory; default 4 MiB). Values do not depend on it.
+            transient memory; default 1 MiB; rows narrower than the lanes counted as
+            padded to them). Values do not depend on it.
         stage_host_rows: Whether `stage` reads the rows of a step's batch from the tables
             placed "host" in one host read per table, for the lookup and the update to
             share (a train step calls it). None (default): on meshes whose devices' memory

@@ -264,7 +264,8 @@ class Initializer:
         plans = [self.table_plans[n] for n in names]
         granule = np.array([p.storage.block_granule(None) for p in plans])
         logical = granule * [p.storage.shapes()[0][0] // self.num_shards for p in plans]
-        total = sum(int(n) * p.config.dim * 4 for n, p in zip(logical, plans))
+        # A row's bytes as the draw holds it: narrow rows pad to the lanes on TPU layouts.
+        total = sum(int(n) * max(p.config.dim, p.storage.lanes) * 4 for n, p in zip(logical, plans))
         rounds = max(
             1,
             min(

@@ -33,7 +33,7 @@ from . import (
 
 ROUTINGS = ("auto", "gather", "owner")
 # `init` draws about this many bytes per device per round by default.
-INIT_BLOCK_BYTES = 4 << 20
+INIT_BLOCK_BYTES = 1 << 20
 
 
 def build(

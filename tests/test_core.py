@@ -941,6 +941,20 @@ def test_init_is_the_same_for_every_block_size_mesh_strategy_and_layout():
     assert abs(table.mean()) < 0.01 and len(np.unique(table)) > 0.99 * table.size
 
 
+def test_init_blocks_count_narrow_rows_as_padded_to_the_lanes():
+    """A round of `init` draws about `init_block_bytes` (1 MiB by default) per device, a
+    row counted as the draw holds it: on TPU layouts a row narrower than the lanes pads
+    to them, so a D = 16 table's round is 2,048 rows there and 16,384 elsewhere. (The TPU
+    compiler took 5 to 9 s to generate a round of 8,000 rows or more; docs/design.md.)"""
+    table = jte.TableConfig(200_000, 16, combiner="sum", name="t")
+    spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.SGD(0.1))
+    for lanes, rows in ((0, 16_384), (128, 2_048)):
+        emb = jte.Embedding(spec, make_mesh(2), lane_width=lanes)
+        rounds, _, logical, _, block, _ = emb.initializer.blocks(("t",))
+        assert logical[0] == 100_000 and rounds == -(-100_000 // rows), (lanes, rounds)
+        assert block[0] <= rows and block[0] * rounds >= 100_000, (lanes, block)
+
+
 @pytest.mark.slow
 def test_init_draws_every_table_in_one_computation():
     """26 tables of two widths (the demo's count): `init`'s program draws them with one
