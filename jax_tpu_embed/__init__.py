@@ -10,6 +10,7 @@ from . import checkpoint as checkpoint
 from . import compat as compat
 from . import data as data
 from . import flax as flax
+from . import initializers as initializers
 from . import nnx as nnx
 from . import serving as serving
 from ._config import DynamicTable as DynamicTable

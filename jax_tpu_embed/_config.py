@@ -222,8 +222,8 @@ class TableConfig:
             if self.initializer is not None:
                 raise ValueError(
                     f"{where}: a dynamic table draws each id's initial row from a hash of "
-                    f"(table, id) (the default initializer's distribution); initializer= "
-                    f"cannot be evaluated per id: leave it None."
+                    f"(table, id) with the default initializer; initializer= is not taken "
+                    f"(got {self.initializer!r}): leave it None."
                 )
         elif not is_int(self.vocabulary_size) or int(self.vocabulary_size or 0) <= 0:
             raise ValueError(

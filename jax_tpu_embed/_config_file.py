@@ -39,10 +39,10 @@ learning_rate may be a number or an optax schedule: {schedule: cosine_decay_sche
 init_value: 0.1, decay_steps: 1000} (any function of optax.schedules, with its arguments).
 `clipvalue: [min, max]` becomes a pair.
 
-Initializers (`name`, then arguments), all called with the logical shape (V, D):
-truncated_normal (mean 0, stddev 1/sqrt(dim), cut at 2 stddev: the default initializer),
-normal (mean 0, stddev 1/sqrt(dim)), uniform (minval -0.05, maxval 0.05), zeros, ones,
-constant (value).
+Initializers (`name`, then arguments) are `jte.initializers`, which `init` draws row by row
+in blocks, as the default: truncated_normal (mean 0, stddev 1/sqrt(dim), cut at 2 stddev;
+without arguments, the default initializer), normal (mean 0, stddev 1/sqrt(dim)), uniform
+(minval -0.05, maxval 0.05), zeros, ones, constant (value).
 
 Every table must be used by a feature. Top-level keys other than those above are kept,
 unread, in `load_config(path).extra` (e.g. a `model:` or `training:` section for the
@@ -55,17 +55,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import math
 import os
 import re
 import tomllib
 from collections.abc import Mapping
 
-import jax
 import jax.numpy as jnp
 
-from . import _config, _optimizers
+from . import _config, _optimizers, initializers
 
 _TOP_KEYS = (
     "tables",
@@ -522,36 +520,17 @@ def _schedule(w: _Where, key: str, raw: Mapping):
         raise w.error(key, f"optax.schedules.{name}({args}) failed: {e}") from e
 
 
-# Initializers: (key, shape, dtype) -> array, called with the logical shape.
-
-
-def _truncated_normal(key, shape, dtype=jnp.float32, *, mean, stddev):
-    return mean + stddev * jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype)
-
-
-def _normal(key, shape, dtype=jnp.float32, *, mean, stddev):
-    return mean + stddev * jax.random.normal(key, shape, dtype)
-
-
-def _uniform(key, shape, dtype=jnp.float32, *, minval, maxval):
-    return jax.random.uniform(key, shape, dtype, minval, maxval)
-
-
-def _constant(key, shape, dtype=jnp.float32, *, value):
-    del key
-    return jnp.full(shape, value, dtype)
-
-
 def _initializer(w: _Where, key: str, raw, dim: int):
+    """A `jte.initializers` row initializer (drawn by `init` in blocks, as the default)."""
     name, args = _name_and_args(w, key, raw, "initializer")
-    std = 1.0 / math.sqrt(dim)
+    del dim  # A stddev not given is 1/sqrt(dim), which the initializer applies itself.
     defaults = {
-        "truncated_normal": (_truncated_normal, {"mean": 0.0, "stddev": std}),
-        "normal": (_normal, {"mean": 0.0, "stddev": std}),
-        "uniform": (_uniform, {"minval": -0.05, "maxval": 0.05}),
-        "zeros": (_constant, {}),
-        "ones": (_constant, {}),
-        "constant": (_constant, {"value": 0.0}),
+        "truncated_normal": (initializers.truncated_normal, {"mean": 0.0, "stddev": None}),
+        "normal": (initializers.normal, {"mean": 0.0, "stddev": None}),
+        "uniform": (initializers.uniform, {"minval": -0.05, "maxval": 0.05}),
+        "zeros": (initializers.constant, {}),
+        "ones": (initializers.constant, {}),
+        "constant": (initializers.constant, {"value": 0.0}),
     }
     if name not in defaults:
         raise w.error(f"{key}.name", f"unknown initializer {name!r}; use one of {list(defaults)}.")
@@ -574,10 +553,10 @@ def _initializer(w: _Where, key: str, raw, dim: int):
         params[arg] = float(value)
     if name in ("zeros", "ones"):
         params = {"value": 0.0 if name == "zeros" else 1.0}
-    if params.get("stddev", 1.0) <= 0:
+    if (params.get("stddev") or 1.0) <= 0:
         raise w.error(f"{key}.stddev", f"must be > 0, got {params['stddev']!r}.")
     if name == "uniform" and not params["minval"] < params["maxval"]:
         raise w.error(
             key, f"minval must be < maxval, got {params['minval']!r} and {params['maxval']!r}."
         )
-    return functools.partial(fn, **params)
+    return fn(**params)

@@ -40,10 +40,10 @@ from . import (
     _hashindex,
     _hashindex_cpu,
     _hashindex_tpu,
-    _init,
     _inputs,
     _loops,
     _storage,
+    initializers,
 )
 
 PAD = _inputs.PAD  # Both halves of the id -1: padding, and an empty slot in the index.
@@ -338,7 +338,7 @@ def _by_count(count, n: int, few, every, shape, how: str):
 def initial_rows(key, hi, lo, dim: int):
     """(..., dim) float32: the initial rows of ids (hi, lo) of a table with key words `key`
     ((2,) uint32): the default initializer's truncated normal, a hash of (key, id)."""
-    return _init.default_rows_of(key[0], key[1], id_words(hi, lo), dim)
+    return initializers.rows_of(key[0], key[1], id_words(hi, lo), dim)
 
 
 # --------------------------------------------------------------------- the shard's work
@@ -905,7 +905,7 @@ def _write_rows(packing, array, rows, values):
 
 def key_words(table_key):
     """The (2,) uint32 words a table's initial rows are drawn from: its key's first and last
-    (as `_init.default_rows` takes them)."""
+    (as `initializers.rows` takes them)."""
     words = jax.random.key_data(table_key).reshape(-1).astype(jnp.uint32)
     return jnp.stack([words[0], words[-1]])
 

@@ -9,7 +9,6 @@ initializer gets a program of its own (see `Initializer.init`).
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,35 +19,17 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _optimizers, _placement, _plan, _sharding, _storage
+from . import _optimizers, _placement, _plan, _sharding, _storage, initializers
 
 # The largest table's blocks in `init` have at least this many rows.
 _INIT_BLOCK_ROWS_MIN = 1024
 
 
-def default_rows(key, ids, dim: int):
-    """The default initializer's rows `ids` ((n,) ints) of a table: (n, dim) float32 drawn
-    from a truncated normal (mean 0, stddev 1/sqrt(dim), cut at 2 stddev, as TensorFlow's).
-
-    Element (r, c) is a counter-based hash of (key, r, c) alone, so a row's value depends on
-    neither the mesh, the strategy nor how rows are grouped into blocks. A hash rather than
-    jax.random: threefry's 20 rounds per element made XLA take seconds to compile each
-    table's initialisation, and a demo with 26 tables spent most of its start-up there.
-    """
-    words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
-    return default_rows_of(words[0], words[-1], ids, dim)
-
-
-def default_rows_of(k0, k1, ids, dim: int):
-    """`default_rows` from the key's first and last words: scalars, or (n,) (row i drawn
-    with key words k0[i], k1[i]), so that one computation draws rows of several tables."""
-    row = _storage.mix32(_storage.mix32(ids.astype(jnp.uint32) ^ k0) + k1)
-    col = jnp.arange(dim, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
-    bits = _storage.mix32(_storage.mix32(row[..., None] ^ col) + jnp.reshape(k0, (-1, 1)))
-    u = (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24)) + (0.5 / (1 << 24))  # (0, 1)
-    lo = jax.lax.erf(jnp.float32(-2.0 / math.sqrt(2.0)))
-    z = math.sqrt(2.0) * jax.lax.erf_inv(lo + u * (-2.0 * lo))  # Inverse CDF on [-2, 2].
-    return jnp.clip(z, -2.0, 2.0) / math.sqrt(dim)
+def _drawn_as(plan: _plan.TablePlan) -> tuple:
+    """(D, the table's row initializer, None for the default): tables drawn alike share one
+    computation in `init`'s rounds."""
+    init = plan.config.initializer
+    return plan.config.dim, init if isinstance(init, initializers.RowInitializer) else None
 
 
 def constant_rows(plan: _plan.TablePlan, slot: _optimizers.SlotSpec, valid):
@@ -208,7 +189,8 @@ class Initializer:
     def _blocked(self, name: str) -> bool:
         """Whether `init` draws a table in row blocks: default initializer, constant slots."""
         plan = self.table_plans[name]
-        return plan.config.initializer is None and not any(
+        init = plan.config.initializer
+        return (init is None or isinstance(init, initializers.RowInitializer)) and not any(
             callable(s.initializer) for s in plan.storage.slot_specs
         )
 
@@ -258,9 +240,9 @@ class Initializer:
 
     def blocks(self, names: tuple) -> tuple:
         """How `_init_local` splits the table arrays of `names` into rounds: (rounds,
-        {D: the tables of row width D}, and per table (T,) arrays: logical local rows
-        (padding included), rows per physical row, rows per round, and the first row of
-        its block in its width's draw)."""
+        {(D, row initializer or None): the tables of width D drawn so}, and per table (T,)
+        arrays: logical local rows (padding included), rows per physical row, rows per
+        round, and the first row of its block in its group's draw)."""
         plans = [self.table_plans[n] for n in names]
         granule = np.array([p.storage.block_granule(None) for p in plans])
         logical = granule * [p.storage.shapes()[0][0] // self.num_shards for p in plans]
@@ -275,9 +257,9 @@ class Initializer:
         )
         per_round = -(-logical // rounds)
         block = np.minimum(logical, -(-per_round // granule) * granule)
-        groups: dict[int, list[int]] = {}
+        groups: dict[tuple, list[int]] = {}  # In the tables' order: `drawn`'s.
         for j, p in enumerate(plans):
-            groups.setdefault(p.config.dim, []).append(j)
+            groups.setdefault(_drawn_as(p), []).append(j)
         offset = np.zeros(len(plans), np.int64)
         for members in groups.values():
             offset[members] = np.cumsum(block[members]) - block[members]
@@ -361,11 +343,11 @@ class Initializer:
         def draw(r):
             # Row i of a draw belongs to table `owner[i]`, its local row first + i - offset.
             start = first_id + stride * (first(r) - offset.astype(np.int32))
-            out = {}
-            for dim, members in groups.items():
+            out = []
+            for (dim, how), members in groups.items():
                 owner = np.repeat(np.array(members), block[members]).astype(np.int32)
                 ids = start[owner] + stride[owner] * np.arange(len(owner), dtype=np.int32)
-                out[dim] = default_rows_of(words[0][owner], words[1][owner], ids, dim)
+                out.append(initializers.rows_of(words[0][owner], words[1][owner], ids, dim, how))
             return out
 
         def write(arrays, drawn, r):
@@ -376,7 +358,7 @@ class Initializer:
                 local = start + jnp.arange(int(block[j]))
                 valid = local < per_table[j][1 + shard]
                 rows = jax.lax.dynamic_slice_in_dim(
-                    drawn[plan.config.dim], per_table[j][0], int(block[j])
+                    drawn[list(groups).index(_drawn_as(plan))], per_table[j][0], int(block[j])
                 )
                 rows = jnp.where(valid[:, None], rows, 0.0).astype(plan.config.dtype)
                 riders = {s.name: constant_rows(plan, s, valid) for s in storage.riders}
@@ -403,7 +385,7 @@ class Initializer:
             else buffers[0]
             for _, p, _ in targets
         ]
-        drawn = {d: jnp.zeros((int(block[m].sum()), d), jnp.float32) for d, m in groups.items()}
+        drawn = [jnp.zeros((int(block[m].sum()), g[0]), jnp.float32) for g, m in groups.items()]
         # One pass more than rounds: the first writes nothing, the last draws nothing new.
         arrays, _ = jax.lax.fori_loop(0, rounds + 1, body, (arrays, drawn))
         out = {}
@@ -462,9 +444,10 @@ class Initializer:
         """The logical initial value of a table (slot None) or one slot."""
         shape = plan.storage.logical_shape(slot)
         if slot is None:
-            if plan.config.initializer is None:
+            _, draw = _drawn_as(plan)
+            if draw is not None or plan.config.initializer is None:  # Drawn row by row.
                 rows = jnp.arange(shape[0])
-                return default_rows(key, rows, plan.config.dim).astype(plan.config.dtype)
+                return initializers.rows(key, rows, plan.config.dim, draw).astype(plan.config.dtype)
             value = plan.config.initializer(key, shape, jnp.float32)
             if tuple(jnp.shape(value)) != tuple(shape):
                 # Shapes are static: a wrong one would be padded or cut into the layout.

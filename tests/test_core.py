@@ -1,5 +1,6 @@
 """Lookups and sparse updates against the float64 NumPy reference, on 1-8 shards."""
 
+import dataclasses
 import os
 from typing import Any
 
@@ -939,6 +940,60 @@ def test_init_is_the_same_for_every_block_size_mesh_strategy_and_layout():
     assert np.abs(table).max() <= 2 / np.sqrt(8) + 1e-6  # Cut at 2 stddev.
     assert 0.85 / np.sqrt(8) < table.std() < 0.9 / np.sqrt(8)  # 0.88 stddev after the cut.
     assert abs(table.mean()) < 0.01 and len(np.unique(table)) > 0.99 * table.size
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_row_initializers_are_drawn_in_blocks_as_called_whole(placement):
+    """`jte.initializers` draw each element from (table key, row, column) alone, so `init`
+    draws them in blocks on the shards that own the rows (in host memory for host tables,
+    which may exceed the devices' memory) and gets what calling them with the logical
+    shape gives (in a jitted call: run op by op, outside jit, XLA rounds some products and
+    sums apart where a compiled program fuses them), on every mesh, strategy and lane
+    layout and for any block size. Their distributions against float64 expectations;
+    `truncated_normal()` is the default."""
+    inits = {
+        "n": jte.initializers.normal(stddev=0.5, mean=1.0),
+        "u": jte.initializers.uniform(-3.0, -1.0),
+        "t": jte.initializers.truncated_normal(stddev=0.2),
+        "c": jte.initializers.constant(0.75),
+        "d": jte.initializers.truncated_normal(),
+        "plain": None,
+    }
+    tables = {
+        k: jte.TableConfig(
+            3_001, 8 if k != "n" else 16, combiner="sum", name=k, initializer=i, placement=placement
+        )
+        for k, i in inits.items()
+    }
+    spec = jte.EmbeddingSpec({k: jte.FeatureConfig(t) for k, t in tables.items()}, jte.Adagrad(0.1))
+    key = jax.random.key(7)
+    ref = None
+    for strategy, n, lanes, block_bytes in [
+        ("div", 1, 0, 1 << 20),
+        ("mod", 4, 128, 1),
+        ("div", 2, 0, 1),
+    ]:
+        emb = jte.Embedding(
+            dataclasses.replace(spec, partition_strategy=strategy),
+            make_mesh(n),
+            lane_width=lanes,
+            init_block_bytes=block_bytes,
+            backend="xla",
+        )
+        assert all(emb.initializer._blocked(k) for k in inits)  # None is drawn in blocks too.
+        got = emb.export(emb.init(key))
+        if ref is None:
+            keys = emb.initializer.table_keys(key)
+            default = jte.initializers.truncated_normal()
+            whole = {k: jax.jit(i or default, static_argnums=1) for k, i in inits.items()}
+            ref = {k: np.asarray(f(keys[k], (3_001, tables[k].dim))) for k, f in whole.items()}
+        for k in inits:
+            np.testing.assert_array_equal(got[k], ref[k], err_msg=f"{k} {strategy} {n}")
+    x = {k: v.astype(np.float64) for k, v in ref.items()}
+    assert abs(x["n"].mean() - 1.0) < 0.02 and abs(x["n"].std() - 0.5) < 0.02
+    assert x["u"].min() >= -3.0 and x["u"].max() < -1.0 and abs(x["u"].mean() + 2.0) < 0.02
+    assert np.abs(x["t"]).max() <= 0.4 + 1e-6 and abs(x["t"].std() - 0.88 * 0.2) < 0.01
+    assert (x["c"] == 0.75).all() and len(np.unique(x["n"])) > 0.99 * x["n"].size
 
 
 def test_init_blocks_count_narrow_rows_as_padded_to_the_lanes():

@@ -898,7 +898,7 @@ def test_restore_onto_another_mesh_continues_the_same():
         (dict(vocabulary_size=10, dynamic=jte.DynamicTable(capacity=8)), "not both"),
         (
             dict(dynamic=jte.DynamicTable(capacity=8), initializer=jax.nn.initializers.zeros),
-            "cannot be evaluated per id",
+            "initializer= is not taken",
         ),
         (dict(), "vocabulary_size must be an int > 0, got None"),
     ],

@@ -890,6 +890,30 @@ def test_host_tables_train_step_compiles_beyond_hbm(topology, cache, routing):
     )
 
 
+def test_a_host_table_beyond_hbm_draws_its_row_initializer_in_host_memory():
+    """A 400M x 64 host table with `jte.initializers.normal` on v5e:2x2: a 25.6 GB shard a
+    chip (16 GiB of HBM), drawn block by block into host memory as the default initializer
+    is, so its init program compiles with a block's HBM temporaries (about 1 MiB). Any other
+    initializer is called with the logical shape on the device (README: Limits)."""
+    topo = _aot.topology("v5e:2x2")
+    rows = 400_000_000
+
+    def embedding(initializer):
+        table = jte.TableConfig(
+            rows, 64, combiner="sum", name="t", placement="host", initializer=initializer
+        )
+        spec = jte.EmbeddingSpec({"f": jte.FeatureConfig(table)}, jte.SGD(learning_rate=0.1))
+        return jte.Embedding(spec, _aot.mesh(topo))
+
+    emb = embedding(jte.initializers.normal(stddev=0.01))
+    assert emb.initializer.takes_buffers("t")
+    shape = emb.table_plans["t"].storage.shapes()[0]
+    shard = shape[0] // len(topo.devices) * shape[1] * 4
+    assert shard > topo.hbm_per_device
+    assert 0 < _aot.init_temp_bytes(emb)["t"] < 4 << 20  # A block of 1 MiB, and its rows.
+    assert not embedding(jax.nn.initializers.normal(0.01)).initializer.takes_buffers("t")
+
+
 def test_rows_read_out_in_pieces_cost_the_piece_not_the_table():
     """`multihost.to_host`'s piece (export and checkpoints read rows with it) compiled for
     v5p:2x2x1: temporaries and output of the piece's size, the same for tables of 2^20 and
