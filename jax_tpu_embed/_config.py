@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from . import _optimizers
+from . import _optimizers, initializers
 
 Initializer = Callable[..., Any]
 
@@ -219,11 +219,13 @@ class TableConfig:
                     f"{where}: a dynamic table has no vocabulary; give vocabulary_size="
                     f"{self.vocabulary_size!r} or dynamic=, not both."
                 )
-            if self.initializer is not None:
+            if self.initializer is not None and not isinstance(
+                self.initializer, initializers.RowInitializer
+            ):
                 raise ValueError(
                     f"{where}: a dynamic table draws each id's initial row from a hash of "
-                    f"(table, id) with the default initializer; initializer= is not taken "
-                    f"(got {self.initializer!r}): leave it None."
+                    f"(table, id); initializer= takes the row initializers of "
+                    f"jte.initializers, which are drawn so, not {self.initializer!r}."
                 )
         elif not is_int(self.vocabulary_size) or int(self.vocabulary_size or 0) <= 0:
             raise ValueError(

@@ -98,6 +98,9 @@ class DynamicPlan:
     # "xla", or the Pallas kernel (`_hashindex_tpu`, "pallas" or "pallas_interpret")
     # beside the Pallas row kernels.
     finder: str = "xla"
+    # The table's row initializer (`jte.initializers`; None: the default): what an id's
+    # initial row is drawn with, from a hash of (table, id).
+    draw: initializers.RowInitializer | None = None
 
     @property
     def interpret(self) -> bool:
@@ -170,7 +173,8 @@ def engine_spec(spec: _config.EmbeddingSpec, num_shards: int):
             t, vocabulary_size=buckets * b, dynamic=None, combiner="sum", name=name
         )
         feats = {p: f for p, f in spec.flat_features if f.table is t}
-        plans[name] = DynamicPlan(name, index, t.dim, feats)
+        draw = t.initializer if isinstance(t.initializer, initializers.RowInitializer) else None
+        plans[name] = DynamicPlan(name, index, t.dim, feats, draw=draw)
     flat = {
         p: dataclasses.replace(f, table=slot_tables[id(f.table)])
         if id(f.table) in slot_tables
@@ -262,7 +266,7 @@ def id_words(hi, lo):
     return _storage.mix32(hi ^ _storage.mix32(lo + jnp.uint32(0x9E3779B9)))
 
 
-def initial_rows_where(key, hi, lo, mask, dim: int, how: str = "nonzero"):
+def initial_rows_where(key, hi, lo, mask, dim: int, how: str = "nonzero", draw=None):
     """`initial_rows` where `mask`, zeros elsewhere, drawing only the masked ones while they
     are at most an eighth of all (a trained table's lookups and updates mostly find their
     ids), every row otherwise: the same values either way."""
@@ -271,17 +275,17 @@ def initial_rows_where(key, hi, lo, mask, dim: int, how: str = "nonzero"):
 
     def few(k):
         at, (p_hi, p_lo) = _first(flat, k, hi.reshape(-1), lo.reshape(-1), how=how)
-        rows = initial_rows(key, p_hi, p_lo, dim)
+        rows = initial_rows(key, p_hi, p_lo, dim, draw)
         out = jnp.zeros((n, dim), jnp.float32).at[at].set(rows, mode="drop")
         return out.reshape(shape + (dim,))
 
     def every():
-        return jnp.where(mask[..., None], initial_rows(key, hi, lo, dim), 0.0)
+        return jnp.where(mask[..., None], initial_rows(key, hi, lo, dim, draw), 0.0)
 
     return _by_count(jnp.sum(flat, dtype=jnp.int32), n, few, every, shape + (dim,), how)
 
 
-def missing_rows(key, hi, lo, scale, missing, dim: int, how: str = "nonzero"):
+def missing_rows(key, hi, lo, scale, missing, dim: int, how: str = "nonzero", draw=None):
     """Σ_l scale·(initial row) over the positions `missing` of (b, L) ids: (b, dim) float32,
     a combined feature's part from its ids without a row. Draws only those while they are
     at most `_few` of all, adding them into their examples; every row otherwise (on TPU
@@ -294,12 +298,12 @@ def missing_rows(key, hi, lo, scale, missing, dim: int, how: str = "nonzero"):
         at, (p_hi, p_lo, p_scale) = _first(
             flat(missing), k, flat(hi), flat(lo), flat(scale), how=how
         )
-        rows = initial_rows(key, p_hi, p_lo, dim)
+        rows = initial_rows(key, p_hi, p_lo, dim, draw)
         part = jnp.where((at < n)[:, None], p_scale[:, None] * rows, 0.0)
         return jnp.zeros((b, dim), jnp.float32).at[at // length].add(part, mode="drop")
 
     def term(k, out):
-        rows = scale[:, k, None] * initial_rows(key, hi[:, k], lo[:, k], dim)
+        rows = scale[:, k, None] * initial_rows(key, hi[:, k], lo[:, k], dim, draw)
         return out + jnp.where(missing[:, k, None], rows, 0.0)
 
     def every():
@@ -335,10 +339,11 @@ def _by_count(count, n: int, few, every, shape, how: str):
     return lax.switch(index, branches)
 
 
-def initial_rows(key, hi, lo, dim: int):
+def initial_rows(key, hi, lo, dim: int, draw: initializers.RowInitializer | None = None):
     """(..., dim) float32: the initial rows of ids (hi, lo) of a table with key words `key`
-    ((2,) uint32): the default initializer's truncated normal, a hash of (key, id)."""
-    return initializers.rows_of(key[0], key[1], id_words(hi, lo), dim)
+    ((2,) uint32): its row initializer's (`DynamicPlan.draw`; None: the default's truncated
+    normal), a hash of (key, id)."""
+    return initializers.rows_of(key[0], key[1], id_words(hi, lo), dim, draw)
 
 
 # --------------------------------------------------------------------- the shard's work
@@ -641,7 +646,7 @@ def update_rows(
         assert in_place, "host tables run the XLA index"
         n = lax.axis_size(axis)
         index, r = _hashindex_cpu.resolve_update(plan.index, index, hi, lo, keep, me, n, now)
-        table, slots = _reset_fresh(storage, table, slots, r, key, plan.dim, offset)
+        table, slots = _reset_fresh(storage, table, slots, r, key, plan, offset)
         rows = jnp.where(r.rows >= 0, storage.layout.global_ids(me, r.rows) + 1, 0)
         return index, table, slots, rows
     window = capacity(plan, hi.shape[0], lax.axis_size(axis))
@@ -708,7 +713,7 @@ def update_rows(
         index, row, ok = place(plan, index, hi, lo, bucket, valid, now)
         index = _hashindex.unfilter(config, index, hi, lo, bucket, ok)
         if in_place:
-            init = initial_rows(key, hi, lo, plan.dim)
+            init = initial_rows(key, hi, lo, plan.dim, plan.draw)
             table, slots = reset_rows(storage, table, slots, row + offset, ok, init)
         return (row,), (index, table, slots)
 
@@ -770,7 +775,7 @@ ROUND = 64  # Rounds of placements and resets take n / ROUND ids each (`_few`).
 FEW = 8 * ROUND  # The smallest draws of initial rows, and first resets, take n / FEW.
 
 
-def _reset_fresh(storage, table, slots: dict, resolved, key, dim: int, offset: int):
+def _reset_fresh(storage, table, slots: dict, resolved, key, plan: DynamicPlan, offset: int):
     """`reset_rows` of the rows the C++ index gave to new ids (`resolved`: its compacted fresh
     rows and ids; the table's rows start at `offset` in the arrays), in rounds: none when
     the step gave none away (a trained table's usual step), rounds of `_few(n, FEW)` up to
@@ -779,10 +784,11 @@ def _reset_fresh(storage, table, slots: dict, resolved, key, dim: int, offset: i
     its own rounds, `update_rows`.)"""
     rows, hi, lo = resolved.fresh_rows + offset, resolved.fresh_hi, resolved.fresh_lo
     count, n = resolved.fresh_count, rows.shape[0]
+    draw = lambda hi, lo: initial_rows(key, hi, lo, plan.dim, plan.draw)
     k = _few(n, ROUND)
     if k == n:
         fresh = lax.iota(jnp.int32, n) < count
-        return reset_rows(storage, table, slots, rows, fresh, initial_rows(key, hi, lo, dim))
+        return reset_rows(storage, table, slots, rows, fresh, draw(hi, lo))
 
     def rounds(k, stop, state):
         def body(state):
@@ -792,7 +798,7 @@ def _reset_fresh(storage, table, slots: dict, resolved, key, dim: int, offset: i
             at = jnp.minimum(start, n - k)
             take = lambda x: lax.dynamic_slice_in_dim(x, at, k)
             fresh = at + lax.iota(jnp.int32, k) < count
-            init = initial_rows(key, take(hi), take(lo), dim)
+            init = draw(take(hi), take(lo))
             table, slots = reset_rows(storage, table, slots, take(rows), fresh, init)
             return start + k, table, slots
 
@@ -846,6 +852,7 @@ class Fresh:
     bucket_size: int
     now: Any  # The step that resolved it.
     how: str  # `DynamicPlan.compaction`.
+    draw: initializers.RowInitializer | None = None  # `DynamicPlan.draw`.
 
     def __call__(self, values: list, rows) -> list:
         """`values` (the logical rows `rows` of the table and its stored slots, as read;
@@ -856,7 +863,7 @@ class Fresh:
         given = inside & (self.last[r] == self.now) & (self.count[r] == 1)
         hi, lo = _hashindex.keys_at(self.keys, self.bucket_size, r)
         s = self.storage
-        init = initial_rows_where(self.key, hi, lo, given, s.dim, self.how)
+        init = initial_rows_where(self.key, hi, lo, given, s.dim, self.how, self.draw)
         out = []
         for v, new in zip(values, _initial_values(s, init)):
             mask = given.reshape(given.shape + (1,) * (v.ndim - 1))

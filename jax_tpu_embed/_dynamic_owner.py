@@ -447,7 +447,7 @@ def update_rows(
             index, row, ok = _dynamic.place(t.plan, index, s_hi, s_lo, bucket, first, now)
             index = _hashindex.unfilter(t.plan.index, index, s_hi, s_lo, bucket, ok)
             if not t.storage.on_host:
-                init = _dynamic.initial_rows(u.key, s_hi, s_lo, t.plan.dim)
+                init = _dynamic.initial_rows(u.key, s_hi, s_lo, t.plan.dim, t.plan.draw)
                 table, slots = arrays[u.stack]
                 reset = _dynamic.reset_rows(t.storage, table, slots, row + u.offset, ok, init)
                 arrays[u.stack] = reset

@@ -1109,11 +1109,14 @@ class Embedding:
                 hi, lo, _ = split[path]
                 rows_of, scale = rows[path], self._scale(plan, path, split)
 
-                def local(key, hi, lo, rows, scale, f=f, dim=plan.dim, how=plan.compaction):
+                def local(key, hi, lo, rows, scale, f=f, plan=plan):
                     missing = (rows < 0) & (scale != 0)
+                    how, draw = plan.compaction, plan.draw
                     if not f.is_sequence:
-                        return _dynamic.missing_rows(key, hi, lo, scale, missing, dim, how)
-                    init = _dynamic.initial_rows_where(key, hi, lo, missing, dim, how)
+                        return _dynamic.missing_rows(
+                            key, hi, lo, scale, missing, plan.dim, how, draw
+                        )
+                    init = _dynamic.initial_rows_where(key, hi, lo, missing, plan.dim, how, draw)
                     return scale[..., None] * init
 
                 row = P(self.axis)
@@ -1535,6 +1538,7 @@ class Embedding:
                 self.dynamic[name].index.bucket_size,
                 step,
                 self.dynamic[name].compaction,
+                self.dynamic[name].draw,
             )
             for name, (words, last, count) in resolved.items()
         }

@@ -301,6 +301,7 @@ def _embed_dynamic(path: str, feature: _config.FeatureConfig, name: str, table, 
             f"Server.from_embedding)."
         )
     dim = feature.table.dim
+    draw = feature.table.initializer  # A row initializer, or None: the default.
     hi, lo, weights = _dynamic.split_leaf(path, feature, leaf)  # (B, L) halves.
     scale = _dynamic.scaled_weights(feature, feature.table.combiner, hi, lo, weights)
     position, found = find(table, hi, lo, dim)
@@ -311,11 +312,11 @@ def _embed_dynamic(path: str, feature: _config.FeatureConfig, name: str, table, 
     if feature.is_sequence:
         rows = _fold(rows, dim)
         if unknown == "init":
-            rows = rows + _dynamic.initial_rows_where(key, hi, lo, missing, dim)
+            rows = rows + _dynamic.initial_rows_where(key, hi, lo, missing, dim, draw=draw)
         return _shaped(path, feature, rows * scale[..., None])
     out = _fold(_combined(scale, rows), dim)
     if unknown == "init":
-        out = out + _dynamic.missing_rows(key, hi, lo, scale, missing, dim)
+        out = out + _dynamic.missing_rows(key, hi, lo, scale, missing, dim, draw=draw)
     return _shaped(path, feature, out)
 
 

@@ -17,8 +17,10 @@ DIM = 8
 LR = 0.2
 
 
-def spec_of(dynamic, combiner="mean", optimizer=None, dtype=jnp.float32):
-    users = jte.TableConfig(dim=DIM, combiner=combiner, name="users", dynamic=dynamic, dtype=dtype)
+def spec_of(dynamic, combiner="mean", optimizer=None, dtype=jnp.float32, **users_kwargs):
+    users = jte.TableConfig(
+        dim=DIM, combiner=combiner, name="users", dynamic=dynamic, dtype=dtype, **users_kwargs
+    )
     items = jte.TableConfig(vocabulary_size=64, dim=DIM, name="items")
     return jte.EmbeddingSpec(
         features={
@@ -66,19 +68,20 @@ def users(out) -> jte.DynamicRows:
     return out
 
 
-def initial_row(key_words, ids):
+def initial_row(key_words, ids, draw=None):
     hi, lo = jte.split_ids(np.asarray(ids, np.int64))
-    return np.asarray(_dynamic.initial_rows(key_words, hi, lo, DIM), np.float64)
+    return np.asarray(_dynamic.initial_rows(key_words, hi, lo, DIM, draw), np.float64)
 
 
 class Reference:
-    """The dynamic table as a dict {id: [row, accumulator]} in float64 (Adagrad, TF's)."""
+    """The dynamic table as a dict {id: [row, accumulator]} in float64 (Adagrad, TF's);
+    `draw`: the table's row initializer (None: the default)."""
 
-    def __init__(self, key_words, combiner):
-        self.key, self.combiner, self.rows = key_words, combiner, {}
+    def __init__(self, key_words, combiner, draw=None):
+        self.key, self.combiner, self.rows, self.draw = key_words, combiner, {}, draw
 
     def row(self, i):
-        return self.rows[i][0] if i in self.rows else initial_row(self.key, [i])[0]
+        return self.rows[i][0] if i in self.rows else initial_row(self.key, [i], self.draw)[0]
 
     def scales(self, ids, weights, sequence):
         valid = ids != -1
@@ -123,7 +126,8 @@ class Reference:
         for i, gi in g.items():
             if admitted is not None and i not in admitted:
                 continue
-            row, acc = self.rows.get(i, (initial_row(self.key, [i])[0], np.full(DIM, 0.1)))
+            first = (initial_row(self.key, [i], self.draw)[0], np.full(DIM, 0.1))
+            row, acc = self.rows.get(i, first)
             acc = acc + gi * gi
             self.rows[i] = (row - LR * gi / np.sqrt(acc), acc)
 
@@ -180,6 +184,51 @@ def test_matches_the_dict_reference(n, routing, backend, combiner, kind):
     stats = jax.tree.map(int, emb.dynamic_stats(state))["users"]
     assert stats["occupancy"] == len(seen) == stats["admitted"]
     assert stats["evicted"] == stats["failed"] == stats["rejected"] == 0
+
+
+@pytest.mark.parametrize(
+    "routing, backend, placement",
+    [
+        ("owner", "xla", "device"),  # The resets at the owners.
+        pytest.param("gather", "cpu", "device", marks=pytest.mark.slow),  # The C++ index's.
+        pytest.param("owner", "xla", "host", marks=pytest.mark.slow),  # `Fresh`.
+        pytest.param("gather", "xla", "device", marks=pytest.mark.slow),  # The XLA index's.
+    ],
+)
+def test_a_row_initializer_draws_new_ids_initial_rows(routing, backend, placement):
+    """A dynamic table takes a `jte.initializers` row initializer: every path that draws an
+    id's initial row draws it from (table, id) with that one (lookups of unknown ids, the
+    resets of admitted ids' rows by the XLA index, at the owners and by the C++ index, a
+    host table's update, serving), so the table equals the dict reference drawn so; and the
+    values are the initializer's (uniform on [2, 3), far from the default's)."""
+    draw = jte.initializers.uniform(2.0, 3.0)
+    spec = spec_of(jte.DynamicTable(capacity=4096), "sum", initializer=draw, placement=placement)
+    with pytest.raises(ValueError, match="takes the row initializers of jte.initializers"):
+        spec_of(jte.DynamicTable(capacity=64), initializer=jax.nn.initializers.zeros)
+    emb = jte.Embedding(spec, make_mesh(2), routing=routing, backend=backend)
+    assert emb.dynamic["users"].draw == draw
+    state = emb.init(jax.random.key(4))
+    ref = Reference(key_words(state), "sum", draw)
+    for feats, grads in batches(2, 3):
+        acts = emb.lookup(state, feats)
+        want_user, want_hist = ref.lookup(feats)
+        np.testing.assert_allclose(np.asarray(acts["user"]), want_user, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(acts["hist"]), want_hist, rtol=1e-5, atol=1e-6)
+        state = emb.apply_gradients(state, feats, grads)
+        ref.update(feats, grads)
+    out = users(emb.export(state)["users"])
+    np.testing.assert_allclose(
+        out.rows, np.stack([ref.rows[int(i)][0] for i in out.ids]), rtol=1e-5, atol=1e-6
+    )
+    unseen = np.array([[12345, -1], [-99, 7]], np.int64)  # Never in the stream.
+    assert not np.isin(unseen, out.ids).any()
+    rows = initial_row(key_words(state), unseen.ravel(), draw)
+    assert (rows[[0, 2, 3]] >= 2.0).all() and (rows[[0, 2, 3]] < 3.0).all()
+    server = jte.serving.Server.from_embedding(emb, state, unknown="init")
+    got = server({"user": unseen, "hist": unseen, "item": np.zeros(2, np.int32)})
+    want = rows.reshape(2, 2, DIM)
+    want[0, 1] = 0.0
+    np.testing.assert_allclose(np.asarray(got["user"]), want.sum(1), rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -898,7 +947,7 @@ def test_restore_onto_another_mesh_continues_the_same():
         (dict(vocabulary_size=10, dynamic=jte.DynamicTable(capacity=8)), "not both"),
         (
             dict(dynamic=jte.DynamicTable(capacity=8), initializer=jax.nn.initializers.zeros),
-            "initializer= is not taken",
+            "takes the row initializers of jte.initializers",
         ),
         (dict(), "vocabulary_size must be an int > 0, got None"),
     ],

@@ -503,7 +503,7 @@ def test_rows_given_to_new_ids_reset_in_rounds():
     def both(arrays, count):
         resolved = _hashindex_cpu.Resolved(None, count, rows, hi, lo)
         table, slots = arrays
-        rounds = _dynamic._reset_fresh(storage, table, slots, resolved, key, 8, 0)
+        rounds = _dynamic._reset_fresh(storage, table, slots, resolved, key, emb.dynamic["t"], 0)
         fresh = jnp.arange(n) < count
         init = _dynamic.initial_rows(key, hi, lo, 8)
         return rounds, _dynamic.reset_rows(storage, table, slots, rows, fresh, init)
