@@ -553,7 +553,7 @@ def _initializer(w: _Where, key: str, raw, dim: int):
         params[arg] = float(value)
     if name in ("zeros", "ones"):
         params = {"value": 0.0 if name == "zeros" else 1.0}
-    if (params.get("stddev") or 1.0) <= 0:
+    if params.get("stddev") is not None and params["stddev"] <= 0:
         raise w.error(f"{key}.stddev", f"must be > 0, got {params['stddev']!r}.")
     if name == "uniform" and not params["minval"] < params["maxval"]:
         raise w.error(

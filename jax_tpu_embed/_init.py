@@ -187,7 +187,8 @@ class Initializer:
         return self._draw_tables(names, None, {plan.name: table_key}, per_table, buffers)[plan.name]
 
     def _blocked(self, name: str) -> bool:
-        """Whether `init` draws a table in row blocks: default initializer, constant slots."""
+        """Whether `init` draws a table in row blocks: the default initializer or a row
+        initializer (`jte.initializers`), and constant slots."""
         plan = self.table_plans[name]
         init = plan.config.initializer
         return (init is None or isinstance(init, initializers.RowInitializer)) and not any(

@@ -276,9 +276,9 @@ _DELETE = object()
             "1",
         ),
         (
-            _mutate(["tables", "users", "initializer"], {"name": "normal", "stddev": -1}),
+            _mutate(["tables", "users", "initializer"], {"name": "normal", "stddev": 0}),
             "tables.users.initializer.stddev",
-            "-1",
+            "got 0",
         ),
         (
             _mutate(["tables", "users", "optimizer"], {"name": "lion"}),
