@@ -136,6 +136,19 @@ def key_words(state):
     return np.asarray(jax.device_get(state.index["users"].key))
 
 
+def steps_against(emb, state, ref: Reference, stream):
+    """`state` after the steps of `stream`, each lookup checked against the reference's
+    (float32 rounding) before both update."""
+    for feats, grads in stream:
+        acts = emb.lookup(state, feats)
+        want_user, want_hist = ref.lookup(feats)
+        np.testing.assert_allclose(np.asarray(acts["user"]), want_user, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(acts["hist"]), want_hist, rtol=1e-5, atol=1e-6)
+        state = emb.apply_gradients(state, feats, grads)
+        ref.update(feats, grads)
+    return state
+
+
 @pytest.mark.parametrize(
     "n, routing, backend, combiner, kind",
     [
@@ -157,19 +170,14 @@ def test_matches_the_dict_reference(n, routing, backend, combiner, kind):
         assert emb.dynamic["users"].finder == backend
     state = emb.init(jax.random.key(3))
     ref = Reference(key_words(state), combiner)
-    seen = set()
-    for feats, grads in batches(1, 5):
-        acts = emb.lookup(state, feats)
-        want_user, want_hist = ref.lookup(feats)
-        np.testing.assert_allclose(np.asarray(acts["user"]), want_user, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(np.asarray(acts["hist"]), want_hist, rtol=1e-5, atol=1e-6)
-        state = emb.apply_gradients(state, feats, grads)
-        ref.update(feats, grads)
-        seen |= {
-            int(i)
-            for i in np.concatenate([feats["user"].ids.ravel(), feats["hist"].ravel()])
-            if i != -1
-        }
+    stream = batches(1, 5)
+    state = steps_against(emb, state, ref, stream)
+    seen = {
+        int(i)
+        for feats, _ in stream
+        for i in np.concatenate([feats["user"].ids.ravel(), feats["hist"].ravel()])
+        if i != -1
+    }
     out = users(emb.export(state)["users"])
     assert isinstance(out, jte.DynamicRows)
     assert out.ids.dtype == np.int64 and list(out.ids) == sorted(seen)
@@ -209,13 +217,7 @@ def test_a_row_initializer_draws_new_ids_initial_rows(routing, backend, placemen
     assert emb.dynamic["users"].draw == draw
     state = emb.init(jax.random.key(4))
     ref = Reference(key_words(state), "sum", draw)
-    for feats, grads in batches(2, 3):
-        acts = emb.lookup(state, feats)
-        want_user, want_hist = ref.lookup(feats)
-        np.testing.assert_allclose(np.asarray(acts["user"]), want_user, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(np.asarray(acts["hist"]), want_hist, rtol=1e-5, atol=1e-6)
-        state = emb.apply_gradients(state, feats, grads)
-        ref.update(feats, grads)
+    state = steps_against(emb, state, ref, batches(2, 3))
     out = users(emb.export(state)["users"])
     np.testing.assert_allclose(
         out.rows, np.stack([ref.rows[int(i)][0] for i in out.ids]), rtol=1e-5, atol=1e-6
