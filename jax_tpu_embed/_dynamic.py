@@ -98,7 +98,7 @@ class DynamicPlan:
     # "xla", or the Pallas kernel (`_hashindex_tpu`, "pallas" or "pallas_interpret")
     # beside the Pallas row kernels.
     finder: str = "xla"
-    # The table's row initializer (`jte.initializers`; None: the default): what an id's
+    # The table's row initializer (`jte.initializers.of`; None: the default): what an id's
     # initial row is drawn with, from a hash of (table, id).
     draw: initializers.RowInitializer | None = None
 
@@ -173,7 +173,7 @@ def engine_spec(spec: _config.EmbeddingSpec, num_shards: int):
             t, vocabulary_size=buckets * b, dynamic=None, combiner="sum", name=name
         )
         feats = {p: f for p, f in spec.flat_features if f.table is t}
-        draw = t.initializer if isinstance(t.initializer, initializers.RowInitializer) else None
+        draw = initializers.of(t.initializer)  # A row initializer: `TableConfig` checks.
         plans[name] = DynamicPlan(name, index, t.dim, feats, draw=draw)
     flat = {
         p: dataclasses.replace(f, table=slot_tables[id(f.table)])

@@ -26,10 +26,9 @@ _INIT_BLOCK_ROWS_MIN = 1024
 
 
 def _drawn_as(plan: _plan.TablePlan) -> tuple:
-    """(D, the table's row initializer, None for the default): tables drawn alike share one
-    computation in `init`'s rounds."""
-    init = plan.config.initializer
-    return plan.config.dim, init if isinstance(init, initializers.RowInitializer) else None
+    """(D, the table's row initializer): tables drawn alike share one computation in
+    `init`'s rounds."""
+    return plan.config.dim, initializers.of(plan.config.initializer)
 
 
 def constant_rows(plan: _plan.TablePlan, slot: _optimizers.SlotSpec, valid):
@@ -190,8 +189,7 @@ class Initializer:
         """Whether `init` draws a table in row blocks: the default initializer or a row
         initializer (`jte.initializers`), and constant slots."""
         plan = self.table_plans[name]
-        init = plan.config.initializer
-        return (init is None or isinstance(init, initializers.RowInitializer)) and not any(
+        return initializers.of(plan.config.initializer) is not None and not any(
             callable(s.initializer) for s in plan.storage.slot_specs
         )
 
@@ -241,7 +239,7 @@ class Initializer:
 
     def blocks(self, names: tuple) -> tuple:
         """How `_init_local` splits the table arrays of `names` into rounds: (rounds,
-        {(D, row initializer or None): the tables of width D drawn so}, and per table (T,)
+        {(D, row initializer): the tables of width D drawn so}, and per table (T,)
         arrays: logical local rows (padding included), rows per physical row, rows per
         round, and the first row of its block in its group's draw)."""
         plans = [self.table_plans[n] for n in names]
@@ -445,11 +443,13 @@ class Initializer:
         """The logical initial value of a table (slot None) or one slot."""
         shape = plan.storage.logical_shape(slot)
         if slot is None:
-            _, draw = _drawn_as(plan)
-            if draw is not None or plan.config.initializer is None:  # Drawn row by row.
+            init = plan.config.initializer
+            draw = initializers.of(init)
+            if draw is not None:  # Drawn row by row.
                 rows = jnp.arange(shape[0])
                 return initializers.rows(key, rows, plan.config.dim, draw).astype(plan.config.dtype)
-            value = plan.config.initializer(key, shape, jnp.float32)
+            assert init is not None  # `of` gives the default's row initializer for None.
+            value = init(key, shape, jnp.float32)
             if tuple(jnp.shape(value)) != tuple(shape):
                 # Shapes are static: a wrong one would be padded or cut into the layout.
                 raise ValueError(

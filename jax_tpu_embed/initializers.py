@@ -52,11 +52,10 @@ class RowInitializer:
             raise ValueError(
                 f"RowInitializer: kind must be one of {list(KINDS)}, got {self.kind!r}."
             )
-        numbers = {"mean": self.mean, "stddev": self.stddev, "minval": self.minval}
-        numbers["maxval"] = self.maxval
+        numbers = {"mean": self.mean, "minval": self.minval, "maxval": self.maxval}
+        if self.stddev is not None:
+            numbers["stddev"] = self.stddev
         for name, value in numbers.items():
-            if value is None and name == "stddev":
-                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{where}: {name} must be a number, got {value!r}.")
             if not math.isfinite(value):
@@ -101,6 +100,14 @@ class RowInitializer:
 
 # What `TableConfig(initializer=None)` draws: a truncated normal, stddev 1/sqrt(dim).
 DEFAULT = RowInitializer("truncated_normal")
+
+
+def of(initializer) -> RowInitializer | None:
+    """The row initializer a `TableConfig.initializer` draws with: DEFAULT for None, itself
+    for a row initializer; None for any other initializer (called with the logical shape)."""
+    if initializer is None:
+        return DEFAULT
+    return initializer if isinstance(initializer, RowInitializer) else None
 
 
 def rows(key, ids, dim: int, draw: RowInitializer | None = None):
