@@ -714,8 +714,11 @@ def test_pallas_find_equals_find(n, ttl, buckets, grouped):
     shape = (n,) if n % 2 else (2, n // 2)
     hi, lo = (x.reshape(shape) for x in hx.split_ids(asked))
     bucket = hx.global_bucket(config, hi, lo)
-    want = hx.find(config, state, hi, lo, bucket, 8)
-    got = _hashindex_tpu.find(config, state, hi, lo, bucket, 8, True, grouped)
+    args = (state, hi, lo, bucket)
+    want = jax.jit(lambda s, h, l, b: hx.find(config, s, h, l, b, 8))(*args)
+    got = jax.jit(lambda s, h, l, b: _hashindex_tpu.find(config, s, h, l, b, 8, True, grouped))(
+        *args
+    )
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     assert n < 100 or (np.asarray(want[1]).any() and not np.asarray(want[1]).all())
@@ -767,10 +770,12 @@ def test_sighted_with_the_pallas_find_equals_sighted(kwargs):
             at = np.insert(at, edge, at[edge - 1])[:-1]  # A copy across that edge.
             distinct = np.concatenate([[True], at[1:] != at[:-1]])
             assert not distinct[edge] and valid[at[edge]], "no copy across a step's edge"
-        args = (config, state, hi[at], lo[at], bucket[at], valid[at], 7)
-        want = hx.sighted(*args, grouped=grouped, distinct=distinct)
+        args = (state, hi[at], lo[at], bucket[at], valid[at], 7)
+        sighted = functools.partial(hx.sighted, config, grouped=grouped)
+        want = jax.jit(functools.partial(sighted, distinct=distinct))(*args)
         writes = scores if grouped else None
-        got = hx.sighted(*args, grouped=grouped, find=kernel, scores=writes, distinct=distinct)
+        pallas = functools.partial(sighted, find=kernel, scores=writes, distinct=distinct)
+        got = jax.jit(pallas)(*args)
         for a, b in zip(
             jax.tree.leaves(dataclasses.asdict(got)), jax.tree.leaves(dataclasses.asdict(want))
         ):
@@ -849,8 +854,10 @@ def test_pallas_place_equals_place(eviction, ttl):
     admit = first & (rng.random(new.size) < 0.8)
     pad = rng.random(new.size) < 0.05
     hi, lo = (np.where(pad, np.uint32(hx.PAD), x) for x in (hi, lo))
-    want = hx.place(config, state, hi, lo, bucket, admit, 8)
-    got = _hashindex_tpu.place(config, state, hi, lo, bucket, admit, 8, interpret=True)
+    args = (state, hi, lo, bucket, admit)
+    want = jax.jit(lambda s, h, l, b, a: hx.place(config, s, h, l, b, a, 8))(*args)
+    pallas = lambda s, h, l, b, a: _hashindex_tpu.place(config, s, h, l, b, a, 8, interpret=True)
+    got = jax.jit(pallas)(*args)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     stats = dict(zip(hx.STAT_NAMES, np.asarray(want[0].stats - state.stats)[0]))
@@ -879,12 +886,12 @@ def test_sighted_with_copies_equals_sighted_of_distinct_ids(ttl):
     first = np.concatenate([[True], copies[1:] != copies[:-1]])
     once = copies[first]
 
-    def run(x, **kw):
-        hi, lo = hx.split_ids(x)
+    @jax.jit
+    def run(hi, lo, distinct):
         b = hx.global_bucket(config, hi, lo)
-        return hx.sighted(config, state, hi, lo, b, True, 7, grouped=True, **kw)
+        return hx.sighted(config, state, hi, lo, b, True, 7, grouped=True, distinct=distinct)
 
-    want, got = run(once), run(copies, distinct=first)
+    want, got = run(*hx.split_ids(once), None), run(*hx.split_ids(copies), first)
     for a, b in zip(jax.tree.leaves(want.state), jax.tree.leaves(got.state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     of_id = np.cumsum(first) - 1  # Each entry's id among `once`.
