@@ -1,8 +1,9 @@
 """A differential fuzzer of feature combinations (`tests/test_fuzz.py` replays some cases).
 
 Each case draws a spec (1-3 tables: static or dynamic, in device memory, in host memory or
-`HostCached`; one-hot, multi-hot, weighted and sequence features; most optimizers, with
-overrides, schedules, clipping, weight decay and gradient multipliers), options (routing,
+`HostCached`, initialized by the default or another initializer; one-hot, multi-hot,
+weighted and sequence features; most optimizers, with overrides, schedules, clipping,
+weight decay and gradient multipliers), options (routing,
 stacking, TPU layouts, round limits, backends) and a training loop (`accumulate_steps`,
 `pipeline_execution`, prefetch by `next_batch`, NumPy or global `jax.Array` inputs), trains
 it a few steps through one of the front ends (`jte.make_train_step`, a flax.linen model around
@@ -170,7 +171,44 @@ def draw(seed: int, case: int, oracle: str, front: str | None = None) -> Config:
     # CPU meshes do only when asked.
     stages = np.random.default_rng([seed, case, ORACLES.index(oracle), 2])
     c["stage_host_rows"] = bool(stages.random() < 0.5)
+    # And the tables' initializers, from a third stream for the same reason.
+    inits = np.random.default_rng([seed, case, ORACLES.index(oracle), 3])
+    for t in tables:
+        t["initializer"] = _initializer(inits, t["dynamic"])
     return c
+
+
+def _initializer(r, dynamic: bool) -> Config | None:
+    """A table's initializer: None (the default) mostly; else one of `jte.initializers`,
+    or for a static table an initializer called with the whole table's shape."""
+    u = r.random()
+    if u < 0.6:
+        return None
+    if u < 0.7 and not dynamic:
+        return {"kind": "whole", "stddev": float(r.choice([0.1, 0.5]))}
+    kind = str(r.choice(["truncated_normal", "normal", "uniform", "constant", "ones"]))
+    if kind in ("truncated_normal", "normal"):
+        return {
+            "kind": kind,
+            "stddev": float(r.choice([0.05, 0.5])),
+            "mean": float(r.choice([0.0, 0.3])),
+        }
+    if kind == "uniform":
+        low = float(r.choice([-0.5, 0.0, 1.0]))
+        return {"kind": kind, "minval": low, "maxval": low + float(r.choice([0.1, 1.0]))}
+    if kind == "constant":
+        return {"kind": kind, "value": float(r.choice([-0.2, 0.7]))}
+    return {"kind": kind}
+
+
+def initializer(i: Config | None):
+    """The initializer object of a configuration (None: the table's default)."""
+    if i is None:
+        return None
+    kind, args = i["kind"], {k: v for k, v in i.items() if k != "kind"}
+    if kind == "whole":  # Drawn with the whole table's shape, by jax.random.
+        return jax.nn.initializers.normal(args["stddev"])
+    return getattr(jte.initializers, kind)(**args)
 
 
 def _table(r, pick, name: str, n: int, shared, oracle: str) -> Config:
@@ -372,6 +410,8 @@ def spec(c: Config, oracle: bool, grow: int = 1) -> jte.EmbeddingSpec:
             placement=placement,
             dtype=jnp.bfloat16 if t["bf16"] else jnp.float32,
         )
+        if t["initializer"] is not None:
+            kwargs["initializer"] = initializer(t["initializer"])
         if t["dynamic"]:
             kwargs["dynamic"] = jte.DynamicTable(
                 capacity=t["capacity"] * grow,
