@@ -288,6 +288,7 @@ class Embedding:
             self.mesh, P(self.axis, *([None] * (rank - 1))), memory_kind=memory_kind
         )
 
+    @_inputs.x32()
     def abstract_state(self) -> EmbeddingState:
         """The state as jax.ShapeDtypeStruct leaves with shardings; allocates nothing."""
         tables, slots = {}, {}
@@ -316,6 +317,7 @@ class Embedding:
         shapes = jax.eval_shape(self.cached[name].empty_cache)
         return jax.tree.map(lambda x: self._rows(x.ndim), shapes)
 
+    @_inputs.x32()
     def with_empty_caches(self, index: dict, traced: bool = False) -> dict:
         """`index` (a state's, without the caches of HostCached tables, or with) with every
         HostCached table's caches holding no row, placed as the state holds them: a
@@ -398,6 +400,7 @@ class Embedding:
             for n, shape in slot_shapes.items()
         }
 
+    @_inputs.x32()
     def init(self, key: jax.Array) -> EmbeddingState:
         """Initial tables and slots: the same logical values for every mesh and strategy.
 
@@ -413,18 +416,21 @@ class Embedding:
         """
         return EmbeddingState(*self.initializer.init(key), self._new_index(key))
 
+    @_inputs.x32()
     def init_programs(self) -> dict:
         """{table name: a jitted fn(table key) -> (table, slots) giving what `init` gives for
         it, as the table would be stored alone}; for compiling ahead of time (the planner
         checks initialisation fits HBM too)."""
         return self.initializer.programs()
 
+    @_inputs.x32()
     def compile_init(self, key: jax.ShapeDtypeStruct) -> None:
         """Compiles `init`'s program of the blocked tables for keys like `key` before `init`
         is called (jax keeps it for the call), so that a caller can do it while it does
         something else. Thread-safe."""
         self.initializer.compile(key)
 
+    @_inputs.x32()
     def restore_tables(
         self, tables: dict, slots: dict | None = None, step: int = 0, key: jax.Array | None = None
     ) -> EmbeddingState:
@@ -558,6 +564,7 @@ class Embedding:
 
     # --------------------------------------------------- stacks <-> per-table arrays
 
+    @_inputs.x32()
     def state_arrays(self, tables: dict, slots: dict) -> tuple[dict, dict]:
         """`EmbeddingState`'s (tables, slots), keyed by state key (`stacks`), from each
         table's physical arrays as it would be stored alone ({table: array}, {table: {slot:
@@ -577,6 +584,7 @@ class Embedding:
             )
         return out_tables, out_slots
 
+    @_inputs.x32()
     def table_arrays(self, state: EmbeddingState) -> tuple[dict, dict]:
         """The inverse of `state_arrays`: each table's physical arrays as stored alone (a copy of
         its rows for a stacked table)."""
@@ -626,6 +634,7 @@ class Embedding:
             physical.shape, self._rows(physical.ndim, memory_kind), lambda index: physical[index]
         )
 
+    @_inputs.x32()
     def export(self, state: EmbeddingState) -> dict[str, Any]:
         """{table name: (V, D) np.ndarray} in natural row order, whatever strategy or mesh;
         a dynamic table's live rows as `jte.DynamicRows(ids, rows)`, ids ascending.
@@ -653,6 +662,7 @@ class Embedding:
         now = int(np.asarray(jax.device_get(state.step)))
         return _dynamic.live(self.dynamic[name], index, now)
 
+    @_inputs.x32()
     def dynamic_counters(self, state: EmbeddingState) -> dict[str, dict[str, jax.Array]]:
         """`dynamic_stats` without `occupancy`: the counters, and `held` (ids holding a row,
         TTL-expired ones included: admitted - evicted - expired), from O(shards) counters
@@ -661,6 +671,7 @@ class Embedding:
         _guards.check_not_consumed(state, "Embedding.dynamic_counters")
         return {name: _dynamic.counters(state.index[name].index) for name in self.dynamic}
 
+    @_inputs.x32()
     def dynamic_stats(self, state: EmbeddingState) -> dict[str, dict[str, jax.Array]]:
         """{dynamic table name: {counter: int32 scalar}}: `occupancy` (live rows), and since
         `init` (or the restore): `admitted`, `evicted` (by the eviction policy), `expired`
@@ -676,6 +687,7 @@ class Embedding:
             for name, plan in self.dynamic.items()
         }
 
+    @_inputs.x32()
     def export_slots(self, state: EmbeddingState) -> dict[str, dict[str, Any]]:
         """{table name: {slot name: (V, D) or (V,)}}; {} for a table without slots; a dynamic
         table's as `jte.DynamicRows` of its live ids.
@@ -710,6 +722,7 @@ class Embedding:
             )[1]
         return out
 
+    @_inputs.x32()
     def shard_rows(self, state: EmbeddingState, table_name: str, shard: int) -> np.ndarray:
         """The rows shard `shard` holds, in its local order, padding excluded.
 
@@ -748,10 +761,12 @@ class Embedding:
         """Checks concrete inputs on the host; ValueError naming feature, id and position."""
         _inputs.validate(self.spec, features, self.num_shards)
 
+    @_inputs.x32("features")
     def invalid_id_counts(self, features: Nested) -> dict[str, jax.Array]:
         """{feature path: int32 number of ids neither -1 nor in [0, V)}; jittable."""
         return _inputs.invalid_counts(self.spec, features)
 
+    @_inputs.x32("features")
     def id_counts(self, features: Nested) -> dict[str, dict[str, int]]:
         """How a global batch loads the shards, per table: for choosing `max_ids_per_shard`
         and `max_unique_ids_per_shard` from real data (run it on a few batches and take the
@@ -800,6 +815,7 @@ class Embedding:
             p: _dynamic.split_on_host(x) if p in self.dynamic_paths else x for p, x in flat.items()
         }
 
+    @_inputs.x32("features")
     def lookup(
         self, state: EmbeddingState, features: Nested, *, staged: StagedRows | None = None
     ) -> Nested:
@@ -823,6 +839,7 @@ class Embedding:
             self._lookup_jit(state.tables, state.index, state.step, flat, rows)
         )
 
+    @_inputs.x32("features", "act_grads")
     def apply_gradients(
         self,
         state: EmbeddingState,
@@ -1284,6 +1301,7 @@ class Embedding:
 
     # Tables in host memory (_placement.Staged): a step's rows read from the host once.
 
+    @_inputs.x32("features", "more")
     def stage(self, state: EmbeddingState, features: Nested, *more: Nested) -> StagedRows | None:
         """Reads the rows `features` will touch in the tables placed "host" (and their
         slots) from host memory into device memory, in one host read per table, for the
@@ -1428,6 +1446,7 @@ class Embedding:
             caches[name] = jax.tree.map(_sharding.constrain, cache, self._cache_shardings(name))
         return tables, slots, self._set_caches(index, caches)
 
+    @_inputs.x32("features")
     def prefetch(self, state: EmbeddingState, features: Nested) -> EmbeddingState:
         """Brings the rows `features` will touch into the caches of the HostCached tables
         (those with `prefetch=True`), ahead of the step that uses them.
@@ -1499,6 +1518,7 @@ class Embedding:
         _, _, index = self._without_caches(tables, slots, state.index)
         return EmbeddingState(state.tables, state.slots, state.step, index)
 
+    @_inputs.x32()
     def cache_stats(self, state: EmbeddingState) -> dict[str, dict[str, jax.Array]]:
         """{HostCached table name: {counter: int32 scalar}}, summed over the devices since
         `init` or a restore: "hits" and "misses" (distinct rows the updates found in the

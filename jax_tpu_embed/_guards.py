@@ -251,14 +251,18 @@ def restored_items(
 
 def check_no_wide_ids(batch, where: str) -> None:
     """ValueError for a NumPy int64 array in a jitted step's batch with values beyond int32:
-    without jax_enable_x64, jit would cut them to int32, other ids of a dynamic table."""
+    without jax_enable_x64, jit would cut them to int32, other ids of a dynamic table.
+    (With it, jit keeps them, and the embedding's calls split them: `_inputs.x32`.)"""
+    if jax.enable_x64.value:
+        return
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
         if isinstance(leaf, np.ndarray) and leaf.dtype == np.int64 and leaf.size:
             if leaf.min() < np.iinfo(np.int32).min or leaf.max() > np.iinfo(np.int32).max:
                 raise ValueError(
                     f"{where}: batch{jax.tree_util.keystr(path)} holds int64 ids beyond "
                     f"int32, which jit cuts to int32 without jax_enable_x64. Give a dynamic "
-                    f"table's ids as jte.split_ids(ids) (uint32 halves)."
+                    f"table's ids as jte.split_ids(ids) (uint32 halves), or turn "
+                    f"jax_enable_x64 on."
                 )
 
 

@@ -7,6 +7,8 @@ features are truncated at the end or padded with -1 to max_sequence_length.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, NamedTuple
 
 import jax
@@ -120,6 +122,89 @@ def join_ids(ids: SplitIds) -> np.ndarray:
     hi = np.asarray(ids.hi).astype(np.uint64)
     lo = np.asarray(ids.lo).astype(np.uint64)
     return ((hi << np.uint64(32)) | lo).view(np.int64)
+
+
+# ------------------------------------------------------------------ jax_enable_x64
+
+
+def x32(*wide: str):
+    """Decorator: the function runs with `jax_enable_x64` off, which the engine is written
+    for (32-bit ids, rows and counters; 64-bit ids as `SplitIds`), so that it computes the
+    same whether the caller has it on or not. With it off it is the function itself. With it
+    on, the arguments named in `wide` are first narrowed where 64 bits still hold
+    (`narrow`): a feature dict, given the first argument's spec (an `Embedding`, a
+    `Server`) or the first argument as the spec, or any other tree (activation gradients).
+    Outputs are 32-bit either way."""
+
+    def decorate(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            if not jax.enable_x64.value:
+                return fn(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            for name in wide:
+                if name in bound.arguments:
+                    spec = args[0] if isinstance(args[0], _config.EmbeddingSpec) else None
+                    spec = getattr(args[0], "spec", spec) if name in _FEATURES else None
+                    value = bound.arguments[name]
+                    if signature.parameters[name].kind == inspect.Parameter.VAR_POSITIONAL:
+                        bound.arguments[name] = tuple(narrow(v, spec) for v in value)
+                    else:
+                        bound.arguments[name] = narrow(value, spec)
+            with jax.enable_x64(False):
+                return fn(*bound.args, **bound.kwargs)
+
+        return wrapped
+
+    return decorate
+
+
+_FEATURES = ("features", "more")  # The arguments of x32 that hold feature dicts.
+
+
+def narrow(tree, spec: _config.EmbeddingSpec | None = None):
+    """`tree` with its 64-bit arrays made 32-bit while `jax_enable_x64` is on: float64 to
+    float32; int64 ids, in a feature dict of `spec`, to `SplitIds` for a dynamic table and to
+    int32 for a static one; elsewhere int64 to int32. A jax array's value beyond int32
+    becomes int32's minimum (an invalid id, never another row); NumPy ids beyond int32 of a
+    static table stay as they are, for the host check to name them. NumPy arrays become
+    new ones: jax may hand back a NumPy array it has seen under x64 as the 64-bit array it
+    made then, whatever the setting now (jax 0.10.2)."""
+
+    def narrowed(x):
+        if not isinstance(x, (np.ndarray, jax.Array)) or np.dtype(x.dtype).itemsize != 8:
+            return x
+        if np.issubdtype(x.dtype, np.floating):
+            return x.astype(np.float32)
+        low, high = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+        if isinstance(x, np.ndarray):
+            return x if x.size and (x.min() < low or x.max() > high) else x.astype(np.int32)
+        return jnp.where((x >= low) & (x <= high), x, low).astype(jnp.int32)
+
+    if spec is None or not isinstance(tree, dict):
+        return jax.tree.map(narrowed, tree)
+    dynamic = {
+        p
+        for p, f in spec.flat_features
+        if isinstance(f.table, _config.TableConfig) and f.table.dynamic is not None
+    }
+    out = {}
+    for path, leaf in _flatten_leaves(tree):
+        ids, weights = _split(leaf)
+        if path in dynamic and isinstance(ids, (np.ndarray, jax.Array)) and ids.dtype == np.int64:
+            ids = split_ids(ids) if isinstance(ids, np.ndarray) else _split_traced(ids)
+        elif not isinstance(ids, SplitIds):
+            ids = narrowed(ids)
+        out[path] = Weighted(ids, narrowed(weights)) if isinstance(leaf, Weighted) else ids
+    return _config.unflatten(out)
+
+
+def _split_traced(ids: jax.Array) -> SplitIds:
+    """`split_ids` of an int64 jax array (traced or not), computed with jax_enable_x64 on."""
+    u = ids.astype(jnp.uint64)
+    return SplitIds((u >> 32).astype(jnp.uint32), (u & PAD).astype(jnp.uint32))
 
 
 def _is_concrete(x) -> bool:

@@ -75,6 +75,7 @@ from . import (
     _embedding,
     _guards,
     _hashindex,
+    _inputs,
     _multihost,
     _optimizers,
     _placement,
@@ -97,6 +98,7 @@ class CheckpointNotFoundError(FileNotFoundError, ValueError):
     that is not there. Both a FileNotFoundError and a ValueError."""
 
 
+@_inputs.x32()
 def save(
     directory: str | os.PathLike,
     emb: _embedding.Embedding,
@@ -289,6 +291,7 @@ def _join_at_exit() -> None:
     register(wait)
 
 
+@_inputs.x32()
 def restore(
     directory: str | os.PathLike,
     emb: _embedding.Embedding,

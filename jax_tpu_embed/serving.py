@@ -190,6 +190,7 @@ def _fold(x, dim: int):
     return x if x.shape[-1] == dim else _packing(dim).fold(x)[..., :dim]
 
 
+@_inputs.x32()
 def served_tables(
     spec: _config.EmbeddingSpec,
     tables: Mapping[str, Any],
@@ -233,6 +234,7 @@ def served_tables(
     return out
 
 
+@_inputs.x32("features")
 def lookup(
     spec: _config.EmbeddingSpec,
     tables: Mapping[str, Any],
@@ -461,6 +463,7 @@ class Server:
     lane-packed (`served_tables(lanes=128)`), the form artifacts exported for a TPU take.
     """
 
+    @_inputs.x32()
     def __init__(
         self,
         spec: _config.EmbeddingSpec,
@@ -511,6 +514,7 @@ class Server:
         keys = {n: np.asarray(jax.device_get(state.index[n].key)) for n in emb.dynamic}
         return cls(emb.spec, emb.export(state), device, unknown=unknown, keys=keys)
 
+    @_inputs.x32("features")
     def __call__(self, features: Nested) -> Nested:
         """Activations of `features` (any batch size B); mirrors `Embedding.lookup`."""
         flat = _inputs.flatten_inputs(self.spec, features)
@@ -536,6 +540,7 @@ class Server:
         }
         return self._jit(self.tables, _config.unflatten(flat))
 
+    @_inputs.x32()
     def export(
         self,
         features: Nested,
@@ -556,6 +561,7 @@ class Server:
         )
 
 
+@_inputs.x32()
 def export(
     spec: _config.EmbeddingSpec,
     tables: Mapping[str, Any],
