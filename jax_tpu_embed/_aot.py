@@ -166,6 +166,7 @@ def _quiet_stderr():
 # ------------------------------------------------------------------------------ train step
 
 
+@_inputs.x32()
 def abstract_features(emb, batch: int, ids_per_example: int | Mapping[str, int] = 1) -> dict:
     """int32 ids per feature path as jax.ShapeDtypeStruct, batch-sharded over `emb`'s axis.
 
@@ -195,6 +196,7 @@ def abstract_features(emb, batch: int, ids_per_example: int | Mapping[str, int] 
     return _config.unflatten(out)  # Features mirror the spec's nesting.
 
 
+@_inputs.x32()
 def train_step_fn(emb, hidden: int = 16) -> tuple[Callable, dict]:
     """The train step of a model whose dense part is one tiny layer per feature.
 
@@ -362,6 +364,7 @@ class CompileReport:
         ]
 
 
+@_inputs.x32()
 def init_temp_bytes(emb) -> dict[str, int]:
     """{table name: per-device temporary bytes of initialising it (`emb.init_programs`)}.
 
@@ -393,6 +396,7 @@ def init_temp_bytes(emb) -> dict[str, int]:
     return out
 
 
+@_inputs.x32()
 def compile_train_step(
     emb,
     batch: int,

@@ -173,8 +173,10 @@ def narrow(tree, spec: _config.EmbeddingSpec | None = None):
     new ones: jax may hand back a NumPy array it has seen under x64 as the 64-bit array it
     made then, whatever the setting now (jax 0.10.2)."""
 
-    def narrowed(x):
+    def narrowed(x):  # Other dtypes (complex, bool, strings) are left to the checks.
         if not isinstance(x, (np.ndarray, jax.Array)) or np.dtype(x.dtype).itemsize != 8:
+            return x
+        if np.dtype(x.dtype).kind not in "iuf":
             return x
         if np.issubdtype(x.dtype, np.floating):
             return x.astype(np.float32)
@@ -195,8 +197,8 @@ def narrow(tree, spec: _config.EmbeddingSpec | None = None):
         ids, weights = _split(leaf)
         if path in dynamic and isinstance(ids, (np.ndarray, jax.Array)) and ids.dtype == np.int64:
             ids = split_ids(ids) if isinstance(ids, np.ndarray) else _split_traced(ids)
-        elif not isinstance(ids, SplitIds):
-            ids = narrowed(ids)
+        elif hasattr(ids, "dtype") and np.issubdtype(ids.dtype, np.integer):
+            ids = narrowed(ids)  # Float ids are left for the checks to name.
         out[path] = Weighted(ids, narrowed(weights)) if isinstance(leaf, Weighted) else ids
     return _config.unflatten(out)
 

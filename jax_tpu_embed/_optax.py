@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import _optimizers
+from . import _inputs, _optimizers
 
 _PROBE_DIM = 4  # Probe rows: small, and two sizes to tell (D,) leaves from fixed shapes.
 _PROBE_SCALES = (1e-3, 1.0, 1e3)
@@ -137,6 +137,7 @@ class FromOptax(_optimizers.Optimizer):
     _leaves: tuple = dataclasses.field(default=(), init=False, repr=False)
     _treedef: Any = dataclasses.field(default=None, init=False, repr=False)
 
+    @_inputs.x32()  # The engine runs the transform with jax_enable_x64 off: so is it probed.
     def __post_init__(self):
         tx = self.transform
         if not isinstance(tx, optax.GradientTransformation):

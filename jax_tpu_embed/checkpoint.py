@@ -75,7 +75,6 @@ from . import (
     _embedding,
     _guards,
     _hashindex,
-    _inputs,
     _multihost,
     _optimizers,
     _placement,
@@ -98,7 +97,6 @@ class CheckpointNotFoundError(FileNotFoundError, ValueError):
     that is not there. Both a FileNotFoundError and a ValueError."""
 
 
-@_inputs.x32()
 def save(
     directory: str | os.PathLike,
     emb: _embedding.Embedding,
@@ -291,7 +289,6 @@ def _join_at_exit() -> None:
     register(wait)
 
 
-@_inputs.x32()
 def restore(
     directory: str | os.PathLike,
     emb: _embedding.Embedding,

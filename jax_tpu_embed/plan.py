@@ -36,7 +36,7 @@ from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 
-from . import _aot, _config, _config_file, _embedding, _routing  # noqa: E402
+from . import _aot, _config, _config_file, _embedding, _inputs, _routing  # noqa: E402
 
 # Slice shapes to suggest when a config does not fit, smallest first.
 _CUBES = (
@@ -96,6 +96,7 @@ def read_inputs(config: _config_file.ConfigFile) -> tuple[int | None, dict[str, 
     return (int(batch) if batch is not None else None), out
 
 
+@_inputs.x32()
 def plan(
     config_path: str,
     topology: str,
@@ -290,6 +291,7 @@ def _result(
     return out
 
 
+@_inputs.x32()
 def routes(emb, batch: int, lengths: Mapping[str, int]) -> list[dict[str, Any]]:
     """Per call of the row work (a table alone, a stack, or a part of a stack whose
     activations overflow VMEM): its state key, tables, routing and, routed to owners, the
