@@ -144,10 +144,11 @@ def x32(*wide: str):
             if not jax.enable_x64.value:
                 return fn(*args, **kwargs)
             bound = signature.bind(*args, **kwargs)
+            first = next(iter(bound.arguments.values()), None)  # self, or a spec.
             for name in wide:
                 if name in bound.arguments:
-                    spec = args[0] if isinstance(args[0], _config.EmbeddingSpec) else None
-                    spec = getattr(args[0], "spec", spec) if name in _FEATURES else None
+                    spec = first if isinstance(first, _config.EmbeddingSpec) else None
+                    spec = getattr(first, "spec", spec) if name in _FEATURES else None
                     value = bound.arguments[name]
                     if signature.parameters[name].kind == inspect.Parameter.VAR_POSITIONAL:
                         bound.arguments[name] = tuple(narrow(v, spec) for v in value)
