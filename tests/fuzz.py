@@ -5,7 +5,8 @@ Each case draws a spec (1-3 tables: static or dynamic, in device memory, in host
 weighted and sequence features; most optimizers, with overrides, schedules, clipping,
 weight decay and gradient multipliers), options (routing,
 stacking, TPU layouts, round limits, backends) and a training loop (`accumulate_steps`,
-`pipeline_execution`, prefetch by `next_batch`, NumPy or global `jax.Array` inputs), trains
+`pipeline_execution`, prefetch by `next_batch`, NumPy or global `jax.Array` inputs, a run
+with `jax_enable_x64` on and int64 ids), trains
 it a few steps through one of the front ends (`jte.make_train_step`, a flax.linen model around
 `jte.flax.Embed` or a flax.nnx model around `jte.nnx.Embed`, the same dense model in each) and
 compares everything it can read with an oracle, which trains through `jte.make_train_step`
@@ -175,6 +176,10 @@ def draw(seed: int, case: int, oracle: str, front: str | None = None) -> Config:
     inits = np.random.default_rng([seed, case, ORACLES.index(oracle), 3])
     for t in tables:
         t["initializer"] = _initializer(inits, t["dynamic"])
+    # And a fourth: whether the run has jax_enable_x64 on (its dynamic ids fed as int64,
+    # not SplitIds); the oracle never has. One process only.
+    wide = np.random.default_rng([seed, case, ORACLES.index(oracle), 4])
+    c["x64"] = oracle != "processes" and bool(wide.random() < 0.25)
     return c
 
 
@@ -327,7 +332,7 @@ def optimizer(o: Config | None):
             learning_rate=lr, momentum=0.8, use_nesterov=True, **extras
         ),
         "rmsprop": lambda: jte.RMSProp(
-            learning_rate=lr, rho=0.9, momentum=0.5, epsilon=1e-6, **extras
+            learning_rate=lr, rho=0.9, momentum=0.5, epsilon=1e-3, **extras
         ),
         "rmsprop_centered": lambda: jte.RMSProp(
             learning_rate=lr, rho=0.8, epsilon=1e-3, centered=True, **extras
@@ -538,6 +543,13 @@ def on_mesh(c: Config, tree, mesh_: jax.sharding.Mesh, rows=None):
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, local(x)), tree)
 
 
+def widened(batch_: dict) -> dict:
+    """A batch with its dynamic tables' `SplitIds` as the int64 ids they split."""
+    wide = lambda x: jte.join_ids(x) if isinstance(x, jte.SplitIds) else x
+    leaves = jax.tree.map(wide, batch_, is_leaf=lambda x: isinstance(x, jte.SplitIds))
+    return leaves
+
+
 def joined(batch_: dict) -> dict:
     """A batch of k micro-batches as one batch of their examples, in order."""
     return jax.tree.map(lambda x: np.asarray(x).reshape((-1,) + np.shape(x)[2:]), batch_)
@@ -601,9 +613,22 @@ class Loop:
     state read the same way for each (`embedding`, `params`, `step_count`)."""
 
     def __init__(
-        self, c: Config, emb: jte.Embedding, front: str, params: dict, first, scale: int = 1
+        self,
+        c: Config,
+        emb: jte.Embedding,
+        front: str,
+        params: dict,
+        first,
+        scale: int = 1,
+        x64: bool = False,
     ):
-        """`scale` multiplies the loss (the core front end's)."""
+        """`scale` multiplies the loss (the core front end's); `x64`: every call of the
+        loop runs with jax_enable_x64 on."""
+        self.x64 = x64
+        with jax.enable_x64(x64):
+            self._build(c, emb, front, params, first, scale)
+
+    def _build(self, c: Config, emb: jte.Embedding, front: str, params: dict, first, scale):
         self.front, self.emb = front, emb
         self.prefetch = c["prefetch"]  # Whether each step is given the next batch.
         tx = {"sgd": optax.sgd(0.05), "adam": optax.adam(0.01)}[c["dense"]]
@@ -630,16 +655,18 @@ class Loop:
             self.step.init(embedding_state=tables)
 
     def __call__(self, batch_, next_batch=None) -> dict:
-        if self.front == "nnx":
-            return self.step(batch_, next_batch=next_batch)
-        self.state, metrics = self.step(self.state, batch_, next_batch=next_batch)
-        return metrics
+        with jax.enable_x64(self.x64):
+            if self.front == "nnx":
+                return self.step(batch_, next_batch=next_batch)
+            self.state, metrics = self.step(self.state, batch_, next_batch=next_batch)
+            return metrics
 
     def flush(self) -> None:
-        if self.front == "nnx":
-            self.step.flush()
-        else:
-            self.state = self.step.flush(self.state)
+        with jax.enable_x64(self.x64):
+            if self.front == "nnx":
+                self.step.flush()
+            else:
+                self.state = self.step.flush(self.state)
 
     @property
     def embedding(self) -> jte.EmbeddingState:
@@ -778,6 +805,7 @@ def run(c: Config) -> dict:
     report = Report(
         exact=c["oracle"] == "placement"
         and not c.get("stage_host_rows")  # Staged: to float32 rounding (README).
+        and not c.get("x64")  # The dense side's optax.adam rounds otherwise under x64.
         and all(not t["dynamic"] and t["placement"] in ("host", "device") for t in c["tables"]),
         rtol=1e-4,
         atol=1e-5,
@@ -790,11 +818,15 @@ def run(c: Config) -> dict:
             here = plainest(c) if side == "oracle" and c["oracle"] == "paths" else c
             k = c["accumulate_steps"] // here["accumulate_steps"]  # Micro-batches joined.
             feed = [joined(b) for b in batches + [tail]] if k > 1 else batches + [tail]
-            if here["input"] == "jax":
-                feed = [on_mesh(here, b, emb.mesh) for b in feed]
+            x64 = side == "run" and c.get("x64", False)
+            if x64:  # int64 ids, which the run's calls narrow (`_inputs.x32`).
+                feed = [widened(b) for b in feed]
+            with jax.enable_x64(x64):
+                if here["input"] == "jax":
+                    feed = [on_mesh(here, b, emb.mesh) for b in feed]
             stage = f"{side}: init"
             front = c.get("front", "core") if side == "run" else "core"
-            loop = Loop(here, emb, front, dense_params(c), feed[0], scale=k)
+            loop = Loop(here, emb, front, dense_params(c), feed[0], scale=k, x64=x64)
             if side == "run":
                 report.tree("init", emb.export(loop.embedding), initial)
             else:
