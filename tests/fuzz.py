@@ -180,6 +180,8 @@ def draw(seed: int, case: int, oracle: str, front: str | None = None) -> Config:
     # not SplitIds); the oracle never has. One process only.
     wide = np.random.default_rng([seed, case, ORACLES.index(oracle), 4])
     c["x64"] = oracle != "processes" and bool(wide.random() < 0.25)
+    if c["x64"]:  # Then SGD for the dense side: optax.adam rounds otherwise under x64, and
+        c["dense"] = "sgd"  # the drift reached a table's momenta (placement seed 47, case 7).
     return c
 
 
@@ -805,7 +807,7 @@ def run(c: Config) -> dict:
     report = Report(
         exact=c["oracle"] == "placement"
         and not c.get("stage_host_rows")  # Staged: to float32 rounding (README).
-        and not c.get("x64")  # The dense side's optax.adam rounds otherwise under x64.
+        and not c.get("x64")  # XLA may round the run's dense side otherwise under x64.
         and all(not t["dynamic"] and t["placement"] in ("host", "device") for t in c["tables"]),
         rtol=1e-4,
         atol=1e-5,
