@@ -145,10 +145,12 @@ def x32(*wide: str):
                 return fn(*args, **kwargs)
             bound = signature.bind(*args, **kwargs)
             first = next(iter(bound.arguments.values()), None)  # self, or a spec.
+            own = (
+                first if isinstance(first, _config.EmbeddingSpec) else getattr(first, "spec", None)
+            )
             for name in wide:
                 if name in bound.arguments:
-                    spec = first if isinstance(first, _config.EmbeddingSpec) else None
-                    spec = getattr(first, "spec", spec) if name in _FEATURES else None
+                    spec = own if name in _FEATURES else None
                     value = bound.arguments[name]
                     if signature.parameters[name].kind == inspect.Parameter.VAR_POSITIONAL:
                         bound.arguments[name] = tuple(narrow(v, spec) for v in value)
@@ -175,9 +177,7 @@ def narrow(tree, spec: _config.EmbeddingSpec | None = None):
     made then, whatever the setting now (jax 0.10.2)."""
 
     def narrowed(x):  # Other dtypes (complex, bool, strings) are left to the checks.
-        if not isinstance(x, (np.ndarray, jax.Array)) or np.dtype(x.dtype).itemsize != 8:
-            return x
-        if np.dtype(x.dtype).kind not in "iuf":
+        if not isinstance(x, (np.ndarray, jax.Array)) or np.dtype(x.dtype).str[1:] not in _WIDE:
             return x
         if np.issubdtype(x.dtype, np.floating):
             return x.astype(np.float32)
@@ -188,11 +188,7 @@ def narrow(tree, spec: _config.EmbeddingSpec | None = None):
 
     if spec is None or not isinstance(tree, dict):
         return jax.tree.map(narrowed, tree)
-    dynamic = {
-        p
-        for p, f in spec.flat_features
-        if isinstance(f.table, _config.TableConfig) and f.table.dynamic is not None
-    }
+    dynamic = {p for p, f in spec.flat_features if _is_dynamic(f)}
     out = {}
     for path, leaf in _flatten_leaves(tree):
         ids, weights = _split(leaf)
@@ -202,6 +198,13 @@ def narrow(tree, spec: _config.EmbeddingSpec | None = None):
             ids = narrowed(ids)  # Float ids are left for the checks to name.
         out[path] = Weighted(ids, narrowed(weights)) if isinstance(leaf, Weighted) else ids
     return _config.unflatten(out)
+
+
+_WIDE = ("i8", "u8", "f8")  # The 64-bit dtypes `narrow` makes 32-bit.
+
+
+def _is_dynamic(feature: _config.FeatureConfig) -> bool:
+    return isinstance(feature.table, _config.TableConfig) and feature.table.dynamic is not None
 
 
 def _split_traced(ids: jax.Array) -> SplitIds:
@@ -267,7 +270,7 @@ def validate(spec: _config.EmbeddingSpec, features, num_shards: int) -> None:
                 f"jte.Weighted, got {type(leaf).__name__}."
             )
             continue
-        dynamic = isinstance(f.table, _config.TableConfig) and f.table.dynamic is not None
+        dynamic = _is_dynamic(f)
         if isinstance(ids, SplitIds):
             if not dynamic:
                 problems.append(

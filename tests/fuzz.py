@@ -547,9 +547,8 @@ def on_mesh(c: Config, tree, mesh_: jax.sharding.Mesh, rows=None):
 
 def widened(batch_: dict) -> dict:
     """A batch with its dynamic tables' `SplitIds` as the int64 ids they split."""
-    wide = lambda x: jte.join_ids(x) if isinstance(x, jte.SplitIds) else x
-    leaves = jax.tree.map(wide, batch_, is_leaf=lambda x: isinstance(x, jte.SplitIds))
-    return leaves
+    split = lambda x: isinstance(x, jte.SplitIds)
+    return jax.tree.map(lambda x: jte.join_ids(x) if split(x) else x, batch_, is_leaf=split)
 
 
 def joined(batch_: dict) -> dict:
