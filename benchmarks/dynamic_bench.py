@@ -261,8 +261,8 @@ def checkpoint_times(capacity: int, dim: int = 64, occupancy: float = 0.8, repea
     """Seconds to save one dynamic table (Adagrad, `occupancy` of `capacity` held, every
     device of this process a shard) with `jte.checkpoint` and to restore it onto the same
     mesh (each shard reads its own block), onto half the devices (each shard reads two
-    blocks) and onto twice the capacity (every block read, the index rebuilt whole): the
-    best of `repeats`, and the item's bytes."""
+    blocks) and onto twice the capacity (each shard reads its block, whose entries go to
+    their shards in the new index): the best of `repeats`, and the item's bytes."""
     import shutil
     import tempfile
 

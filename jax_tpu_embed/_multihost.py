@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from typing import Any
 
 import jax
@@ -281,3 +282,112 @@ def _take_rows(mesh, axis: str, on_host: bool):
     return jax.jit(
         jax.shard_map(local, mesh=mesh, in_specs=(row, P()), out_specs=P(), check_vma=False)
     )
+
+
+# Padding of `exchange`'s rows: the (hi, lo) words of id -1, which never travels.
+_NO_ROW = np.uint32(0xFFFFFFFF)
+
+
+def exchange(
+    emb,
+    sent: dict,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+    through_devices: bool | None = None,
+) -> dict:
+    """{shard k of this process: {field: the values sent to shard k}} from `sent` = {shard
+    k of this process: ({field: values}, dest)}: the fields' values (n, ...) one per entry,
+    the first int64 ids (never -1), the others of 32-bit dtypes, and dest (n,) the shard
+    each entry goes to. With several processes (or `through_devices`) an all_to_all over
+    `emb.axis` through the devices, each entry as one row of uint32 words, in rounds of at
+    most `chunk_bytes` a device, so no process holds another's entries and no device more
+    than a round of them; one process, which holds every shard, regroups them itself. The
+    order a shard receives its entries in is fixed by the arguments, nothing more. A
+    collective: every process calls it, with fields of the same names, dtypes and shapes."""
+    n = emb.num_shards
+    mine = shard_of_devices(emb)
+    own = sorted(set(mine.values()))
+    by_dest = {}
+    for k in own:
+        fields, dest = sent[k]
+        dest = np.asarray(dest, np.int64).reshape(-1)
+        order = np.argsort(dest, kind="stable")
+        by_dest[k] = (fields, order, np.searchsorted(dest[order], np.arange(n + 1)))
+    if not (jax.process_count() > 1 if through_devices is None else through_devices):
+        return {
+            k: {
+                f: np.concatenate([v[f][o[s[k] : s[k + 1]]] for v, o, s in by_dest.values()])
+                for f in sent[k][0]
+            }
+            for k in own
+        }
+    like = {f: (v.dtype, v.shape[1:]) for f, v in sent[own[0]][0].items()}
+    words = {k: _words(fields)[order] for k, (fields, order, _) in by_dest.items()}
+    width = words[own[0]].shape[1]
+    longest = max(int(np.diff(s).max(initial=0)) for _, _, s in by_dest.values())
+    longest = int(most_of(np.array([longest]))[0])  # Entries of the busiest (source, dest).
+    per = max(1, min(longest, chunk_bytes // (n * width * 4)))
+    sharding = NamedSharding(emb.mesh, P(emb.axis))
+    swap = _all_to_all(emb.mesh, emb.axis)
+    got: dict[int, list] = {k: [] for k in own}
+    for start in range(0, longest, per):
+        blocks = {}
+        for k, (_, _, starts) in by_dest.items():
+            block = np.empty((1, n, per, width), np.uint32)
+            for j in range(n):
+                part = words[k][starts[j] + start : starts[j + 1]][:per]
+                block[0, j, : len(part)] = part
+                block[0, j, len(part) :] = _NO_ROW
+            blocks[k] = block
+        arrays = [jax.device_put(blocks[k], d) for d, k in mine.items()]
+        x = jax.make_array_from_single_device_arrays((n, n, per, width), sharding, arrays)
+        seen = set()
+        for s in swap(x).addressable_shards:
+            k = mine[s.device]
+            if k in seen:
+                continue
+            seen.add(k)
+            rows = np.asarray(s.data).reshape(-1, width)
+            got[k].append(rows[~((rows[:, 0] == _NO_ROW) & (rows[:, 1] == _NO_ROW))])
+    empty = np.zeros((0, width), np.uint32)
+    return {k: _fields(np.concatenate(v) if v else empty, like) for k, v in got.items()}
+
+
+def _words(fields: dict) -> np.ndarray:
+    """(n, w) uint32: each entry's fields as words, an int64 as (hi, lo)."""
+    out = []
+    for v in fields.values():
+        v = np.ascontiguousarray(v)
+        if v.dtype == np.int64:
+            u = v.view(np.uint64)
+            out += [(u >> np.uint64(32)).astype(np.uint32)[:, None], u.astype(np.uint32)[:, None]]
+        else:
+            assert v.dtype.itemsize == 4, v.dtype
+            out.append(v.view(np.uint32).reshape(len(v), math.prod(v.shape[1:])))
+    return np.concatenate(out, axis=1)
+
+
+def _fields(words: np.ndarray, like: dict) -> dict:
+    """The inverse of `_words`: {field: values} shaped as `like` ({field: (dtype, shape)})."""
+    out, at = {}, 0
+    for f, (dtype, shape) in like.items():
+        if dtype == np.int64:
+            hi, lo = (words[:, i].astype(np.uint64) for i in (at, at + 1))
+            out[f], at = ((hi << np.uint64(32)) | lo).view(np.int64), at + 2
+        else:
+            w = math.prod(shape)
+            v = np.ascontiguousarray(words[:, at : at + w]).view(dtype)
+            out[f], at = v.reshape((-1,) + tuple(shape)), at + w
+    return out
+
+
+@functools.cache
+def _all_to_all(mesh, axis: str):
+    """jit((N, N, r, w) sharded over `axis` along dimension 0) -> the same shape, where
+    [k, j] is what device j held at [j, k]."""
+
+    def swap(block):
+        return lax.all_to_all(block, axis, 1, 1, tiled=True)
+
+    row = P(axis)
+    return jax.jit(jax.shard_map(swap, mesh=mesh, in_specs=row, out_specs=row, check_vma=False))

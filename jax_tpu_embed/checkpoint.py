@@ -45,10 +45,11 @@ in NumPy and orbax writes and reads the logical blocks in host memory, with any 
 processes. Other host tables are converted whole in NumPy with one process; with several,
 their rows cross between the processes through the devices in pieces, each host keeping
 the blocks it writes or the shards it holds. A dynamic table's blocks are each shard's own
-entries: every host reads and writes those of its shards only, and on restore reads only
+entries: every host reads and writes those of its shards only. On restore it reads only
 the blocks holding its shards' ids when the capacity is the same and one shard count
-divides the other (`_by_shard`); otherwise every host reads all blocks and rebuilds the
-index for the new mesh.
+divides the other (`_by_shard`); otherwise each shard reads a share of the blocks and the
+devices send every entry to the shard that owns it in the new index (`_routed`). Either
+way each host rebuilds only its own shards of the index.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import os
 import re
 import threading
@@ -353,7 +355,7 @@ def restore(
                     embedding=ocp.args.StandardRestore(_embedding_target(emb), strict=False)
                 ),
             ).embedding
-        dynamic = _dynamic_entries(manager, path, step, meta, emb, earlier)
+        dynamic, routed = _dynamic_entries(manager, path, step, meta, emb, earlier)
         dense = None
         if meta["has_dense"]:
             hint = "" if dense_target is None else "dense_target does not match it, or "
@@ -374,7 +376,9 @@ def restore(
     _check_values(emb, stored, where)
     tables, slots, index = {}, {}, {}
     for name in emb.dynamic:
-        tables[name], slots[name], index[name] = _dynamic_state(emb, name, dynamic[name], where)
+        tables[name], slots[name], index[name] = _dynamic_state(
+            emb, name, dynamic[name], where, name in routed
+        )
     for name, plan in emb.table_plans.items():
         if name in emb.dynamic:
             continue
@@ -1026,13 +1030,15 @@ def _same_buckets(emb, name: str, info: dict) -> bool:
 
 
 def _block_sharding(emb, blocks: int, ndim: int) -> NamedSharding:
-    """The sharding of a dynamic item's (blocks, ...) arrays in host memory that gives each
-    device the blocks its shard's ids are in (`_by_shard`): with blocks = r·N, shard k's r
-    blocks from k·r on; with N = r·blocks, block k // r (each block on r shards)."""
+    """The sharding of a dynamic item's (blocks, ...) arrays in host memory that spreads the
+    blocks over the devices: G = gcd(blocks, N) groups of N/G shards each read blocks/G
+    blocks, group g those from g·blocks/G on. Where `_by_shard` holds, these are the blocks
+    its shard's ids are in: with blocks = r·N, shard k's r blocks from k·r on; with N =
+    r·blocks, block k // r (each block on r shards)."""
     mesh, n = emb.mesh, emb.num_shards
     at = mesh.axis_names.index(emb.axis)
     devices = np.moveaxis(mesh.devices, at, 0)  # Shard by shard.
-    groups = min(blocks, n)
+    groups = math.gcd(blocks, n)
     devices = devices.reshape((groups, n // groups) + devices.shape[1:])
     others = tuple(a for a in mesh.axis_names if a != emb.axis)
     grouped = jax.sharding.Mesh(devices, ("blocks", "within") + others)
@@ -1040,11 +1046,11 @@ def _block_sharding(emb, blocks: int, ndim: int) -> NamedSharding:
     return NamedSharding(grouped, spec, memory_kind=_placement.HOST)
 
 
-def _dynamic_target(emb, saved: dict, by_shard: set) -> dict:
-    """Targets of the dynamic item, shaped from the metadata: for the tables in `by_shard`
-    jax.ShapeDtypeStructs sharded as the index (each process reads its own blocks), for the
-    others NumPy (every process reads all). Items saved before blocks hold one block of
-    every id."""
+def _dynamic_target(emb, saved: dict) -> dict:
+    """Targets of the dynamic item, shaped from the metadata: items in blocks as
+    jax.ShapeDtypeStructs spread over the devices (`_block_sharding`: each process reads
+    only its devices' blocks); items saved before blocks, which hold one block of every id,
+    as NumPy (every process reads all)."""
     out = {}
     for name, info in saved.items():
         if name not in emb.dynamic:
@@ -1060,7 +1066,7 @@ def _dynamic_target(emb, saved: dict, by_shard: set) -> dict:
 
         def target(shape, dtype, name=name, lead=lead):
             shape = lead + shape
-            if name not in by_shard:
+            if not lead:
                 return np.zeros(shape, dtype)
             sharding = _block_sharding(emb, shape[0], len(shape))
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -1121,8 +1127,10 @@ def _joined(parts: list[dict]) -> dict:
 
 
 def _unpadded(emb, name: str, stored: dict, info: dict, by_shard: bool) -> dict:
-    """{shard k of emb: the entries of its ids} for each shard this process holds, from the
-    blocks it read (`by_shard`), or {None: the entries of every block, joined}."""
+    """{shard k of emb: entries} for each shard this process holds, from the blocks its
+    device read (`_block_sharding`): `by_shard`, the entries of k's ids; else k's share of
+    its blocks' entries (`_share`), for `_routed` to send to their shards. An item saved
+    before blocks: {None: the entries of every id}."""
     blocks = info.get("blocks")
     if blocks is None:  # Saved before blocks: one block of every id.
         counts = (info["ids"], info.get("changed", info["ids"]), info["filter_ids"])
@@ -1136,10 +1144,8 @@ def _unpadded(emb, name: str, stored: dict, info: dict, by_shard: bool) -> dict:
         tree = {**treedef.unflatten(leaves), "key": key}
         return _entries(tree, counts[block], info["counters"])
 
-    if not by_shard:
-        every = [entries(b, [np.asarray(a)[b] for a in arrays]) for b in range(len(counts))]
-        return {None: _joined(every)}
     n, saved = emb.num_shards, len(counts)
+    sharing = n // math.gcd(saved, n)  # The shards that read each block.
     mine = _multihost.shard_of_devices(emb)
     out = {}
     for k in sorted(set(mine.values())):
@@ -1152,7 +1158,80 @@ def _unpadded(emb, name: str, stored: dict, info: dict, by_shard: bool) -> dict:
         found = [
             entries(first + i, [part[i] for _, part in parts]) for i in range(len(parts[0][1]))
         ]
-        out[k] = _joined(found) if saved >= n else _of_shard(emb, name, found[0], k, n // saved)
+        if not by_shard:
+            out[k] = _share(_joined(found), k % sharing, sharing)
+        elif saved >= n:
+            out[k] = _joined(found)
+        else:
+            out[k] = _of_shard(emb, name, found[0], k, sharing)
+    return out
+
+
+def _share(entries: dict, i: int, r: int) -> dict:
+    """Part i of r disjoint parts of `entries` (every r-th id, changed id and filter entry
+    from the i-th on), the counters with part 0: the r shards that read the same blocks
+    each take one part to `_routed`, so every entry travels once and the counters' totals
+    stay."""
+    if r == 1:
+        return entries
+    out = {f: entries[f][i::r] for f in ("ids", "lanes", "last", "count") if f in entries}
+    out.update(changed=entries["changed"][i::r], rows=entries["rows"][i::r])
+    out["slots"] = {s: v[i::r] for s, v in entries["slots"].items()}
+    out.update(
+        filter_ids=entries["filter_ids"][i::r],
+        filter_count=entries["filter_count"][i::r],
+        key=entries["key"],
+    )
+    out["counters"] = {c: v if i == 0 else 0 for c, v in entries["counters"].items()}
+    return out
+
+
+# What travels with each kind of id in `_routed`, after the id itself.
+_ROUTED = {
+    "ids": ("lanes", "last", "count"),
+    "changed": ("rows", "slots"),
+    "filter_ids": ("filter_count",),
+}
+
+
+def _routed(emb, name: str, parts: dict, **exchange) -> dict:
+    """{shard k of this process: the entries of the ids that emb's index puts in k's
+    buckets} from `parts` ({k: the share that shard k read (`_unpadded`)}, or {None: every
+    entry, read by every process}): each id with its scores (and lanes), each changed id
+    with its rows and slots, each filter entry, sent to the shard of its bucket through the
+    devices (`multihost.exchange`), so no host holds more than its shards' entries; each
+    kind in ascending id order. Each share's counters stay on its shard: their totals are
+    what was saved. `exchange`: `multihost.exchange`'s options."""
+    n = emb.num_shards
+    own = sorted(set(_multihost.shard_of_devices(emb).values()))
+    if None in parts:  # Every process read every entry: shard k sends every n-th.
+        parts = {k: _share(parts[None], k, n) for k in own}
+    config = emb.dynamic[name].index
+    per = config.buckets // n
+    out = {k: {"key": parts[k]["key"], "counters": parts[k]["counters"], "slots": {}} for k in own}
+    for lead in _ROUTED:
+        sent = {}
+        for k in own:
+            fields = _fields(parts[k], lead)
+            g = _hashindex.global_bucket(config, *_hashindex.split_ids(fields[lead]))
+            sent[k] = fields, np.asarray(g).astype(np.int64) // per
+        for k, fields in _multihost.exchange(emb, sent, **exchange).items():
+            order = np.argsort(fields[lead], kind="stable")  # Rows then follow their ids.
+            for f, v in fields.items():
+                slot = f.removeprefix("slots/")
+                (out[k]["slots"] if slot != f else out[k])[slot] = v[order]
+    return out
+
+
+def _fields(entries: dict, lead: str) -> dict:
+    """{field: values} of what travels with `lead`'s ids (`_ROUTED`), ids first; slot s
+    as "slots/s"."""
+    out = {lead: entries[lead]}
+    for f in _ROUTED[lead]:
+        if f == "slots":
+            out.update({f"slots/{s}": v for s, v in sorted(entries["slots"].items())})
+        elif f in entries:
+            out[f] = entries[f]
     return out
 
 
@@ -1181,10 +1260,13 @@ def _of_shard(emb, name: str, entries: dict, k: int, sharing: int) -> dict:
     return out
 
 
-def _dynamic_entries(manager, path: str, step: int, meta: dict, emb, earlier: list) -> dict:
-    """{dynamic table name of `emb`: {shard or None: entries} (`_unpadded`) at `step`, with
-    the rows and slots of every id}: an incremental save's other rows come from the step it
-    was saved on top of, read the same way (a chain down to a full save)."""
+def _dynamic_entries(
+    manager, path: str, step: int, meta: dict, emb, earlier: list
+) -> tuple[dict, set]:
+    """({dynamic table name of `emb`: {shard k of this process: the entries of k's ids}} at
+    `step`, with the rows and slots of every id; the tables whose entries were `_routed`).
+    An incremental save's other rows come from the step it was saved on top of, read the
+    same way (a chain down to a full save)."""
     ocp = _orbax()
     chain = [(step, meta, earlier)]  # From `step` down to its full save.
     while chain[-1][1].get("dynamic") and chain[-1][1].get("since_step") is not None:
@@ -1198,51 +1280,63 @@ def _dynamic_entries(manager, path: str, step: int, meta: dict, emb, earlier: li
             )
         older = [s for s in top_earlier if s < base]
         chain.append((base, _metadata_of(manager, path, base, older), older))
-    saved = meta.get("dynamic", {})
+    saved = {name: info for name, info in meta.get("dynamic", {}).items() if name in emb.dynamic}
+    for name, info in saved.items():  # Before reading: a capacity the live ids cannot fit.
+        blocks, config = info.get("blocks"), emb.dynamic[name].index
+        held = sum(blocks["ids"]) if blocks is not None else info["ids"]
+        if held > config.capacity:
+            raise ValueError(
+                f"checkpoint.restore: {path}/{step}: table {name!r}: {held} ids do not fit "
+                f"its capacity of {config.capacity} rows ({config.buckets} buckets of "
+                f"{config.bucket_size})."
+            )
     by_shard = {
         name
         for name in saved
-        if name in emb.dynamic
-        and _by_shard(emb, name, [m.get("dynamic", {}).get(name, {}) for _, m, _ in chain])
+        if _by_shard(emb, name, [m.get("dynamic", {}).get(name, {}) for _, m, _ in chain])
     }
 
-    def read(at: int, at_saved: dict, at_earlier: list, below: dict) -> dict:
+    def read(at: int, at_saved: dict, at_earlier: list) -> dict:
         with _reading(path, at, "dynamic", at_earlier):
             item = manager.restore(
                 at,
                 args=ocp.args.Composite(
-                    dynamic=ocp.args.StandardRestore(_dynamic_target(emb, at_saved, by_shard))
+                    dynamic=ocp.args.StandardRestore(_dynamic_target(emb, at_saved))
                 ),
             ).dynamic
-        out = {
+        return {
             name: _unpadded(emb, name, item[name], at_saved[name], name in by_shard)
             for name in item
         }
-        if below:
-            out = {
-                name: {
-                    k: _on_top(e, below[name][k], f"{path}/{at}", name) for k, e in parts.items()
-                }
-                for name, parts in out.items()
-            }
-        return out
+
+    def merged(top: dict, below: dict, where: str) -> dict:
+        return {
+            name: {k: _on_top(e, below[name][k], where, name) for k, e in parts.items()}
+            for name, parts in top.items()
+        }
 
     out: dict[str, dict] = {}
     for at, at_meta, at_earlier in reversed(chain):
         at_saved = at_meta.get("dynamic", {})
         if not at_saved:
-            return {}
-        # By shard, each process reads and checks only its own blocks.
-        out = _guards.on_every_process(
-            functools.partial(read, at, at_saved, at_earlier, out),
-            f"checkpoint.restore: {path}/{at}",
-            _RESTORE_ERRORS,
+            return {}, set()
+        # Each process reads and checks only its devices' blocks.
+        where = f"checkpoint.restore: {path}/{at}"
+        item = _guards.on_every_process(
+            functools.partial(read, at, at_saved, at_earlier), where, _RESTORE_ERRORS
         )
+        # The entries of another index's shards go to their shards in this one.
+        item = {n: p if n in by_shard else _routed(emb, n, p) for n, p in item.items()}
+        if out:
+            item = _guards.on_every_process(
+                functools.partial(merged, item, out, f"{path}/{at}"), where, _RESTORE_ERRORS
+            )
+        out = item
     for name, parts in out.items():  # Lanes only into the buckets they were lanes of.
         if not _same_buckets(emb, name, saved[name]):
             for entries in parts.values():
                 entries.pop("lanes", None)
-    return out
+    return out, set(saved) - by_shard
 
 
 def _positions(keys: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -1282,14 +1376,15 @@ def _on_top(entries: dict, below: dict, where: str, name: str) -> dict:
     }
 
 
-def _dynamic_state(emb, name: str, parts: dict, where: str) -> tuple:
+def _dynamic_state(emb, name: str, parts: dict, where: str, routed: bool) -> tuple:
     """(physical table, {slot: physical array}, DynamicState) of a dynamic table from its
-    logical form (`_dynamic_entries`' {shard or None: entries}): the index rebuilt for
-    emb's mesh and capacity (scores, filter, counters and key as saved), the rows written
-    to the slots the ids get: each process builds and packs only its own shards, in NumPy,
-    placed straight where they live (never a logical copy on the devices, nor a host table
-    in HBM). With entries by shard, each process has only its own shards' (the index
-    rebuilt shard by shard); with every id's (None), it rebuilds the whole index."""
+    logical form (`_dynamic_entries`' {shard: entries} of this process's shards): the index
+    rebuilt for emb's mesh and capacity shard by shard (scores, filter, counters and key as
+    saved), the rows written to the slots the ids get: each process builds and packs only
+    its own shards, in NumPy, placed straight where they live (never a logical copy on the
+    devices, nor a host table in HBM). `routed`: the entries were sent to these shards from
+    another index's (`_routed`), so one that does not fit is this capacity's limit, not a
+    corrupt block."""
     plan = emb.dynamic[name]
     table_plan = emb.table_plans[name]
     storage = table_plan.storage
@@ -1304,7 +1399,7 @@ def _dynamic_state(emb, name: str, parts: dict, where: str) -> tuple:
 
     def checked_and_rebuilt():  # Each process checks and rebuilds its own shards' parts.
         _guards.check_restored(items, where)
-        return _rebuilt(emb, name, parts, where)
+        return _rebuilt(emb, name, parts, where, routed)
 
     local_rows, built = _guards.on_every_process(checked_and_rebuilt, where, _RESTORE_ERRORS)
     layout = storage.layout
@@ -1344,40 +1439,30 @@ def _dynamic_state(emb, name: str, parts: dict, where: str) -> tuple:
     return physical, slots, index
 
 
-def _rebuilt(emb, name: str, parts: dict, where: str) -> tuple[dict, dict]:
+def _rebuilt(emb, name: str, parts: dict, where: str, routed: bool) -> tuple[dict, dict]:
     """({shard k of this process: (its ids' local rows, their rows, {slot: their values})},
-    {k: shard k's index}) of `_dynamic_state`'s `parts`: the index rebuilt whole (every
-    id's entries) or shard by shard."""
+    {k: shard k's index}) of `_dynamic_state`'s `parts`, each shard's index rebuilt from
+    its own entries."""
     plan, n = emb.dynamic[name], emb.num_shards
     local_rows, built = {}, {}
-    if None not in parts:
-        for k, entries in parts.items():
-            try:
-                built[k], rows = _dynamic.rebuild(plan, n, entries, shard=k)
-            except ValueError as e:
+    for k, entries in parts.items():
+        ids = entries["ids"]
+        if not np.array_equal(entries["changed"], ids):  # Rows follow the ids.
+            raise CheckpointCorruptError(
+                f"{where}: table {name!r}, shard {k}: the rows of a full save are not those "
+                f"of its ids."
+            )
+        try:
+            built[k], rows = _dynamic.rebuild(plan, n, entries, shard=k)
+        except ValueError as e:
+            if not routed:  # A saved shard's entries fitted this same index.
                 raise CheckpointCorruptError(f"{where}: table {name!r}, shard {k}: {e}") from None
-            local_rows[k] = rows, entries["rows"], entries["slots"]
-        return local_rows, built
-    try:
-        whole, global_rows = _dynamic.rebuild(plan, n, parts[None])
-    except ValueError as e:
-        raise ValueError(f"{where}: table {name!r}: {e}") from None
-    per = emb.table_plans[name].storage.layout.rows_per_shard
-    shard, local = np.divmod(np.asarray(global_rows, np.int64), per)
-    entries = parts[None]
-    for k in set(_multihost.shard_of_devices(emb).values()):
-        at = shard == k
-        local_rows[k] = (
-            local[at],
-            entries["rows"][at],
-            {s: v[at] for s, v in entries["slots"].items()},
-        )
-    return local_rows, {k: _index_part(whole, n, k) for k in local_rows}
-
-
-def _index_part(index, n: int, k: int):
-    """Shard k's part of a whole index of NumPy arrays (`_hashindex.empty_state`'s)."""
-    return jax.tree.map(lambda x: np.split(np.asarray(x), n)[k], index)
+            raise ValueError(
+                f"{where}: table {name!r}: its {len(ids)} ids of shard {k} (of {n}, "
+                f"{plan.index.capacity // n} rows each) do not fit: {e}"
+            ) from None
+        local_rows[k] = rows, entries["rows"], entries["slots"]
+    return local_rows, built
 
 
 def _from_parts(abstract: jax.ShapeDtypeStruct, parts: dict, n: int) -> jax.Array:

@@ -264,7 +264,8 @@ def train_dynamic(
     Ids travel as `jte.split_ids` halves (global jax.Arrays with inputs="local"). placement
     "host": its rows and slots in the processes' host memory, its index on the devices.
     With a `directory`, the state is saved there by `jte.checkpoint` and restored:
-    "restored/ids", "restored/rows", "restored/acc" are the restored table's."""
+    "restored/ids", "restored/rows", "restored/acc" are the restored table's, "larger/..."
+    those restored onto twice the capacity."""
     emb = dynamic_embedding(make_mesh(mesh_kind), routing, placement)
     state = emb.init(jax.random.key(0))
     if placement == "host":
@@ -310,6 +311,13 @@ def train_dynamic(
         out["restored/acc"] = emb.export_slots(restored)["users"]["accumulators"].rows
         items = emb.export(restored)["items"]
         out["restored/items/ids"], out["restored/items/rows"] = items.ids, items.rows
+        # Onto another capacity: each process reads its own blocks, and the devices send
+        # each entry to its new shard, across the processes.
+        larger = dynamic_embedding(make_mesh(mesh_kind), routing, placement, capacity=128)
+        restored, _ = checkpoint.restore(directory, larger)
+        table = larger.export(restored)["users"]
+        out["larger/ids"], out["larger/rows"] = table.ids, table.rows
+        out["larger/acc"] = larger.export_slots(restored)["users"]["accumulators"].rows
     return out
 
 

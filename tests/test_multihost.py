@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -196,13 +197,13 @@ def test_dynamic_tables_two_processes_match_one(dynamic_job, case, tmp_path):
     evicting every step) and a second one (lfu), stacked in one array with owner routing,
     on 2 processes x 4 devices: the same resident ids, counters, rows and slots as one
     process with 8 devices, both exchanges; a checkpoint saved and restored there holds
-    them bit for bit; rows read in pieces through the devices (`multihost.to_host`) are
-    the same."""
+    them bit for bit, onto the same capacity and onto twice it; rows read in pieces
+    through the devices (`multihost.to_host`) are the same."""
     want = worker.train(*case.split(":"), directory=str(tmp_path / "one"))
     got = dynamic_job.result(case)
     # The 2-process save, written by each process for its own 4 shards, in one process: on
-    # 8 devices each shard reads its block, on 2 its 4 blocks; with another capacity every
-    # block is read.
+    # 8 devices each shard reads its block, on 2 its 4 blocks; with another capacity too,
+    # and the entries then travel to their new shards.
     import orbax.checkpoint as ocp
 
     from conftest import make_mesh
@@ -229,6 +230,8 @@ def test_dynamic_tables_two_processes_match_one(dynamic_job, case, tmp_path):
     np.testing.assert_array_equal(got["ids"], want["ids"])
     for key in ("ids", "rows", "acc", "items/ids", "items/rows"):  # Restored: bit for bit.
         np.testing.assert_array_equal(got[f"restored/{key}"], got[key], err_msg=key)
+    for key in ("ids", "rows", "acc"):  # Onto twice the capacity, on 2 processes.
+        np.testing.assert_array_equal(got[f"larger/{key}"], got[key], err_msg=key)
     for key in sorted(want):
         if key.startswith("stats/") or key.endswith("ids"):
             np.testing.assert_array_equal(got[key], want[key], err_msg=key)
@@ -380,3 +383,39 @@ def test_global_batch_rejects_scalars():
 
 def test_same_on_every_process_check_is_a_no_op_in_one_process():
     multihost.check_same_on_every_process({"ids": np.arange(4), "w": [1.0, 2.0]})
+
+
+@pytest.mark.parametrize("through_devices", [True, False])
+@pytest.mark.parametrize("shards,replicas", [(1, 1), (2, 1), (4, 2), (8, 1)])
+def test_exchange_brings_each_shard_the_entries_sent_to_it(shards, replicas, through_devices):
+    """`multihost.exchange` (restore onto another capacity routes entries to their new
+    owners through it): every shard receives exactly the entries sent to it, each once and
+    whole (int64 ids, float32 rows, int32 values), from every source: through the devices
+    (as several processes do), with rounds forced by a small chunk, replicas of a shard
+    along another mesh axis receiving the same and the padding (-1's words) never arriving
+    as an entry; or regrouped in this one process."""
+    devices = np.array(jax.devices()[: shards * replicas]).reshape(shards, replicas)
+    mesh = jax.sharding.Mesh(devices, ("shard", "data"))
+    emb = types.SimpleNamespace(mesh=mesh, axis="shard", num_shards=shards)
+    rng = np.random.default_rng(shards)
+    sent = {}
+    for k in range(shards):
+        n = int(rng.integers(1, 40)) if k else 0  # Shard 0 sends nothing.
+        ids = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)
+        ids[: n // 3] = (ids[: n // 3] & 0xFFFFFFFF) | -(2**32)  # Half of -1's words.
+        fields = {
+            "ids": ids,
+            "rows": rng.normal(size=(n, 3)).astype(np.float32),
+            "count": rng.integers(-5, 5, n).astype(np.int32),
+        }
+        sent[k] = fields, rng.integers(0, shards, n)
+    chunk = 3 * shards * 6 * 4  # 3 entries of 6 words a pair and round.
+    got = multihost.exchange(emb, sent, chunk_bytes=chunk, through_devices=through_devices)
+    assert sorted(got) == list(range(shards))
+    for k in range(shards):
+        assert got[k]["ids"].dtype == np.int64 and got[k]["rows"].shape[1:] == (3,)
+        entries = lambda f: [(i, tuple(r), c) for i, r, c in zip(f["ids"], f["rows"], f["count"])]
+        want = sorted(
+            e for fields, dest in sent.values() for e, d in zip(entries(fields), dest) if d == k
+        )
+        assert sorted(entries(got[k])) == want, k
