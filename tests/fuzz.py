@@ -590,7 +590,9 @@ class _Linen(nn.Module):
     @nn.compact
     def __call__(self, batch_):
         acts = self.embed(batch_["features"])
-        params = {name: self.param(name, nn.initializers.zeros, (w,)) for name, w in self.widths}
+        # float32 as `dense_params`, also under x64 (where flax's default is float64).
+        zeros = nn.initializers.zeros
+        params = {name: self.param(name, zeros, (w,), jnp.float32) for name, w in self.widths}
         return outputs(params, acts)
 
 

@@ -287,7 +287,8 @@ def test_incremental_saves_restore_through_the_chain(tmp_path):
     assert s["evicted"] > 0 and s["expired"] > 0
     small = jte.Embedding(spec_of(DYNAMIC, strategy="mod"), make_mesh(2))
     larger = jte.DynamicTable(**{**vars(DYNAMIC), "capacity": 64})
-    # Shards reading 2 blocks each, 1 block each, half a block each; every block read.
+    # Shards reading 2 blocks each, 1 block each, half a block each; onto another capacity,
+    # 2 blocks each whose entries go to their new shards.
     ontos = [small, emb, jte.Embedding(spec_of(DYNAMIC), make_mesh(8))]
     ontos.append(jte.Embedding(spec_of(larger), make_mesh(2)))
     infos = []
@@ -452,7 +453,7 @@ def test_checkpoint_with_a_block_of_another_shard_is_refused(tmp_path):
 
 def test_checkpoint_with_a_nan_row_is_refused_on_every_mesh(saved, tmp_path):
     """A saved row that is NaN (written by other code) is refused whether each shard reads
-    its own block (the saving mesh) or every block is read (2 devices)."""
+    its own block (the saving mesh) or four (2 devices)."""
     _, steps, _, _, (emb, state) = saved
     table = state.tables["users"]
     state = dataclasses.replace(

@@ -45,6 +45,9 @@ CASES = [
     # The flax.linen front end, one device, TPU layouts, pipelined: a cached dynamic table
     # and a dynamic table in host memory beside a static table in HBM.
     ("placement", 21, 12, "linen"),
+    # The flax.linen front end under jax_enable_x64, TPU layouts: a bf16 static table, a
+    # cached dynamic table with a row initializer (its model once made float64 params).
+    ("placement", 48, 11, "linen"),
     # The flax.nnx front end, 2 devices, owner routing, accumulation: a cached dynamic table.
     ("placement", 21, 19, "nnx"),
     # The flax.nnx front end, 4 devices, accumulation, pipelined, prefetch: a cached table.
