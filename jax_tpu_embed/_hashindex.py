@@ -288,16 +288,29 @@ def _u32(x):
     return jnp.asarray(x).astype(jnp.uint32)
 
 
+def _keyed(config: IndexConfig, salt: int, hi, lo):
+    """`_hash` of the ids with the table's key for `salt`: NumPy for NumPy ids (host code,
+    e.g. a restore's rebuild: eager jnp ops would compile anew for each size of ids),
+    else jnp (traceable). The same bits either way."""
+    if isinstance(hi, np.ndarray) and isinstance(lo, np.ndarray):
+        key = np.uint32(key_word(config.seed, salt))
+        return _hash(key, hi.astype(np.uint32), lo.astype(np.uint32))
+    return _hash(_key(config.seed, salt), _u32(hi), _u32(lo))
+
+
 def global_bucket(config: IndexConfig, hi, lo):
-    """g, the id's global bucket, int32 (jnp; traceable)."""
-    h = _hash(_key(config.seed, _SALT_BUCKET), _u32(hi), _u32(lo))
+    """g, the id's global bucket, int32 (NumPy for NumPy ids: `_keyed`)."""
+    h = _keyed(config, _SALT_BUCKET, hi, lo)
+    if isinstance(h, (np.ndarray, np.generic)):
+        return (np.asarray(h, np.uint32) % np.uint32(config.buckets)).astype(np.int32)
     return (h % jnp.uint32(config.buckets)).astype(jnp.int32)
 
 
 def priority(config: IndexConfig, hi, lo):
     """The id's uint32 priority, independent of its bucket: orders the admitted ids of a
-    bucket and breaks ties between slots (then (hi, lo), so no two distinct ids tie)."""
-    return _hash(_key(config.seed, _SALT_PRIORITY), _u32(hi), _u32(lo))
+    bucket and breaks ties between slots (then (hi, lo), so no two distinct ids tie).
+    NumPy for NumPy ids (`_keyed`)."""
+    return _keyed(config, _SALT_PRIORITY, hi, lo)
 
 
 def _admit_hash(config: IndexConfig, hi, lo, now):

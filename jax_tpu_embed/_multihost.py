@@ -295,18 +295,20 @@ def exchange(
     chunk_bytes: int = CHUNK_BYTES,
     through_devices: bool | None = None,
 ) -> dict:
-    """{shard k of this process: {field: the values sent to shard k}} from `sent` = {shard
-    k of this process: ({field: values}, dest)}: the fields' values (n, ...) one per entry,
-    the first int64 ids (never -1), the others of 32-bit dtypes, and dest (n,) the shard
-    each entry goes to. With several processes (or `through_devices`) an all_to_all over
-    `emb.axis` through the devices, each entry as one row of uint32 words, in rounds of at
-    most `chunk_bytes` a device, so no process holds another's entries and no device more
-    than a round of them; one process, which holds every shard, regroups them itself. The
-    order a shard receives its entries in is fixed by the arguments, nothing more. A
+    """{shard k of this process: {field: the values sent to shard k}, in ascending order of
+    the first field} from `sent` = {shard k of this process: ({field: values}, dest)}: the
+    fields' values (n, ...) one per entry, the first int64 ids (distinct, never -1), the
+    others of 32-bit dtypes, and dest (n,) the shard each entry goes to. With several
+    processes (or `through_devices`) an all_to_all over `emb.axis` through the devices,
+    each entry as one row of uint32 words, in rounds of at most `chunk_bytes` a device, so
+    no process holds another's entries and no device more than a round of them; one
+    process, which holds every shard, regroups them itself. The field dicts of `sent` are
+    emptied as they are sent (the caller's last references, so their memory goes then). A
     collective: every process calls it, with fields of the same names, dtypes and shapes."""
     n = emb.num_shards
     mine = shard_of_devices(emb)
     own = sorted(set(mine.values()))
+    lead = next(iter(sent[own[0]][0]))
     by_dest = {}
     for k in own:
         fields, dest = sent[k]
@@ -314,15 +316,19 @@ def exchange(
         order = np.argsort(dest, kind="stable")
         by_dest[k] = (fields, order, np.searchsorted(dest[order], np.arange(n + 1)))
     if not (jax.process_count() > 1 if through_devices is None else through_devices):
-        return {
-            k: {
-                f: np.concatenate([v[f][o[s[k] : s[k + 1]]] for v, o, s in by_dest.values()])
-                for f in sent[k][0]
-            }
-            for k in own
-        }
+        out = {}
+        for k in own:
+            taken = [(v, o[s[k] : s[k + 1]]) for v, o, s in by_dest.values()]
+            order = np.argsort(np.concatenate([v[lead][t] for v, t in taken]), kind="stable")
+            out[k] = {f: np.concatenate([v[f][t] for v, t in taken])[order] for f in sent[k][0]}
+        for fields, _ in sent.values():
+            fields.clear()
+        return out
     like = {f: (v.dtype, v.shape[1:]) for f, v in sent[own[0]][0].items()}
-    words = {k: _words(fields)[order] for k, (fields, order, _) in by_dest.items()}
+    words = {}
+    for k, (fields, order, _) in by_dest.items():
+        words[k] = _words(fields, order)  # In destination order.
+        fields.clear()
     width = words[own[0]].shape[1]
     longest = max(int(np.diff(s).max(initial=0)) for _, _, s in by_dest.values())
     longest = int(most_of(np.array([longest]))[0])  # Entries of the busiest (source, dest).
@@ -340,7 +346,9 @@ def exchange(
                 block[0, j, len(part) :] = _NO_ROW
             blocks[k] = block
         arrays = [jax.device_put(blocks[k], d) for d, k in mine.items()]
+        del blocks
         x = jax.make_array_from_single_device_arrays((n, n, per, width), sharding, arrays)
+        del arrays
         seen = set()
         for s in swap(x).addressable_shards:
             k = mine[s.device]
@@ -349,34 +357,50 @@ def exchange(
             seen.add(k)
             rows = np.asarray(s.data).reshape(-1, width)
             got[k].append(rows[~((rows[:, 0] == _NO_ROW) & (rows[:, 1] == _NO_ROW))])
-    empty = np.zeros((0, width), np.uint32)
-    return {k: _fields(np.concatenate(v) if v else empty, like) for k, v in got.items()}
+        del x
+    del words
+    out = {}
+    for k in own:
+        parts = got.pop(k)
+        if len(parts) == 1:
+            rows = parts[0]
+        else:
+            rows = np.concatenate(parts or [np.zeros((0, width), np.uint32)])
+        del parts
+        out[k] = _fields(rows, like)
+    return out
 
 
-def _words(fields: dict) -> np.ndarray:
-    """(n, w) uint32: each entry's fields as words, an int64 as (hi, lo)."""
-    out = []
-    for v in fields.values():
-        v = np.ascontiguousarray(v)
+def _words(fields: dict, order: np.ndarray) -> np.ndarray:
+    """(n, w) uint32: the entries `order` picks, each entry's fields as words (an int64 as
+    (hi, lo)): one pass over each field."""
+    widths = [2 if v.dtype == np.int64 else math.prod(v.shape[1:]) for v in fields.values()]
+    out, at = np.empty((len(order), sum(widths)), np.uint32), 0
+    for v, w in zip(fields.values(), widths):
+        v = v[order]
         if v.dtype == np.int64:
             u = v.view(np.uint64)
-            out += [(u >> np.uint64(32)).astype(np.uint32)[:, None], u.astype(np.uint32)[:, None]]
+            out[:, at], out[:, at + 1] = u >> np.uint64(32), u & np.uint64(0xFFFFFFFF)
         else:
             assert v.dtype.itemsize == 4, v.dtype
-            out.append(v.view(np.uint32).reshape(len(v), math.prod(v.shape[1:])))
-    return np.concatenate(out, axis=1)
+            out[:, at : at + w] = v.view(np.uint32).reshape(len(v), w)
+        at += w
+    return out
 
 
 def _fields(words: np.ndarray, like: dict) -> dict:
-    """The inverse of `_words`: {field: values} shaped as `like` ({field: (dtype, shape)})."""
+    """The inverse of `_words`: {field: values} shaped as `like` ({field: (dtype, shape)}),
+    in ascending order of the first field (int64 ids), one pass over each field."""
+    hi, lo = (words[:, i].astype(np.uint64) for i in (0, 1))
+    order = np.argsort(((hi << np.uint64(32)) | lo).view(np.int64), kind="stable")
     out, at = {}, 0
     for f, (dtype, shape) in like.items():
         if dtype == np.int64:
-            hi, lo = (words[:, i].astype(np.uint64) for i in (at, at + 1))
+            hi, lo = (words[order, i].astype(np.uint64) for i in (at, at + 1))
             out[f], at = ((hi << np.uint64(32)) | lo).view(np.int64), at + 2
         else:
             w = math.prod(shape)
-            v = np.ascontiguousarray(words[:, at : at + w]).view(dtype)
+            v = words[order, at : at + w].view(dtype)
             out[f], at = v.reshape((-1,) + tuple(shape)), at + w
     return out
 

@@ -378,11 +378,19 @@ def join_local(stacked: TableStorage, members, slot, parts: list):
 
 def mix32(x):
     """A 32-bit integer hash (lowbias32): every output bit depends on every input bit.
-    Counter-based randomness (initial values, stochastic rounding) is built on it."""
+    Counter-based randomness (initial values, stochastic rounding) is built on it. NumPy
+    uint32 in, NumPy out (host code: nothing to compile); else jnp."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        with np.errstate(over="ignore"):  # uint32 products wrap, as XLA's do.
+            return _lowbias32(x, np.uint32)
+    return _lowbias32(x, jnp.uint32)
+
+
+def _lowbias32(x, u32):
     x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
+    x = x * u32(0x7FEB352D)
     x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
+    x = x * u32(0x846CA68B)
     return x ^ (x >> 16)
 
 

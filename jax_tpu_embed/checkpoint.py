@@ -1212,26 +1212,27 @@ def _routed(emb, name: str, parts: dict, **exchange) -> dict:
     for lead in _ROUTED:
         sent = {}
         for k in own:
-            fields = _fields(parts[k], lead)
+            fields = _taken(parts[k], lead)
             g = _hashindex.global_bucket(config, *_hashindex.split_ids(fields[lead]))
-            sent[k] = fields, np.asarray(g).astype(np.int64) // per
+            sent[k] = fields, g.astype(np.int64) // per
+        # Each kind arrives in ascending id order: rows then follow their ids.
         for k, fields in _multihost.exchange(emb, sent, **exchange).items():
-            order = np.argsort(fields[lead], kind="stable")  # Rows then follow their ids.
             for f, v in fields.items():
                 slot = f.removeprefix("slots/")
-                (out[k]["slots"] if slot != f else out[k])[slot] = v[order]
+                (out[k]["slots"] if slot != f else out[k])[slot] = v
     return out
 
 
-def _fields(entries: dict, lead: str) -> dict:
-    """{field: values} of what travels with `lead`'s ids (`_ROUTED`), ids first; slot s
-    as "slots/s"."""
-    out = {lead: entries[lead]}
+def _taken(entries: dict, lead: str) -> dict:
+    """{field: values} of what travels with `lead`'s ids (`_ROUTED`), ids first, slot s as
+    "slots/s"; taken out of `entries`, so that they go once they are sent."""
+    out = {lead: entries.pop(lead)}
     for f in _ROUTED[lead]:
         if f == "slots":
-            out.update({f"slots/{s}": v for s, v in sorted(entries["slots"].items())})
+            slots = entries.pop("slots")
+            out.update({f"slots/{s}": v for s, v in sorted(slots.items())})
         elif f in entries:
-            out[f] = entries[f]
+            out[f] = entries.pop(f)
     return out
 
 

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import count_primitive, make_mesh
 from jax_tpu_embed import _hashindex as hx
-from jax_tpu_embed import _layout
+from jax_tpu_embed import _layout, _storage
 
 M32 = 0xFFFFFFFF
 
@@ -954,3 +954,23 @@ def test_split_join_and_locate(rng):
         np.testing.assert_array_equal(owner, g // (64 // n))
     # Buckets spread: no bucket is far above the mean.
     assert np.bincount(g, minlength=64).max() < 3 * ids.size / 64
+
+
+def test_host_hashes_equal_the_traced_ones_bit_for_bit():
+    """`global_bucket` and `priority` of NumPy ids run in NumPy (a restore's host code then
+    compiles nothing for each new size of ids) and give the bits of the jitted jnp form,
+    for ids from all of int64, a 0-d id included; `mix32` likewise."""
+    config = hx.IndexConfig(buckets=192, bucket_size=8, seed=11)
+    rng = np.random.default_rng(4)
+    ids = rng.integers(-(2**63), 2**63 - 1, 1000, dtype=np.int64)
+    ids[:3] = [0, -2, 2**63 - 1]
+    hi, lo = hx.split_ids(ids)
+    for fn in (hx.global_bucket, hx.priority):
+        host = fn(config, hi, lo)
+        assert isinstance(host, np.ndarray)
+        traced = np.asarray(jax.jit(functools.partial(fn, config))(hi, lo))
+        assert host.dtype == traced.dtype
+        np.testing.assert_array_equal(host, traced)
+        np.testing.assert_array_equal(fn(config, hi[5:6].reshape(()), lo[5:6].reshape(())), host[5])
+    words = rng.integers(0, 2**32, 500, dtype=np.uint64).astype(np.uint32)
+    np.testing.assert_array_equal(_storage.mix32(words), np.asarray(jax.jit(_storage.mix32)(words)))
