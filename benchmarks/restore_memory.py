@@ -32,20 +32,10 @@ def worker(args) -> None:
     import numpy as np
 
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-    # The tests' loopback setup of gloo.
-    from _multihost_worker import _pin_gloo_to_loopback  # pyright: ignore[reportMissingImports]
+    # The multi-host tests' start: gloo on loopback.
+    from _multihost_worker import join  # pyright: ignore[reportMissingImports]
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    address = f"127.0.0.1:{args.port}"
-    jax.distributed.initialize(
-        coordinator_address=address,
-        num_processes=args.processes,
-        process_id=args.process_id,
-        coordinator_bind_address=address,
-        cluster_detection_method="deactivate",
-        initialization_timeout=120,
-    )
-    _pin_gloo_to_loopback()
+    join(args.port, args.processes, args.process_id, init_timeout=120)
     import jax_tpu_embed as jte
     from jax_tpu_embed import _hashindex, checkpoint
 

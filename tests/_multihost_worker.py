@@ -415,19 +415,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    address = f"127.0.0.1:{args.port}"
-    jax.distributed.initialize(
-        coordinator_address=address,
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-        coordinator_bind_address=address,
-        cluster_detection_method="deactivate",  # No probing for TPU/Slurm/MPI environments.
-        initialization_timeout=args.init_timeout,
-        heartbeat_timeout_seconds=30,
-        shutdown_timeout_seconds=30,
-    )
-    _pin_gloo_to_loopback()
+    join(args.port, args.num_processes, args.process_id, args.init_timeout)
     assert jax.process_count() == args.num_processes, jax.process_count()
     assert jax.device_count() == args.num_processes * jax.local_device_count()
     print(
@@ -463,6 +451,25 @@ def main(argv=None) -> int:
         print(f"[{args.process_id}] {case}: {time.perf_counter() - t0:.1f}s", flush=True)
     jax.distributed.shutdown()
     return 0
+
+
+def join(port: int, num_processes: int, process_id: int, init_timeout: int = 60) -> None:
+    """Joins this process to a `jax.distributed` job whose coordinator is on loopback at
+    `port`, with gloo's CPU collectives on loopback too: these workers' start, and
+    `benchmarks/restore_memory.py`'s."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    address = f"127.0.0.1:{port}"
+    jax.distributed.initialize(
+        coordinator_address=address,
+        num_processes=num_processes,
+        process_id=process_id,
+        coordinator_bind_address=address,
+        cluster_detection_method="deactivate",  # No probing for TPU/Slurm/MPI environments.
+        initialization_timeout=init_timeout,
+        heartbeat_timeout_seconds=30,
+        shutdown_timeout_seconds=30,
+    )
+    _pin_gloo_to_loopback()
 
 
 def _pin_gloo_to_loopback():
