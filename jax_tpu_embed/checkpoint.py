@@ -1167,6 +1167,29 @@ def _unpadded(emb, name: str, stored: dict, info: dict, by_shard: bool) -> dict:
     return out
 
 
+# What travels with each kind of id (`_routed`, `_picked`), after the id itself.
+_ROUTED = {
+    "ids": ("lanes", "last", "count"),
+    "changed": ("rows", "slots"),
+    "filter_ids": ("filter_count",),
+}
+
+
+def _picked(entries: dict, picks: dict, first: bool) -> dict:
+    """The entries that `picks` ({kind of id in `_ROUTED`: an index into its ids}) keeps
+    of each kind, with what travels with them; the key; the counters where `first`, else
+    zeros (so the totals stay when several take parts of one block)."""
+    out: dict[str, Any] = {"key": entries["key"]}
+    for lead, at in picks.items():
+        for f in (lead, *_ROUTED[lead]):
+            if f == "slots":
+                out["slots"] = {s: v[at] for s, v in entries["slots"].items()}
+            elif f in entries:
+                out[f] = entries[f][at]
+    out["counters"] = {c: v if first else 0 for c, v in entries["counters"].items()}
+    return out
+
+
 def _share(entries: dict, i: int, r: int) -> dict:
     """Part i of r disjoint parts of `entries` (every r-th id, changed id and filter entry
     from the i-th on), the counters with part 0: the r shards that read the same blocks
@@ -1174,24 +1197,7 @@ def _share(entries: dict, i: int, r: int) -> dict:
     stay."""
     if r == 1:
         return entries
-    out = {f: entries[f][i::r] for f in ("ids", "lanes", "last", "count") if f in entries}
-    out.update(changed=entries["changed"][i::r], rows=entries["rows"][i::r])
-    out["slots"] = {s: v[i::r] for s, v in entries["slots"].items()}
-    out.update(
-        filter_ids=entries["filter_ids"][i::r],
-        filter_count=entries["filter_count"][i::r],
-        key=entries["key"],
-    )
-    out["counters"] = {c: v if i == 0 else 0 for c, v in entries["counters"].items()}
-    return out
-
-
-# What travels with each kind of id in `_routed`, after the id itself.
-_ROUTED = {
-    "ids": ("lanes", "last", "count"),
-    "changed": ("rows", "slots"),
-    "filter_ids": ("filter_count",),
-}
+    return _picked(entries, dict.fromkeys(_ROUTED, slice(i, None, r)), i == 0)
 
 
 def _routed(emb, name: str, parts: dict, **exchange) -> dict:
@@ -1247,18 +1253,7 @@ def _of_shard(emb, name: str, entries: dict, k: int, sharing: int) -> dict:
         g = _hashindex.global_bucket(config, *_hashindex.split_ids(ids))
         return np.asarray(g) // per == k
 
-    held, changed, filtered = (ours(entries[f]) for f in ("ids", "changed", "filter_ids"))
-    out = {f: entries[f][held] for f in ("ids", "lanes", "last", "count") if f in entries}
-    out.update(changed=entries["changed"][changed], rows=entries["rows"][changed])
-    out["slots"] = {s: v[changed] for s, v in entries["slots"].items()}
-    out.update(
-        filter_ids=entries["filter_ids"][filtered],
-        filter_count=entries["filter_count"][filtered],
-        key=entries["key"],
-    )
-    first = k % sharing == 0
-    out["counters"] = {c: v if first else 0 for c, v in entries["counters"].items()}
-    return out
+    return _picked(entries, {f: ours(entries[f]) for f in _ROUTED}, k % sharing == 0)
 
 
 def _dynamic_entries(
