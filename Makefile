@@ -20,6 +20,8 @@ demo: $(STAMP)
 # every test not marked slow. `make test-slow` runs the slow tier, `-m slow`: the full libtpu
 # AOT matrix, multi-process and subprocess tests, the demo, the full optimizer rotation, the
 # fuzzer's kept cases (campaigns: `.venv/bin/python tests/fuzz.py --help`).
+# A test may leave the fast tier for the slow one only when other fast tests run every line
+# of the package that it runs (`tests/tier_coverage.py` lists such tests); CI still runs it.
 # `make test-all` runs both in one session. --dist loadgroup spreads tests over both workers
 # one by one, except those of a file marked xdist_group (module state), kept on one worker.
 # ARGS= passes more pytest options, e.g. ARGS="-k routing --durations=20". pytest exits 5

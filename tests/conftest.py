@@ -29,6 +29,9 @@ from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
+# `--tier-coverage=DIR`: each test's lines of the package, to choose the fast tier's tests.
+pytest_plugins = ["tier_coverage"]
+
 # A persistent XLA compilation cache for one pytest run, shared by its pytest-xdist workers:
 # many tests build the same program in a fresh Embedding (a fresh closure, so jit's own cache
 # misses), and the persistent cache, keyed by the lowered program, compiles it once. The

@@ -242,6 +242,7 @@ def sum_squares(outputs, batch):
     return jnp.sum((outputs - batch["y"]) ** 2)
 
 
+@pytest.mark.slow
 def test_linen_accumulated_step_equals_concatenated_step():
     model = LinenModel(jte.flax.Embed(make_spec("adam", "mod"), make_mesh(4)))
     rng = np.random.default_rng(3)

@@ -378,7 +378,7 @@ def test_save_killed_part_way_leaves_previous_checkpoint_restorable(tmp_path):
 @pytest.mark.parametrize(
     "save_lanes,restore_lanes,items_opt",
     [
-        (128, 0, "rowwise_adagrad"),
+        pytest.param(128, 0, "rowwise_adagrad", marks=pytest.mark.slow),
         pytest.param(0, 128, "rowwise_adagrad", marks=pytest.mark.slow),
         pytest.param(128, 0, "adagrad", marks=pytest.mark.slow),
         (0, 128, "adagrad"),
@@ -446,7 +446,7 @@ def _multi_slot_spec(strategy):
     )
 
 
-@pytest.mark.parametrize("placement", ["device", "host"])
+@pytest.mark.parametrize("placement", [pytest.param("device", marks=pytest.mark.slow), "host"])
 def test_a_rider_that_fills_the_lanes_is_saved_as_its_slot(tmp_path, placement):
     """D = 64 with one slot riding in its row fills 128 lanes unpacked: with "div" and V a
     multiple of N the stored array looks like logical rows, but half of each is the slot's.

@@ -134,7 +134,7 @@ def test_tracers_are_not_checked():
     "cases",
     [
         ("apply_gradients_cpu", "apply_gradients_xla"),
-        ("train_step", "flax_step", "nnx_step"),
+        pytest.param(("train_step", "flax_step", "nnx_step"), marks=pytest.mark.slow),
     ],
     ids=["apply_gradients", "steps"],
 )

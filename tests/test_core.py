@@ -532,7 +532,7 @@ def _close(a, b):
 @pytest.mark.parametrize(
     "backend,dim,optimizer,dtype",
     [
-        ("pallas_interpret", 200, jte.Adam(0.05), jnp.float32),
+        pytest.param("pallas_interpret", 200, jte.Adam(0.05), jnp.float32, marks=pytest.mark.slow),
         pytest.param("xla", 136, jte.Adagrad(0.1), jnp.bfloat16, marks=pytest.mark.slow),
     ],
 )
@@ -569,7 +569,7 @@ def test_rows_wider_than_the_lanes_are_stored_a_multiple_of_them_wide(
 
 # Plain rows (lane_width 0) or packed as on a TPU mesh (128): each optimizer one of them,
 # Adagrad both (test_lane_packed_layout_gives_identical_results compares the two layouts).
-# The fast tier keeps plain rows in passes of ids and packed rows in passes of unique ids.
+# The fast tier keeps plain rows in passes of ids (packed rows pass in other fast tests).
 @pytest.mark.parametrize(
     "opt_key,strategy,num_shards,max_ids,max_unique,lane_width",
     [
@@ -577,7 +577,7 @@ def test_rows_wider_than_the_lanes_are_stored_a_multiple_of_them_wide(
         pytest.param("adagrad", "div", 4, 1, None, 128, marks=pytest.mark.slow),
         pytest.param("adam", "mod", 2, 3, 1, 128, marks=pytest.mark.slow),
         pytest.param("ftrl", "div", 8, 5, None, 0, marks=pytest.mark.slow),
-        ("rowwise_adagrad", "mod", 4, None, 2, 128),
+        pytest.param("rowwise_adagrad", "mod", 4, None, 2, 128, marks=pytest.mark.slow),
         ("sgd", "div", 1, 2, None, 0),
         pytest.param("adagrad_momentum", "div", 1, None, 3, 128, marks=pytest.mark.slow),
     ],
@@ -610,7 +610,7 @@ def test_update_in_passes_matches_reference(
     [
         pytest.param("adagrad", "div", 4, "packed", marks=pytest.mark.slow),
         pytest.param("ftrl", "mod", 2, "packed", marks=pytest.mark.slow),
-        ("adagrad", "mod", 4, "separate"),
+        pytest.param("adagrad", "mod", 4, "separate", marks=pytest.mark.slow),
     ],
 )
 def test_fused_tpu_kernels_match_reference(opt_key, strategy, num_shards, keys, rng):
@@ -856,7 +856,8 @@ def test_backend_choice():
 
 
 @pytest.mark.parametrize(
-    "opt_key", [pytest.param("adagrad", marks=pytest.mark.slow), "rowwise_adagrad", "adam"]
+    "opt_key",
+    [pytest.param(k, marks=pytest.mark.slow) for k in ("adagrad", "rowwise_adagrad")] + ["adam"],
 )
 def test_packed_bfloat16_update_is_bit_identical_to_plain(opt_key, rng):
     """Packed rows are read and written through their raw bits: a bfloat16 table (with -0.0
@@ -942,7 +943,7 @@ def test_init_is_the_same_for_every_block_size_mesh_strategy_and_layout():
     assert abs(table.mean()) < 0.01 and len(np.unique(table)) > 0.99 * table.size
 
 
-@pytest.mark.parametrize("placement", ["device", "host"])
+@pytest.mark.parametrize("placement", ["device", pytest.param("host", marks=pytest.mark.slow)])
 def test_row_initializers_are_drawn_in_blocks_as_called_whole(placement):
     """`jte.initializers` draw each element from (table key, row, column) alone, so `init`
     draws them in blocks on the shards that own the rows (in host memory for host tables,

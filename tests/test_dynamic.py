@@ -197,7 +197,7 @@ def test_matches_the_dict_reference(n, routing, backend, combiner, kind):
 @pytest.mark.parametrize(
     "routing, backend, placement",
     [
-        ("owner", "xla", "device"),  # The resets at the owners.
+        pytest.param("owner", "xla", "device", marks=pytest.mark.slow),  # The resets at the owners.
         pytest.param("gather", "cpu", "device", marks=pytest.mark.slow),  # The C++ index's.
         pytest.param("owner", "xla", "host", marks=pytest.mark.slow),  # `Fresh`.
         pytest.param("gather", "xla", "device", marks=pytest.mark.slow),  # The XLA index's.
@@ -1064,7 +1064,7 @@ def test_plan_reports_a_dynamic_tables_index(tmp_path, placement):
 @pytest.mark.parametrize(
     "placement",
     [
-        "device",
+        pytest.param("device", marks=pytest.mark.slow),
         "host",
         pytest.param(jte.HostCached(cache_rows=256, ways=4), marks=pytest.mark.slow),
     ],
@@ -1312,8 +1312,8 @@ def test_pad_ragged_keeps_64_bit_ids():
     [
         (8, 2, np.float32),  # 16 rows to a 128-lane row.
         pytest.param(24, 2, np.float32, marks=pytest.mark.slow),  # Padded to 32 lanes: 4 a row.
-        (48, 2, jnp.bfloat16),  # 2 to a row, 16-bit.
-        (1, 1, np.float32),  # A rank-1 slot: 128 to a row.
+        pytest.param(48, 2, jnp.bfloat16, marks=pytest.mark.slow),  # 2 to a row, 16-bit.
+        pytest.param(1, 1, np.float32, marks=pytest.mark.slow),  # A rank-1 slot: 128 to a row.
         pytest.param(200, 2, np.float32, marks=pytest.mark.slow),  # Padded to 256 lanes.
         pytest.param(128, 2, np.float32, marks=pytest.mark.slow),  # As it is.
     ],

@@ -319,6 +319,7 @@ def test_incremental_saves_restore_through_the_chain(tmp_path):
         checkpoint.restore(tmp_path, emb, step=10)
 
 
+@pytest.mark.slow
 def test_bfloat16_rows_continue_the_same_after_a_restore(tmp_path):
     """A bfloat16 table rounds its new rows stochastically, with bits keyed by the rows they
     are stored in. A restore puts every id back in the lane of its bucket it was saved in

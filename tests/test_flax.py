@@ -102,7 +102,10 @@ def test_init_is_embedding_init(monkeypatch):
     np.testing.assert_allclose(acts["user"], emb.lookup(want, features)["user"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("num_shards,kind,strategy", [(8, "explicit", "mod"), (4, "auto", "div")])
+@pytest.mark.parametrize(
+    "num_shards,kind,strategy",
+    [(8, "explicit", "mod"), pytest.param(4, "auto", "div", marks=pytest.mark.slow)],
+)
 def test_same_logical_tables_for_every_mesh(num_shards, kind, strategy):
     batch = make_batch(np.random.default_rng(2))
     tables = {}
@@ -363,6 +366,7 @@ def _init_work(num_tables: int) -> tuple[int, int]:
     return len(events), count_primitive(jaxpr, "erf_inv")
 
 
+@pytest.mark.slow
 def test_init_compiles_the_same_programs_for_any_number_of_tables():
     """The demo's init took 15 s: one compile, or a copy of a table's initialisation in
     one program, per table. Counted rather than timed: step.init of a model with 26 tables

@@ -416,7 +416,7 @@ def _update_in_calls(config, state, ids, now, size: int):
 @pytest.mark.parametrize(
     "case, size",
     [
-        ("tiny_all", 3),
+        pytest.param("tiny_all", 3, marks=pytest.mark.slow),
         pytest.param("min_count", 5, marks=pytest.mark.slow),
         pytest.param("ttl", 4, marks=pytest.mark.slow),
     ],
@@ -474,6 +474,7 @@ def test_find_is_read_only_and_agrees(rng):
         np.testing.assert_array_equal(a, np.asarray(b))
 
 
+@pytest.mark.slow
 def test_sighted_grouped_by_runs_equals_sighted_by_sort():
     """`sighted(grouped=True)` (ids of a bucket contiguous, as `_dynamic` resolves them:
     its writes grouped by runs, no sort) gives the state and results of the sorting path,

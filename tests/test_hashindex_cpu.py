@@ -276,7 +276,7 @@ def _both_sharded(config, mesh, keep: bool = True):
     return jax.jit(fn, compiler_options=QUICK)
 
 
-@pytest.mark.parametrize("shards", [pytest.param(1, marks=pytest.mark.slow), 4])
+@pytest.mark.parametrize("shards", [pytest.param(s, marks=pytest.mark.slow) for s in (1, 4)])
 def test_identical_under_shard_map(shards):
     config = MESH
     mesh = make_mesh(shards)
@@ -385,7 +385,7 @@ def _compiled_step(tables: int, dynamic: bool, mesh, combiner: str):
     return jax.jit(step).lower(emb.init(jax.random.key(0)), batch).compile().as_text()
 
 
-@pytest.mark.parametrize("combiner", ["sum", "mean"])
+@pytest.mark.parametrize("combiner", [pytest.param("sum", marks=pytest.mark.slow), "mean"])
 def test_a_step_resolves_each_tables_ids_once(combiner):
     """In one jitted lookup and update of dynamic tables: one locate and deduplication of
     each table's ids (`owned_distinct`, shared by the find and the update), one all-gather

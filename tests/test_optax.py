@@ -89,6 +89,7 @@ def test_chain_with_schedule_counts_each_rows_updates(rng):
     assert len(np.unique(got["1_count"])) > 2
 
 
+@pytest.mark.slow
 def test_slots_go_through_checkpoints_and_restore_tables(tmp_path, rng):
     opt = jte.FromOptax(optax.adam(0.05))
     emb = jte.Embedding(_spec(opt, "div", False), make_mesh(8), backend="xla")

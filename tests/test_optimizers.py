@@ -327,13 +327,10 @@ PATH_OPTIMIZERS = ("adagrad", "custom")
 GATHERED = [(b, s, n) for b in BACKENDS for s, n in MESHES]
 GATHERED_EIGHT = [("adagrad", b, s, 8) for b in BACKENDS for s in ("div", "mod")]
 GATHERED_EIGHT += [("custom", b, s, 8) for b in BACKENDS[1:] for s in ("div", "mod")]
-# The interpreted kernels' fast cases: Adagrad on "mod", the custom optimizer on "div".
-GATHERED_FAST = [
-    c
-    for c in GATHERED_EIGHT
-    if c
-    not in [("adagrad", "pallas_interpret", "div", 8), ("custom", "pallas_interpret", "mod", 8)]
-]
+# The fast tier: Adagrad on the XLA ops and the C++ kernels, the custom optimizer on the C++
+# kernels, "div" and "mod" in turn (other fast tests run the interpreted kernels' lines).
+GATHERED_FAST = [("adagrad", "xla", "div", 8), ("adagrad", "cpu", "mod", 8)]
+GATHERED_FAST += [("custom", "cpu", "div", 8)]
 
 
 @pytest.mark.parametrize(
@@ -354,18 +351,16 @@ def test_optimizer_on_backend_matches_reference(opt_key, backend, strategy, num_
 
 # Owner routing (ids sent to their rows' owners), on the XLA ops and the Pallas kernels: 16
 # ids per owner and round, so that skewed devices run several rounds, or the default capacity.
-# Adagrad on the XLA ops, the custom optimizer on the kernels, the extras on the XLA ops; the
-# slow tier adds every optimizer in turn, and Adam with the extras on every one.
+# The fast tier: Adagrad on the XLA ops with the default capacity. The slow tier: the custom
+# optimizer on the kernels, every optimizer in turn, and Adam with the extras on every one.
 ROUTED = [("div", 8, 16, "xla"), ("mod", 4, None, "xla"), ("mod", 4, 16, "pallas_interpret")]
-# Adagrad with the default capacity (the extras take 8 devices of 16 ids); the kernels take
-# the custom one.
 ROUTED_FAST = [("adagrad", *ROUTED[1])]
-ROUTED_FAST += [("custom", "mod", 4, 16, "pallas_interpret"), ("adam+extras", "div", 8, 16, "xla")]
+ROUTED_CUSTOM = [("custom", *ROUTED[2])]
 
 
 @pytest.mark.parametrize(
     "opt_key,strategy,num_shards,max_ids,backend",
-    _tiered(ROUTED_FAST, _in_turn(ROUTED, "adagrad", "adam+extras")),
+    _tiered(ROUTED_FAST, ROUTED_CUSTOM + _in_turn(ROUTED, "adagrad", "adam+extras")),
 )
 def test_optimizer_routed_to_owners_matches_reference(
     opt_key, strategy, num_shards, max_ids, backend, rng

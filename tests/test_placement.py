@@ -389,9 +389,11 @@ _CACHED = jte.HostCached(cache_rows=64, ways=4)
 @pytest.mark.parametrize(
     "kind, placement, staged, pipelined",
     [
-        ("explicit", "host", True, False),  # As on TPU: one host read of the step's rows.
-        # A pipelined step stages its batch's rows and the pending one's in one read (the
-        # fast tier stages two batches in test_stage_of_two_batches_*).
+        # All slow: the fast tier feeds global arrays to jitted steps in test_inputs.py and
+        # stages host rows in test_staged_host_tables_equal_device_tables_bit_for_bit.
+        pytest.param("explicit", "host", True, False, marks=_SLOW),  # One host read of the rows.
+        # A pipelined step stages its batch's rows and the pending one's in one read (as
+        # test_stage_of_two_batches_* does).
         pytest.param("explicit", "host", True, True, marks=_SLOW),
         pytest.param("explicit", "host", False, False, marks=_SLOW),
         pytest.param("auto", "host", False, True, marks=_SLOW),  # An Auto mesh.
@@ -528,7 +530,7 @@ def _prefetched(lines: dict, host: np.ndarray, idx, ways: int, now: int) -> dict
 
 @pytest.mark.parametrize(
     "max_misses, window, ways, sets",
-    [(None, None, 4, 6), (1, None, 4, 6), (3, 16, 6, 24), (5, 7, 6, 24)],
+    [(None, None, 4, 6), (1, None, 4, 6), pytest.param(3, 16, 6, 24, marks=_SLOW), (5, 7, 6, 24)],
 )
 def test_prefetch_inserts_each_missing_row_into_the_oldest_way(max_misses, window, ways, sets):
     """`_placement.prefetch` of two arrays (a table and a rank-1 slot, their own rows),
@@ -1122,6 +1124,7 @@ def test_host_offload_benchmark_runs(tmp_path):
         assert 0.0 < r["hit_rate"] < 1.0 and r["host_rows_per_step"] > 0
 
 
+@pytest.mark.slow
 def test_cache_model_is_exact_lru_where_everything_fits(tmp_path):
     """benchmarks/cache_model.py: a cache that holds every row misses each row once; jte's
     own HostCached cache misses exactly the rows the model's W-way policy misses."""
@@ -1346,6 +1349,7 @@ def test_stage_reads_host_tables_only_when_asked_and_refuses_stale_rows():
         jte.Embedding(spec, mesh, stage_host_rows="yes")  # pyright: ignore[reportArgumentType]
 
 
+@pytest.mark.slow
 def test_stage_of_two_batches_reads_the_rows_of_both_once():
     """`stage(state, a, b)` (a pipelined step's batch and the pending one) stages on each
     device the rows that staging a and b apart would, in one read of one batch's size;

@@ -297,7 +297,7 @@ def _wide_spec():
     return jte.EmbeddingSpec(features, jte.Adagrad(0.1))
 
 
-@pytest.mark.parametrize("which", ["a", "b", "wide"])
+@pytest.mark.parametrize("which", [pytest.param("a", marks=pytest.mark.slow), "b", "wide"])
 def test_lane_packed_tables_serve_the_same_numbers(which):
     """`served_tables(lanes=128)` packs each table as training packs it on a TPU, the form
     a TPU server holds and TPU artifacts take. The lookup reads it: against the tables as

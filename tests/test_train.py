@@ -232,6 +232,7 @@ def test_step_matches_float64_reference(num_shards, kind, strategy, optimizer, p
     assert int(state.step) == int(state.embedding.step) == len(batches)
 
 
+@pytest.mark.slow
 def test_pipeline_equals_plain_when_consecutive_batches_share_no_ids():
     rng = np.random.default_rng(1)
     batches = [make_batch(rng, 20 * k, 20 * k + 20, 10 * k, 10 * k + 10) for k in range(4)]
@@ -333,7 +334,7 @@ def _poisoned_step(kind, batch):
     return step, step.init(jax.random.key(0), batch)
 
 
-@pytest.mark.parametrize("kind", ["generic", "flax"])
+@pytest.mark.parametrize("kind", ["generic", pytest.param("flax", marks=pytest.mark.slow)])
 def test_finite_loss_with_nonfinite_activation_gradients_is_skipped(kind):
     """The loss and the dense gradients are finite, an activation gradient is NaN or inf:
     the step is skipped and counted, and nothing else in the state changes, bit for bit
