@@ -276,7 +276,8 @@ def _both_sharded(config, mesh, keep: bool = True):
     return jax.jit(fn, compiler_options=QUICK)
 
 
-@pytest.mark.parametrize("shards", [pytest.param(s, marks=pytest.mark.slow) for s in (1, 4)])
+@pytest.mark.slow  # Other fast tests run its lines (tests/tier_coverage.py).
+@pytest.mark.parametrize("shards", [1, 4])
 def test_identical_under_shard_map(shards):
     config = MESH
     mesh = make_mesh(shards)

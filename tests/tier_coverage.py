@@ -6,7 +6,7 @@ losing a line of `jax_tpu_embed` that it runs (traced or eager) when every line 
 run by a test that stays. This module records, per test, the package's lines and the
 test's seconds, and lists such tests, dearest first:
 
-    make test ARGS="--tier-coverage=/tmp/tiers"     # loaded by conftest.py; about 2.5x slower
+    make test ARGS="--tier-coverage=/tmp/tiers"     # loaded by conftest.py; traces every line
     .venv/bin/python tests/tier_coverage.py /tmp/tiers [--min-seconds 3]
 
 A listed test may still be the only one that checks its property (bit-identity across
