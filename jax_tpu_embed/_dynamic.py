@@ -452,7 +452,7 @@ def find(plan: DynamicPlan, index, hi, lo, bucket, now):
         return _hashindex.find(plan.index, index, hi, lo, bucket, now)
     config, interpret = plan.index, plan.interpret
     at = lax.iota(jnp.int32, hi.shape[0])
-    bucket, hi, lo, at = lax.sort((bucket, hi, lo, at), num_keys=1)
+    bucket, hi, lo, at = lax.sort((bucket, hi, lo, at), num_keys=1, is_stable=False)
     row, _ = _hashindex_tpu.find(config, index, hi, lo, bucket, now, interpret, True)
     row = jnp.zeros_like(row).at[at].set(row, unique_indices=True)
     return row, row >= 0
@@ -547,10 +547,15 @@ def _owned(plan: DynamicPlan, hi, lo, keep, axis, window: int) -> Owned:
 def sort_distinct(config: _hashindex.IndexConfig, key, limit: int, hi, lo):
     """Ids sorted by (`key`, priority, hi, lo), so that the copies of an id are adjacent:
     (key, hi, lo, their positions before the sort, each one's first: the first copy of an
-    id whose key is below `limit`). One sort of four keys that carries the positions."""
+    id whose key is below `limit`). One sort of four keys that carries the positions.
+
+    Unstable: the copies of an id come in any order, which no caller sees (each copy gets
+    its id's value, and the index's rules give every copy its id's outcome). Stable, the
+    positions were a fifth key, and each such sort of W1's 20,480 or 30,720 ids took libtpu
+    a few seconds more to compile (docs/design.md, "Sorts")."""
     prio = _hashindex.priority(config, hi, lo)
     iota = lax.iota(jnp.int32, key.shape[0])
-    key, _, hi, lo, pos = lax.sort((key, prio, hi, lo, iota), num_keys=4)
+    key, _, hi, lo, pos = lax.sort((key, prio, hi, lo, iota), num_keys=4, is_stable=False)
     new = jnp.concatenate([jnp.ones((1,), bool), (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])])
     return key, hi, lo, pos, new & (key < limit)
 
@@ -563,7 +568,7 @@ def to_front(plan: DynamicPlan, num_shards: int, mask, count, window: int, hi, l
     local bucket), (P + C,) each, padding past the count)."""
     p = hi.shape[0]
     iota = lax.iota(jnp.int32, p)
-    key, hi, lo = lax.sort((jnp.where(mask, iota, iota + p), hi, lo), num_keys=1)
+    key, hi, lo = lax.sort((jnp.where(mask, iota, iota + p), hi, lo), num_keys=1, is_stable=False)
     live = iota < count
     extra = 0 if window >= p else window  # Room for the last pass's window.
     pad = lambda x, v: jnp.pad(jnp.where(live, x, v), (0, extra), constant_values=v)
@@ -751,7 +756,9 @@ def _first(mask, k: int, *payloads, how: str):
     n = mask.shape[0]
     if how == "sort":
         iota = lax.iota(jnp.int32, n)
-        key, *moved = lax.sort((jnp.where(mask, iota, iota + n), *payloads), num_keys=1)
+        key, *moved = lax.sort(
+            (jnp.where(mask, iota, iota + n), *payloads), num_keys=1, is_stable=False
+        )
         return jnp.where(key[:k] < n, key[:k], n), [x[:k] for x in moved]
     if how == "cpu":
         at = _hashindex_cpu.first_set(mask, k)
@@ -891,7 +898,7 @@ def _write_rows(packing, array, rows, values):
     n, lanes = rows.shape[0], array.shape[1]
     values = values.reshape(n, -1)
     values = jnp.pad(values, ((0, 0), (0, w - values.shape[1]))).astype(array.dtype)
-    rows, order = lax.sort((rows, lax.iota(jnp.int32, n)), num_keys=1)
+    rows, order = lax.sort((rows, lax.iota(jnp.int32, n)), num_keys=2, is_stable=False)
     physical = rows // k
     group = lax.iota(jnp.int32, k)[None, :, None] == (rows % k)[:, None, None]
     mask = jnp.broadcast_to(group, (n, k, w)).reshape(n, lanes)

@@ -128,7 +128,7 @@ def _by_filter_bucket(plan: _dynamic.DynamicPlan, n: int, ids: _Ids, mask) -> _I
     _, (hi, lo, _) = _dynamic.to_front(plan, n, mask, count, ids.hi.shape[0], ids.hi, ids.lo)
     if per > 1:
         words = _ids(config, n, hi, lo, count, per).words
-        _, _, hi, lo = lax.sort(words, num_keys=4)
+        _, _, hi, lo = lax.sort(words, num_keys=4, is_stable=False)
     return _ids(config, n, hi, lo, count, per)
 
 

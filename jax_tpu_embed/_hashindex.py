@@ -475,7 +475,7 @@ def _runs(key, num_groups: int, fill: int):
 def _lane_order(keys):
     """(G, l) lane order: the lanes of each row sorted by `keys`, which leave no ties."""
     lanes = lax.broadcasted_iota(jnp.int32, keys[0].shape, 1)
-    return lax.sort((*keys, lanes), dimension=1, num_keys=len(keys))[-1]
+    return lax.sort((*keys, lanes), dimension=1, num_keys=len(keys), is_stable=False)[-1]
 
 
 def update(config: IndexConfig, state: IndexState, hi, lo, local_bucket, valid, now):

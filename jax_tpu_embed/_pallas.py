@@ -770,6 +770,7 @@ class PallasRouted(_backend.RoutedRows):
         keys, out, scale = lax.sort(
             (jnp.where(r.pair_in_round, r.pair_slot, NOT_MINE), local.out, local.scale),
             num_keys=3,
+            is_stable=False,
         )
         count = jnp.sum(r.pair_in_round, dtype=jnp.int32)
         return acc + self._lookup(back, self.packing, keys, out, scale, count, local.rows)
@@ -787,6 +788,7 @@ class PallasRouted(_backend.RoutedRows):
         keys, slot, scale = lax.sort(
             (jnp.where(r.pair_in_round, local.out, NOT_MINE), r.pair_slot, local.scale),
             num_keys=3,
+            is_stable=False,
         )
         count = jnp.sum(r.pair_in_round, dtype=jnp.int32)
         n = r.valid.shape[0]
@@ -821,5 +823,5 @@ class PallasRouted(_backend.RoutedRows):
 def _arrivals(rows):
     """The rows an owner received, sorted, each with its arrival slot, and how many are
     real (NOT_MINE: an empty slot): the kernels' pairs."""
-    keys, slot = lax.sort((rows, lax.iota(jnp.int32, rows.shape[0])), num_keys=2)
+    keys, slot = lax.sort((rows, lax.iota(jnp.int32, rows.shape[0])), num_keys=2, is_stable=False)
     return keys, slot, jnp.sum(keys < NOT_MINE, dtype=jnp.int32)

@@ -175,7 +175,9 @@ def stage(hosts, rows, limit: int) -> tuple[list, list]:
     `rows[i]` (local physical rows; out of range: none), ascending and padded with NOT_MINE,
     and their values, read from the host by one host computation for all the arrays."""
     ats = [
-        lax.sort(distinct(jnp.where((r >= 0) & (r < h.shape[0]), r, NOT_MINE)))[:limit]
+        lax.sort(distinct(jnp.where((r >= 0) & (r < h.shape[0]), r, NOT_MINE)), is_stable=False)[
+            :limit
+        ]
         for h, r in zip(hosts, rows)
     ]
     return ats, _fetch(list(hosts), ats)
@@ -184,7 +186,7 @@ def stage(hosts, rows, limit: int) -> tuple[list, list]:
 def distinct(rows):
     """`rows` (int32, (n,)) sorted, each repeat of a value replaced by NOT_MINE (no row):
     distinct rows, as `prefetch` and `stage` take them."""
-    rows = lax.sort(rows)
+    rows = lax.sort(rows, is_stable=False)
     repeat = jnp.concatenate([jnp.zeros((1,), bool), rows[1:] == rows[:-1]])
     return jnp.where(repeat, NOT_MINE, rows)
 
@@ -399,7 +401,11 @@ def _miss_rounds(buffers, indices, misses, fetched, carry):
     # Each array's miss positions first, ascending, then n (a sort, not `nonzero`: the TPU
     # compiler charges a 1-D gather a tile per element).
     order = [
-        jnp.pad(lax.sort(jnp.where(miss, iota, n + iota)), (0, m), constant_values=2 * n)
+        jnp.pad(
+            lax.sort(jnp.where(miss, iota, n + iota), is_stable=False),
+            (0, m),
+            constant_values=2 * n,
+        )
         for miss in misses
     ]
     total = jnp.max(jnp.stack([jnp.sum(miss, dtype=jnp.int32) for miss in misses]))
@@ -484,7 +490,7 @@ def _insert(c: Cached, idx, values, prefetching: bool = False) -> Lines:
     miss = valid & ~hit
     # Each missing row's rank among the missing rows of its set, in index order.
     iota = lax.iota(jnp.int32, n)
-    key, order = lax.sort((jnp.where(miss, s, sets), iota), num_keys=2)
+    key, order = lax.sort((jnp.where(miss, s, sets), iota), num_keys=2, is_stable=False)
     starts = jnp.concatenate([jnp.ones((1,), bool), key[1:] != key[:-1]])
     rank_sorted = iota - lax.cummax(jnp.where(starts, iota, 0))
     rank = jnp.zeros((n,), jnp.int32).at[order].set(rank_sorted)

@@ -149,7 +149,8 @@ def rows_read(call: _plan.CallPlan, inputs: list, axis: str):
     `Embedding.stage`. Only keys are sorted: no positions or scales ride along."""
     plan, cd = call.plan, call.capacity
     n, s = lax.axis_size(axis), plan.layout.rows_per_shard
-    keys = lax.sort(jnp.concatenate([_keys(plan, f, ids).reshape(-1) for f, ids, *_ in inputs]))
+    keys = jnp.concatenate([_keys(plan, f, ids).reshape(-1) for f, ids, *_ in inputs])
+    keys = lax.sort(keys, is_stable=False)
     _, uniq, bounds = _distinct(keys, n, s)
     window = windows(uniq, bounds[:-1], cd, NONE)  # (N, Cd): each owner's first keys
     owner_start = (jnp.arange(n, dtype=jnp.int32) * s)[:, None]
