@@ -174,12 +174,10 @@ def stage(hosts, rows, limit: int) -> tuple[list, list]:
     """([at], [values]) of each host array: the first `limit` distinct rows among
     `rows[i]` (local physical rows; out of range: none), ascending and padded with NOT_MINE,
     and their values, read from the host by one host computation for all the arrays."""
-    ats = [
-        lax.sort(distinct(jnp.where((r >= 0) & (r < h.shape[0]), r, NOT_MINE)), is_stable=False)[
-            :limit
-        ]
-        for h, r in zip(hosts, rows)
-    ]
+    ats = []
+    for h, r in zip(hosts, rows):
+        mine = distinct(jnp.where((r >= 0) & (r < h.shape[0]), r, NOT_MINE))
+        ats.append(lax.sort(mine, is_stable=False)[:limit])  # The repeats (NOT_MINE) last.
     return ats, _fetch(list(hosts), ats)
 
 
