@@ -3,10 +3,10 @@
 The fast tier (`make test`) must stay under 6 minutes on 2 cores, and its time is XLA:CPU
 compiling each test's programs. A test can move to the slow tier without the fast tier
 losing a line of `jax_tpu_embed` that it runs (traced or eager) when every line it runs is
-run by a test that stays. This module records, per test, the package's lines and the
-test's seconds, and lists such tests, dearest first:
+run by a test that stays. This module records, per test, the package's lines (coverage.py,
+each test a context) and the test's seconds, and lists such tests, dearest first:
 
-    make test ARGS="--tier-coverage=/tmp/tiers"     # loaded by conftest.py; traces every line
+    make test ARGS="--tier-coverage=/tmp/tiers"     # loaded by conftest.py
     .venv/bin/python tests/tier_coverage.py /tmp/tiers [--min-seconds 3]
 
 A listed test may still be the only one that checks its property (bit-identity across
@@ -17,35 +17,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import glob
 import json
 import os
-import sys
-import threading
 import time
 
 import pytest
 
-_PACKAGE = os.sep + "jax_tpu_embed" + os.sep
-_lines: set = set()
-_ours: dict = {}
+_PACKAGE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jax_tpu_embed"
+)
+_COVERAGE = pytest.StashKey[object]()
 _START = pytest.StashKey[float]()
-
-
-def _line(frame, event, arg):
-    if event == "line":
-        _lines.add((frame.f_code.co_filename, frame.f_lineno))
-    return _line
-
-
-def _call(frame, event, arg):
-    name = frame.f_code.co_filename
-    ours = _ours.get(name)
-    if ours is None:  # The package's own files, not a copy installed in site-packages.
-        ours = _ours[name] = _PACKAGE in name and "site-packages" not in name
-    if not ours:
-        return None
-    _lines.add((name, frame.f_lineno))
-    return _line
 
 
 def pytest_addoption(parser):
@@ -57,28 +40,67 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_configure(config):
+    """One coverage.py data file a process (pytest-xdist workers each write their own), each
+    test's lines under its node id as the coverage context."""
+    out = config.getoption("--tier-coverage")
+    controller = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
+    if not out or controller:  # pytest-xdist's controller runs no test.
+        return
+    import coverage  # The `test` extra's; only this option needs it.
+
+    os.makedirs(out, exist_ok=True)
+    cov = coverage.Coverage(
+        data_file=os.path.join(out, f"lines.{os.getpid()}"), source=[_PACKAGE], data_suffix=False
+    )
+    cov.start()
+    config.stash[_COVERAGE] = cov
+
+
+def pytest_unconfigure(config):
+    cov = config.stash.get(_COVERAGE, None)
+    if cov is not None:
+        cov.stop()
+        cov.save()
+
+
 def pytest_runtest_setup(item):
-    if item.config.getoption("--tier-coverage"):
-        _lines.clear()
+    cov = item.config.stash.get(_COVERAGE, None)
+    if cov is not None:
+        cov.switch_context(item.nodeid)
         item.stash[_START] = time.perf_counter()
-        sys.settrace(_call)
-        threading.settrace(_call)
 
 
 def pytest_runtest_teardown(item, nextitem):
-    out = item.config.getoption("--tier-coverage")
-    if not out:
+    cov = item.config.stash.get(_COVERAGE, None)
+    if cov is None:
         return
-    sys.settrace(None)
-    threading.settrace(None)
-    os.makedirs(out, exist_ok=True)
-    record = {
-        "test": item.nodeid,
-        "seconds": time.perf_counter() - item.stash[_START],
-        "lines": sorted(f"{os.path.basename(f)}:{n}" for f, n in _lines),
-    }
-    with open(os.path.join(out, f"{os.getpid()}.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    seconds = time.perf_counter() - item.stash[_START]
+    cov.switch_context("")  # Lines between tests are no test's.
+    out = item.config.getoption("--tier-coverage")
+    with open(os.path.join(out, f"seconds.{os.getpid()}.jsonl"), "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "seconds": seconds}) + "\n")
+
+
+def read(out: str) -> dict:
+    """{test: {"seconds": s, "lines": [file:line, ...]}} of a `--tier-coverage` directory."""
+    import coverage
+
+    records = {}
+    for name in glob.glob(os.path.join(out, "seconds.*.jsonl")):
+        with open(name) as f:
+            for line in f:
+                r = json.loads(line)
+                records[r["test"]] = {"seconds": r["seconds"], "lines": []}
+    for name in glob.glob(os.path.join(out, "lines.*")):
+        data = coverage.CoverageData(basename=name)
+        data.read()
+        for path in data.measured_files():
+            for number, tests in data.contexts_by_lineno(path).items():
+                for test in tests:
+                    if test in records:
+                        records[test]["lines"].append(f"{os.path.basename(path)}:{number}")
+    return records
 
 
 def redundant(records: dict, min_seconds: float) -> list[tuple[float, str]]:
@@ -105,12 +127,7 @@ def main(argv=None) -> None:
     parser.add_argument("dir", help="the --tier-coverage directory of a run")
     parser.add_argument("--min-seconds", type=float, default=3.0)
     args = parser.parse_args(argv)
-    records = {}
-    for name in sorted(os.listdir(args.dir)):
-        with open(os.path.join(args.dir, name)) as f:
-            for line in f:
-                r = json.loads(line)
-                records[r["test"]] = r
+    records = read(args.dir)
     leaving = redundant(records, args.min_seconds)
     total = sum(r["seconds"] for r in records.values())
     lines = set().union(*(r["lines"] for r in records.values()))
