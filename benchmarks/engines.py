@@ -40,10 +40,6 @@ INITIAL_ACCUMULATOR = 0.1
 ROWWISE_EPS = 1e-8
 
 
-class EngineUnavailable(Exception):
-    pass
-
-
 class Engine:
     name: str = "?"
     kind: str = "baseline"  # "baseline" or "jte"

@@ -95,15 +95,6 @@ class TableLayout:
         start = int(self.shard_sizes()[:shard].sum())
         return start + np.arange(size)
 
-    def shard_start_and_size(self, shard):
-        """(first global id, rows) of shard `shard` ("div"; for "mod" the start is the shard
-        index). `shard` may be a traced int."""
-        n, v = self.num_shards, self.vocabulary_size
-        q, r = divmod(v, n)
-        if self.strategy == "mod":
-            return shard, (v - shard + n - 1) // n
-        return shard * q + jnp.minimum(shard, r), q + (shard < r)
-
     def global_ids(self, shard, local):
         """The global ids of local rows `local` of shard `shard` (traceable; the inverse of
         owner_and_local)."""
