@@ -445,10 +445,16 @@ def _groups(key, prio, hi, lo, flag, num_groups: int):
     Returns, per candidate in input order, its group (the groups numbered 0.. in key order)
     and its rank among the flagged candidates of its group; and each group's key
     (`num_groups` of them: at least the distinct keys; unused ones hold the largest key). One
-    sort of U, the results put back in input order by scatters (no gather, no loop)."""
+    sort of U, the results put back in input order by scatters (no gather, no loop).
+
+    The sort is unstable: only flagged candidates equal in all four keys (copies of one id)
+    would get ranks that depend on their order, and no caller has them: `place` and
+    `record` flag distinct ids, `sighted` and `_set_entries` use no ranks."""
     u = key.shape[0]
     iota = lax.iota(jnp.int32, u)
-    skey, _, _, _, f, perm = lax.sort((key, prio, hi, lo, flag.astype(jnp.int32), iota), num_keys=4)
+    skey, _, _, _, f, perm = lax.sort(
+        (key, prio, hi, lo, flag.astype(jnp.int32), iota), num_keys=4, is_stable=False
+    )
     start = jnp.ones(u, bool).at[1:].set(skey[1:] != skey[:-1])
     group_sorted = jnp.cumsum(start.astype(jnp.int32)) - 1
     before = jnp.cumsum(f) - f
