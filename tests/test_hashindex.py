@@ -26,6 +26,11 @@ from jax_tpu_embed import _hashindex as hx
 from jax_tpu_embed import _layout, _storage
 
 M32 = 0xFFFFFFFF
+# Every program here is integer arithmetic on the index, which LLVM's optimizations only
+# speed up (the same results): compiled without them, as test_hashindex_cpu's QUICK, the
+# fast tests take about a third less time. The index compiles at the default level in
+# test_dynamic's steps.
+_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
 # ------------------------------------------------------------------------ the reference
 
@@ -208,7 +213,7 @@ def _stream(rng, steps: int, width: int, pool_size: int, zipf: float = 1.3):
 
 @functools.cache
 def _jitted_update(config):
-    return jax.jit(functools.partial(hx.update, config))
+    return _jit(functools.partial(hx.update, config))
 
 
 def _update_one_shard(config, state, ids, now):
@@ -345,7 +350,7 @@ def test_bucket_windows_equal_numpy(width):
     together, skipped windows left alone."""
     ops = {"add": np.add, "mul": np.multiply, "max": np.maximum}
 
-    @jax.jit
+    @_jit
     def windows(flat, starts, values, write):  # One compile for the read and every op.
         puts = [hx._put_rows(flat, starts, values, write, op) for op in ops]
         return hx._rows(flat, starts, width), puts
@@ -369,7 +374,7 @@ def test_bucket_windows_equal_numpy(width):
 @functools.cache
 def _jitted(f, config):
     """`f(config, ...)` jitted, once per function and config."""
-    return jax.jit(functools.partial(f, config))
+    return _jit(functools.partial(f, config))
 
 
 def _update_in_calls(config, state, ids, now, size: int):
@@ -461,7 +466,7 @@ def test_find_is_read_only_and_agrees(rng):
     hi, lo = hx.split_ids(queries)
     _, lb = hx.locate(config, 1, hi, lo)
     before = jax.tree.map(np.asarray, state)
-    row, found = jax.jit(functools.partial(hx.find, config))(state, hi, lo, lb, now)
+    row, found = _jit(functools.partial(hx.find, config))(state, hi, lo, lb, now)
     row, found = np.asarray(row), np.asarray(found)
     assert row.shape == found.shape == queries.shape
     want = np.vectorize(lambda i: i != -1 and ref.live(int(i), now))(queries)
@@ -493,7 +498,7 @@ def test_sighted_grouped_by_runs_equals_sighted_by_sort():
     assert np.unique(lb[:-5]).size < ids.size, "no two ids share a bucket"
     valid = hi != hx.PAD
     out = {
-        grouped: jax.jit(functools.partial(hx.sighted, config, grouped=grouped))(
+        grouped: _jit(functools.partial(hx.sighted, config, grouped=grouped))(
             state, hi, lo, lb, valid, np.int32(13)
         )
         for grouped in (False, True)
@@ -536,7 +541,7 @@ def _sharded_update(config, mesh):
         out_specs=(shard, shard, shard),
         check_vma=False,
     )
-    return jax.jit(fn)
+    return _jit(fn)
 
 
 def _put(state, mesh):
@@ -716,10 +721,8 @@ def test_pallas_find_equals_find(n, ttl, buckets, grouped):
     hi, lo = (x.reshape(shape) for x in hx.split_ids(asked))
     bucket = hx.global_bucket(config, hi, lo)
     args = (state, hi, lo, bucket)
-    want = jax.jit(lambda s, h, l, b: hx.find(config, s, h, l, b, 8))(*args)
-    got = jax.jit(lambda s, h, l, b: _hashindex_tpu.find(config, s, h, l, b, 8, True, grouped))(
-        *args
-    )
+    want = _jit(lambda s, h, l, b: hx.find(config, s, h, l, b, 8))(*args)
+    got = _jit(lambda s, h, l, b: _hashindex_tpu.find(config, s, h, l, b, 8, True, grouped))(*args)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     assert n < 100 or (np.asarray(want[1]).any() and not np.asarray(want[1]).all())
@@ -773,10 +776,10 @@ def test_sighted_with_the_pallas_find_equals_sighted(kwargs):
             assert not distinct[edge] and valid[at[edge]], "no copy across a step's edge"
         args = (state, hi[at], lo[at], bucket[at], valid[at], 7)
         sighted = functools.partial(hx.sighted, config, grouped=grouped)
-        want = jax.jit(functools.partial(sighted, distinct=distinct))(*args)
+        want = _jit(functools.partial(sighted, distinct=distinct))(*args)
         writes = scores if grouped else None
         pallas = functools.partial(sighted, find=kernel, scores=writes, distinct=distinct)
-        got = jax.jit(pallas)(*args)
+        got = _jit(pallas)(*args)
         for a, b in zip(
             jax.tree.leaves(dataclasses.asdict(got)), jax.tree.leaves(dataclasses.asdict(want))
         ):
@@ -856,9 +859,9 @@ def test_pallas_place_equals_place(eviction, ttl):
     pad = rng.random(new.size) < 0.05
     hi, lo = (np.where(pad, np.uint32(hx.PAD), x) for x in (hi, lo))
     args = (state, hi, lo, bucket, admit)
-    want = jax.jit(lambda s, h, l, b, a: hx.place(config, s, h, l, b, a, 8))(*args)
+    want = _jit(lambda s, h, l, b, a: hx.place(config, s, h, l, b, a, 8))(*args)
     pallas = lambda s, h, l, b, a: _hashindex_tpu.place(config, s, h, l, b, a, 8, interpret=True)
-    got = jax.jit(pallas)(*args)
+    got = _jit(pallas)(*args)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     stats = dict(zip(hx.STAT_NAMES, np.asarray(want[0].stats - state.stats)[0]))
@@ -887,7 +890,7 @@ def test_sighted_with_copies_equals_sighted_of_distinct_ids(ttl):
     first = np.concatenate([[True], copies[1:] != copies[:-1]])
     once = copies[first]
 
-    @jax.jit
+    @_jit
     def run(hi, lo, distinct):
         b = hx.global_bucket(config, hi, lo)
         return hx.sighted(config, state, hi, lo, b, True, 7, grouped=True, distinct=distinct)
@@ -969,9 +972,9 @@ def test_host_hashes_equal_the_traced_ones_bit_for_bit():
     for fn in (hx.global_bucket, hx.priority):
         host = fn(config, hi, lo)
         assert isinstance(host, np.ndarray)
-        traced = np.asarray(jax.jit(functools.partial(fn, config))(hi, lo))
+        traced = np.asarray(_jit(functools.partial(fn, config))(hi, lo))
         assert host.dtype == traced.dtype
         np.testing.assert_array_equal(host, traced)
         np.testing.assert_array_equal(fn(config, hi[5:6].reshape(()), lo[5:6].reshape(())), host[5])
     words = rng.integers(0, 2**32, 500, dtype=np.uint64).astype(np.uint32)
-    np.testing.assert_array_equal(_storage.mix32(words), np.asarray(jax.jit(_storage.mix32)(words)))
+    np.testing.assert_array_equal(_storage.mix32(words), np.asarray(_jit(_storage.mix32)(words)))
