@@ -26,11 +26,12 @@ from jax_tpu_embed import _hashindex as hx
 from jax_tpu_embed import _layout, _storage
 
 M32 = 0xFFFFFFFF
-# Every program here is integer arithmetic on the index, which LLVM's optimizations only
-# speed up (the same results): compiled without them, as test_hashindex_cpu's QUICK, the
-# fast tests take about a third less time. The index compiles at the default level in
+# Every program here (and test_hashindex_cpu's) is integer arithmetic on the index, which
+# LLVM's optimizations only speed up (the same results): compiled without them, the fast
+# tests take about a third less time. The index compiles at the default level in
 # test_dynamic's steps.
-_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+QUICK = {"xla_backend_optimization_level": 0}
+_jit = functools.partial(jax.jit, compiler_options=QUICK)
 
 # ------------------------------------------------------------------------ the reference
 

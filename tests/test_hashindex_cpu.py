@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import make_mesh
 from jax_tpu_embed import _dynamic, _hashindex_cpu
 from jax_tpu_embed import _hashindex as hx
-from test_hashindex import CASES, MESH_CONFIG, _stream
+from test_hashindex import CASES, MESH_CONFIG, QUICK, _stream
 
 pytestmark = pytest.mark.skipif(
     not _hashindex_cpu.available(), reason="the C++ hash index does not compile here"
@@ -69,11 +69,10 @@ EXTRA = {
     ),
 }
 ALL = {**CASES, **EXTRA}
-# XLA:CPU's LLVM optimizations only speed up the code (integer ops: same results), and take
-# half of the compile time of these tests; "lru_all" keeps the default.
-QUICK = {"xla_backend_optimization_level": 0}
 # The fast tier runs the case with every rule on; the slow tier every policy and rule alone
-# ("wide": many placements per bucket and step).
+# ("wide": many placements per bucket and step). The programs here compile at
+# test_hashindex's QUICK (no LLVM optimizations: half their compile time, no integer
+# result changed), except "lru_all"'s stream, at the default level.
 FAST = ("lru_all",)
 STEPS = 300
 
